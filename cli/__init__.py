@@ -1,0 +1,1 @@
+"""rnncc's command line (installed as the ``rnncc`` console script)."""

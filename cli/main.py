@@ -1,0 +1,182 @@
+"""``rnncc compile | cells | inspect | bench``.
+
+Bad arguments give one line on stderr, ``rnncc: error: ...``, and exit status 2; a build
+failure exits with 1. Never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise _CliError(message)
+
+
+class _CliError(Exception):
+    pass
+
+
+def _add_problem_args(p):
+    p.add_argument("cell", help="a registered cell (see `rnncc cells`) or a cell file (.py)")
+    p.add_argument("--input-size", "-C", type=int, required=True, help="C, input features")
+    p.add_argument("--hidden-size", "-H", type=int, required=True, help="H, hidden units")
+    p.add_argument("--batch", "-N", type=int, required=True, help="N, batch size")
+    p.add_argument("--dtype", default="float32", help="storage dtype (float32)")
+    p.add_argument("--target", default="cuda", help="cuda or llvm (this CPU)")
+    p.add_argument("--arch", default=None, help="CUDA architecture (default sm_90)")
+    p.add_argument("--cpu", default=None, help="LLVM CPU name for --target llvm (default: host)")
+    for flag, what in (("input-gemm", "the input projection of all steps as one GEMM"),
+                       ("gate-gemm", "the gates' projections as one GEMM"),
+                       ("fuse-pointwise", "the cell's point-wise step in one kernel")):
+        p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), default=True,
+                       action=argparse.BooleanOptionalAction, help=f"{what} (default on)")
+
+
+def _parser():
+    parser = _Parser(prog="rnncc", description="A TVM-based compiler for recurrent networks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("compile", help="compile a cell into a module file")
+    _add_problem_args(p)
+    p.add_argument("-o", "--output", required=True, help="module file to write (.so)")
+
+    sub.add_parser("cells", help="list the registered cells")
+
+    p = sub.add_parser("inspect", help="show a module file's metadata")
+    p.add_argument("file")
+    p.add_argument("--source", choices=("cuda", "tir"), help="print the generated source too")
+
+    p = sub.add_parser("bench", help="time a module (and cuDNN on a GPU with PyTorch)")
+    p.add_argument("module", help="a module file, or a cell to compile (then give the sizes)")
+    p.add_argument("--input-size", "-C", type=int)
+    p.add_argument("--hidden-size", "-H", type=int)
+    p.add_argument("--batch", "-N", type=int)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--target", default="cuda")
+    p.add_argument("--arch", default=None)
+    p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
+    p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser
+
+
+def _problem_kwargs(args) -> dict:
+    return dict(input_size=args.input_size, hidden_size=args.hidden_size, batch=args.batch,
+                dtype=args.dtype, target=args.target, arch=args.arch,
+                cpu=getattr(args, "cpu", None), input_gemm=args.input_gemm,
+                gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise)
+
+
+def _check_writable(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise _CliError(f"cannot write {path}: directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise _CliError(f"cannot write {path}: it is a directory")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise _CliError(f"cannot write {path}: permission denied")
+
+
+def _cmd_compile(args) -> int:
+    import rnncc
+
+    _check_writable(args.output)
+    module = rnncc.compile(args.cell, **_problem_kwargs(args))
+    module.export(args.output)
+    meta = module.metadata
+    rules = ", ".join(f"{k}={v}" for k, v in sorted(meta["schedule"]["rules"].items()))
+    print(f"compiled {meta['cell']} C={meta['input_size']} H={meta['hidden_size']} "
+          f"N={meta['batch']} {meta['dtype']} for {args.target}"
+          f"{' ' + meta['target']['arch'] if meta['target']['arch'] else ''} "
+          f"({meta['schedule']['kind']} schedule: {rules})")
+    for note in meta["schedule"]["notes"]:
+        print(f"  note: {note}")
+    print(f"wrote {os.path.abspath(args.output)} ({os.path.getsize(args.output)} bytes)")
+    return 0
+
+
+def _cmd_cells(args) -> int:
+    from rnncc import cells
+
+    for cell in cells.registry().values():
+        print(f"{cell.name:<12} G={cell.gates} states={','.join(cell.states):<6} {cell.doc}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from rnncc.runtime import metadata as md
+
+    meta = md.read_metadata(args.file)
+    print(json.dumps(meta, indent=2, sort_keys=True))
+    if args.source:
+        section = md.CUDA if args.source == "cuda" else md.TIR
+        sections = md.read_sections(args.file)
+        if section not in sections:
+            raise _CliError(f"{args.file} has no {args.source} source "
+                            f"(a {meta['target']['kind']} module)")
+        print(sections[section].decode())
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    import rnncc
+    from rnncc import bench
+
+    if os.path.isfile(args.module) and not args.module.endswith(".py"):
+        module = rnncc.load(args.module)
+    else:
+        missing = [f"--{n}" for n in ("input-size", "hidden-size", "batch")
+                   if getattr(args, n.replace("-", "_")) is None]
+        if missing:
+            raise _CliError(f"bench of a cell needs {', '.join(missing)} (or give a module file)")
+        module = rnncc.compile(args.module, input_size=args.input_size,
+                               hidden_size=args.hidden_size, batch=args.batch, dtype=args.dtype,
+                               target=args.target, arch=args.arch)
+    if args.steps < 1 or args.repeat < 1:
+        raise _CliError("--steps and --repeat must be positive")
+    what = (f"{module.cell} C={module.input_size} H={module.hidden_size} N={module.batch} "
+            f"{module.dtype} T={args.steps}")
+    if module.target == "cuda":
+        result = bench.time_gpu(module, args.steps, args.repeat)
+    else:
+        result = {"rnncc": bench.time_cpu(module, args.steps, min(args.repeat, 20)),
+                  "cudnn": None}
+    result.update(problem=what, target=module.target, steps=args.steps)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    per = 1e3 / args.steps
+    line = f"{what} on {result.get('device', 'this CPU')}: rnncc {result['rnncc']:.4f} ms " \
+           f"({result['rnncc'] * per:.2f} us/step)"
+    if result["cudnn"] is not None:
+        line += (f", cuDNN {result['cudnn']:.4f} ms ({result['cudnn'] * per:.2f} us/step), "
+                 f"speed-up {result['cudnn'] / result['rnncc']:.2f}x")
+    print(line)
+    return 0
+
+
+def main(argv=None) -> int:
+    from rnncc.errors import BuildError, RnnccError
+
+    try:
+        args = _parser().parse_args(argv)
+        return {"compile": _cmd_compile, "cells": _cmd_cells, "inspect": _cmd_inspect,
+                "bench": _cmd_bench}[args.command](args)
+    except _CliError as err:
+        print(f"rnncc: error: {err}", file=sys.stderr)
+        return 2
+    except BuildError as err:
+        print(f"rnncc: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except RnnccError as err:
+        print(f"rnncc: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

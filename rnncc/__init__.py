@@ -1,0 +1,79 @@
+"""rnncc: a TVM-based compiler for recurrent neural networks.
+
+    import rnncc
+    m = rnncc.compile("lstm", input_size=C, hidden_size=H, batch=N, target="cuda")
+    y, (h_n, c_n) = m(x, lstm.state_dict())
+    m.export("lstm.so");  m = rnncc.load("lstm.so")
+
+Loading and calling a module needs only TVM's runtime; compiling imports the compiler lazily.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from ._version import __version__
+from .errors import (
+    BuildError,
+    CellError,
+    ConfigError,
+    InputError,
+    ModuleFileError,
+    RnnccError,
+)
+
+# In a source checkout schedules/ and cli/ sit beside this package; installed, they are
+# rnncc.schedules and rnncc.cli. Let the checkout resolve them the same way.
+_top = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "schedules")) and _os.path.isfile(
+    _os.path.join(_top, "schedules", "__init__.py")
+):
+    __path__.append(_top)  # noqa: F821 - the package's own __path__
+
+__all__ = [
+    "__version__",
+    "compile",
+    "load",
+    "Module",
+    "PackedWeights",
+    "cells",
+    "RnnccError",
+    "ConfigError",
+    "InputError",
+    "CellError",
+    "BuildError",
+    "ModuleFileError",
+]
+
+
+def compile(cell, input_size: int, hidden_size: int, batch: int, dtype: str = "float32",  # noqa: A001
+            target: str = "cuda", arch: str | None = None, cpu: str | None = None, **options):
+    """Compile one recurrent layer into a :class:`Module`.
+
+    ``cell`` is a registered cell name, a :class:`rnncc.cells.Cell`, or the path of a cell
+    file. ``options`` are :class:`rnncc.spec.Options` fields (cuDNN's optimisations, each on by
+    default). See :func:`rnncc.compiler.compile_module`.
+    """
+    from .compiler import compile_module
+
+    return compile_module(cell, input_size, hidden_size, batch, dtype=dtype, target=target,
+                          arch=arch, cpu=cpu, **options)
+
+
+def load(path: str):
+    """Load a module exported by :meth:`Module.export` (needs only TVM's runtime)."""
+    from .runtime.module import load_module
+
+    return load_module(path)
+
+
+def __getattr__(name):
+    if name in ("Module", "PackedWeights"):
+        from .runtime import module
+
+        return getattr(module, name)
+    if name == "cells":
+        import importlib
+
+        return importlib.import_module(".cells", __name__)
+    raise AttributeError(f"module 'rnncc' has no attribute {name!r}")

@@ -1,0 +1,111 @@
+"""Timing a module, and cuDNN (through PyTorch) on the same problem in the same process.
+
+GPU times are per call, from CUDA events around replays of a CUDA graph (both rnncc and cuDNN
+are captured, so kernel-launch and Python overheads stay out), median of many replays; at
+float32 TF32 is off for cuDNN, so both sides compute IEEE float32. CPU times are wall-clock
+medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+def _median_ms(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def random_problem(module, steps: int, seed: int = 0):
+    """x [T, N, C] and PyTorch-named weights, as float64 NumPy arrays (uniform like torch)."""
+    rng = np.random.default_rng(seed)
+    g, h, c, n = module.metadata["gates"], module.hidden_size, module.input_size, module.batch
+    k = 1.0 / np.sqrt(h)
+    weights = {"weight_ih_l0": rng.uniform(-k, k, (g * h, c)),
+               "weight_hh_l0": rng.uniform(-k, k, (g * h, h)),
+               "bias_ih_l0": rng.uniform(-k, k, g * h), "bias_hh_l0": rng.uniform(-k, k, g * h)}
+    return rng.standard_normal((steps, n, c)), weights
+
+
+def time_cpu(module, steps: int, repeat: int = 20) -> float:
+    """Median milliseconds per call of a CPU module (T = steps)."""
+    x, weights = random_problem(module, steps)
+    dt = module.dtype
+    x = x.astype(dt)
+    packed = module.pack({k: v.astype(dt) for k, v in weights.items()})
+    module(x, packed)
+    return _median_ms(lambda: module(x, packed), repeat)
+
+
+def _graph_ms(torch, fn, repeat: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype):
+    """The torch.nn module equivalent of a cell, on the GPU, or None if the cell has none."""
+    if cell_torch is None:
+        return None
+    cls, kwargs = cell_torch
+    return getattr(torch.nn, cls)(input_size, hidden_size, **kwargs).cuda().to(
+        getattr(torch, dtype))
+
+
+def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True) -> dict:
+    """rnncc and (when torch knows the cell) cuDNN, each CUDA-graph captured, same inputs.
+
+    Returns milliseconds per call: {"rnncc": ..., "cudnn": ... or None}.
+    """
+    try:
+        import torch
+    except ImportError as err:
+        raise ConfigError("timing a CUDA module needs PyTorch (for CUDA graphs)") from err
+    from .cells import registry
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dt = getattr(torch, module.dtype)
+    x64, w64 = random_problem(module, steps)
+    x = torch.tensor(x64, dtype=dt, device="cuda")
+    weights = {k: torch.tensor(v, dtype=dt, device="cuda") for k, v in w64.items()}
+    packed = module.pack(weights)
+    out = {"rnncc": _graph_ms(torch, lambda: module(x, packed), repeat), "cudnn": None}
+    cell = registry().get(module.cell)
+    ref = cudnn_module(torch, cell.torch if cell else None, module.input_size,
+                       module.hidden_size, module.dtype) if cudnn else None
+    if ref is not None:
+        with torch.no_grad():
+            for name, value in weights.items():
+                getattr(ref, name).copy_(value)
+            ref.flatten_parameters()
+            out["cudnn"] = _graph_ms(torch, lambda: ref(x), repeat)
+    out["device"] = torch.cuda.get_device_name()
+    out["cudnn_version"] = torch.backends.cudnn.version()
+    return out

@@ -1,0 +1,117 @@
+"""The cell contract and the registry of cells.
+
+A cell is the element-wise part of one time step, after the two projections. With G gates, H
+hidden units and batch N, rnncc computes for every step t
+
+    gi = x_t @ W_ih.T + b_ih        [N, G*H]   (for all T steps at once, one GEMM)
+    gh = h_{t-1} @ W_hh.T + b_hh    [N, G*H]   (one GEMM over all gates per step)
+
+and hands the cell, for one element (n, j), the G values gi[n, g*H + j] and gh[n, g*H + j] and
+the previous states at (n, j). The cell returns the new states; the first state is h, which is
+the step's output and the next step's recurrent input. Weights follow PyTorch's convention:
+``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0`` and ``bias_hh_l0`` [G*H],
+gates stacked in the cell's documented order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import CellError
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One registered cell type.
+
+    Attributes
+    ----------
+    name:
+        Identifier used by the API and the command line (lower case, digits, underscores).
+    gates:
+        G, the number of gate blocks stacked in the weights.
+    states:
+        Names of the recurrent states, h first (``("h",)`` or ``("h", "c")``).
+    step:
+        ``step(gi, gh, state) -> new_state``: ``gi`` and ``gh`` are sequences of G scalars (the
+        input and recurrent projections of each gate, biases included), ``state`` a sequence of
+        the previous states; returns a tuple of the new states, in the order of ``states``.
+        Written with :mod:`rnncc.cells.ops` and arithmetic operators.
+    reference:
+        The same step in NumPy, on float64 arrays of shape [N, H] (an independent check of
+        ``step``, not derived from it).
+    torch:
+        ``(class name, kwargs)`` of the equivalent ``torch.nn`` module, e.g. ``("LSTM", {})``,
+        or None. Used by the parity tests and by ``rnncc bench`` for the cuDNN comparison.
+    doc:
+        One line for ``rnncc cells``.
+    """
+
+    name: str
+    gates: int
+    states: tuple[str, ...]
+    step: Callable
+    reference: Callable
+    torch: tuple[str, dict] | None = None
+    doc: str = ""
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise CellError(
+                f"cell name {self.name!r} is not allowed: use lower case letters, digits and _"
+            )
+        if not isinstance(self.gates, int) or self.gates < 1:
+            raise CellError(f"cell {self.name!r}: gates must be a positive int, got {self.gates!r}")
+        if not self.states or self.states[0] != "h":
+            raise CellError(
+                f"cell {self.name!r}: states must start with 'h', got {tuple(self.states)!r}"
+            )
+        if len(set(self.states)) != len(self.states):
+            raise CellError(f"cell {self.name!r}: state names repeat: {tuple(self.states)!r}")
+        if not callable(self.step) or not callable(self.reference):
+            raise CellError(f"cell {self.name!r}: step and reference must be callables")
+
+    def evaluate(self, gi: Sequence, gh: Sequence, state: Sequence) -> tuple:
+        """Call ``step`` and check that it returned one value per state."""
+        out = self.step(list(gi), list(gh), list(state))
+        if not isinstance(out, (tuple, list)):
+            out = (out,)
+        if len(out) != len(self.states):
+            raise CellError(
+                f"cell {self.name!r}: step returned {len(out)} values, expected one per state "
+                f"{self.states}"
+            )
+        return tuple(out)
+
+
+_REGISTRY: dict[str, Cell] = {}
+
+
+def register(cell: Cell, *, replace: bool = False) -> Cell:
+    """Add ``cell`` to the registry (API, command line and test suite) and return it."""
+    if not isinstance(cell, Cell):
+        raise CellError(f"register() takes an rnncc Cell, got {type(cell).__name__}")
+    old = _REGISTRY.get(cell.name)
+    if old is not None and old is not cell and not replace:
+        raise CellError(
+            f"a cell named {cell.name!r} is already registered"
+            + (f" (from {old.source})" if old.source else "")
+            + "; pick another name or pass replace=True"
+        )
+    _REGISTRY[cell.name] = cell
+    return cell
+
+
+def unregister(name: str) -> None:
+    """Remove a cell from the registry (no error if it is absent)."""
+    _REGISTRY.pop(name, None)
+
+
+def registry() -> dict[str, Cell]:
+    """A copy of the registry, name to cell, in registration order."""
+    return dict(_REGISTRY)

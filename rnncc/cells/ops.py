@@ -1,0 +1,56 @@
+"""Point-wise functions for a cell's step.
+
+A cell's ``step`` is written once with these functions and Python's arithmetic operators. rnncc
+calls it with TVM ``PrimExpr`` values (one element of each gate; the fused kernel and the
+persistent kernel) and with staged tensors (one kernel per operation; the unfused baseline), so
+a step must use these functions rather than ``tvm.tirx`` or NumPy ones directly.
+"""
+
+from __future__ import annotations
+
+
+def _prim(name: str, x):
+    from tvm import tirx
+
+    if name == "sigmoid":
+        return tirx.sigmoid(x)
+    if name == "tanh":
+        return tirx.tanh(x)
+    if name == "exp":
+        return tirx.exp(x)
+    if name == "relu":
+        dtype = x.dtype if hasattr(x, "dtype") else x.ty.dtype
+        return tirx.max(x, tirx.const(0, str(dtype)))
+    raise KeyError(name)
+
+
+#: The names of the point-wise functions a step can use.
+UNARY = ("sigmoid", "tanh", "exp", "relu")
+
+
+def apply_unary(name: str, x):
+    """Apply the unary function ``name`` to a PrimExpr, or to anything that stages it."""
+    staged = getattr(x, "__rnncc_unary__", None)
+    if staged is not None:
+        return staged(name)
+    return _prim(name, x)
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x))."""
+    return apply_unary("sigmoid", x)
+
+
+def tanh(x):
+    """Hyperbolic tangent."""
+    return apply_unary("tanh", x)
+
+
+def exp(x):
+    """e ** x."""
+    return apply_unary("exp", x)
+
+
+def relu(x):
+    """max(x, 0)."""
+    return apply_unary("relu", x)

@@ -1,0 +1,150 @@
+"""Cell + sizes + target -> lowered IRModule -> TVM build -> one shared library + metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import tempfile
+
+from .. import cells
+from .._version import __version__
+from ..cells import Cell
+from ..errors import BuildError, ConfigError, RnnccError
+from ..runtime import metadata as md
+from ..runtime.module import Module
+from ..spec import Options, Problem
+from ..target import TargetSpec
+
+
+def resolve_cell(cell) -> Cell:
+    """A Cell, a registered name, or the path of a cell file (which must register one cell,
+    or several of which one is named like the file)."""
+    if isinstance(cell, Cell):
+        return cell
+    if not isinstance(cell, str):
+        raise ConfigError(f"cell must be a name, a Cell or a file path, got {type(cell).__name__}")
+    if cell.endswith(".py") or os.sep in cell:
+        found = cells.load_file(cell)
+        if len(found) == 1:
+            return found[0]
+        stem = os.path.splitext(os.path.basename(cell))[0]
+        named = [c for c in found if c.name == stem]
+        if named:
+            return named[0]
+        raise ConfigError(f"cell file {cell!r} registers {[c.name for c in found]}; name one")
+    return cells.get(cell)
+
+
+def _options(options: dict) -> Options:
+    fields = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ConfigError(f"unknown schedule option(s) {unknown}; allowed: {sorted(fields)}")
+    for key, value in options.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"schedule option {key} must be True or False, got {value!r}")
+    return Options(**options)
+
+
+def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
+                   dtype: str = "float32", target: str = "cuda", arch: str | None = None,
+                   cpu: str | None = None, **options) -> Module:
+    """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
+
+    The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
+    what you call is what :meth:`Module.export` writes and :func:`rnncc.load` reads.
+    """
+    import tvm
+
+    from ..lowering import sequence
+    from .cuda_binary import nvcc_callback, pack_imports_with_cubin
+
+    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
+    tspec = TargetSpec(target, arch, cpu)
+    opts = _options(options)
+    tvm_target = tspec.tvm_target()
+    try:
+        lowered = sequence.build(problem, opts, tvm_target)
+    except RnnccError:
+        raise
+    except Exception as err:
+        raise BuildError(f"lowering {problem.describe()} failed: {err}") from err
+    ptxas: dict = {}
+    workdir = tempfile.mkdtemp(prefix="rnncc_build_")
+    path = os.path.join(workdir, f"{problem.cell.name}.so")
+    try:
+        if tspec.kind == "cuda":
+            with nvcc_callback(tspec.arch, ptxas):
+                executable = tvm.compile(lowered.mod, target=tvm_target)
+            cuda_source = executable.mod.imports[0].inspect_source()
+        else:
+            executable = tvm.compile(lowered.mod, target=tvm_target)
+            cuda_source = None
+    except RnnccError:
+        raise
+    except Exception as err:
+        raise BuildError(f"TVM failed to build {problem.describe()} for {tspec.describe()}: "
+                         f"{str(err).strip().splitlines()[-1]}") from err
+    meta = {
+        "format": md.FORMAT,
+        "rnncc_version": __version__,
+        "tvm_version": tvm.__version__,
+        "cell": problem.cell.name,
+        "cell_source": problem.cell.source or "builtin",
+        "gates": problem.gates,
+        "states": list(problem.cell.states),
+        "input_size": input_size,
+        "hidden_size": hidden_size,
+        "batch": batch,
+        "dtype": dtype,
+        "target": tspec.as_dict(),
+        "schedule": {
+            "kind": "sequence",
+            "options": dataclasses.asdict(opts),
+            "layout": dataclasses.asdict(lowered.layout),
+            "rules": lowered.rules,
+            "notes": lowered.notes,
+        },
+        "functions": lowered.signatures,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    fpack = pack_imports_with_cubin(tspec.arch, ptxas) if tspec.kind == "cuda" else None
+    # ptxas reports arrive while packing; the metadata is written after, into its own object.
+    _export(executable.mod, path, workdir, fpack, meta, ptxas, cuda_source,
+            lowered.mod.script())
+    return Module(path, meta, owned_dir=workdir)
+
+
+def _export(lib, path, workdir, fpack, meta, ptxas, cuda_source, tir_text):
+    """export_library, with the metadata sections linked in."""
+    addon = os.path.join(workdir, "rnncc_meta.c")
+
+    def pack_then_meta(mod, is_system_lib, prefix, wdir):
+        # The packer compiles the cubin; its ptxas report belongs in the metadata.
+        out = fpack(mod, is_system_lib, prefix, wdir) if fpack else None
+        _write_meta(addon, meta, ptxas, cuda_source, tir_text)
+        return out
+
+    try:
+        if fpack is None:
+            _write_meta(addon, meta, ptxas, cuda_source, tir_text)
+            lib.export_library(path, addons=[addon], workspace_dir=workdir)
+        else:
+            lib.export_library(path, fpack_imports=pack_then_meta, addons=[addon],
+                               workspace_dir=workdir)
+    except RnnccError:
+        raise
+    except Exception as err:
+        raise BuildError(f"linking the module library failed: {str(err).strip()[-2000:]}") from err
+
+
+def _write_meta(path, meta, ptxas, cuda_source, tir_text):
+    if ptxas:
+        meta["ptxas"] = ptxas
+    sections = {md.META: json.dumps(meta, sort_keys=True).encode(), md.TIR: tir_text.encode()}
+    if cuda_source is not None:
+        sections[md.CUDA] = cuda_source.encode()
+    with open(path, "w") as f:
+        f.write(md.c_source(sections))

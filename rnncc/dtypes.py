@@ -1,0 +1,26 @@
+"""Data types a module stores its tensors in, and the type it accumulates in."""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+#: Storage dtypes rnncc compiles today.
+SUPPORTED = ("float32",)
+#: Storage dtypes the design takes next (half-precision storage, float32 accumulation).
+PLANNED = ("float16", "bfloat16")
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` if rnncc compiles it, else a ConfigError that lists what is allowed."""
+    if dtype in SUPPORTED:
+        return dtype
+    if dtype in PLANNED:
+        raise ConfigError(
+            f"dtype {dtype!r} is not supported yet; supported: {', '.join(SUPPORTED)}"
+        )
+    raise ConfigError(f"unknown dtype {dtype!r}; supported: {', '.join(SUPPORTED)}")
+
+
+def accum_dtype(dtype: str) -> str:
+    """The dtype that matrix products and the cell's point-wise step are computed in."""
+    return "float32" if dtype in ("float16", "bfloat16", "float32") else dtype

@@ -1,0 +1,194 @@
+"""The pieces of a sequence as TE PrimFuncs, before scheduling.
+
+Shapes use T steps (a run-time variable), N batch, C input, H hidden, G gates. Every PrimFunc
+takes its inputs first and its outputs last; :mod:`rnncc.lowering.assemble` binds them to the
+sequence's buffers. All index arithmetic is int64 (T * N * G * H can pass 2**31).
+
+Layouts (chosen by the schedule, see :class:`Layout`):
+
+- weights ``"rows"``: a projection's weight is [O, K] as PyTorch stores it (K contiguous);
+  ``"cols"``: [K, O] (O contiguous, for vectorising over outputs on CPUs).
+- gates ``"combined"``: a projection is one GEMM over all G gates, output [.., N, G*H];
+  ``"per_gate"``: G GEMMs of H outputs each, output [G, .., N, H].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import te, tirx
+
+from ..cells import Cell
+from ..dtypes import accum_dtype
+from ..errors import CellError
+from .staged import Staged
+
+
+def i64(value) -> tirx.IntImm:
+    """An int64 constant (rnncc's shapes are all int64)."""
+    return tirx.IntImm("int64", int(value))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Memory layout of the packed weights and of the gate projections."""
+
+    weights: str = "rows"
+    gates: str = "combined"
+
+    def __post_init__(self):
+        if self.weights not in ("rows", "cols"):
+            raise ValueError(f"weights layout must be 'rows' or 'cols', got {self.weights!r}")
+        if self.gates not in ("combined", "per_gate"):
+            raise ValueError(f"gates layout must be 'combined' or 'per_gate', got {self.gates!r}")
+
+    def weight_shape(self, gates: int, hidden: int, k: int) -> tuple[int, ...]:
+        """Shape of a packed [G*H, K] weight."""
+        if self.gates == "combined":
+            return (gates * hidden, k) if self.weights == "rows" else (k, gates * hidden)
+        return (gates, hidden, k) if self.weights == "rows" else (gates, k, hidden)
+
+
+def _dtype_of(expr) -> str:
+    """dtype of a PrimExpr or of a TE tensor element."""
+    return str(expr.dtype) if hasattr(expr, "dtype") else str(expr.ty.dtype)
+
+
+def _cast(expr, dtype: str):
+    return expr if _dtype_of(expr) == dtype else expr.astype(dtype)
+
+
+def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str) -> tirx.PrimFunc:
+    """``out[..., j] = sum_k a[..., k] * w[j, k] + b[j]`` for one projection.
+
+    ``a`` is ``lead + (K,)``, ``w`` [O, K] ("rows") or [K, O] ("cols"), ``b`` [O], ``out``
+    ``lead + (O,)``. Products and sums are in the accumulation dtype. Blocks: "gemm" (the
+    reduction) and "gemm_bias" (the epilogue).
+    """
+    acc = accum_dtype(dtype)
+    lead = tuple(i64(d) if isinstance(d, int) else d for d in lead)
+    a = te.placeholder(lead + (i64(k),), dtype, "a")
+    w_shape = (i64(o), i64(k)) if weights == "rows" else (i64(k), i64(o))
+    w = te.placeholder(w_shape, dtype, "w")
+    b = te.placeholder((i64(o),), dtype, "b")
+    r = te.reduce_axis((i64(0), i64(k)), "k")
+
+    def weight(j, kk):
+        return w[j, kk] if weights == "rows" else w[kk, j]
+
+    prod = te.compute(
+        lead + (i64(o),),
+        lambda *i: te.sum(_cast(a[i[:-1] + (r,)], acc) * _cast(weight(i[-1], r), acc), axis=r),
+        name="gemm",
+    )
+    out = te.compute(
+        lead + (i64(o),),
+        lambda *i: _cast(prod[i] + _cast(b[i[-1]], acc), dtype),
+        name="gemm_bias",
+    )
+    return te.create_prim_func([a, w, b, out])
+
+
+def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
+              fused: bool) -> tirx.PrimFunc:
+    """The cell's point-wise step for one time step.
+
+    Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
+    [N, G*H]; "per_gate", ``gi0 .. gi{G-1}`` then ``gh0 .. gh{G-1}``, each [N, H]. Then the
+    previous states, each [N, H]. Outputs: ``y`` [N, H] (the new h), then the new states, each
+    [N, H]. ``fused``: one kernel for the whole step; otherwise one kernel an operation (the
+    unfused baseline).
+    """
+    acc = accum_dtype(dtype)
+    g_count = cell.gates
+    n_, h_ = i64(batch), i64(hidden)
+    if gates_layout == "combined":
+        gi = te.placeholder((n_, i64(g_count * hidden)), dtype, "gi")
+        gh = te.placeholder((n_, i64(g_count * hidden)), dtype, "gh")
+        inputs = [gi, gh]
+
+        def read_i(g, n, j):
+            return gi[n, g * hidden + j]
+
+        def read_h(g, n, j):
+            return gh[n, g * hidden + j]
+    else:
+        gis = [te.placeholder((n_, h_), dtype, f"gi{g}") for g in range(g_count)]
+        ghs = [te.placeholder((n_, h_), dtype, f"gh{g}") for g in range(g_count)]
+        inputs = gis + ghs
+
+        def read_i(g, n, j):
+            return gis[g][n, j]
+
+        def read_h(g, n, j):
+            return ghs[g][n, j]
+
+    states = [te.placeholder((n_, h_), dtype, f"{s}_prev") for s in cell.states]
+
+    if fused:
+        def body(n, j):
+            new = cell.evaluate(
+                [_cast(read_i(g, n, j), acc) for g in range(g_count)],
+                [_cast(read_h(g, n, j), acc) for g in range(g_count)],
+                [_cast(s[n, j], acc) for s in states],
+            )
+            _check_scalars(cell, new)
+            return [_cast(new[0], dtype)] + [_cast(v, dtype) for v in new]
+
+        outs = te.compute((n_, h_), body, name="cell")
+    else:
+        def gate(read, g):
+            return Staged(te.compute((n_, h_), lambda n, j: _cast(read(g, n, j), acc),
+                                     name=f"gate{g}"))
+
+        new = cell.evaluate(
+            [gate(read_i, g) for g in range(g_count)],
+            [gate(read_h, g) for g in range(g_count)],
+            [Staged(_elementwise(s, acc, "state")) for s in states],
+        )
+        if not all(isinstance(v, Staged) for v in new):
+            raise CellError(
+                f"cell {cell.name!r}: step must compute every state from its inputs with "
+                "rnncc.cells.ops and arithmetic operators to be staged"
+            )
+        outs = [_elementwise(new[0].tensor, dtype, "y")]
+        outs += [_elementwise(v.tensor, dtype, f"{s}_new") for s, v in zip(cell.states, new)]
+    return te.create_prim_func([*inputs, *states, *outs])
+
+
+def _elementwise(x: te.Tensor, dtype: str, name: str) -> te.Tensor:
+    return te.compute(x.shape, lambda n, j: _cast(x[n, j], dtype), name=name)
+
+
+def _check_scalars(cell: Cell, values) -> None:
+    for value in values:
+        if not tvm.ir.is_prim_expr(value) or not _dtype_of(value).startswith("float"):
+            raise CellError(
+                f"cell {cell.name!r}: step must return floating-point expressions, got "
+                f"{type(value).__name__} {value!r}"
+            )
+
+
+def copy(count: int, batch: int, hidden: int, dtype: str) -> tirx.PrimFunc:
+    """``out_i = in_i`` for ``count`` [N, H] tensors, in one kernel (state copies)."""
+    shape = (i64(batch), i64(hidden))
+    ins = [te.placeholder(shape, dtype, f"in{i}") for i in range(count)]
+    outs = te.compute(shape, lambda n, j: [x[n, j] for x in ins], name="copy")
+    return te.create_prim_func([*ins, *(outs if count > 1 else [outs])])
+
+
+def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str) -> tirx.PrimFunc:
+    """A PyTorch weight [G*H, K] into the layout's packed shape."""
+    w = te.placeholder((i64(gates * hidden), i64(k)), dtype, "w")
+    shape = tuple(i64(d) for d in layout.weight_shape(gates, hidden, k))
+    if layout.gates == "combined":
+        if layout.weights == "rows":
+            packed = te.compute(shape, lambda o, kk: w[o, kk], name="pack")
+        else:
+            packed = te.compute(shape, lambda kk, o: w[o, kk], name="pack")
+    elif layout.weights == "rows":
+        packed = te.compute(shape, lambda g, o, kk: w[g * hidden + o, kk], name="pack")
+    else:
+        packed = te.compute(shape, lambda g, kk, o: w[g * hidden + o, kk], name="pack")
+    return te.create_prim_func([w, packed])

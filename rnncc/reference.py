@@ -1,0 +1,45 @@
+"""Float64 NumPy reference for a whole sequence, from a cell's NumPy step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cells import Cell
+
+
+def run(cell: Cell, x, weights: dict, initial: dict | None = None):
+    """Run ``cell`` over ``x`` [T, N, C] in float64.
+
+    ``weights`` has ``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0`` and
+    ``bias_hh_l0`` [G*H]; ``initial`` maps state names to [1, N, H] arrays (zeros if absent).
+    Returns ``(y [T, N, H], {state: [1, N, H]})``.
+    """
+    x = np.asarray(x, np.float64)
+    w_ih = np.asarray(weights["weight_ih_l0"], np.float64)
+    w_hh = np.asarray(weights["weight_hh_l0"], np.float64)
+    b_ih = np.asarray(weights["bias_ih_l0"], np.float64)
+    b_hh = np.asarray(weights["bias_hh_l0"], np.float64)
+    steps, batch, _ = x.shape
+    hidden = w_hh.shape[1]
+    initial = initial or {}
+    state = [np.asarray(initial[s], np.float64).reshape(batch, hidden) if s in initial
+             else np.zeros((batch, hidden)) for s in cell.states]
+    ys = np.empty((steps, batch, hidden))
+    for t in range(steps):
+        gi = x[t] @ w_ih.T + b_ih
+        gh = state[0] @ w_hh.T + b_hh
+        split = [slice(g * hidden, (g + 1) * hidden) for g in range(cell.gates)]
+        state = [np.asarray(v, np.float64) for v in
+                 cell.reference([gi[:, s] for s in split], [gh[:, s] for s in split], state)]
+        ys[t] = state[0]
+    return ys, {s: v.reshape(1, batch, hidden) for s, v in zip(cell.states, state)}
+
+
+def relative_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| over all elements (ref nonzero); NaN or inf in out gives inf."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))

@@ -1,0 +1,1 @@
+"""Runtime: loading and calling compiled modules. Needs only TVM's runtime library."""

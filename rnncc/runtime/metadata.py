@@ -1,0 +1,69 @@
+"""The metadata a module file carries, in ELF sections of the shared library.
+
+``.rnncc_meta`` holds JSON: cell, sizes, dtype, target, schedule, the functions' signatures,
+versions. ``.rnncc_cuda`` and ``.rnncc_tir`` hold the generated CUDA source and TIR for
+``rnncc inspect``. Reading needs no TVM at all (the sections are read from the file), so a
+CUDA module can be inspected on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from ..errors import ModuleFileError
+
+FORMAT = 1
+META, CUDA, TIR = ".rnncc_meta", ".rnncc_cuda", ".rnncc_tir"
+
+
+def c_source(sections: dict[str, bytes]) -> str:
+    """C source that places each payload in its own section of the library."""
+    lines = ["/* rnncc module metadata; see rnncc/runtime/metadata.py */"]
+    for i, (name, payload) in enumerate(sections.items()):
+        data = payload + b"\0"
+        body = ",".join(str(b) for b in data)
+        lines.append(f'__attribute__((used, section("{name}")))\n'
+                     f"const unsigned char rnncc_section_{i}[{len(data)}] = {{{body}}};")
+    return "\n".join(lines) + "\n"
+
+
+def read_sections(path: str) -> dict[str, bytes]:
+    """The rnncc sections of an ELF shared library (name to payload, without the final NUL)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise ModuleFileError(f"cannot read module file {path!r}: {err.strerror}") from err
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ModuleFileError(f"{path!r} is not a 64-bit little-endian ELF shared library")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = []
+    for i in range(shnum):
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
+        headers.append((name, offset, size))
+    str_off, str_size = headers[shstrndx][1], headers[shstrndx][2]
+    strtab = data[str_off:str_off + str_size]
+    out = {}
+    for name_off, offset, size in headers:
+        name = strtab[name_off:strtab.index(b"\0", name_off)].decode()
+        if name.startswith(".rnncc_"):
+            out[name] = data[offset:offset + size].rstrip(b"\0")
+    return out
+
+
+def read_metadata(path: str) -> dict:
+    """The module's metadata, or ModuleFileError if the file is not an rnncc module."""
+    sections = read_sections(path)
+    if META not in sections:
+        raise ModuleFileError(f"{path!r} is a shared library but not an rnncc module "
+                              "(no .rnncc_meta section)")
+    try:
+        meta = json.loads(sections[META].decode())
+    except ValueError as err:
+        raise ModuleFileError(f"{path!r}: corrupt rnncc metadata ({err})") from err
+    if meta.get("format") != FORMAT:
+        raise ModuleFileError(f"{path!r}: metadata format {meta.get('format')!r}, this rnncc "
+                              f"reads format {FORMAT}")
+    return meta

@@ -1,0 +1,256 @@
+"""A compiled rnncc module: one recurrent layer, called like ``torch.nn.LSTM/GRU/RNN``.
+
+    y, (h_n, c_n) = m(x, weights, h0=None, c0=None)   # cells with states h and c (LSTM)
+    y, h_n = m(x, weights, h0=None)                    # cells with one state (GRU, RNN)
+
+x is [T, N, C], y [T, N, H], states [1, N, H]; ``weights`` is a mapping with PyTorch's names
+(``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H];
+a ``state_dict()`` works as it is, and so does the torch module itself), or the result of
+:meth:`Module.pack`, which lays the weights out for the kernels once and keeps them on the
+device.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+
+from ..errors import InputError, ModuleFileError
+from . import metadata as md
+from . import tvm_runtime
+from .arrays import Family, family_of, to_tensor
+
+WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+
+
+class PackedWeights:
+    """Weights laid out for one module on one device (from :meth:`Module.pack`)."""
+
+    def __init__(self, module: Module, family: Family, tensors: dict, keep: list):
+        self._module_key = module._key
+        self.device = family.describe_device()
+        self.tensors = tensors
+        self._keep = keep  # the caller's arrays the tensors alias
+
+    def __repr__(self):
+        return f"<rnncc.PackedWeights for {self._module_key} on {self.device}>"
+
+
+class Module:
+    """A compiled module file and its metadata; the library loads on first use.
+
+    ``Module.poison`` (off by default) fills every output and workspace with NaN before each
+    call, so that an element a kernel does not write shows up; the test suite turns it on.
+    """
+
+    poison = False
+
+    def __init__(self, path: str, metadata: dict, *, owned_dir: str | None = None):
+        self.path = path
+        self.metadata = metadata
+        self._lib = None
+        self._key = (f"{metadata['cell']} C={metadata['input_size']} H={metadata['hidden_size']} "
+                     f"N={metadata['batch']} {metadata['dtype']} {metadata['target']['kind']}")
+        if owned_dir is not None:  # a freshly compiled module owns its temporary file
+            self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
+
+    # -- description ---------------------------------------------------------------------
+    @property
+    def cell(self) -> str:
+        return self.metadata["cell"]
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        return tuple(self.metadata["states"])
+
+    @property
+    def input_size(self) -> int:
+        return self.metadata["input_size"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.metadata["hidden_size"]
+
+    @property
+    def batch(self) -> int:
+        return self.metadata["batch"]
+
+    @property
+    def dtype(self) -> str:
+        return self.metadata["dtype"]
+
+    @property
+    def target(self) -> str:
+        return self.metadata["target"]["kind"]
+
+    @property
+    def device_kind(self) -> str:
+        return "cuda" if self.target == "cuda" else "cpu"
+
+    def __repr__(self):
+        return f"<rnncc.Module {self._key} ({self.metadata['schedule']['kind']})>"
+
+    def source(self, which: str = "cuda") -> str:
+        """The generated CUDA source ("cuda") or the scheduled TIR ("tir") of the module."""
+        section = {"cuda": md.CUDA, "tir": md.TIR}.get(which)
+        if section is None:
+            raise ValueError(f"source() takes 'cuda' or 'tir', got {which!r}")
+        sections = md.read_sections(self.path)
+        if section not in sections:
+            raise ModuleFileError(f"this {self.target} module has no {which} source")
+        return sections[section].decode()
+
+    def export(self, path: str) -> str:
+        """Write the module to ``path`` (one shared library, metadata included)."""
+        path = os.fspath(path)
+        try:
+            shutil.copyfile(self.path, path)
+        except OSError as err:
+            raise ModuleFileError(f"cannot write {path!r}: {err.strerror}") from err
+        return path
+
+    # -- running -------------------------------------------------------------------------
+    def _library(self):
+        if self._lib is None:
+            self._lib = tvm_runtime.load_library(self.path, self.target)
+        return self._lib
+
+    def _signature(self, function: str):
+        return self.metadata["functions"][function]
+
+    def _weights_mapping(self, weights) -> dict:
+        if isinstance(weights, PackedWeights):
+            return weights
+        if hasattr(weights, "state_dict") and callable(weights.state_dict):
+            weights = weights.state_dict()
+        if not hasattr(weights, "keys"):
+            raise InputError(f"weights must be a mapping with {', '.join(WEIGHTS)} (a PyTorch "
+                             f"state_dict works) or PackedWeights, got {type(weights).__name__}")
+        keys = set(weights.keys())
+        unexpected = sorted(keys - set(WEIGHTS))
+        if unexpected:
+            raise InputError(f"unexpected weights {unexpected}: this module is one "
+                             f"unidirectional layer and takes {', '.join(WEIGHTS)}")
+        missing = [k for k in WEIGHTS[:2] if k not in keys]
+        biases = [k for k in WEIGHTS[2:] if k in keys]
+        if missing:
+            raise InputError(f"missing weight {missing[0]!r}; expected {', '.join(WEIGHTS)}")
+        if len(biases) == 1:
+            other = ({*WEIGHTS[2:]} - {*biases}).pop()
+            raise InputError(f"missing weight {other!r}: pass both biases or neither "
+                             "(neither means zero biases)")
+        return dict(weights)
+
+    def pack(self, weights, device: str | None = None) -> PackedWeights:
+        """Lay ``weights`` out for this module, on the device of the weights (or ``device``,
+        for NumPy weights: "cuda:1"), once, for repeated calls."""
+        weights = self._weights_mapping(weights)
+        if isinstance(weights, PackedWeights):
+            return weights
+        family = self._family_for(weights["weight_ih_l0"], device)
+        return self._pack(weights, family)
+
+    def _family_for(self, first, device: str | None) -> Family:
+        family = family_of(first, self.device_kind)
+        if device is not None and family.name == "numpy":
+            kind, _, index = device.partition(":")
+            if kind != self.device_kind:
+                raise InputError(f"device {device!r}: this module runs on {self.device_kind}")
+            family = Family("numpy", kind, int(index or 0))
+        return family
+
+    def _pack(self, weights: dict, family: Family) -> PackedWeights:
+        lib = self._library()
+        dtype, gh = self.dtype, len(self._gates_rows())
+        tensors, keep = {}, []
+        for which in ("ih", "hh"):
+            sig = self._signature(f"pack_w_{which}")
+            src = to_tensor(sig[0]["name"], weights[sig[0]["name"]], sig[0]["shape"], dtype,
+                            family)
+            arr, dst = family.empty(sig[1]["shape"], dtype)
+            with family.stream():
+                lib[f"pack_w_{which}"](src, dst)
+            tensors[f"w_{which}"] = dst
+            keep += [arr, src]
+        for which in ("ih", "hh"):
+            name = f"bias_{which}_l0"
+            if name in weights:
+                tensors[f"b_{which}"] = to_tensor(name, weights[name], [gh], dtype, family)
+                keep.append(weights[name])
+            else:
+                arr, tensors[f"b_{which}"] = family.zeros([gh], dtype)
+                keep.append(arr)
+        return PackedWeights(self, family, tensors, keep)
+
+    def _gates_rows(self):
+        return range(self.metadata["gates"] * self.hidden_size)
+
+    def __call__(self, x, weights, h0=None, c0=None, **initial):
+        states = self.states
+        given = {"h0": h0, "c0": c0, **initial}
+        for key, value in given.items():
+            if value is not None and (not key.endswith("0") or key[:-1] not in states):
+                raise InputError(f"{key} is not an initial state of cell {self.cell!r}; "
+                                 f"it takes {', '.join(s + '0' for s in states)}")
+        family = family_of(x, self.device_kind)
+        if isinstance(weights, PackedWeights):
+            packed = weights
+            if packed._module_key != self._key:
+                raise InputError(f"these PackedWeights were packed for {packed._module_key}, "
+                                 f"not for this module ({self._key})")
+            if packed.device != family.describe_device():
+                raise InputError(f"weights are packed on {packed.device}, but x is on "
+                                 f"{family.describe_device()}")
+        else:
+            packed = self._pack(self._weights_mapping(weights), family)
+        sig = self._signature("forward")
+        shapes = {p["name"]: p["shape"] for p in sig}
+        x_t = to_tensor("x", x, [None if d == "T" else d for d in shapes["x"]], self.dtype,
+                        family)
+        steps = int(x_t.shape[0])
+        if steps < 1:
+            raise InputError("x has 0 time steps; it needs at least 1")
+
+        def concrete(shape):
+            return [steps if d == "T" else d for d in shape]
+
+        args, results = [], {}
+        for p in sig:
+            name, kind = p["name"], p["kind"]
+            if name == "x":
+                args.append(x_t)
+            elif name in packed.tensors:
+                args.append(packed.tensors[name])
+            elif kind == "input":  # an initial state
+                value = given.get(name)
+                if value is None:
+                    args.append(family.zeros(concrete(p["shape"]), self.dtype)[1])
+                else:
+                    args.append(to_tensor(name, value, concrete(p["shape"]), self.dtype, family))
+            else:
+                alloc = family.poisoned if self.poison else family.empty
+                arr, tensor = alloc(concrete(p["shape"]), self.dtype)
+                args.append(tensor)
+                if kind == "output":
+                    results[name] = arr
+        lib = self._library()
+        with family.stream():
+            lib["forward"](*args)
+        y = family.result(results["y"])
+        finals = tuple(family.result(results[f"{s}_n"]) for s in states)
+        return (y, finals[0]) if len(finals) == 1 else (y, finals)
+
+
+def load_module(path: str) -> Module:
+    """A module from its file (see :func:`rnncc.load`)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModuleFileError(f"module file {path!r} does not exist")
+    meta = md.read_metadata(path)
+    # Keep a private copy, so the caller may overwrite or delete the file while it is in use.
+    tmp = tempfile.mkdtemp(prefix="rnncc_module_")
+    local = os.path.join(tmp, os.path.basename(path))
+    shutil.copyfile(path, local)
+    return Module(local, meta, owned_dir=tmp)

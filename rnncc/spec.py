@@ -1,0 +1,68 @@
+"""What a module computes (:class:`Problem`) and which schedule computes it (:class:`Options`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cells import Cell
+from .dtypes import check_dtype
+from .errors import ConfigError
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One recurrent layer: a cell, C input features, H hidden units, batch N, a dtype.
+
+    The sequence length T is not part of it: a module takes any T at run time.
+    """
+
+    cell: Cell
+    input_size: int
+    hidden_size: int
+    batch: int
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if not isinstance(self.cell, Cell):
+            raise ConfigError(f"cell must be an rnncc Cell, got {type(self.cell).__name__}")
+        _positive("input_size", self.input_size)
+        _positive("hidden_size", self.hidden_size)
+        _positive("batch", self.batch)
+        check_dtype(self.dtype)
+
+    @property
+    def gates(self) -> int:
+        return self.cell.gates
+
+    def describe(self) -> str:
+        return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
+                f"{self.dtype}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Which of cuDNN's optimisations the schedule applies; each can be switched off to
+    measure it.
+
+    input_gemm:
+        the input projection of all T steps as one GEMM before the loop (else one a step).
+    gate_gemm:
+        the G gates' projections as one GEMM over the concatenated weights (else G GEMMs).
+    fuse_pointwise:
+        the cell's whole point-wise step in one kernel (else one kernel an operation).
+    """
+
+    input_gemm: bool = True
+    gate_gemm: bool = True
+    fuse_pointwise: bool = True
+
+    def describe(self) -> str:
+        on = {True: "on", False: "off"}
+        return (f"input_gemm={on[self.input_gemm]} gate_gemm={on[self.gate_gemm]} "
+                f"fuse_pointwise={on[self.fuse_pointwise]}")

@@ -1,0 +1,70 @@
+"""rnncc's scheduling layer: one schedule rule a file.
+
+A rule has the contract ``apply(func, target) -> tvm.s_tir.Schedule | None``: None means the
+rule does not fit that PrimFunc. For each component role ("gemm", "elementwise") and target
+kind ("cuda", "llvm") rules are tried in order; the last one of each list always fits, so a
+component that no better rule takes still compiles, and :func:`schedule` reports which rule
+scheduled it and why earlier ones did not.
+
+The persistent whole-sequence kernel (:mod:`rnncc.schedules.persistent`) is not a rule on one
+component: it replaces the assembled sequence where its planner says it fits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from . import (
+    cpu_elementwise,
+    cpu_gemm,
+    cuda_elementwise,
+    cuda_fallback,
+    cuda_gemm_simple,
+    cuda_gemv,
+    cuda_matmul,
+)
+from ._rule import Rule
+
+ROLES = ("gemm", "elementwise")
+
+#: Rules by (target kind, role), best first; the last of each list fits every component.
+RULES: dict[tuple[str, str], list[Rule]] = {
+    ("cuda", "gemm"): [cuda_gemv.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
+    ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_fallback.RULE],
+    ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
+    ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],
+}
+
+
+@dataclass
+class Scheduled:
+    """A scheduled component, the rule that scheduled it and what the rules before it said."""
+
+    func: object
+    rule: str
+    notes: list[str] = field(default_factory=list)
+
+
+def schedule(func, target, role: str) -> Scheduled:
+    """Schedule ``func`` (a component PrimFunc) for ``target`` with the first rule that fits.
+
+    A rule that raises is skipped with a warning naming it; the fallback rules never raise.
+    """
+    kind = target.kind.name
+    if (kind, role) not in RULES:
+        raise ValueError(f"no schedule rules for target {kind!r} and role {role!r}")
+    notes = []
+    for rule in RULES[(kind, role)]:
+        try:
+            sch = rule.apply(func, target)
+        except Exception as err:  # noqa: BLE001 - a failing rule falls back, and says so
+            note = f"{rule.name} failed ({type(err).__name__}: {str(err).splitlines()[-1]})"
+            warnings.warn(f"rnncc: schedule rule {note}; trying the next rule", stacklevel=2)
+            notes.append(note)
+            continue
+        if sch is None:
+            notes.append(f"{rule.name} does not apply")
+            continue
+        return Scheduled(sch.mod["main"], rule.name, notes)
+    raise RuntimeError(f"no rule scheduled the component ({'; '.join(notes)})")

@@ -1,0 +1,46 @@
+"""Small helpers shared by the rules: loop nests of a PrimFunc and their sizes."""
+
+from __future__ import annotations
+
+from tvm import s_tir
+
+
+def loop_nests(sch: s_tir.Schedule):
+    """The top-level loop nests: (outer loops, blocks in the nest) for each child of root."""
+    root = sch.get_sblock("root")
+    nests, seen = [], []
+    for block in sch.get_child_blocks(root):
+        loops = sch.get_loops(block)
+        if not loops:
+            nests.append(([], [block]))
+            continue
+        outer = sch.get_sref(loops[0])
+        for i, key in enumerate(seen):
+            if key.same_as(outer):
+                nests[i][1].append(block)
+                break
+        else:
+            seen.append(outer)
+            nests.append((loops, [block]))
+    return nests
+
+
+def is_spatial(sch: s_tir.Schedule, block) -> bool:
+    """True when every iteration variable of the block is spatial (no reduction)."""
+    return all(int(iv.iter_type) == 0 for iv in sch.get(block).iter_vars)
+
+
+def static_extent(sch: s_tir.Schedule, loop) -> int | None:
+    """The loop's extent if it is a constant, else None."""
+    extent = sch.get(loop).extent
+    return int(extent.value) if hasattr(extent, "value") else None
+
+
+def divisor(n: int | None, candidates) -> int:
+    """The first candidate that divides n (1 if none does, or n is not known)."""
+    if n is None:
+        return 1
+    for c in candidates:
+        if n % c == 0:
+            return c
+    return 1

@@ -1,0 +1,51 @@
+"""Shared fixtures. GPU tests (marked ``gpu``) run only with ``--gpu`` on a machine with a CUDA
+device: ``python -m pytest tests --gpu -m gpu``."""
+
+import numpy as np
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true", help="run the tests marked gpu on CUDA")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu"):
+        return
+    skip = pytest.mark.skip(reason="GPU test: run with --gpu on a machine with a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's name: fresh inputs per test, reproducible runs."""
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def random_weights(rng, gates, input_size, hidden_size, dtype="float64"):
+    """PyTorch-named weights, uniform in [-1/sqrt(H), 1/sqrt(H)] like torch.nn.LSTM."""
+    k = 1.0 / np.sqrt(hidden_size)
+    return {
+        "weight_ih_l0": rng.uniform(-k, k, (gates * hidden_size, input_size)).astype(dtype),
+        "weight_hh_l0": rng.uniform(-k, k, (gates * hidden_size, hidden_size)).astype(dtype),
+        "bias_ih_l0": rng.uniform(-k, k, gates * hidden_size).astype(dtype),
+        "bias_hh_l0": rng.uniform(-k, k, gates * hidden_size).astype(dtype),
+    }
+
+
+def has_nvcc():
+    import shutil
+
+    return shutil.which("nvcc") is not None
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every module call in the tests starts from NaN-filled outputs and workspaces."""
+    from rnncc.runtime.module import Module
+
+    monkeypatch.setattr(Module, "poison", True)

@@ -1,0 +1,47 @@
+"""Helpers for the tests (not fixtures)."""
+
+import functools
+
+import numpy as np
+
+import rnncc
+from rnncc import reference
+
+#: float32 bound on ||out - ref|| / ||ref|| against the float64 reference.
+TOL_F32 = 1e-5
+
+
+@functools.cache
+def compiled(cell, input_size, hidden_size, batch, target="llvm", **options):
+    """Compile once per configuration for the whole session."""
+    return rnncc.compile(cell, input_size, hidden_size, batch, target=target, **options)
+
+
+def check_against_reference(module, rng, steps, with_initial, to_array=np.asarray):
+    """Run ``module`` on fresh random inputs, return the worst relative error against the
+    float64 reference over y and every final state."""
+    from conftest import random_weights
+
+    cell = rnncc.cells.get(module.cell)
+    h, n, c = module.hidden_size, module.batch, module.input_size
+    weights = random_weights(rng, cell.gates, c, h)
+    x = rng.standard_normal((steps, n, c))
+    initial = {s: rng.standard_normal((1, n, h)) for s in cell.states} if with_initial else {}
+    ref_y, ref_states = reference.run(cell, x, weights, initial)
+    dt = module.dtype
+    y, finals = module(to_array(x.astype(dt)), {k: to_array(v.astype(dt)) for k, v in
+                                                 weights.items()},
+                       **{f"{s}0": to_array(v.astype(dt)) for s, v in initial.items()})
+    finals = finals if isinstance(finals, tuple) else (finals,)
+    errors = [reference.relative_error(np.asarray(_host(y)), ref_y)]
+    errors += [reference.relative_error(np.asarray(_host(f)), ref_states[s])
+               for f, s in zip(finals, cell.states)]
+    return max(errors)
+
+
+def _host(a):
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    if hasattr(a, "get"):
+        return a.get()
+    return a

@@ -1,0 +1,84 @@
+"""The command line: compile, cells, inspect, bench, and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rnncc.cli.main import main
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cells(capsys):
+    code, out, _ = run(capsys, "cells")
+    assert code == 0
+    assert "lstm" in out and "gru" in out and "rnn_relu" in out
+
+
+def test_compile_inspect_bench(capsys, tmp_path):
+    path = str(tmp_path / "gru.so")
+    code, out, err = run(capsys, "compile", "gru", "--input-size", "5", "--hidden-size", "9",
+                         "--batch", "2", "--target", "llvm", "-o", path)
+    assert code == 0, err
+    assert "compiled gru C=5 H=9 N=2 float32 for llvm" in out and path in out
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and json.loads(out)["cell"] == "gru"
+    code, out, _ = run(capsys, "inspect", path, "--source", "tir")
+    assert code == 0 and "def forward" in out
+    code, out, _ = run(capsys, "bench", path, "--steps", "5", "--repeat", "2", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["rnncc"] > 0 and result["cudnn"] is None
+
+
+def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
+    path = str(tmp_path / "mgu.so")
+    code, out, err = run(capsys, "compile", os.path.join(DATA, "mgu.py"), "-C", "3", "-H", "4",
+                         "-N", "1", "--target", "llvm", "--no-fuse-pointwise",
+                         "--no-input-gemm", "-o", path)
+    assert code == 0, err
+    meta = json.loads(run(capsys, "inspect", path)[1])
+    assert meta["cell"] == "mgu"
+    assert meta["schedule"]["options"] == {"input_gemm": False, "gate_gemm": True,
+                                           "fuse_pointwise": False}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compile", "nope", "-C", "1", "-H", "1", "-N", "1", "-o", "x.so"], "unknown cell 'nope'"),
+    (["compile", "lstm", "-C", "0", "-H", "1", "-N", "1", "-o", "x.so"],
+     "input_size must be a positive integer, got 0"),
+    (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "--dtype", "float8", "-o", "x.so"],
+     "unknown dtype 'float8'"),
+    (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "--target", "rocm", "-o", "x.so"],
+     "unknown target 'rocm'"),
+    (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "-o", "/nonexistent/dir/x.so"],
+     "cannot write /nonexistent/dir/x.so: directory /nonexistent/dir does not exist"),
+    (["compile", "lstm", "-C", "x", "-H", "1", "-N", "1", "-o", "x.so"], "invalid int value"),
+    (["compile", "lstm", "-H", "1", "-N", "1", "-o", "x.so"], "required"),
+    (["inspect", "/nonexistent.so"], "cannot read module file"),
+    (["bench", "lstm", "-C", "3"], "bench of a cell needs --hidden-size, --batch"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_errors_are_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rnncc: error: "), err
+    assert message in lines[0]
+
+
+def test_console_script_entry_point(tmp_path):
+    """python -m rnncc.cli.main behaves as the installed `rnncc` script."""
+    out = subprocess.run([sys.executable, "-m", "rnncc.cli.main", "compile", "lstm", "-C", "0",
+                          "-H", "1", "-N", "1", "-o", str(tmp_path / "x.so")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -1,0 +1,68 @@
+"""CUDA modules build on a machine without a GPU: host code, CUDA source, and a cubin from
+nvcc inside the library, with the ptxas report in the metadata (no GPU needed, nor used)."""
+
+import numpy as np
+import pytest
+
+import rnncc
+from conftest import has_nvcc, random_weights
+from helpers import compiled
+from rnncc.compiler.cuda_binary import library_device_code, parse_ptxas
+from rnncc.errors import BuildError
+from rnncc.runtime import metadata as md
+
+pytestmark = pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_cuda_module_carries_cubin(cell, tmp_path):
+    module = compiled(cell, 17, 33, 3, "cuda")
+    path = module.export(tmp_path / f"{cell}.so")
+    assert library_device_code(path) == [("cuda", "cubin")]
+    meta = md.read_metadata(path)
+    assert meta["target"] == {"kind": "cuda", "arch": "sm_90", "cpu": None}
+    kernels = meta["ptxas"]
+    assert any(k.startswith("forward_kernel") for k in kernels)
+    for name, report in kernels.items():
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0, name
+    source = module.source("cuda")
+    assert "__global__" in source and "forward_kernel" in source
+    assert "__expf" not in source  # no fast-math intrinsics: IEEE float32
+
+
+def test_cuda_module_for_other_arch_and_variants(tmp_path):
+    module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
+                      fuse_pointwise=False)
+    assert module.metadata["schedule"]["options"] == {
+        "input_gemm": False, "gate_gemm": False, "fuse_pointwise": False}
+    sm80 = rnncc.compile("lstm", 8, 64, 1, target="cuda", arch="sm_80")
+    path = sm80.export(tmp_path / "sm80.so")
+    assert md.read_metadata(path)["target"]["arch"] == "sm_80"
+
+
+def test_cuda_module_cannot_run_without_gpu(tmp_path):
+    from rnncc.runtime.tvm_runtime import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has a GPU")
+    module = compiled("lstm", 17, 33, 3, "cuda")
+    w = {k: v.astype("float32") for k, v in random_weights(np.random.default_rng(0), 4, 17,
+                                                           33).items()}
+    with pytest.raises(rnncc.ModuleFileError, match="no usable CUDA device"):
+        module(np.zeros((2, 3, 17), "float32"), w)
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent")
+    with pytest.raises(BuildError, match="needs nvcc"):
+        rnncc.compile("rnn_tanh", 3, 5, 1, target="cuda")
+
+
+def test_parse_ptxas():
+    report = """ptxas info    : Compiling entry function 'k1' for 'sm_90'
+ptxas info    : Function properties for k1
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]"""
+    assert parse_ptxas(report) == {"k1": {"stack": 8, "spill_stores": 4, "spill_loads": 4,
+                                          "registers": 255, "smem": 1024}}
