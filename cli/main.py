@@ -176,6 +176,9 @@ def main(argv=None) -> int:
     except RnnccError as err:
         print(f"rnncc: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `rnncc cells | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

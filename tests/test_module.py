@@ -71,7 +71,8 @@ def test_load_with_runtime_only_tvm(lstm, tmp_path):
         assert not {{"tvm.s_tir", "rnncc.lowering", "rnncc.compiler"}} & set(sys.modules)
         print("ERR", reference.relative_error(y, ry))
     """)
-    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": ROOT}
+    path_env = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "PYTHONPATH": path_env}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.split("ERR")[1]) < TOL_F32

@@ -1,0 +1,106 @@
+"""CUDA-only behaviour (run with --gpu on a GPU machine): PyTorch CUDA tensors in place and on
+their stream, CUDA-graph capture, device errors, and a module built here run in a process that
+has only TVM's runtime."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import rnncc
+from conftest import random_weights
+from helpers import TOL_F32, check_against_reference, compiled
+from rnncc import reference
+from rnncc.errors import InputError
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+def test_numpy_and_torch_cuda_agree(torch, rng):
+    module = compiled("lstm", 16, 64, 4, "cuda")
+    assert check_against_reference(module, rng, 30, True) < TOL_F32
+    err = check_against_reference(module, rng, 30, True,
+                                  to_array=lambda a: torch.tensor(a, device="cuda"))
+    assert err < TOL_F32
+
+
+def test_results_stay_on_device(torch, rng):
+    module = compiled("gru", 8, 32, 2, "cuda")
+    w = {k: torch.tensor(v, dtype=torch.float32, device="cuda")
+         for k, v in random_weights(rng, 3, 8, 32).items()}
+    y, h = module(torch.randn(5, 2, 8, device="cuda"), w)
+    assert y.is_cuda and h.is_cuda and y.shape == (5, 2, 32) and h.shape == (1, 2, 32)
+
+
+def test_runs_on_torch_stream_and_in_cuda_graph(torch, rng):
+    module = compiled("lstm", 16, 64, 1, "cuda")
+    w = {k: torch.tensor(v, dtype=torch.float32, device="cuda")
+         for k, v in random_weights(rng, 4, 16, 64).items()}
+    packed = module.pack(w)
+    x = torch.randn(20, 1, 16, device="cuda")
+    expect = module(x, packed)[0].clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        module(x, packed)  # warm up on the side stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, _ = module(x, packed)
+    x.copy_(x)  # same inputs
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, expect)
+    x2 = torch.randn(20, 1, 16, device="cuda")
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, module(x2, packed)[0])
+
+
+def test_wrong_device_is_an_error(torch, rng):
+    module = compiled("rnn_tanh", 4, 8, 1, "cuda")
+    w = {k: torch.tensor(v, dtype=torch.float32) for k, v in random_weights(rng, 1, 4, 8).items()}
+    with pytest.raises(InputError, match="x is on cpu, but this module runs on cuda"):
+        module(torch.randn(3, 1, 4), w)
+    with pytest.raises(InputError, match="weight_ih_l0 is on cpu, but this call runs on cuda:0"):
+        module(torch.randn(3, 1, 4, device="cuda"), w)
+
+
+def test_module_built_here_loads_with_runtime_only(tmp_path, rng):
+    path = compiled("gru", 12, 40, 3, "cuda").export(tmp_path / "gru.so")
+    code = textwrap.dedent(f"""
+        import numpy as np, tvm, rnncc
+        from rnncc import reference
+        assert tvm.base._RUNTIME_ONLY
+        m = rnncc.load({str(path)!r})
+        rng = np.random.default_rng(1)
+        w = {{k: rng.uniform(-.2, .2, s) for k, s in (("weight_ih_l0", (120, 12)),
+             ("weight_hh_l0", (120, 40)), ("bias_ih_l0", (120,)), ("bias_hh_l0", (120,)))}}
+        x = rng.standard_normal((9, 3, 12))
+        y, h = m(x.astype("float32"), {{k: v.astype("float32") for k, v in w.items()}})
+        print("ERR", reference.relative_error(y, reference.run(rnncc.cells.get("gru"), x, w)[0]))
+    """)
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split("ERR")[1]) < TOL_F32
+
+
+def test_reference_of_long_sequence_on_gpu(rng):
+    module = compiled("lstm", 32, 257, 7, "cuda")
+    w = random_weights(rng, 4, 32, 257)
+    x = rng.standard_normal((2000, 7, 32))
+    y, (h, c) = module(x.astype("float32"), {k: v.astype("float32") for k, v in w.items()})
+    ref_y, ref_s = reference.run(rnncc.cells.get("lstm"), x, w)
+    assert reference.relative_error(y, ref_y) < TOL_F32
+    assert reference.relative_error(c, ref_s["c"]) < TOL_F32
+    assert np.all(np.isfinite(y))
