@@ -35,6 +35,9 @@ def _add_problem_args(p):
                        ("fuse-pointwise", "the cell's point-wise step in one kernel")):
         p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), default=True,
                        action=argparse.BooleanOptionalAction, help=f"{what} (default on)")
+    p.add_argument("--persistent", choices=("auto", "on", "off"), default="auto",
+                   help="the persistent-weight CUDA kernel: where it fits (auto), required (on), "
+                        "or never (off)")
 
 
 def _parser():
@@ -69,7 +72,8 @@ def _problem_kwargs(args) -> dict:
     return dict(input_size=args.input_size, hidden_size=args.hidden_size, batch=args.batch,
                 dtype=args.dtype, target=args.target, arch=args.arch,
                 cpu=getattr(args, "cpu", None), input_gemm=args.input_gemm,
-                gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise)
+                gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise,
+                persistent=args.persistent)
 
 
 def _check_writable(path: str) -> None:
@@ -90,10 +94,8 @@ def _cmd_compile(args) -> int:
     module.export(args.output)
     meta = module.metadata
     rules = ", ".join(f"{k}={v}" for k, v in sorted(meta["schedule"]["rules"].items()))
-    print(f"compiled {meta['cell']} C={meta['input_size']} H={meta['hidden_size']} "
-          f"N={meta['batch']} {meta['dtype']} for {args.target}"
-          f"{' ' + meta['target']['arch'] if meta['target']['arch'] else ''} "
-          f"({meta['schedule']['kind']} schedule: {rules})")
+    print(f"compiled {_summary(meta)}")
+    print(f"  rules: {rules}")
     for note in meta["schedule"]["notes"]:
         print(f"  note: {note}")
     print(f"wrote {os.path.abspath(args.output)} ({os.path.getsize(args.output)} bytes)")
@@ -108,10 +110,26 @@ def _cmd_cells(args) -> int:
     return 0
 
 
+def _summary(meta: dict) -> str:
+    """One line: what the module computes, and which schedule runs it (or why not the
+    persistent kernel)."""
+    schedule = meta["schedule"]
+    head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} N={meta['batch']} "
+            f"{meta['dtype']} {meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
+    persistent = schedule.get("persistent", {})
+    if schedule["kind"] == "persistent":
+        plan = persistent["plan"]
+        return (f"{head}: persistent kernel, {plan['blocks']} blocks x {plan['threads']} threads, "
+                f"{plan['sync']} exchange (planned for {persistent['planned_for']}); "
+                "non-persistent schedule as fallback")
+    return f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
+
+
 def _cmd_inspect(args) -> int:
     from rnncc.runtime import metadata as md
 
     meta = md.read_metadata(args.file)
+    print(_summary(meta))
     print(json.dumps(meta, indent=2, sort_keys=True))
     if args.source:
         section = md.CUDA if args.source == "cuda" else md.TIR

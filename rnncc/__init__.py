@@ -47,7 +47,8 @@ __all__ = [
 
 
 def compile(cell, input_size: int, hidden_size: int, batch: int, dtype: str = "float32",  # noqa: A001
-            target: str = "cuda", arch: str | None = None, cpu: str | None = None, **options):
+            target: str = "cuda", arch: str | None = None, cpu: str | None = None,
+            sms: int | None = None, knobs: dict | None = None, **options):
     """Compile one recurrent layer into a :class:`Module`.
 
     ``cell`` is a registered cell name, a :class:`rnncc.cells.Cell`, or the path of a cell
@@ -57,7 +58,7 @@ def compile(cell, input_size: int, hidden_size: int, batch: int, dtype: str = "f
     from .compiler import compile_module
 
     return compile_module(cell, input_size, hidden_size, batch, dtype=dtype, target=target,
-                          arch=arch, cpu=cpu, **options)
+                          arch=arch, cpu=cpu, sms=sms, knobs=knobs, **options)
 
 
 def load(path: str):

@@ -78,10 +78,12 @@ def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype):
         getattr(torch, dtype))
 
 
-def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True) -> dict:
+def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
+             entry: str | None = None) -> dict:
     """rnncc and (when torch knows the cell) cuDNN, each CUDA-graph captured, same inputs.
 
-    Returns milliseconds per call: {"rnncc": ..., "cudnn": ... or None}.
+    Returns milliseconds per call: {"rnncc": ..., "cudnn": ... or None, "entry": ...}.
+    ``entry`` forces the module's "sequence" or "persistent" schedule.
     """
     try:
         import torch
@@ -95,8 +97,9 @@ def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True) -> dict:
     x64, w64 = random_problem(module, steps)
     x = torch.tensor(x64, dtype=dt, device="cuda")
     weights = {k: torch.tensor(v, dtype=dt, device="cuda") for k, v in w64.items()}
-    packed = module.pack(weights)
-    out = {"rnncc": _graph_ms(torch, lambda: module(x, packed), repeat), "cudnn": None}
+    packed = module.pack(weights, entry=entry)
+    out = {"rnncc": _graph_ms(torch, lambda: module(x, packed), repeat), "cudnn": None,
+           "entry": packed.entry}
     cell = registry().get(module.cell)
     ref = cudnn_module(torch, cell.torch if cell else None, module.input_size,
                        module.hidden_size, module.dtype) if cudnn else None

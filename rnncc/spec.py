@@ -56,13 +56,26 @@ class Options:
         the G gates' projections as one GEMM over the concatenated weights (else G GEMMs).
     fuse_pointwise:
         the cell's whole point-wise step in one kernel (else one kernel an operation).
+    persistent:
+        "auto" (CUDA: the persistent kernel where its planner says the weights fit on-chip, with
+        the non-persistent schedule as the fallback), "on" (required: an error if it does not
+        fit), "off" (the non-persistent schedule only). It needs the three optimisations on.
     """
 
     input_gemm: bool = True
     gate_gemm: bool = True
     fuse_pointwise: bool = True
+    persistent: str = "auto"
+
+    def __post_init__(self):
+        if self.persistent not in ("auto", "on", "off"):
+            raise ConfigError(f"persistent must be 'auto', 'on' or 'off', got {self.persistent!r}")
+
+    @property
+    def all_optimisations(self) -> bool:
+        return self.input_gemm and self.gate_gemm and self.fuse_pointwise
 
     def describe(self) -> str:
         on = {True: "on", False: "off"}
         return (f"input_gemm={on[self.input_gemm]} gate_gemm={on[self.gate_gemm]} "
-                f"fuse_pointwise={on[self.fuse_pointwise]}")
+                f"fuse_pointwise={on[self.fuse_pointwise]} persistent={self.persistent}")

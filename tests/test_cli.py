@@ -29,9 +29,12 @@ def test_compile_inspect_bench(capsys, tmp_path):
     code, out, err = run(capsys, "compile", "gru", "--input-size", "5", "--hidden-size", "9",
                          "--batch", "2", "--target", "llvm", "-o", path)
     assert code == 0, err
-    assert "compiled gru C=5 H=9 N=2 float32 for llvm" in out and path in out
+    assert "compiled gru C=5 H=9 N=2 float32 llvm: non-persistent schedule" in out
+    assert path in out
     code, out, _ = run(capsys, "inspect", path)
-    assert code == 0 and json.loads(out)["cell"] == "gru"
+    summary, body = out.split("\n", 1)
+    assert code == 0 and json.loads(body)["cell"] == "gru"
+    assert "persistent kernels are CUDA only" in summary
     code, out, _ = run(capsys, "inspect", path, "--source", "tir")
     assert code == 0 and "def forward" in out
     code, out, _ = run(capsys, "bench", path, "--steps", "5", "--repeat", "2", "--json")
@@ -46,10 +49,10 @@ def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
                          "-N", "1", "--target", "llvm", "--no-fuse-pointwise",
                          "--no-input-gemm", "-o", path)
     assert code == 0, err
-    meta = json.loads(run(capsys, "inspect", path)[1])
+    meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
     assert meta["cell"] == "mgu"
     assert meta["schedule"]["options"] == {"input_gemm": False, "gate_gemm": True,
-                                           "fuse_pointwise": False}
+                                           "fuse_pointwise": False, "persistent": "auto"}
 
 
 @pytest.mark.parametrize("argv, message", [

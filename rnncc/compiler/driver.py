@@ -43,30 +43,101 @@ def _options(options: dict) -> Options:
     if unknown:
         raise ConfigError(f"unknown schedule option(s) {unknown}; allowed: {sorted(fields)}")
     for key, value in options.items():
-        if not isinstance(value, bool):
+        if key != "persistent" and not isinstance(value, bool):
             raise ConfigError(f"schedule option {key} must be True or False, got {value!r}")
     return Options(**options)
 
 
+KNOBS = ("sync", "max_blocks")
+
+
+def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
+                     knobs):
+    """(plan or None, why not) for the persistent kernel."""
+    import dataclasses as dc
+
+    from ..schedules import persistent
+
+    if opts.persistent == "off":
+        return None, "persistent=off"
+    if tspec.kind != "cuda":
+        if opts.persistent == "on":
+            raise ConfigError("persistent kernels are CUDA only; use --target cuda")
+        return None, "persistent kernels are CUDA only"
+    if not opts.all_optimisations:
+        why = "the persistent kernel runs with input_gemm, gate_gemm and fuse_pointwise on"
+        if opts.persistent == "on":
+            raise ConfigError(why)
+        return None, why
+    gpu = persistent.gpu_for_arch(tspec.arch, sms)
+    try:
+        found = persistent.plan(problem.gates, problem.hidden_size, problem.batch,
+                                problem.dtype, gpu, len(problem.cell.states),
+                                max_blocks=knobs.get("max_blocks"), reg_margin=reg_margin)
+    except persistent.Unfit as err:
+        if opts.persistent == "on":
+            raise ConfigError(f"persistent=on, but {err}") from err
+        return None, str(err)
+    if "sync" in knobs:
+        found = dc.replace(found, sync=knobs["sync"])
+    return found, gpu
+
+
+def _knobs(knobs) -> dict:
+    knobs = dict(knobs or {})
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise ConfigError(f"unknown persistent knob(s) {unknown}; allowed: {list(KNOBS)}")
+    if knobs.get("sync", "tagged") not in ("tagged", "barrier", "grid"):
+        raise ConfigError(f"sync must be 'tagged', 'barrier' or 'grid', got {knobs['sync']!r}")
+    blocks = knobs.get("max_blocks", 1)
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ConfigError(f"max_blocks must be a positive integer, got {blocks!r}")
+    return knobs
+
+
 def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    dtype: str = "float32", target: str = "cuda", arch: str | None = None,
-                   cpu: str | None = None, **options) -> Module:
+                   cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
+                   **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
-    what you call is what :meth:`Module.export` writes and :func:`rnncc.load` reads.
+    what you call is what :meth:`Module.export` writes and :func:`rnncc.load` reads. ``sms``:
+    plan the persistent kernel for a GPU with that many multiprocessors (default: the
+    architecture's usual part, e.g. 132 for sm_90). ``knobs``: overrides of the persistent
+    planner's choices, {"sync": "tagged" | "barrier" | "grid", "max_blocks": int}.
     """
-    import tvm
-
-    from ..lowering import sequence
-    from .cuda_binary import nvcc_callback, pack_imports_with_cubin
-
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
+    knobs = _knobs(knobs)
+    from ..schedules.persistent.planner import REG_MARGIN
+
+    margin, notes = REG_MARGIN, []
+    for _ in range(4):
+        plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs)
+        module = _build(problem, opts, tspec, plan, gpu_or_reason, notes)
+        spills = {k: v for k, v in module.metadata.get("ptxas", {}).items()
+                  if k.startswith("persistent") and (v.get("spill_stores") or v.get("stack"))}
+        if plan is None or not spills:
+            return module
+        notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
+                     f"({sorted(spills)}); replanned with fewer registers")
+        margin += 24
+    raise BuildError(f"the persistent kernel for {problem.describe()} still spills registers")
+
+
+def _build(problem, opts, tspec, plan, gpu_or_reason, notes) -> Module:
+    import tvm
+
+    from ..lowering import sequence
+    from . import pipeline
+    from .cuda_binary import nvcc_callback, pack_imports_with_cubin
+
     tvm_target = tspec.tvm_target()
     try:
-        lowered = sequence.build(problem, opts, tvm_target)
+        lowered = sequence.build(problem, opts, tvm_target, plan)
     except RnnccError:
         raise
     except Exception as err:
@@ -77,7 +148,8 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     try:
         if tspec.kind == "cuda":
             with nvcc_callback(tspec.arch, ptxas):
-                executable = tvm.compile(lowered.mod, target=tvm_target)
+                executable = tvm.compile(lowered.mod, target=tvm_target,
+                                         tir_pipeline=pipeline.register())
             cuda_source = executable.mod.imports[0].inspect_source()
         else:
             executable = tvm.compile(lowered.mod, target=tvm_target)
@@ -87,6 +159,11 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     except Exception as err:
         raise BuildError(f"TVM failed to build {problem.describe()} for {tspec.describe()}: "
                          f"{str(err).strip().splitlines()[-1]}") from err
+    if plan is not None:
+        persistent_info = {"plan": plan.as_dict(), "planned_for": gpu_or_reason.name,
+                           "sms": gpu_or_reason.sms}
+    else:
+        persistent_info = {"reason": gpu_or_reason}
     meta = {
         "format": md.FORMAT,
         "rnncc_version": __version__,
@@ -95,23 +172,23 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
         "cell_source": problem.cell.source or "builtin",
         "gates": problem.gates,
         "states": list(problem.cell.states),
-        "input_size": input_size,
-        "hidden_size": hidden_size,
-        "batch": batch,
-        "dtype": dtype,
+        "input_size": problem.input_size,
+        "hidden_size": problem.hidden_size,
+        "batch": problem.batch,
+        "dtype": problem.dtype,
         "target": tspec.as_dict(),
         "schedule": {
-            "kind": "sequence",
+            "kind": "persistent" if plan is not None else "sequence",
             "options": dataclasses.asdict(opts),
             "layout": dataclasses.asdict(lowered.layout),
             "rules": lowered.rules,
-            "notes": lowered.notes,
+            "notes": lowered.notes + notes,
+            "persistent": persistent_info,
         },
         "functions": lowered.signatures,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     fpack = pack_imports_with_cubin(tspec.arch, ptxas) if tspec.kind == "cuda" else None
-    # ptxas reports arrive while packing; the metadata is written after, into its own object.
     _export(executable.mod, path, workdir, fpack, meta, ptxas, cuda_source,
             lowered.mod.script())
     return Module(path, meta, owned_dir=workdir)

@@ -192,3 +192,42 @@ def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str) -> 
     else:
         packed = te.compute(shape, lambda g, kk, o: w[g * hidden + o, kk], name="pack")
     return te.create_prim_func([w, packed])
+
+
+def zero_counter() -> tirx.PrimFunc:
+    """A [1] uint32 counter set to 0 (the persistent kernel's grid barrier)."""
+    out = te.compute((i64(1),), lambda i: tirx.const(0, "uint32"), name="zero")
+    return te.create_prim_func([out])
+
+
+def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
+    """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC]: block b,
+    warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
+    r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside)."""
+    w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
+    u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
+    shape = tuple(i64(d) for d in (plan.blocks, plan.warps, plan.chunks, rw, 32, vec))
+
+    def value(b, wp, i, q, lane, v):
+        r = wp * rw + q
+        j = b * u + r % u
+        k = (i * 32 + lane) * vec + v
+        valid = tvm.tirx.all(r < gates * u, j < hidden, k < hidden)
+        row = (r // u) * hidden + tvm.tirx.min(j, hidden - 1)
+        return tvm.tirx.if_then_else(valid, w[row, tvm.tirx.min(k, hidden - 1)],
+                                     tirx.const(0, dtype))
+
+    return te.create_prim_func([w, te.compute(shape, value, name="pack")])
+
+
+def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.PrimFunc:
+    """The persistent kernel's tagged h [2, N, H] (uint64: the step in the high word, the
+    float32 value in the low word): slot 0 holds h0 as step 0, slot 1 no step yet."""
+    h0 = te.placeholder((i64(batch), i64(hidden)), dtype, "h0")
+
+    def value(slot, n, k):
+        bits = tirx.Cast("uint64", tvm.tirx.reinterpret("uint32", _cast(h0[n, k], "float32")))
+        return tvm.tirx.if_then_else(slot == 0, bits, tirx.const(empty_tag << 32, "uint64"))
+
+    return te.create_prim_func([h0, te.compute((i64(2), i64(batch), i64(hidden)), value,
+                                               name="tagged")])

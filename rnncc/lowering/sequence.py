@@ -1,14 +1,14 @@
-"""The non-persistent sequence: cuDNN's first three optimisations as switchable stages.
+"""A layer's IRModule: the packing functions and one or two ways to run the sequence.
 
-``build(problem, options, target)`` returns an IRModule with
+Entries (function names; each has a signature in the module's metadata: parameter names,
+shapes with "T" for the run-time length, and "input", "output" or "workspace"):
 
-- ``pack_w_ih``, ``pack_w_hh``: PyTorch weights into the schedule's layout (run once, on the
-  device, by ``Module.pack``);
-- ``forward``: the whole sequence, one call for all T steps.
-
-and the signature of each function (names, shapes with "T" for the run-time length, and what
-each parameter is: "input", "output" or "workspace"), which goes into the module's metadata so
-that the runtime can check arguments and allocate workspaces without the compiler.
+- ``pack_w_ih``, ``pack_w_hh``, ``forward``: the non-persistent schedule, cuDNN's first three
+  optimisations as switchable stages (input GEMM of all steps, one GEMM over all gates, fused
+  point-wise step). Always present: it fits every size, and is the fallback.
+- ``persistent_pack_w_hh``, ``persistent_forward``: the persistent kernel (CUDA, when its
+  planner says the weights fit on-chip): the input GEMM of all steps, then one cooperative
+  kernel for all T steps. It shares ``pack_w_ih`` (PyTorch's [G*H, C] rows).
 
 forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each state s,
         y [T,N,H], <s>_n [1,N,H] for each state, xp, hp, <s>_ws [2,N,H] for each state)
@@ -49,112 +49,189 @@ def layout_for(target, options: Options) -> Layout:
                   gates="combined" if options.gate_gemm else "per_gate")
 
 
-def _param(name, shape, dtype, kind, signature):
-    signature.append({"name": name, "shape": [d if isinstance(d, int) else "T" for d in shape],
-                      "dtype": dtype, "kind": kind})
-    return tirx.decl_buffer(tuple(i64(d) if isinstance(d, int) else d for d in shape), dtype,
-                            name)
+class _Builder:
+    def __init__(self, problem: Problem, options: Options, target):
+        self.p, self.options, self.target = problem, options, target
+        self.layout = layout_for(target, options)
+        self.lowered = Lowered(tvm.IRModule(), {}, self.layout)
+        self._done = {}
 
-
-def build(problem: Problem, options: Options, target) -> Lowered:
-    cell, dtype = problem.cell, problem.dtype
-    n, c, h, g = problem.batch, problem.input_size, problem.hidden_size, problem.gates
-    gh_ = g * h
-    layout = layout_for(target, options)
-    lowered = Lowered(tvm.IRModule(), {}, layout)
-
-    def scheduled(key: str, func, role: str):
-        result = schedules.schedule(func, target, role)
-        lowered.rules[key] = result.rule
-        lowered.notes += [f"{key}: {note}" for note in result.notes]
+    def scheduled(self, key: str, func, role: str):
+        if key in self._done:  # the same component in both entries (the input GEMM)
+            return self._done[key]
+        result = schedules.schedule(func, self.target, role)
+        self._done[key] = result.func
+        self.lowered.rules[key] = result.rule
+        self.lowered.notes += [f"{key}: {note}" for note in result.notes]
         return result.func
 
-    # Packing: one function a weight.
-    for which, k in (("ih", c), ("hh", h)):
+    def param(self, sig, name, shape, kind, dtype=None):
+        dtype = dtype or self.p.dtype
+        sig.append({"name": name, "shape": [d if isinstance(d, int) else "T" for d in shape],
+                    "dtype": dtype, "kind": kind})
+        return tirx.decl_buffer(tuple(i64(d) if isinstance(d, int) else d for d in shape),
+                                dtype, name)
+
+    def add(self, name, func, sig):
+        self.lowered.mod[name] = func
+        self.lowered.signatures[name] = sig
+
+    def pack(self, name, which, k, layout_or_func, rule_key=None):
+        p = self.p
+        g, h = p.gates, p.hidden_size
         sig = []
-        src = _param(f"weight_{which}_l0", (gh_, k), dtype, "input", sig)
-        dst = _param(f"w_{which}", layout.weight_shape(g, h, k), dtype, "output", sig)
-        func = scheduled(f"pack_w_{which}", comp.pack_weight(g, h, k, layout, dtype), "elementwise")
-        lowered.mod[f"pack_w_{which}"] = standalone_function(
-            f"pack_w_{which}", _rename_params(func, [src, dst]))
-        lowered.signatures[f"pack_w_{which}"] = sig
+        src = self.param(sig, f"weight_{which}_l0", (g * h, k), "input")
+        if isinstance(layout_or_func, Layout):
+            func = comp.pack_weight(g, h, k, layout_or_func, p.dtype)
+        else:
+            func = layout_or_func
+        dst_shape = tuple(int(d) for d in func.params[1].shape)
+        dst = self.param(sig, f"w_{which}", dst_shape, "output")
+        func = self.scheduled(rule_key or name, func, "elementwise")
+        self.add(name, standalone_function(name, _rename_params(func, [src, dst])), sig)
 
-    t_len = tirx.Var("T", "int64")
-    t = tirx.Var("t", "int64")
-    sig = []
-    x = _param("x", (t_len, n, c), dtype, "input", sig)
-    w_ih = _param("w_ih", layout.weight_shape(g, h, c), dtype, "input", sig)
-    w_hh = _param("w_hh", layout.weight_shape(g, h, h), dtype, "input", sig)
-    b_ih = _param("b_ih", (gh_,), dtype, "input", sig)
-    b_hh = _param("b_hh", (gh_,), dtype, "input", sig)
-    s0 = [_param(f"{s}0", (1, n, h), dtype, "input", sig) for s in cell.states]
-    y = _param("y", (t_len, n, h), dtype, "output", sig)
-    sn = [_param(f"{s}_n", (1, n, h), dtype, "output", sig) for s in cell.states]
-    per_gate = layout.gates == "per_gate"
-    if options.input_gemm:
-        xp_shape = (g, t_len, n, h) if per_gate else (t_len, n, gh_)
-    else:
-        xp_shape = (g, n, h) if per_gate else (n, gh_)
-    xp = _param("xp", xp_shape, dtype, "workspace", sig)
-    hp = _param("hp", (g, n, h) if per_gate else (n, gh_), dtype, "workspace", sig)
-    sw = [_param(f"{s}_ws", (2, n, h), dtype, "workspace", sig) for s in cell.states]
+    def io(self, sig, t_len, w_hh_shape):
+        """The parameters both forward functions start with."""
+        p, layout = self.p, self.layout
+        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        x = self.param(sig, "x", (t_len, n, c), "input")
+        w_ih = self.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
+        w_hh = self.param(sig, "w_hh", w_hh_shape, "input")
+        b_ih = self.param(sig, "b_ih", (g * h,), "input")
+        b_hh = self.param(sig, "b_hh", (g * h,), "input")
+        s0 = [self.param(sig, f"{s}0", (1, n, h), "input") for s in p.cell.states]
+        y = self.param(sig, "y", (t_len, n, h), "output")
+        sn = [self.param(sig, f"{s}_n", (1, n, h), "output") for s in p.cell.states]
+        return x, w_ih, w_hh, b_ih, b_hh, s0, y, sn
 
-    def projections(name, a_region, lead, k, w, b, out_region_of_gate, out_whole):
+    def states_copy(self, key, src, dst):
+        p = self.p
+        func = self.scheduled(key, comp.copy(len(src), p.batch, p.hidden_size, p.dtype),
+                              "elementwise")
+        return Stage(key, func, src + dst, len(dst))
+
+    def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole):
         """One GEMM over all gates, or one a gate (gate_gemm off)."""
-        if not per_gate:
-            func = scheduled(name, comp.gemm(lead, k, gh_, layout.weights, dtype), "gemm")
+        p, layout = self.p, self.layout
+        g, h = p.gates, p.hidden_size
+        if layout.gates == "combined":
+            func = self.scheduled(name, comp.gemm(lead, k, g * h, layout.weights, p.dtype),
+                                  "gemm")
             return [Stage(name, func, [a_region, Region(w, (ALL,) * len(w.shape)),
                                        Region(b, (ALL,)), out_whole], 1)]
-        func = scheduled(name, comp.gemm(lead, k, h, layout.weights, dtype), "gemm")
+        func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype), "gemm")
         return [Stage(f"{name}_g{i}", func,
                       [a_region, Region(w, (i, ALL, ALL)),
-                       Region(b, (slice(i * h, (i + 1) * h),)), out_region_of_gate(i)], 1)
+                       Region(b, (slice(i * h, (i + 1) * h),)), out_of_gate(i)], 1)
                 for i in range(g)]
 
-    prologue = [Stage("init_states", scheduled("init_states",
-                                               comp.copy(len(s0), n, h, dtype),
-                                               "elementwise"),
-                      [Region(s, (0, ALL, ALL)) for s in s0]
-                      + [Region(s, (0, ALL, ALL)) for s in sw], len(sw))]
-    steps = []
-    if options.input_gemm:
-        prologue += projections(
-            "input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c, w_ih, b_ih,
-            lambda i: Region(xp, (i, ALL, ALL, ALL)), Region(xp, (ALL, ALL, ALL)))
-        gi = ([Region(xp, (i, t, ALL, ALL)) for i in range(g)] if per_gate
-              else [Region(xp, (t, ALL, ALL))])
-    else:
-        steps += projections(
-            "input_gemm", Region(x, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
-            lambda i: Region(xp, (i, ALL, ALL)), Region(xp, (ALL, ALL)))
-        gi = ([Region(xp, (i, ALL, ALL)) for i in range(g)] if per_gate
-              else [Region(xp, (ALL, ALL))])
-    slot = tirx.floormod(t, i64(2))
-    nxt = tirx.floormod(t + i64(1), i64(2))
-    steps += projections(
-        "recurrent_gemm", Region(sw[0], (slot, ALL, ALL)), (n,), h, w_hh, b_hh,
-        lambda i: Region(hp, (i, ALL, ALL)), Region(hp, (ALL, ALL)))
-    step_func = scheduled(
-        "cell_step",
-        comp.cell_step(cell, n, h, dtype, layout.gates, options.fuse_pointwise), "elementwise")
-    steps.append(Stage(
-        "cell_step", step_func,
-        gi + ([Region(hp, (i, ALL, ALL)) for i in range(g)] if per_gate
-              else [Region(hp, (ALL, ALL))])
-        + [Region(s, (slot, ALL, ALL)) for s in sw]
-        + [Region(y, (t, ALL, ALL))] + [Region(s, (nxt, ALL, ALL)) for s in sw],
-        1 + len(sw)))
-    final = tirx.floormod(t_len, i64(2))
-    epilogue = [Stage("final_states", scheduled("final_states",
-                                                comp.copy(len(sw), n, h, dtype),
-                                                "elementwise"),
-                      [Region(s, (final, ALL, ALL)) for s in sw]
-                      + [Region(s, (0, ALL, ALL)) for s in sn], len(sn))]
-    params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, hp, *sw]
-    lowered.mod["forward"] = sequence_function("forward", params, prologue, t, t_len, steps,
-                                               epilogue)
-    lowered.signatures["forward"] = sig
-    return lowered
+    def sequence_entry(self):
+        p, options, layout = self.p, self.options, self.layout
+        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        per_gate = layout.gates == "per_gate"
+        self.pack("pack_w_ih", "ih", c, layout)
+        self.pack("pack_w_hh", "hh", h, layout)
+        t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
+        sig = []
+        x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len,
+                                                       layout.weight_shape(g, h, h))
+        if options.input_gemm:
+            xp_shape = (g, t_len, n, h) if per_gate else (t_len, n, g * h)
+        else:
+            xp_shape = (g, n, h) if per_gate else (n, g * h)
+        xp = self.param(sig, "xp", xp_shape, "workspace")
+        hp = self.param(sig, "hp", (g, n, h) if per_gate else (n, g * h), "workspace")
+        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace") for s in p.cell.states]
+
+        prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
+                                     [Region(s, (0, ALL, ALL)) for s in sw])]
+        steps = []
+        if options.input_gemm:
+            prologue += self.projections(
+                "input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c, w_ih, b_ih,
+                lambda i: Region(xp, (i, ALL, ALL, ALL)), Region(xp, (ALL, ALL, ALL)))
+            gi = ([Region(xp, (i, t, ALL, ALL)) for i in range(g)] if per_gate
+                  else [Region(xp, (t, ALL, ALL))])
+        else:
+            steps += self.projections(
+                "input_gemm", Region(x, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
+                lambda i: Region(xp, (i, ALL, ALL)), Region(xp, (ALL, ALL)))
+            gi = ([Region(xp, (i, ALL, ALL)) for i in range(g)] if per_gate
+                  else [Region(xp, (ALL, ALL))])
+        slot = tirx.floormod(t, i64(2))
+        nxt = tirx.floormod(t + i64(1), i64(2))
+        steps += self.projections(
+            "recurrent_gemm", Region(sw[0], (slot, ALL, ALL)), (n,), h, w_hh, b_hh,
+            lambda i: Region(hp, (i, ALL, ALL)), Region(hp, (ALL, ALL)))
+        step_func = self.scheduled(
+            "cell_step",
+            comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise),
+            "elementwise")
+        steps.append(Stage(
+            "cell_step", step_func,
+            gi + ([Region(hp, (i, ALL, ALL)) for i in range(g)] if per_gate
+                  else [Region(hp, (ALL, ALL))])
+            + [Region(s, (slot, ALL, ALL)) for s in sw]
+            + [Region(y, (t, ALL, ALL))] + [Region(s, (nxt, ALL, ALL)) for s in sw],
+            1 + len(sw)))
+        final = tirx.floormod(t_len, i64(2))
+        epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
+                                     [Region(s, (0, ALL, ALL)) for s in sn])]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, hp, *sw]
+        self.add("forward", sequence_function("forward", params, prologue, t, t_len, steps,
+                                              epilogue), sig)
+
+    def persistent_entry(self, plan):
+        from ..schedules.persistent import kernel
+
+        p = self.p
+        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        self.pack("persistent_pack_w_hh", "hh", h,
+                  comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
+        t_len = tirx.Var("T", "int64")
+        sig = []
+        w_shape = (plan.blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
+        x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape)
+        xp = self.param(sig, "xp", (t_len, n, g * h), "workspace")
+        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace") for s in p.cell.states]
+        if plan.sync == "tagged":
+            sync = self.param(sig, "h_tagged", (2, n, h), "workspace", "uint64")
+            init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, kernel.EMPTY_TAG),
+                                  "elementwise")
+            sync_stage = Stage("init_tagged", init, [Region(s0[0], (0, ALL, ALL)),
+                                                     Region(sync, (ALL, ALL, ALL))], 1)
+        else:
+            sync = self.param(sig, "counter", (1,), "workspace", "uint32")
+            zero = self.scheduled("zero_counter", comp.zero_counter(), "elementwise")
+            sync_stage = Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)
+        prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
+                                     [Region(s, (0, ALL, ALL)) for s in sw])]
+        prologue += self.projections("input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c,
+                                     w_ih, b_ih, None, Region(xp, (ALL, ALL, ALL)))
+        prologue.append(sync_stage)
+        k_func = kernel.kernel(p.cell, h, n, plan)
+        self.lowered.rules["persistent"] = f"persistent.{plan.sync}"
+        prologue.append(Stage(
+            "persistent", k_func,
+            [Region(xp, (ALL, ALL, ALL)), Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,)),
+             Region(y, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
+            + [Region(sync, (ALL,) * len(sync.shape))], 3 + len(sw)))
+        final = tirx.floormod(t_len, i64(2))
+        epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
+                                     [Region(s, (0, ALL, ALL)) for s in sn])]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, *sw, sync]
+        self.add("persistent_forward", sequence_function(
+            "persistent_forward", params, prologue, None, None, [], epilogue), sig)
+
+
+def build(problem: Problem, options: Options, target, persistent_plan=None) -> Lowered:
+    """The layer's IRModule: always the non-persistent entry, plus the persistent one when a
+    plan is given (CUDA only; its input GEMM always runs over all steps at once)."""
+    builder = _Builder(problem, options, target)
+    builder.sequence_entry()
+    if persistent_plan is not None:
+        builder.persistent_entry(persistent_plan)
+    return builder.lowered
 
 
 def _rename_params(func, buffers):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 
 from ..errors import InputError, ModuleFileError
@@ -26,11 +27,13 @@ WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
 
 
 class PackedWeights:
-    """Weights laid out for one module on one device (from :meth:`Module.pack`)."""
+    """Weights laid out for one module's entry ("persistent" or "sequence") on one device
+    (from :meth:`Module.pack`)."""
 
-    def __init__(self, module: Module, family: Family, tensors: dict, keep: list):
+    def __init__(self, module: Module, family: Family, entry: str, tensors: dict, keep: list):
         self._module_key = module._key
         self.device = family.describe_device()
+        self.entry = entry
         self.tensors = tensors
         self._keep = keep  # the caller's arrays the tensors alias
 
@@ -51,6 +54,7 @@ class Module:
         self.path = path
         self.metadata = metadata
         self._lib = None
+        self._entries: dict = {}
         self._key = (f"{metadata['cell']} C={metadata['input_size']} H={metadata['hidden_size']} "
                      f"N={metadata['batch']} {metadata['dtype']} {metadata['target']['kind']}")
         if owned_dir is not None:  # a freshly compiled module owns its temporary file
@@ -120,6 +124,29 @@ class Module:
     def _signature(self, function: str):
         return self.metadata["functions"][function]
 
+    def _function(self, entry: str, name: str) -> str:
+        """The module function ``name`` of an entry (persistent functions are prefixed)."""
+        prefixed = f"{entry}_{name}"
+        return prefixed if entry != "sequence" and prefixed in self.metadata["functions"] else name
+
+    def entry_for(self, family: Family) -> str:
+        """"persistent" where the module has the persistent kernel and this device can run its
+        grid at once (a cooperative launch needs every block resident), else "sequence"."""
+        key = (family.device_kind, family.device_index)
+        if key not in self._entries:
+            self._library()  # a module that cannot load here says so before anything else
+            self._entries[key] = "sequence"
+            persistent = self.metadata["schedule"].get("persistent", {})
+            if "persistent_forward" in self.metadata["functions"] and key[0] == "cuda":
+                why = tvm_runtime.persistent_unfit(persistent["plan"], self.metadata["target"],
+                                                   key[1])
+                if why is None:
+                    self._entries[key] = "persistent"
+                else:
+                    warnings.warn(f"rnncc: {why}; this module runs its non-persistent schedule "
+                                  f"on {family.describe_device()}", stacklevel=3)
+        return self._entries[key]
+
     def _weights_mapping(self, weights) -> dict:
         if isinstance(weights, PackedWeights):
             return weights
@@ -143,14 +170,25 @@ class Module:
                              "(neither means zero biases)")
         return dict(weights)
 
-    def pack(self, weights, device: str | None = None) -> PackedWeights:
+    def pack(self, weights, device: str | None = None, entry: str | None = None
+             ) -> PackedWeights:
         """Lay ``weights`` out for this module, on the device of the weights (or ``device``,
-        for NumPy weights: "cuda:1"), once, for repeated calls."""
+        for NumPy weights: "cuda:1"), once, for repeated calls. ``entry`` forces "sequence"
+        (the non-persistent schedule) or "persistent" (for comparisons); by default the
+        module picks the persistent kernel where it has one that this device can run."""
         weights = self._weights_mapping(weights)
         if isinstance(weights, PackedWeights):
             return weights
         family = self._family_for(weights["weight_ih_l0"], device)
-        return self._pack(weights, family)
+        chosen = self.entry_for(family)
+        if entry is not None:
+            if entry not in ("sequence", "persistent"):
+                raise InputError(f"entry must be 'sequence' or 'persistent', got {entry!r}")
+            if entry == "persistent" and chosen != "persistent":
+                raise InputError(f"this module cannot run its persistent kernel on "
+                                 f"{family.describe_device()} (see its metadata)")
+            chosen = entry
+        return self._pack(weights, family, chosen)
 
     def _family_for(self, first, device: str | None) -> Family:
         family = family_of(first, self.device_kind)
@@ -161,17 +199,18 @@ class Module:
             family = Family("numpy", kind, int(index or 0))
         return family
 
-    def _pack(self, weights: dict, family: Family) -> PackedWeights:
+    def _pack(self, weights: dict, family: Family, entry: str) -> PackedWeights:
         lib = self._library()
         dtype, gh = self.dtype, len(self._gates_rows())
         tensors, keep = {}, []
         for which in ("ih", "hh"):
-            sig = self._signature(f"pack_w_{which}")
+            function = self._function(entry, f"pack_w_{which}")
+            sig = self._signature(function)
             src = to_tensor(sig[0]["name"], weights[sig[0]["name"]], sig[0]["shape"], dtype,
                             family)
             arr, dst = family.empty(sig[1]["shape"], dtype)
             with family.stream():
-                lib[f"pack_w_{which}"](src, dst)
+                lib[function](src, dst)
             tensors[f"w_{which}"] = dst
             keep += [arr, src]
         for which in ("ih", "hh"):
@@ -182,7 +221,7 @@ class Module:
             else:
                 arr, tensors[f"b_{which}"] = family.zeros([gh], dtype)
                 keep.append(arr)
-        return PackedWeights(self, family, tensors, keep)
+        return PackedWeights(self, family, entry, tensors, keep)
 
     def _gates_rows(self):
         return range(self.metadata["gates"] * self.hidden_size)
@@ -195,8 +234,10 @@ class Module:
                 raise InputError(f"{key} is not an initial state of cell {self.cell!r}; "
                                  f"it takes {', '.join(s + '0' for s in states)}")
         family = family_of(x, self.device_kind)
+        entry = self.entry_for(family)
         if isinstance(weights, PackedWeights):
             packed = weights
+            entry = packed.entry
             if packed._module_key != self._key:
                 raise InputError(f"these PackedWeights were packed for {packed._module_key}, "
                                  f"not for this module ({self._key})")
@@ -204,14 +245,20 @@ class Module:
                 raise InputError(f"weights are packed on {packed.device}, but x is on "
                                  f"{family.describe_device()}")
         else:
-            packed = self._pack(self._weights_mapping(weights), family)
-        sig = self._signature("forward")
+            packed = self._pack(self._weights_mapping(weights), family, entry)
+        forward = self._function(entry, "forward")
+        sig = self._signature(forward)
         shapes = {p["name"]: p["shape"] for p in sig}
         x_t = to_tensor("x", x, [None if d == "T" else d for d in shapes["x"]], self.dtype,
                         family)
         steps = int(x_t.shape[0])
         if steps < 1:
             raise InputError("x has 0 time steps; it needs at least 1")
+        if entry == "persistent":
+            limit = (2**32 - 1) // self.metadata["schedule"]["persistent"]["plan"]["blocks"]
+            if steps > limit:
+                raise InputError(f"x has {steps} time steps; the persistent kernel of this "
+                                 f"module takes at most {limit} (its barrier counter is 32-bit)")
 
         def concrete(shape):
             return [steps if d == "T" else d for d in shape]
@@ -230,14 +277,15 @@ class Module:
                 else:
                     args.append(to_tensor(name, value, concrete(p["shape"]), self.dtype, family))
             else:
-                alloc = family.poisoned if self.poison else family.empty
-                arr, tensor = alloc(concrete(p["shape"]), self.dtype)
+                float_out = p["dtype"].startswith("float")
+                alloc = family.poisoned if self.poison and float_out else family.empty
+                arr, tensor = alloc(concrete(p["shape"]), p["dtype"])
                 args.append(tensor)
                 if kind == "output":
                     results[name] = arr
         lib = self._library()
         with family.stream():
-            lib["forward"](*args)
+            lib[forward](*args)
         y = family.result(results["y"])
         finals = tuple(family.result(results[f"{s}_n"]) for s in states)
         return (y, finals[0]) if len(finals) == 1 else (y, finals)

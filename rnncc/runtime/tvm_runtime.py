@@ -67,6 +67,24 @@ def load_library(path: str, kind: str):
         raise ModuleFileError(f"TVM could not load {path!r}: {str(err).splitlines()[-1]}") from err
 
 
+def persistent_unfit(plan: dict, target: dict, index: int) -> str | None:
+    """Why the persistent kernel cannot run on CUDA device ``index`` (None if it can): its
+    cooperative grid needs ``blocks`` multiprocessors and the module's architecture."""
+    dev = device("cuda", index)
+    try:
+        sms = int(dev.multi_processor_count)
+        version = str(dev.compute_version)
+    except Exception as err:  # noqa: BLE001 - no device: reported, not raised
+        return f"cannot query cuda:{index} ({err})"
+    arch = "sm_" + version.replace(".", "")
+    if not target["arch"].startswith(arch):
+        return f"the module is built for {target['arch']}, cuda:{index} is {arch}"
+    if sms < plan["blocks"]:
+        return (f"the persistent kernel needs {plan['blocks']} multiprocessors resident at once, "
+                f"cuda:{index} has {sms}")
+    return None
+
+
 def device(kind: str, index: int):
     """A tvm Device."""
     import tvm

@@ -1,0 +1,56 @@
+"""The persistent-kernel table: rnncc (persistent where it fits, else the fallback), rnncc's
+non-persistent schedule, and cuDNN through PyTorch, each CUDA-graph captured, float32 with TF32
+off, T = 100, C = H. Run on a GPU machine from the repository root:
+
+    python3 benchmarks/persistent.py [--repeat 100] [--json out.json]
+
+Prints a markdown table with the GPU's name and the date, as in docs/benchmarks.md.
+"""
+
+import argparse
+import datetime
+import json
+
+import rnncc
+from rnncc.bench import time_gpu
+
+CONFIGS = [("lstm", h, n) for h in (256, 512, 1024, 1536) for n in (1, 4)] + [
+    ("gru", h, n) for h in (512, 1024, 2048) for n in (1, 4)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows, device = [], None
+    for cell, hidden, batch in CONFIGS:
+        module = rnncc.compile(cell, hidden, hidden, batch, target="cuda")
+        best = time_gpu(module, args.steps, args.repeat)
+        device = best.get("device")
+        if best["entry"] == "persistent":
+            seq = time_gpu(module, args.steps, args.repeat, cudnn=False, entry="sequence")["rnncc"]
+        else:
+            seq = best["rnncc"]
+        plan = module.metadata["schedule"]["persistent"].get("plan")
+        per = 1e3 / args.steps
+        rows.append({"cell": cell, "H": hidden, "N": batch, "schedule": best["entry"],
+                     "plan": f"B={plan['blocks']} {plan['sync']}" if plan else "-",
+                     "rnncc_us": best["rnncc"] * per, "sequence_us": seq * per,
+                     "cudnn_us": best["cudnn"] * per})
+    print(f"{device}, {datetime.date.today().isoformat()}, T={args.steps}, float32 (TF32 off)\n")
+    print("| cell | H | N | schedule | plan | rnncc us/step | non-persistent us/step "
+          "| cuDNN us/step | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['cell']} | {r['H']} | {r['N']} | {r['schedule']} | {r['plan']} "
+              f"| {r['rnncc_us']:.2f} | {r['sequence_us']:.2f} | {r['cudnn_us']:.2f} "
+              f"| {r['cudnn_us'] / r['rnncc_us']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""rnncc's TIR pipeline: TVM's default s_tir pipeline, plus cooperative launch for kernels that
+synchronise the whole grid.
+
+A persistent kernel waits at a grid-wide barrier every step, which is only safe when every
+block of the grid is resident at once: a cooperative launch guarantees that, and the driver
+refuses one that cannot be (instead of the barrier hanging). TVM 0.27 takes the launch mode
+from the device kernel's ``tirx.kernel_launch_params`` attribute, but does not carry a
+PrimFunc attribute there, so the device-finalize step of this pipeline adds the tag to every
+kernel that calls a grid barrier (TVM's ``T.cuda.grid_sync`` or rnncc's own flag barrier).
+This is the only place rnncc changes TVM's pipeline.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+
+NAME = "rnncc"
+COOPERATIVE = "tirx.use_cooperative_launch"
+DYN_SHARED = "tirx.use_dyn_shared_memory"
+#: rnncc's device functions that wait on other blocks (rnncc.schedules.persistent.kernel):
+#: every device function whose name starts with "rnncc_grid_" makes a kernel cooperative.
+FLAG_BARRIER = "rnncc_grid_barrier"
+GRID_LOAD = "rnncc_grid_load"
+GRID_STORE = "rnncc_grid_store"
+
+
+def _uses_grid_barrier(func) -> bool:
+    grid_sync = tvm.ir.Op.get("tirx.cuda.grid_sync")
+    func_call = tvm.ir.Op.get("tirx.cuda.func_call")
+    found = []
+
+    def visit(call):
+        if call.op.same_as(grid_sync):
+            found.append(call)
+        elif (call.op.same_as(func_call) and call.args
+              and str(call.args[0].value).startswith("rnncc_grid_")):
+            found.append(call)
+
+    tvm_ffi.structural_walk(func.body, (tvm.ir.Call, visit))
+    return bool(found)
+
+
+@tvm.transform.module_pass(opt_level=0, name="rnncc.CooperativeLaunch")
+def cooperative_launch(mod, _ctx):
+    """Tag kernels that use a grid barrier for cooperative launch."""
+    updates = {}
+    for gvar, func in mod.functions_items():
+        params = func.attrs.get("tirx.kernel_launch_params") if func.attrs else None
+        if params is None or not _uses_grid_barrier(func):
+            continue
+        tags = [str(p) for p in params]
+        if COOPERATIVE in tags:
+            continue
+        at = tags.index(DYN_SHARED) if DYN_SHARED in tags else len(tags)
+        tags.insert(at, COOPERATIVE)
+        updates[gvar] = func.with_attr("tirx.kernel_launch_params", tags)
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return mod
+
+
+def _factory():
+    import tvm.s_tir.pipeline  # noqa: F401 - registers the s_tir pipeline
+
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir")
+
+    def finalize():
+        return tvm.ir.transform.Sequential([finalize_device(), cooperative_launch])
+
+    return pipeline, finalize_host, finalize
+
+
+def register() -> str:
+    """Register the pipeline (idempotent) and return its name for ``tvm.compile``."""
+    from tvm.tirx.compilation_pipeline import PIPELINE_MAP, register_tir_pipeline
+
+    if NAME not in PIPELINE_MAP:
+        register_tir_pipeline(NAME, _factory)
+    return NAME

@@ -1,0 +1,11 @@
+"""Persistent-weight CUDA kernels: the recurrent weights stay on-chip for the whole sequence.
+
+``planner`` decides from the cell, the sizes, the dtype and the GPU whether the weights fit in
+the registers and shared memory of one block a multiprocessor, and picks the grid and the
+split; ``kernel`` generates the cooperative kernel that loops over time. The input projection
+of all steps runs first, as one GEMM (the non-persistent schedule's stage).
+"""
+
+from .planner import GPU, Plan, Unfit, gpu_for_arch, plan
+
+__all__ = ["GPU", "Plan", "Unfit", "gpu_for_arch", "plan"]

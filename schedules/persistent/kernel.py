@@ -1,0 +1,317 @@
+"""The persistent kernel, generated as TVMScript for one cell, size and plan.
+
+One launch runs all T steps. Per step, each block:
+
+1. prefetches the input projections of its (unit, batch) pairs for step t;
+2. stages h_{t-1} [N, H] (float32) in shared memory. With ``sync="tagged"`` (the default)
+   h travels between blocks as 8-byte words (the value and the step that wrote it): a block
+   issues its loads, then re-reads only the words whose tag is not yet the step's, so no
+   separate barrier is needed and a step costs about one L2 round trip of communication
+   (data and flag in one store, as NCCL's low-latency protocol does). With ``"barrier"``
+   (rnncc's counter barrier) or ``"grid"`` (cooperative groups) h is plain float32, read
+   past L1 (``ld.global.cg``) after the barrier;
+3. multiplies: each lane its 16-byte weight chunks (registers first, then shared memory) by
+   the matching chunks of h, for every batch row; accumulation in float32;
+4. reduces over the 32 lanes with a halving butterfly (each exchange halves the values a lane
+   carries, so RW*N sums cost about RW*N shuffles instead of 5*RW*N);
+5. applies the cell to its (unit, batch) pairs: gates from the sums plus b_hh and the
+   prefetched input projections, states other than h kept in registers across steps; writes
+   h_t to y[t] and to the other half of the h ping-pong buffer;
+6. with a barrier variant, waits at the grid barrier, so that every block's h_t is visible
+   before step t+1. Every variant spins on other blocks, so the launch is cooperative: all
+   blocks resident, or the driver refuses the launch (never a hang).
+
+Register arrays are indexed only by unrolled loop indices, so they stay in registers.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+from tvm.script.parser.core.entry import parse
+
+from rnncc.compiler.pipeline import FLAG_BARRIER, GRID_LOAD, GRID_STORE
+
+from .planner import Plan
+
+BARRIER_SOURCE = f"""
+__device__ __forceinline__ void {FLAG_BARRIER}(unsigned int* counter, unsigned int target) {{
+  __syncthreads();
+  if (threadIdx.x == 0) {{
+    __threadfence();
+    atomicAdd(counter, 1u);
+    volatile unsigned int* flag = counter;
+    while (*flag < target) {{
+    }}
+    __threadfence();
+  }}
+  __syncthreads();
+}}
+"""
+
+SHFL_SOURCE = """
+__device__ __forceinline__ float rnncc_shfl_xor(float value, int mask) {
+  return __shfl_xor_sync(0xffffffffu, value, mask);
+}
+"""
+
+GRID_LOAD_SOURCE = f"""
+__device__ __forceinline__ uint64_t {GRID_LOAD}(const uint64_t* address) {{
+  return *((volatile const uint64_t*)address);
+}}
+"""
+
+GRID_STORE_SOURCE = f"""
+__device__ __forceinline__ void {GRID_STORE}(uint64_t* address, uint64_t value) {{
+  *((volatile uint64_t*)address) = value;
+}}
+"""
+
+#: Tag of the slot that holds no step yet (steps count from 0 and stay below it).
+EMPTY_TAG = 0x7FFFFFFF
+#: Words of h a thread loads before it waits on their tags.
+WAIT_BATCH = 8
+
+LDCG_SOURCE = """
+__device__ __forceinline__ float rnncc_ldcg(const float* address) {
+  return __ldcg(address);
+}
+"""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> str:
+    """TVMScript text of the kernel (exposed for tests and ``rnncc inspect``)."""
+    g_count, states = cell.gates, len(cell.states)
+    h, n_, vec, ki, kr, ks = hidden, batch, p.vec, p.chunks, p.reg_chunks, p.smem_chunks
+    rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.blocks
+    threads = p.threads
+    kp = ki * 32 * vec
+    gh = g_count * h
+    acc_n = _next_pow2(rw * n_)
+    extra = max(states - 1, 1)
+    lines = []
+    emit = lines.append
+
+    tagged = p.sync == "tagged"
+    emit(f"@T.prim_func(s_tir=True)\ndef {name}(xp_h: T.handle, w_h: T.handle, b_h: T.handle, "
+         "y_h: T.handle, " + "".join(f"s{k}_h: T.handle, " for k in range(states))
+         + ("hw_h: T.handle):" if tagged else "cnt_h: T.handle):"))
+    emit('    T.func_attr({"tirx.noalias": True})')
+    emit('    T_len = T.int64()')
+    emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_}, {gh}), "float32")')
+    emit(f'    w = T.match_buffer(w_h, ({b_}, {wn}, {ki}, {rw}, 32, {vec}), "float32")')
+    emit(f'    b_hh = T.match_buffer(b_h, ({gh},), "float32")')
+    emit(f'    y = T.match_buffer(y_h, (T_len, {n_}, {h}), "float32")')
+    for k in range(states):
+        emit(f'    s{k} = T.match_buffer(s{k}_h, (2, {n_}, {h}), "float32")')
+    if tagged:
+        emit(f'    hw = T.match_buffer(hw_h, (2, {n_}, {h}), "uint64")')
+    else:
+        emit('    cnt = T.match_buffer(cnt_h, (1,), "uint32")')
+    emit('    with T.sblock("root"):')
+    i1 = " " * 8
+    if kr:
+        emit(f'{i1}wreg = T.sblock_alloc_buffer(({kr * rw * vec},), "float32", scope="local")')
+    emit(f'{i1}acc = T.sblock_alloc_buffer(({acc_n},), "float32", scope="local")')
+    emit(f'{i1}hv = T.sblock_alloc_buffer(({n_ * vec},), "float32", scope="local")')
+    emit(f'{i1}wv = T.sblock_alloc_buffer(({vec},), "float32", scope="local")')
+    emit(f'{i1}gi = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
+    emit(f'{i1}bh = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
+    emit(f'{i1}st = T.sblock_alloc_buffer(({it_ * extra},), "float32", scope="local")')
+    if tagged:
+        emit(f'{i1}tv = T.sblock_alloc_buffer(({WAIT_BATCH},), "uint64", scope="local")')
+    if ks:
+        emit(f'{i1}wsm = T.sblock_alloc_buffer(({wn * ks * rw * 32 * vec},), "float32", '
+             'scope="shared.dyn")')
+    emit(f'{i1}hs = T.sblock_alloc_buffer(({n_ * kp},), "float32", scope="shared.dyn")')
+    emit(f'{i1}gsum = T.sblock_alloc_buffer(({wn * rw * n_},), "float32", scope="shared.dyn")')
+    emit(f'{i1}for bx in T.thread_binding({b_}, thread="blockIdx.x"):')
+    emit(f'{i1}    for tx in T.thread_binding({threads}, thread="threadIdx.x"):')
+    i3 = " " * 16
+    emit(f'{i3}warp = T.meta_var(tx // 32)')
+    emit(f'{i3}lane = T.meta_var(tx % 32)')
+    # weights into registers and shared memory, once
+    if kr:
+        emit(f'{i3}for i in T.unroll({kr}):')
+        emit(f'{i3}    for q in T.unroll({rw}):')
+        emit(f'{i3}        for v in T.vectorized({vec}):')
+        emit(f'{i3}            wreg[(i * {rw} + q) * {vec} + v] = w[bx, warp, i, q, lane, v]')
+    if ks:
+        total = wn * ks * rw * 32 * vec
+        per = rw * 32 * vec
+        emit(f'{i3}for e in range({-(-total // (threads * vec))}):')
+        emit(f'{i3}    for v in T.vectorized({vec}):')
+        emit(f'{i3}        with T.If((e * {threads} + tx) * {vec} < {total}):')
+        emit(f'{i3}            with T.Then():')
+        emit(f'{i3}                wsm[(e * {threads} + tx) * {vec} + v] = w[bx, '
+             f'(e * {threads} + tx) * {vec} // {ks * per}, '
+             f'{kr} + (e * {threads} + tx) * {vec} % {ks * per} // {per}, '
+             f'(e * {threads} + tx) * {vec} % {per} // {32 * vec}, '
+             f'(e * {threads} + tx) % 32, v]')
+
+    def item(it):  # (valid, n, j) of the thread's it-th (unit, batch) pair
+        e = f"({it} * {threads} + tx)"
+        return (f"{e} < {u_ * n_} and bx * {u_} + {e} % {u_} < {h}", f"{e} // {u_}",
+                f"bx * {u_} + {e} % {u_}")
+
+    # per-pair constants and the initial states other than h
+    for it in range(it_):
+        valid, n, j = item(it)
+        emit(f'{i3}with T.If({valid}):')
+        emit(f'{i3}    with T.Then():')
+        for g in range(g_count):
+            emit(f'{i3}        bh[{it * g_count + g}] = b_hh[{g * h} + {j}]')
+        for k in range(1, states):
+            emit(f'{i3}        st[{it * extra + k - 1}] = s{k}[0, {n}, {j}]')
+    emit(f'{i3}for t in range(T_len):')
+    i4 = " " * 20
+    # 1. prefetch this step's input projections
+    for it in range(it_):
+        valid, n, j = item(it)
+        emit(f'{i4}with T.If({valid}):')
+        emit(f'{i4}    with T.Then():')
+        for g in range(g_count):
+            emit(f'{i4}        gi[{it * g_count + g}] = xp[t, {n}, {g * h} + {j}]')
+    # 2. stage h_{t-1}
+    total_h = n_ * kp
+    if tagged:
+        per_thread = -(-total_h // threads)
+        batches = -(-per_thread // WAIT_BATCH)
+        emit(f'{i4}for bi in range({batches}):')
+        e = f"((bi * {WAIT_BATCH} + i) * {threads} + tx)"
+        addr = (f"T.address_of(hw[t % 2, T.min({e} // {kp}, {n_ - 1}), "
+                f"T.min({e} % {kp}, {h - 1})])")
+        valid = f"{e} < {total_h} and {e} % {kp} < {h}"
+        emit(f'{i4}    for i in T.unroll({WAIT_BATCH}):')
+        emit(f'{i4}        tv[i] = T.if_then_else({valid}, T.cuda.func_call("{GRID_LOAD}", '
+             f'{addr}, source_code=GRID_LOAD_SRC, return_type="uint64"), '
+             f'T.shift_left(T.Cast("uint64", t), T.uint64(32)))')
+        emit(f'{i4}    for i in T.unroll({WAIT_BATCH}):')
+        emit(f'{i4}        while T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t):')
+        emit(f'{i4}            tv[i] = T.cuda.func_call("{GRID_LOAD}", {addr}, '
+             f'source_code=GRID_LOAD_SRC, return_type="uint64")')
+        emit(f'{i4}        with T.If({e} < {total_h}):')
+        emit(f'{i4}            with T.Then():')
+        emit(f'{i4}                hs[{e}] = T.reinterpret("float32", T.Cast("uint32", '
+             f'T.bitwise_and(tv[i], T.uint64({0xFFFFFFFF}))))')
+    else:
+        emit(f'{i4}for e in range({-(-total_h // threads)}):')
+        emit(f'{i4}    with T.If(e * {threads} + tx < {total_h}):')
+        emit(f'{i4}        with T.Then():')
+        emit(f'{i4}            hs[e * {threads} + tx] = T.if_then_else('
+             f'(e * {threads} + tx) % {kp} < {h}, T.cuda.func_call("rnncc_ldcg", '
+             f'T.address_of(s0[t % 2, (e * {threads} + tx) // {kp}, '
+             f'T.min((e * {threads} + tx) % {kp}, {h - 1})]), source_code=LDCG, '
+             f'return_type="float32"), T.float32(0))')
+    emit(f'{i4}T.cuda.cta_sync()')
+    # 3. products
+    emit(f'{i4}for a in T.unroll({acc_n}):')
+    emit(f'{i4}    acc[a] = T.float32(0)')
+
+    def products(chunk, weight):
+        emit(f'{i4}    for n in T.unroll({n_}):')
+        emit(f'{i4}        for v in T.vectorized({vec}):')
+        emit(f'{i4}            hv[n * {vec} + v] = '
+             f'hs[n * {kp} + (({chunk}) * 32 + lane) * {vec} + v]')
+        emit(f'{i4}    for q in T.unroll({rw}):')
+        weight()
+        emit(f'{i4}        for n in T.unroll({n_}):')
+        emit(f'{i4}            for v in T.unroll({vec}):')
+        emit(f'{i4}                acc[q * {n_} + n] = acc[q * {n_} + n] + '
+             f'wv[v] * hv[n * {vec} + v]')
+
+    if kr:
+        emit(f'{i4}for i in T.unroll({kr}):')
+        products("i", lambda: (emit(f'{i4}        for v in T.vectorized({vec}):'),
+                               emit(f'{i4}            wv[v] = wreg[(i * {rw} + q) * {vec} + v]')))
+    if ks:
+        emit(f'{i4}for s in range({ks}):')
+        products(f"{kr} + s", lambda: (
+            emit(f'{i4}        for v in T.vectorized({vec}):'),
+            emit(f'{i4}            wv[v] = wsm[(((warp * {ks} + s) * {rw} + q) * 32 + lane) * '
+                 f'{vec} + v]')))
+    # 4. halving butterfly over the lanes
+    length, masks, halving = acc_n, [16, 8, 4, 2, 1], []
+    for m in masks:
+        if length > 1:
+            half = length // 2
+            halving.append(m)
+            for a in range(half):
+                emit(f'{i4}acc[{a}] = T.if_then_else(T.bitwise_and(lane, {m}) != 0, '
+                     f'acc[{a + half}], acc[{a}]) + T.cuda.func_call("rnncc_shfl_xor", '
+                     f'T.if_then_else('
+                     f'T.bitwise_and(lane, {m}) != 0, acc[{a}], acc[{a + half}]), {m}, '
+                     f'source_code=SHFL, return_type="float32")')
+            length = half
+        else:
+            emit(f'{i4}acc[0] = acc[0] + T.cuda.func_call("rnncc_shfl_xor", acc[0], {m}, '
+                 f'source_code=SHFL, return_type="float32")')
+    spread = [acc_n >> (s + 1) for s in range(len(halving))]
+    base = " + ".join(f"T.if_then_else(T.bitwise_and(lane, {m}) != 0, {sp}, 0)"
+                      for m, sp in zip(halving, spread)) or "0"
+    free_bits = sum(m for m in masks if m not in halving)
+    for c in range(length):
+        idx = f"({base} + {c})"
+        emit(f'{i4}with T.If(T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}):')
+        emit(f'{i4}    with T.Then():')
+        emit(f'{i4}        gsum[(warp * {rw} + {idx} // {n_}) * {n_} + {idx} % {n_}] = acc[{c}]')
+    emit(f'{i4}T.cuda.cta_sync()')
+    # 5. the cell
+    for it in range(it_):
+        valid, n, j = item(it)
+        emit(f'{i4}with T.If({valid}):')
+        emit(f'{i4}    with T.Then():')
+        emit(f'{i4}        new = T.meta_var(apply_cell(gi, bh, gsum, hs, st, {it}, {n}, '
+             f'{j}, {j} - bx * {u_}))')
+        emit(f'{i4}        y[t, {n}, {j}] = new[0]')
+        emit(f'{i4}        s0[(t + 1) % 2, {n}, {j}] = new[0]')
+        if tagged:
+            emit(f'{i4}        T.cuda.func_call("{GRID_STORE}", T.address_of(hw[(t + 1) % 2, {n}, '
+                 f'{j}]), T.bitwise_or(T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)), '
+                 f'T.Cast("uint64", T.reinterpret("uint32", new[0]))), '
+                 f'source_code=GRID_STORE_SRC)')
+        for k in range(1, states):
+            emit(f'{i4}        st[{it * extra + k - 1}] = new[{k}]')
+    # 6. grid barrier (the tagged exchange needs none: only the block's own threads sync)
+    if tagged:
+        emit(f'{i4}T.cuda.cta_sync()')
+    elif p.sync == "grid":
+        emit(f'{i4}T.cuda.grid_sync()')
+    else:
+        emit(f'{i4}T.cuda.func_call("{FLAG_BARRIER}", T.address_of(cnt[0]), '
+             f'T.Cast("uint32", (t + 1) * {b_}), source_code=BARRIER)')
+    # final states other than h
+    for it in range(it_):
+        valid, n, j = item(it)
+        if states > 1:
+            emit(f'{i3}with T.If({valid}):')
+            emit(f'{i3}    with T.Then():')
+            for k in range(1, states):
+                emit(f'{i3}        s{k}[T_len % 2, {n}, {j}] = st[{it * extra + k - 1}]')
+    return "\n".join(lines) + "\n"
+
+
+def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent"):
+    """The kernel as a PrimFunc: params (xp [T,N,G*H], w (packed), b_hh [G*H], y [T,N,H],
+    one [2,N,H] ping-pong buffer a state (h first), then for ``sync="tagged"`` the tagged h
+    [2,N,H] uint64, else the barrier counter [1] uint32)."""
+    g_count, kp = cell.gates, p.chunks * 32 * p.vec
+
+    def apply_cell(gi, bh, gsum, hs, st, it, n, j, u):
+        extra = max(len(cell.states) - 1, 1)
+        gates_i = [gi[it * g_count + g] for g in range(g_count)]
+        gates_h = [gsum[(g * p.units + u) * batch + n] + bh[it * g_count + g]
+                   for g in range(g_count)]
+        prev = [hs[n * kp + j]] + [st[it * extra + k - 1] for k in range(1, len(cell.states))]
+        return cell.evaluate(gates_i, gates_h, prev)
+
+    text = source(cell, hidden, batch, p, name)
+    extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,
+                  "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE, "GRID_LOAD_SRC": GRID_LOAD_SOURCE,
+                  "GRID_STORE_SRC": GRID_STORE_SOURCE}
+    return parse(text, extra_vars=extra_vars)

@@ -1,0 +1,156 @@
+"""Does a recurrent layer's weight matrix fit on-chip, and with which grid?
+
+Pure arithmetic, no TVM: unit-tested on the CPU machine for sizes that fit and do not.
+
+Work split. A grid of B blocks (at most one a multiprocessor, all resident: the launch is
+cooperative). Block b owns U hidden units, the rows of all G gates of those units (EcoRNN's
+layout: the point-wise step needs no exchange between blocks), R = G*U rows of H weights. Its
+Wn warps take RW rows each; lane l of a warp holds, of each of its rows, the 16-byte chunks
+k = (i*32 + l)*VEC .. +VEC for i < KI (KI = H / (32*VEC), rounded up). Chunks i < KR live in
+registers, the others in shared memory. Each step the block stages h_{t-1} [N, H] in shared
+memory, every lane multiplies its chunks, a warp reduction sums the lanes, and the threads of
+the block's (unit, batch) pairs apply the cell.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class GPU:
+    """What the planner needs to know about a GPU."""
+
+    name: str
+    sms: int
+    regs_per_sm: int = 65536
+    max_regs_per_thread: int = 255
+    smem_per_block: int = 232448  # bytes a block may opt in to (227 KiB on Hopper)
+
+
+#: Planning defaults by architecture, the smallest common part of each; a module records the
+#: GPU it was planned for, and the runtime checks the device it runs on before a launch.
+_ARCH_GPUS = {
+    "sm_90": GPU("H100/H200 SXM", 132),
+    "sm_90a": GPU("H100/H200 SXM", 132),
+    "sm_89": GPU("L40S", 142, smem_per_block=101376),
+    "sm_80": GPU("A100", 108, smem_per_block=166912),
+    "sm_86": GPU("RTX 30xx/A10", 28, smem_per_block=101376),
+}
+
+
+def gpu_for_arch(arch: str, sms: int | None = None) -> GPU:
+    """The planning GPU for an architecture (``sms`` overrides the multiprocessor count)."""
+    base = _ARCH_GPUS.get(arch, GPU(f"unknown {arch}", 28, smem_per_block=49152))
+    if sms is not None:
+        base = GPU(base.name, sms, base.regs_per_sm, base.max_regs_per_thread,
+                   base.smem_per_block)
+    return base
+
+
+class Unfit(Exception):
+    """The configuration cannot run persistently; the message says why."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A persistent kernel's shape (see the module docstring for the letters)."""
+
+    blocks: int        # B
+    units: int         # U, hidden units a block
+    warps: int         # Wn
+    rows_per_warp: int  # RW
+    vec: int           # VEC, elements a 16-byte chunk
+    chunks: int        # KI
+    reg_chunks: int    # KR
+    smem_chunks: int   # KS = KI - KR
+    items: int         # IT, (unit, batch) pairs a thread applies the cell to
+    reg_estimate: int  # registers a thread, estimated
+    smem_bytes: int    # dynamic shared memory a block
+    sync: str = "tagged"  # "tagged" h words; "barrier": a counter barrier; "grid": coop. groups
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "threads": self.threads}
+
+
+#: Registers a thread needs besides weights and accumulators (indices, h chunk, the cell).
+OVERHEAD_REGS = 48
+#: Registers kept free under the per-thread limit, so that ptxas does not spill.
+REG_MARGIN = 24
+#: Largest batch the persistent kernel takes (accumulators are RW*N registers).
+MAX_BATCH = 16
+#: Largest grid that exchanges h as tagged words; larger grids use the counter barrier.
+TAGGED_MAX_BLOCKS = 32
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN):
+    vec = 16 // elem_bytes
+    chunks = -(-hidden // (32 * vec))
+    rows = gates * units
+    rpw = -(-rows // warps)
+    threads = 32 * warps
+    items = -(-(units * batch) // threads)
+    acc = _next_pow2(rpw * batch)
+    fixed = OVERHEAD_REGS + acc + batch * 4 + items * (2 * gates + states)
+    limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // threads) - margin
+    per_chunk = rpw * vec * elem_bytes // 4  # 32-bit registers one chunk of every row takes
+    reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk)) if limit > fixed else 0
+    smem_chunks = chunks - reg_chunks
+    smem = (warps * smem_chunks * rpw * 32 * vec * elem_bytes  # weights
+            + batch * chunks * 32 * vec * 4                     # h_{t-1}, float32
+            + warps * rpw * batch * 4)                         # the gates' sums
+    if smem > gpu.smem_per_block or limit <= fixed:
+        return None
+    return Plan(blocks=-(-hidden // units), units=units, warps=warps, rows_per_warp=rpw,
+                vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
+                items=items, reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem)
+
+
+def estimate_ns(p: Plan, batch: int) -> float:
+    """A rough per-step time: the grid barrier, the shared-memory weight reads, the FMAs and
+    the staging of h. Only used to rank plans (measured times decide in tuning)."""
+    clock = 1.9  # GHz
+    barrier = 800 + 4 * p.blocks
+    smem_weights = p.warps * p.smem_chunks * p.rows_per_warp * 32 * 16
+    fmas = p.threads * p.chunks * p.rows_per_warp * p.vec * batch
+    stage = batch * p.chunks * 32 * p.vec * 4
+    return barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
+
+
+def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
+         max_blocks: int | None = None, reg_margin: int = REG_MARGIN) -> Plan:
+    """The persistent plan of least estimated step time whose weights fit, or raise
+    :class:`Unfit` saying why none does. ``reg_margin``: registers kept free under the limit
+    (raised when ptxas reports spills for a plan)."""
+    if dtype != "float32":
+        raise Unfit(f"the persistent kernel takes float32 for now, not {dtype}")
+    if batch > MAX_BATCH:
+        raise Unfit(f"batch {batch} is over the persistent kernel's {MAX_BATCH} "
+                    "(its accumulators live in registers)")
+    cap = min(gpu.sms, max_blocks or gpu.sms)
+    best = None
+    for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
+        for warps in (8, 16, 4):
+            found = _try(gates, hidden, batch, 4, gpu, units, warps, states, reg_margin)
+            if found is None or found.blocks > cap:
+                continue
+            if best is None or estimate_ns(found, batch) < estimate_ns(best, batch):
+                best = found
+    if best is not None:
+        # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
+        # on large ones every block polling every word of h loads L2 more than one counter.
+        return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier")
+    need = gates * hidden * hidden * 4 / cap
+    raise Unfit(
+        f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
+        f"of {cap} multiprocessors of {gpu.name}, more than their registers and shared memory "
+        f"hold (with h and batch {batch} staged)")

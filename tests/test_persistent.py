@@ -1,0 +1,94 @@
+"""The persistent kernel without a GPU: the planner's decisions, and the CUDA module it builds
+(grid barrier or tagged exchange in the source, cooperative launch, no register spills)."""
+
+import pytest
+
+import rnncc
+from conftest import has_nvcc
+from rnncc.errors import ConfigError
+from rnncc.schedules.persistent import Unfit, gpu_for_arch, plan
+
+H100 = gpu_for_arch("sm_90")
+
+
+@pytest.mark.parametrize("gates, hidden, batch", [
+    (4, 256, 1), (4, 512, 4), (4, 1024, 1), (4, 1024, 4), (4, 1536, 1), (4, 1536, 4),
+    (3, 512, 1), (3, 1024, 4), (1, 1024, 16), (4, 1, 1), (3, 33, 7), (4, 257, 16)])
+def test_plans_that_fit(gates, hidden, batch):
+    p = plan(gates, hidden, batch, "float32", H100, states=2)
+    assert p.blocks <= H100.sms and p.blocks * p.units >= hidden > (p.blocks - 1) * p.units
+    assert p.warps * p.rows_per_warp >= gates * p.units  # every row has a warp
+    assert p.reg_chunks + p.smem_chunks == p.chunks == -(-hidden // (32 * p.vec))
+    assert p.smem_bytes <= H100.smem_per_block
+    assert p.reg_estimate <= H100.max_regs_per_thread
+    assert p.threads * p.items >= p.units * batch  # every (unit, batch) pair has a thread
+    weights = p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * p.vec
+    assert weights >= gates * hidden * hidden  # the packed layout holds all of W_hh
+    assert p.sync == ("tagged" if p.blocks <= 32 else "barrier")
+
+
+def test_large_weights_use_shared_memory():
+    p = plan(4, 1536, 4, "float32", H100, states=2)
+    assert p.smem_chunks > 0 and p.reg_chunks > 0
+
+
+@pytest.mark.parametrize("gates, hidden, batch, dtype, match", [
+    (3, 2048, 1, "float32", r"need 372 KiB on each of 132 multiprocessors"),
+    (4, 2048, 4, "float32", "more than their registers and shared memory hold"),
+    (4, 512, 32, "float32", "batch 32 is over the persistent kernel's 16"),
+    (4, 512, 1, "float16", "float32 for now"),
+])
+def test_plans_that_do_not_fit(gates, hidden, batch, dtype, match):
+    with pytest.raises(Unfit, match=match):
+        plan(gates, hidden, batch, dtype, H100)
+
+
+def test_fewer_multiprocessors_mean_unfit():
+    small = gpu_for_arch("sm_90", sms=16)
+    with pytest.raises(Unfit, match="of 16 multiprocessors"):
+        plan(4, 1024, 1, "float32", small)
+
+
+def test_persistent_option_errors():
+    with pytest.raises(ConfigError, match="CUDA only"):
+        rnncc.compile("lstm", 3, 4, 1, target="llvm", persistent="on")
+    with pytest.raises(ConfigError, match="unknown persistent knob"):
+        rnncc.compile("lstm", 3, 4, 1, target="llvm", knobs={"unroll": 2})
+    with pytest.raises(ConfigError, match="persistent must be"):
+        rnncc.compile("lstm", 3, 4, 1, target="llvm", persistent="maybe")
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+class TestPersistentBuild:
+    def test_unfit_falls_back_and_says_why(self):
+        module = rnncc.compile("gru", 64, 2048, 1, target="cuda")
+        schedule = module.metadata["schedule"]
+        assert schedule["kind"] == "sequence"
+        assert "372 KiB" in schedule["persistent"]["reason"]
+        assert "persistent_forward" not in module.metadata["functions"]
+        with pytest.raises(ConfigError, match="persistent=on, but"):
+            rnncc.compile("gru", 64, 2048, 1, target="cuda", persistent="on")
+
+    @pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
+    def test_kernel_builds_without_spills(self, sync, tmp_path):
+        module = rnncc.compile("lstm", 32, 1024, 1, target="cuda", knobs={"sync": sync})
+        schedule = module.metadata["schedule"]
+        assert schedule["kind"] == "persistent"
+        assert schedule["persistent"]["plan"]["sync"] == sync
+        kernels = {k: v for k, v in module.metadata["ptxas"].items()
+                   if k.startswith("persistent")}
+        assert kernels and all(v["spill_stores"] == 0 and v["spill_loads"] == 0
+                               and v["stack"] == 0 for v in kernels.values())
+        assert max(v["registers"] for v in kernels.values()) > 128  # weights in registers
+        source = module.source("cuda")
+        expected = {"tagged": "rnncc_grid_load", "barrier": "rnncc_grid_barrier",
+                    "grid": "this_grid().sync()"}[sync]
+        assert expected in source
+        path = module.export(tmp_path / "lstm.so")
+        with open(path, "rb") as f:
+            assert b"tirx.use_cooperative_launch" in f.read()
+
+    def test_sequence_only_when_asked(self):
+        module = rnncc.compile("lstm", 32, 256, 1, target="cuda", persistent="off")
+        assert module.metadata["schedule"]["kind"] == "sequence"
+        assert module.metadata["schedule"]["persistent"] == {"reason": "persistent=off"}
