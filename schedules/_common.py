@@ -44,3 +44,11 @@ def divisor(n: int | None, candidates) -> int:
         if n % c == 0:
             return c
     return 1
+
+
+def gemm_blocks(sch: s_tir.Schedule):
+    """(gemm, gemm_bias) blocks of rnncc's gemm component, or None for any other PrimFunc."""
+    try:
+        return sch.get_sblock("gemm"), sch.get_sblock("gemm_bias")
+    except Exception:  # noqa: BLE001 - not rnncc's gemm component
+        return None

@@ -8,17 +8,16 @@ while it is hot, and tiles (over T, N and the outputs) run in parallel.
 
 from tvm import s_tir
 
-from ._common import divisor, static_extent
+from ._common import divisor, gemm_blocks, static_extent
 from ._rule import Rule
 
 
 def apply(func, target):
     sch = s_tir.Schedule(func)
-    try:
-        gemm = sch.get_sblock("gemm")
-        bias = sch.get_sblock("gemm_bias")
-    except Exception:  # noqa: BLE001 - not rnncc's gemm component
+    blocks = gemm_blocks(sch)
+    if blocks is None:
         return None
+    gemm, bias = blocks
     loops = sch.get_loops(gemm)
     if len(loops) < 3:
         return None

@@ -9,6 +9,7 @@ bias into the reduction's update, which adds it once per k.)
 
 from tvm import s_tir
 
+from ._common import gemm_blocks
 from ._rule import Rule
 
 THREADS = 128
@@ -16,11 +17,10 @@ THREADS = 128
 
 def apply(func, target):
     sch = s_tir.Schedule(func)
-    try:
-        gemm = sch.get_sblock("gemm")
-        bias = sch.get_sblock("gemm_bias")
-    except Exception:  # noqa: BLE001 - not rnncc's gemm component
+    blocks = gemm_blocks(sch)
+    if blocks is None:
         return None
+    gemm, bias = blocks
     loops = sch.get_loops(gemm)
     spatial = loops[:-1]
     fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]

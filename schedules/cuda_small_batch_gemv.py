@@ -9,7 +9,7 @@ what bounds this kernel: G*H*H*4 bytes per step from L2/HBM.
 
 from tvm import s_tir
 
-from ._common import static_extent
+from ._common import gemm_blocks, static_extent
 from ._rule import Rule
 
 MAX_BATCH = 16
@@ -18,11 +18,10 @@ ROWS_PER_BLOCK = 8
 
 def apply(func, target):
     sch = s_tir.Schedule(func)
-    try:
-        gemm = sch.get_sblock("gemm")
-        bias = sch.get_sblock("gemm_bias")
-    except Exception:  # noqa: BLE001 - not rnncc's gemm component
+    blocks = gemm_blocks(sch)
+    if blocks is None:
         return None
+    gemm, bias = blocks
     loops = sch.get_loops(gemm)
     if len(loops) != 3:
         return None  # only the per-step projection [N, K] x [O, K]
