@@ -54,8 +54,6 @@ KNOBS = ("sync", "max_blocks")
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
                      knobs):
     """(plan or None, why not) for the persistent kernel."""
-    import dataclasses as dc
-
     from ..schedules import persistent
 
     if opts.persistent == "off":
@@ -79,7 +77,7 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
             raise ConfigError(f"persistent=on, but {err}") from err
         return None, str(err)
     if "sync" in knobs:
-        found = dc.replace(found, sync=knobs["sync"])
+        found = dataclasses.replace(found, sync=knobs["sync"])
     return found, gpu
 
 

@@ -201,7 +201,7 @@ class Module:
 
     def _pack(self, weights: dict, family: Family, entry: str) -> PackedWeights:
         lib = self._library()
-        dtype, gh = self.dtype, len(self._gates_rows())
+        dtype, gh = self.dtype, self.metadata["gates"] * self.hidden_size
         tensors, keep = {}, []
         for which in ("ih", "hh"):
             function = self._function(entry, f"pack_w_{which}")
@@ -222,9 +222,6 @@ class Module:
                 arr, tensors[f"b_{which}"] = family.zeros([gh], dtype)
                 keep.append(arr)
         return PackedWeights(self, family, entry, tensors, keep)
-
-    def _gates_rows(self):
-        return range(self.metadata["gates"] * self.hidden_size)
 
     def __call__(self, x, weights, h0=None, c0=None, **initial):
         states = self.states

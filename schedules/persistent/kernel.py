@@ -97,6 +97,11 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     lines = []
     emit = lines.append
 
+    def guard(indent: str, condition: str) -> None:
+        """Open ``if condition:`` (its body goes at ``indent`` + 8 spaces)."""
+        emit(f'{indent}with T.If({condition}):')
+        emit(f'{indent}    with T.Then():')
+
     tagged = p.sync == "tagged"
     emit(f"@T.prim_func(s_tir=True)\ndef {name}(xp_h: T.handle, w_h: T.handle, b_h: T.handle, "
          "y_h: T.handle, " + "".join(f"s{k}_h: T.handle, " for k in range(states))
@@ -146,8 +151,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
         per = rw * 32 * vec
         emit(f'{i3}for e in range({-(-total // (threads * vec))}):')
         emit(f'{i3}    for v in T.vectorized({vec}):')
-        emit(f'{i3}        with T.If((e * {threads} + tx) * {vec} < {total}):')
-        emit(f'{i3}            with T.Then():')
+        guard(i3 + "        ", f'(e * {threads} + tx) * {vec} < {total}')
         emit(f'{i3}                wsm[(e * {threads} + tx) * {vec} + v] = w[bx, '
              f'(e * {threads} + tx) * {vec} // {ks * per}, '
              f'{kr} + (e * {threads} + tx) * {vec} % {ks * per} // {per}, '
@@ -162,8 +166,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     # per-pair constants and the initial states other than h
     for it in range(it_):
         valid, n, j = item(it)
-        emit(f'{i3}with T.If({valid}):')
-        emit(f'{i3}    with T.Then():')
+        guard(i3, valid)
         for g in range(g_count):
             emit(f'{i3}        bh[{it * g_count + g}] = b_hh[{g * h} + {j}]')
         for k in range(1, states):
@@ -173,8 +176,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     # 1. prefetch this step's input projections
     for it in range(it_):
         valid, n, j = item(it)
-        emit(f'{i4}with T.If({valid}):')
-        emit(f'{i4}    with T.Then():')
+        guard(i4, valid)
         for g in range(g_count):
             emit(f'{i4}        gi[{it * g_count + g}] = xp[t, {n}, {g * h} + {j}]')
     # 2. stage h_{t-1}
@@ -195,14 +197,12 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
         emit(f'{i4}        while T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t):')
         emit(f'{i4}            tv[i] = T.cuda.func_call("{GRID_LOAD}", {addr}, '
              f'source_code=GRID_LOAD_SRC, return_type="uint64")')
-        emit(f'{i4}        with T.If({e} < {total_h}):')
-        emit(f'{i4}            with T.Then():')
+        guard(i4 + "        ", f'{e} < {total_h}')
         emit(f'{i4}                hs[{e}] = T.reinterpret("float32", T.Cast("uint32", '
              f'T.bitwise_and(tv[i], T.uint64({0xFFFFFFFF}))))')
     else:
         emit(f'{i4}for e in range({-(-total_h // threads)}):')
-        emit(f'{i4}    with T.If(e * {threads} + tx < {total_h}):')
-        emit(f'{i4}        with T.Then():')
+        guard(i4 + "    ", f'e * {threads} + tx < {total_h}')
         emit(f'{i4}            hs[e * {threads} + tx] = T.if_then_else('
              f'(e * {threads} + tx) % {kp} < {h}, T.cuda.func_call("rnncc_ldcg", '
              f'T.address_of(s0[t % 2, (e * {threads} + tx) // {kp}, '
@@ -257,15 +257,13 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     free_bits = sum(m for m in masks if m not in halving)
     for c in range(length):
         idx = f"({base} + {c})"
-        emit(f'{i4}with T.If(T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}):')
-        emit(f'{i4}    with T.Then():')
+        guard(i4, f'T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}')
         emit(f'{i4}        gsum[(warp * {rw} + {idx} // {n_}) * {n_} + {idx} % {n_}] = acc[{c}]')
     emit(f'{i4}T.cuda.cta_sync()')
     # 5. the cell
     for it in range(it_):
         valid, n, j = item(it)
-        emit(f'{i4}with T.If({valid}):')
-        emit(f'{i4}    with T.Then():')
+        guard(i4, valid)
         emit(f'{i4}        new = T.meta_var(apply_cell(gi, bh, gsum, hs, st, {it}, {n}, '
              f'{j}, {j} - bx * {u_}))')
         emit(f'{i4}        y[t, {n}, {j}] = new[0]')
@@ -289,8 +287,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     for it in range(it_):
         valid, n, j = item(it)
         if states > 1:
-            emit(f'{i3}with T.If({valid}):')
-            emit(f'{i3}    with T.Then():')
+            guard(i3, valid)
             for k in range(1, states):
                 emit(f'{i3}        s{k}[T_len % 2, {n}, {j}] = st[{it * extra + k - 1}]')
     return "\n".join(lines) + "\n"
