@@ -1,4 +1,4 @@
-"""``rnncc compile | cells | inspect | bench``.
+"""``rnncc compile | cells | inspect | bench | tune``.
 
 Bad arguments give one line on stderr, ``rnncc: error: ...``, and exit status 2; a build
 failure exits with 1. Never a traceback.
@@ -40,6 +40,22 @@ def _add_problem_args(p):
                         "or never (off)")
 
 
+def _add_tuning_args(p):
+    p.add_argument("--gpu", default=None,
+                   help="GPU kind whose tuning logs apply, e.g. h100, h200 (default: this "
+                        "machine's GPU)")
+    p.add_argument("--tuning-log", default=None,
+                   help="apply this tuning log directory (refused if it does not fit)")
+    p.add_argument("--no-tuning-logs", action="store_true",
+                   help="ignore tuning logs (the untuned schedules)")
+
+
+def _tuning(args) -> str:
+    if args.no_tuning_logs and args.tuning_log:
+        raise _CliError("--tuning-log and --no-tuning-logs exclude each other")
+    return "off" if args.no_tuning_logs else (args.tuning_log or "auto")
+
+
 def _parser():
     parser = _Parser(prog="rnncc", description="A TVM-based compiler for recurrent networks.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -47,6 +63,7 @@ def _parser():
     p = sub.add_parser("compile", help="compile a cell into a module file")
     _add_problem_args(p)
     p.add_argument("-o", "--output", required=True, help="module file to write (.so)")
+    _add_tuning_args(p)
 
     sub.add_parser("cells", help="list the registered cells")
 
@@ -65,6 +82,28 @@ def _parser():
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_tuning_args(p)
+
+    p = sub.add_parser("tune", help="tune a configuration on this machine's GPU (or CPU) and "
+                                    "write its tuning log")
+    p.add_argument("cell", help="a registered cell or a cell file (.py)")
+    p.add_argument("--input-size", "-C", type=int, required=True)
+    p.add_argument("--hidden-size", "-H", type=int, required=True)
+    p.add_argument("--batch", "-N", type=int, required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--target", default="cuda", help="cuda (this GPU) or llvm (this CPU)")
+    p.add_argument("--arch", default=None)
+    p.add_argument("--cpu", default=None)
+    p.add_argument("--trials", type=int, default=64, help="MetaSchedule trials (64)")
+    p.add_argument("--time-budget", type=float, default=300.0,
+                   help="seconds for the whole tune (300)")
+    p.add_argument("--log-dir", default="tuning_logs", help="where the log goes (tuning_logs)")
+    p.add_argument("--work-dir", default=None,
+                   help="measurements kept for resuming (~/.cache/rnncc/tune/...)")
+    p.add_argument("--steps", "-T", type=int, default=100, help="sequence length timed (100)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY",
+                   help="measure MetaSchedule candidates on the servers of a TVM RPC tracker")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     return parser
 
 
@@ -73,7 +112,7 @@ def _problem_kwargs(args) -> dict:
                 dtype=args.dtype, target=args.target, arch=args.arch,
                 cpu=getattr(args, "cpu", None), input_gemm=args.input_gemm,
                 gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise,
-                persistent=args.persistent)
+                persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args))
 
 
 def _check_writable(path: str) -> None:
@@ -98,6 +137,7 @@ def _cmd_compile(args) -> int:
     print(f"  rules: {rules}")
     for note in meta["schedule"]["notes"]:
         print(f"  note: {note}")
+    print(f"  tuning: {_tuning_line(meta)}")
     print(f"wrote {os.path.abspath(args.output)} ({os.path.getsize(args.output)} bytes)")
     return 0
 
@@ -125,11 +165,20 @@ def _summary(meta: dict) -> str:
     return f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
 
 
+def _tuning_line(meta: dict) -> str:
+    info = meta.get("tuning") or {}
+    if not info.get("log"):
+        return f"no log ({info.get('reason', 'n/a')})"
+    applied = info.get("applied", {})
+    return (f"{info['match']} log {info['log']} (knobs {applied.get('knobs') or 'default'}, "
+            f"tuned components {applied.get('components') or 'none'})")
+
+
 def _cmd_inspect(args) -> int:
     from rnncc.runtime import metadata as md
 
     meta = md.read_metadata(args.file)
-    print(_summary(meta))
+    print(f"{_summary(meta)}; tuning: {_tuning_line(meta)}")
     print(json.dumps(meta, indent=2, sort_keys=True))
     if args.source:
         section = md.CUDA if args.source == "cuda" else md.TIR
@@ -154,7 +203,8 @@ def _cmd_bench(args) -> int:
             raise _CliError(f"bench of a cell needs {', '.join(missing)} (or give a module file)")
         module = rnncc.compile(args.module, input_size=args.input_size,
                                hidden_size=args.hidden_size, batch=args.batch, dtype=args.dtype,
-                               target=args.target, arch=args.arch)
+                               target=args.target, arch=args.arch, gpu=args.gpu,
+                               tuning=_tuning(args))
     if args.steps < 1 or args.repeat < 1:
         raise _CliError("--steps and --repeat must be positive")
     what = (f"{module.cell} C={module.input_size} H={module.hidden_size} N={module.batch} "
@@ -178,13 +228,26 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    from rnncc.tuning import tune
+
+    summary = tune(args.cell, args.input_size, args.hidden_size, args.batch, dtype=args.dtype,
+                   target=args.target, arch=args.arch, cpu=args.cpu, trials=args.trials,
+                   time_budget=args.time_budget, log_dir=args.log_dir, work_dir=args.work_dir,
+                   steps=args.steps, rpc=args.rpc,
+                   progress=lambda line: print(f"[tune] {line}", flush=True))
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
 def main(argv=None) -> int:
     from rnncc.errors import BuildError, RnnccError
 
     try:
         args = _parser().parse_args(argv)
         return {"compile": _cmd_compile, "cells": _cmd_cells, "inspect": _cmd_inspect,
-                "bench": _cmd_bench}[args.command](args)
+                "bench": _cmd_bench, "tune": _cmd_tune}[args.command](args)
     except _CliError as err:
         print(f"rnncc: error: {err}", file=sys.stderr)
         return 2

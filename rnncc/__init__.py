@@ -48,17 +48,20 @@ __all__ = [
 
 def compile(cell, input_size: int, hidden_size: int, batch: int, dtype: str = "float32",  # noqa: A001
             target: str = "cuda", arch: str | None = None, cpu: str | None = None,
-            sms: int | None = None, knobs: dict | None = None, **options):
+            sms: int | None = None, knobs: dict | None = None, gpu: str | None = None,
+            tuning: str = "auto", **options):
     """Compile one recurrent layer into a :class:`Module`.
 
     ``cell`` is a registered cell name, a :class:`rnncc.cells.Cell`, or the path of a cell
     file. ``options`` are :class:`rnncc.spec.Options` fields (cuDNN's optimisations, each on by
-    default). See :func:`rnncc.compiler.compile_module`.
+    default). A matching tuning log applies unless ``tuning="off"``. See
+    :func:`rnncc.compiler.compile_module`.
     """
     from .compiler import compile_module
 
     return compile_module(cell, input_size, hidden_size, batch, dtype=dtype, target=target,
-                          arch=arch, cpu=cpu, sms=sms, knobs=knobs, **options)
+                          arch=arch, cpu=cpu, sms=sms, knobs=knobs, gpu=gpu, tuning=tuning,
+                          **options)
 
 
 def load(path: str):

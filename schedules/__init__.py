@@ -24,6 +24,7 @@ from . import (
     cuda_gemv,
     cuda_matmul,
     cuda_small_batch_gemv,
+    tuned,
 )
 from ._rule import Rule
 
@@ -48,16 +49,21 @@ class Scheduled:
     notes: list[str] = field(default_factory=list)
 
 
-def schedule(func, target, role: str) -> Scheduled:
+def schedule(func, target, role: str, database=None) -> Scheduled:
     """Schedule ``func`` (a component PrimFunc) for ``target`` with the first rule that fits.
 
-    A rule that raises is skipped with a warning naming it; the fallback rules never raise.
+    ``database``: a MetaSchedule database (a tuning log's); its record for the component, if it
+    has one, comes before every rule. A rule that raises is skipped with a warning naming it;
+    the fallback rules never raise.
     """
     kind = target.kind.name
     if (kind, role) not in RULES:
         raise ValueError(f"no schedule rules for target {kind!r} and role {role!r}")
     notes = []
-    for rule in RULES[(kind, role)]:
+    rules = RULES[(kind, role)]
+    if database is not None:
+        rules = [tuned.rule(database), *rules]
+    for rule in rules:
         try:
             sch = rule.apply(func, target)
         except Exception as err:  # noqa: BLE001 - a failing rule falls back, and says so
@@ -66,7 +72,8 @@ def schedule(func, target, role: str) -> Scheduled:
             notes.append(note)
             continue
         if sch is None:
-            notes.append(f"{rule.name} does not apply")
+            if database is None or rule is not rules[0]:  # no record is not news
+                notes.append(f"{rule.name} does not apply")
             continue
         return Scheduled(sch.mod["main"], rule.name, notes)
     raise RuntimeError(f"no rule scheduled the component ({'; '.join(notes)})")

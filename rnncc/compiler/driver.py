@@ -48,7 +48,12 @@ def _options(options: dict) -> Options:
     return Options(**options)
 
 
-KNOBS = ("sync", "max_blocks")
+#: The persistent kernel's knobs (what ``rnncc tune`` searches): the synchronisation variant,
+#: a cap on the grid (so more hidden units a block), the warps a block, and the registers kept
+#: free under the limit (more moves weight chunks from registers to shared memory).
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin")
+SYNCS = ("tagged", "barrier", "grid")
+WARPS = (4, 8, 16)
 
 
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
@@ -71,7 +76,8 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
     try:
         found = persistent.plan(problem.gates, problem.hidden_size, problem.batch,
                                 problem.dtype, gpu, len(problem.cell.states),
-                                max_blocks=knobs.get("max_blocks"), reg_margin=reg_margin)
+                                max_blocks=knobs.get("max_blocks"), reg_margin=reg_margin,
+                                warps=knobs.get("warps"))
     except persistent.Unfit as err:
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
@@ -81,41 +87,55 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
     return found, gpu
 
 
-def _knobs(knobs) -> dict:
+def check_knobs(knobs) -> dict:
+    """``knobs`` as a dict, or a ConfigError naming the wrong one and what is allowed."""
     knobs = dict(knobs or {})
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise ConfigError(f"unknown persistent knob(s) {unknown}; allowed: {list(KNOBS)}")
-    if knobs.get("sync", "tagged") not in ("tagged", "barrier", "grid"):
-        raise ConfigError(f"sync must be 'tagged', 'barrier' or 'grid', got {knobs['sync']!r}")
-    blocks = knobs.get("max_blocks", 1)
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ConfigError(f"max_blocks must be a positive integer, got {blocks!r}")
+    if knobs.get("sync", "tagged") not in SYNCS:
+        raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
+    if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
+        raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
+    for name, low in (("max_blocks", 1), ("reg_margin", 0)):
+        value = knobs.get(name, low)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
+            raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")
     return knobs
 
 
 def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    dtype: str = "float32", target: str = "cuda", arch: str | None = None,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
-                   **options) -> Module:
+                   gpu: str | None = None, tuning: str = "auto", **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
     what you call is what :meth:`Module.export` writes and :func:`rnncc.load` reads. ``sms``:
     plan the persistent kernel for a GPU with that many multiprocessors (default: the
     architecture's usual part, e.g. 132 for sm_90). ``knobs``: overrides of the persistent
-    planner's choices, {"sync": "tagged" | "barrier" | "grid", "max_blocks": int}.
+    planner's choices (see :data:`KNOBS`), over those of a tuning log.
+
+    Tuning logs (:mod:`rnncc.tuning`): ``gpu`` names the GPU kind the module is for ("h100",
+    "h200"; default: this machine's GPU, if it has one), whose logs apply; ``tuning`` is "auto"
+    (the matching log, if any), "off", or the path of one log directory. The metadata's
+    "tuning" entry names the log used and what it applied.
     """
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
-    knobs = _knobs(knobs)
+    knobs = check_knobs(knobs)
+    if not isinstance(tuning, str):
+        raise ConfigError(f"tuning must be 'auto', 'off' or a log directory, got {tuning!r}")
     from ..schedules.persistent.planner import REG_MARGIN
+    from ..tuning import apply
 
-    margin, notes = REG_MARGIN, []
+    applied = apply.for_compile(problem, tspec, gpu, tuning)
+    knobs = {**applied.knobs, **knobs}
+    margin, notes = knobs.get("reg_margin", REG_MARGIN), []
     for _ in range(4):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs)
-        module = _build(problem, opts, tspec, plan, gpu_or_reason, notes)
+        module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
         spills = {k: v for k, v in module.metadata.get("ptxas", {}).items()
                   if k.startswith("persistent") and (v.get("spill_stores") or v.get("stack"))}
         if plan is None or not spills:
@@ -126,7 +146,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     raise BuildError(f"the persistent kernel for {problem.describe()} still spills registers")
 
 
-def _build(problem, opts, tspec, plan, gpu_or_reason, notes) -> Module:
+def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
     import tvm
 
     from ..lowering import sequence
@@ -135,7 +155,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes) -> Module:
 
     tvm_target = tspec.tvm_target()
     try:
-        lowered = sequence.build(problem, opts, tvm_target, plan)
+        lowered = sequence.build(problem, opts, tvm_target, plan, applied.database)
     except RnnccError:
         raise
     except Exception as err:
@@ -183,6 +203,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes) -> Module:
             "notes": lowered.notes + notes,
             "persistent": persistent_info,
         },
+        "tuning": applied.info,
         "functions": lowered.signatures,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

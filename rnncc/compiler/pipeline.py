@@ -23,6 +23,7 @@ DYN_SHARED = "tirx.use_dyn_shared_memory"
 FLAG_BARRIER = "rnncc_grid_barrier"
 GRID_LOAD = "rnncc_grid_load"
 GRID_STORE = "rnncc_grid_store"
+GRID_WAIT = "rnncc_grid_wait"
 
 
 def _uses_grid_barrier(func) -> bool:

@@ -41,6 +41,8 @@ class Lowered:
     layout: Layout
     rules: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    #: The components before scheduling, by key: (PrimFunc, role); what tuning tunes.
+    components: dict = field(default_factory=dict)
 
 
 def layout_for(target, options: Options) -> Layout:
@@ -50,8 +52,9 @@ def layout_for(target, options: Options) -> Layout:
 
 
 class _Builder:
-    def __init__(self, problem: Problem, options: Options, target):
+    def __init__(self, problem: Problem, options: Options, target, database=None):
         self.p, self.options, self.target = problem, options, target
+        self.database = database
         self.layout = layout_for(target, options)
         self.lowered = Lowered(tvm.IRModule(), {}, self.layout)
         self._done = {}
@@ -59,7 +62,8 @@ class _Builder:
     def scheduled(self, key: str, func, role: str):
         if key in self._done:  # the same component in both entries (the input GEMM)
             return self._done[key]
-        result = schedules.schedule(func, self.target, role)
+        self.lowered.components[key] = (func, role)
+        result = schedules.schedule(func, self.target, role, self.database)
         self._done[key] = result.func
         self.lowered.rules[key] = result.rule
         self.lowered.notes += [f"{key}: {note}" for note in result.notes]
@@ -224,10 +228,12 @@ class _Builder:
             "persistent_forward", params, prologue, None, None, [], epilogue), sig)
 
 
-def build(problem: Problem, options: Options, target, persistent_plan=None) -> Lowered:
+def build(problem: Problem, options: Options, target, persistent_plan=None,
+          database=None) -> Lowered:
     """The layer's IRModule: always the non-persistent entry, plus the persistent one when a
-    plan is given (CUDA only; its input GEMM always runs over all steps at once)."""
-    builder = _Builder(problem, options, target)
+    plan is given (CUDA only; its input GEMM always runs over all steps at once). ``database``:
+    a MetaSchedule database whose records schedule the components they match."""
+    builder = _Builder(problem, options, target, database)
     builder.sequence_entry()
     if persistent_plan is not None:
         builder.persistent_entry(persistent_plan)

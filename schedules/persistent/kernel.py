@@ -21,7 +21,9 @@ One launch runs all T steps. Per step, each block:
    before step t+1. Every variant spins on other blocks, so the launch is cooperative: all
    blocks resident, or the driver refuses the launch (never a hang).
 
-Register arrays are indexed only by unrolled loop indices, so they stay in registers.
+Register arrays are indexed only by unrolled loop indices, so they stay in registers. Every
+wait on another block is bounded (:data:`WAIT_LIMIT_CYCLES`, about 8 s): past it the kernel
+traps, so a fault shows up as a failed launch with an error, never as a hang.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ import math
 from tvm.script import tirx as T
 from tvm.script.parser.core.entry import parse
 
-from rnncc.compiler.pipeline import FLAG_BARRIER, GRID_LOAD, GRID_STORE
+from rnncc.compiler.pipeline import FLAG_BARRIER, GRID_LOAD, GRID_STORE, GRID_WAIT
 
 from .planner import Plan
+
+#: GPU clock cycles a block waits on another before it gives up (__trap: the launch fails with
+#: an error instead of hanging; a healthy step waits microseconds).
+WAIT_LIMIT_CYCLES = 1 << 34
 
 BARRIER_SOURCE = f"""
 __device__ __forceinline__ void {FLAG_BARRIER}(unsigned int* counter, unsigned int target) {{
@@ -42,7 +48,9 @@ __device__ __forceinline__ void {FLAG_BARRIER}(unsigned int* counter, unsigned i
     __threadfence();
     atomicAdd(counter, 1u);
     volatile unsigned int* flag = counter;
+    long long start = clock64();
     while (*flag < target) {{
+      if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
     }}
     __threadfence();
   }}
@@ -72,6 +80,19 @@ __device__ __forceinline__ void {GRID_STORE}(uint64_t* address, uint64_t value) 
 EMPTY_TAG = 0x7FFFFFFF
 #: Words of h a thread loads before it waits on their tags.
 WAIT_BATCH = 8
+
+GRID_WAIT_SOURCE = f"""
+__device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t step) {{
+  volatile const uint64_t* word = (volatile const uint64_t*)address;
+  uint64_t value = *word;
+  long long start = clock64();
+  while ((value >> 32) != step) {{
+    if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
+    value = *word;
+  }}
+  return value;
+}}
+"""
 
 LDCG_SOURCE = """
 __device__ __forceinline__ float rnncc_ldcg(const float* address) {
@@ -194,9 +215,9 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
              f'{addr}, source_code=GRID_LOAD_SRC, return_type="uint64"), '
              f'T.shift_left(T.Cast("uint64", t), T.uint64(32)))')
         emit(f'{i4}    for i in T.unroll({WAIT_BATCH}):')
-        emit(f'{i4}        while T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t):')
-        emit(f'{i4}            tv[i] = T.cuda.func_call("{GRID_LOAD}", {addr}, '
-             f'source_code=GRID_LOAD_SRC, return_type="uint64")')
+        guard(i4 + "        ", 'T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t)')
+        emit(f'{i4}                tv[i] = T.cuda.func_call("{GRID_WAIT}", {addr}, '
+             f'T.Cast("uint64", t), source_code=GRID_WAIT_SRC, return_type="uint64")')
         guard(i4 + "        ", f'{e} < {total_h}')
         emit(f'{i4}                hs[{e}] = T.reinterpret("float32", T.Cast("uint32", '
              f'T.bitwise_and(tv[i], T.uint64({0xFFFFFFFF}))))')
@@ -255,6 +276,9 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     base = " + ".join(f"T.if_then_else(T.bitwise_and(lane, {m}) != 0, {sp}, 0)"
                       for m, sp in zip(halving, spread)) or "0"
     free_bits = sum(m for m in masks if m not in halving)
+    # TVM merges the block's dynamic shared buffers and may give gsum bytes of hs, which
+    # slower warps may still be reading for their products: wait for them first.
+    emit(f'{i4}T.cuda.cta_sync()')
     for c in range(length):
         idx = f"({base} + {c})"
         guard(i4, f'T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}')
@@ -310,5 +334,6 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent"):
     text = source(cell, hidden, batch, p, name)
     extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,
                   "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE, "GRID_LOAD_SRC": GRID_LOAD_SOURCE,
-                  "GRID_STORE_SRC": GRID_STORE_SOURCE}
+                  "GRID_STORE_SRC": GRID_STORE_SOURCE,
+                  "GRID_WAIT_SRC": GRID_WAIT_SOURCE}
     return parse(text, extra_vars=extra_vars)

@@ -126,11 +126,17 @@ def estimate_ns(p: Plan, batch: int) -> float:
     return barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
 
 
+#: Warps a block the planner tries (threads = 32 * warps).
+WARPS = (8, 16, 4)
+
+
 def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
-         max_blocks: int | None = None, reg_margin: int = REG_MARGIN) -> Plan:
+         max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
+         warps: int | None = None) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
-    :class:`Unfit` saying why none does. ``reg_margin``: registers kept free under the limit
-    (raised when ptxas reports spills for a plan)."""
+    :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
+    block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
+    spills for a plan; a larger margin moves weight chunks from registers to shared memory)."""
     if dtype != "float32":
         raise Unfit(f"the persistent kernel takes float32 for now, not {dtype}")
     if batch > MAX_BATCH:
@@ -139,8 +145,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     cap = min(gpu.sms, max_blocks or gpu.sms)
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
-        for warps in (8, 16, 4):
-            found = _try(gates, hidden, batch, 4, gpu, units, warps, states, reg_margin)
+        for wn in (warps,) if warps else WARPS:
+            found = _try(gates, hidden, batch, 4, gpu, units, wn, states, reg_margin)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, batch) < estimate_ns(best, batch):

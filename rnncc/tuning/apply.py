@@ -1,0 +1,92 @@
+"""What a compile takes from the tuning logs.
+
+An exact log (same device and configuration) gives the persistent knobs and the MetaSchedule
+records of the components it tuned. Without one, the log of the nearest hidden size for the
+same device, cell, dtype and batch gives its persistent knobs only (a starting point: the
+planner re-checks them for this size; component records are per shape and never carry over).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from . import log as logs
+from .device import cpu_key, local_gpu
+
+
+@dataclass
+class Applied:
+    """Knobs and database to compile with, and what the module's metadata says about them."""
+
+    knobs: dict = field(default_factory=dict)
+    database: object = None
+    info: dict = field(default_factory=dict)
+
+
+def device_for(tspec, gpu: str | None) -> tuple[str | None, str]:
+    """(device key of the logs, how it was found) for a target; the key is None when no GPU
+    kind is known (a CUDA compile on a machine without a GPU, and no ``gpu`` given)."""
+    if tspec.kind == "llvm":
+        return cpu_key(tspec.cpu), "llvm target"
+    if gpu:
+        return gpu.lower(), "given"
+    found = local_gpu()
+    if found is None:
+        return None, "no GPU here; name one (gpu='h200', --gpu h200) to use its tuning logs"
+    return found[0], f"this machine's {found[1]}"
+
+
+def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
+    """``tuning``: "auto" (the logs' lookup order), "off", or the path of one log directory
+    (refused with a ConfigError when it does not fit the configuration)."""
+    if tuning == "off":
+        return Applied(info={"log": None, "reason": "tuning logs off"})
+    device, how = device_for(tspec, gpu)
+    if tuning != "auto":
+        try:
+            found = logs.read(tuning)
+        except logs.LogError as err:
+            raise ConfigError(str(err)) from err
+        want = _key(problem, device or found.key.device)
+        if found.key != want:
+            raise ConfigError(f"tuning log {tuning} is for {logs.describe(found.key)}, not "
+                              f"{logs.describe(want)}")
+        return _exact(found)
+    if device is None:
+        return Applied(info={"log": None, "reason": how})
+    key = _key(problem, device)
+    exact, others = logs.find(key)
+    if exact is not None:
+        try:
+            return _exact(logs.read(exact, key))
+        except logs.LogError as err:
+            warnings.warn(f"rnncc: {err}; compiling without it", stacklevel=3)
+            return Applied(info={"log": None, "refused": exact, "reason": str(err)})
+    for other, path in sorted(others, key=lambda o: _distance(o[0], key)):
+        try:
+            near = logs.read(path, other)
+        except logs.LogError:
+            continue
+        return Applied(knobs=near.knobs, info={
+            "log": path, "match": "nearby", "device": device,
+            "applied": {"knobs": near.knobs, "components": []}})
+    return Applied(info={"log": None, "reason": f"no tuning log for {logs.describe(key)}"})
+
+
+def _exact(found: logs.TuningLog) -> Applied:
+    database = found.database()
+    return Applied(knobs=found.knobs, database=database, info={
+        "log": found.path, "match": "exact", "device": found.key.device,
+        "tvm_version": found.record["tvm_version"],
+        "applied": {"knobs": found.knobs, "components": list(found.record["components"])}})
+
+
+def _key(problem, device: str) -> logs.LogKey:
+    return logs.LogKey(device, problem.cell.name, problem.input_size, problem.hidden_size,
+                       problem.batch, problem.dtype)
+
+
+def _distance(a: logs.LogKey, b: logs.LogKey) -> tuple:
+    return (abs(a.hidden_size - b.hidden_size), abs(a.input_size - b.input_size))

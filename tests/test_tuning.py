@@ -1,0 +1,179 @@
+"""Tuning logs: write, reload, apply (metadata names the log), refusal of corrupt or foreign
+logs, and a MetaSchedule tune on llvm measured through an RPC tracker with two servers."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import rnncc
+from rnncc.errors import ConfigError
+from rnncc.tuning import log as logs
+
+KEY = logs.LogKey("h200", "lstm", 16, 16, 2, "float32")
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv(logs.ENV, str(tmp_path))
+    return tmp_path
+
+
+def _write(root, key=KEY, knobs=None):
+    return logs.write(str(root), key, {"knobs": knobs or {}, "components": []})
+
+
+def test_round_trip_applies_knobs_and_names_log(root):
+    path = _write(root, knobs={"sync": "barrier", "max_blocks": 4})
+    found = logs.read(path, KEY)
+    assert found.knobs == {"sync": "barrier", "max_blocks": 4}
+    module = rnncc.compile("lstm", 16, 16, 2, gpu="h200")
+    info = module.metadata["tuning"]
+    assert info["log"] == path and info["match"] == "exact"
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["sync"] == "barrier" and plan["blocks"] <= 4
+    off = rnncc.compile("lstm", 16, 16, 2, gpu="h200", tuning="off")
+    assert off.metadata["tuning"]["log"] is None
+    assert off.metadata["schedule"]["persistent"]["plan"]["sync"] == "tagged"
+
+
+def test_nearby_configuration_gives_its_knobs(root):
+    _write(root, logs.LogKey("h200", "lstm", 32, 32, 2, "float32"), {"sync": "grid"})
+    module = rnncc.compile("lstm", 16, 16, 2, gpu="h200")
+    assert module.metadata["tuning"]["match"] == "nearby"
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
+
+
+def test_no_gpu_kind_means_no_log(root):
+    _write(root)
+    module = rnncc.compile("lstm", 16, 16, 2)
+    assert module.metadata["tuning"]["log"] is None
+    assert "gpu" in module.metadata["tuning"]["reason"]
+
+
+def _edit(path, **changes):
+    record_path = os.path.join(path, logs.RECORD)
+    with open(record_path) as f:
+        record = json.load(f)
+    record.update(changes)
+    with open(record_path, "w") as f:
+        json.dump(record, f)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: open(os.path.join(p, logs.RECORD), "w").write("{not json"), "not JSON"),
+    (lambda p: _edit(p, tvm_version="0.19.0"), "TVM 0.19.0"),
+    (lambda p: _edit(p, format=99), "format 99"),
+    (lambda p: _edit(p, knobs={"sync": "sideways"}), "sync must be"),
+    (lambda p: _edit(p, components=["recurrent_gemm"]), "no MetaSchedule database"),
+    (lambda p: open(os.path.join(p, logs.WORKLOADS), "w").write("[1, 2]\n"), "come together"),
+])
+def test_corrupt_or_foreign_log_is_refused(root, damage, message):
+    path = _write(root)
+    damage(path)
+    with pytest.raises(logs.LogError, match=message):
+        logs.read(path, KEY)
+    with pytest.raises(ConfigError, match=message):
+        rnncc.compile("lstm", 16, 16, 2, tuning=path)
+    with pytest.warns(UserWarning, match=message):
+        module = rnncc.compile("lstm", 16, 16, 2, gpu="h200")
+    assert module.metadata["tuning"]["log"] is None
+    assert module.metadata["tuning"]["refused"] == path
+
+
+def test_log_for_another_configuration_is_refused(root):
+    path = _write(root)
+    with pytest.raises(ConfigError, match="is for lstm C=16 H=16 N=2"):
+        rnncc.compile("lstm", 16, 16, 3, gpu="h200", tuning=path)
+
+
+def test_corrupt_database_line_is_refused(root):
+    path = _write(root)
+    for name, text in ((logs.WORKLOADS, '["abc", "def"]\n'), (logs.RECORDS, "[5, []]\n")):
+        with open(os.path.join(path, name), "w") as f:
+            f.write(text)
+    with pytest.raises(logs.LogError, match="does not name one of the 1 workloads"):
+        logs.read(path, KEY)
+
+
+def test_shipped_logs_are_valid():
+    base = logs.shipped_root()
+    found = [os.path.join(base, d, c) for d in os.listdir(base)
+             if os.path.isdir(os.path.join(base, d)) and not d.startswith("_")
+             for c in os.listdir(os.path.join(base, d))]
+    assert found
+    for path in found:
+        logs.read(path)
+
+
+def test_knobs_are_checked():
+    with pytest.raises(ConfigError, match="warps must be one of"):
+        rnncc.compile("lstm", 16, 16, 2, knobs={"warps": 5})
+    with pytest.raises(ConfigError, match="unknown persistent knob"):
+        rnncc.compile("lstm", 16, 16, 2, knobs={"unroll": 2})
+
+
+def test_cuda_tune_needs_a_gpu(tmp_path):
+    from rnncc.runtime import tvm_runtime
+
+    if tvm_runtime.cuda_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        rnncc.tuning.tune("lstm", 8, 8, 1, log_dir=str(tmp_path))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_servers(port, count, timeout=60):
+    from tvm.s_tir.meta_schedule.runner import RPCConfig
+
+    config = RPCConfig(tracker_host="127.0.0.1", tracker_port=port, tracker_key="ci")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if config.count_num_servers(allow_missing=True) >= count:
+                return
+        except Exception:  # noqa: BLE001 - the tracker is still starting
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{count} RPC servers did not register within {timeout} s")
+
+
+@pytest.mark.slow
+def test_rpc_tune_on_llvm_writes_a_log_that_compile_applies(tmp_path, monkeypatch):
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host",
+                               "127.0.0.1", "--port", str(port), "--port-end",
+                               str(port + 1), "--silent"])]
+    try:
+        time.sleep(3)
+        for _ in range(2):
+            server = _free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server",
+                                           "--tracker", f"127.0.0.1:{port}", "--key", "ci",
+                                           "--port", str(server), "--port-end",
+                                           str(server + 1), "--silent"]))
+        _wait_for_servers(port, 2)
+        summary = rnncc.tuning.tune("rnn_tanh", 8, 8, 2, target="llvm", trials=4,
+                                    time_budget=240, log_dir=str(tmp_path / "logs"),
+                                    work_dir=str(tmp_path / "work"), steps=8,
+                                    rpc=f"127.0.0.1:{port}:ci", progress=lambda line: None)
+    finally:
+        for proc in procs:
+            proc.kill()
+    found = logs.read(summary["log"])
+    assert found.record["search"]["rpc"] is True
+    assert found.record["search"]["meta_schedule_trials"] >= 1
+    assert summary["tuned_ms"] <= summary["default_ms"]
+    module = rnncc.compile("rnn_tanh", 8, 8, 2, target="llvm", tuning=summary["log"])
+    assert module.metadata["tuning"]["log"] == summary["log"]
+    if found.record["components"]:
+        assert module.metadata["schedule"]["rules"]["recurrent_gemm"] == "meta_schedule"
