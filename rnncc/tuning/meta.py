@@ -40,7 +40,7 @@ def _target(target, cores: int):
     return tvm.target.Target({**dict(target.export()), "num-cores": cores})
 
 
-def runner_for(rpc: str | None, timeout: float, kind: str):
+def runner_for(rpc: str | None, timeout: float):
     """A MetaSchedule runner: local, or through the tracker ``host:port:key``."""
     from tvm.s_tir import meta_schedule as ms
 
@@ -64,10 +64,6 @@ def runner_for(rpc: str | None, timeout: float, kind: str):
                                max_workers=max(1, servers))
 
 
-def trials_done(database) -> int:
-    return len(database)
-
-
 def tune(funcs: dict, target, work_dir: str, trials: int, deadline: float, rpc=None,
          progress=print):
     """Tune ``funcs`` ({key: PrimFunc}) for ``target`` until ``trials`` records are in the
@@ -83,11 +79,11 @@ def tune(funcs: dict, target, work_dir: str, trials: int, deadline: float, rpc=N
     tgt = _target(target, cores)
     database = ms.database.JSONDatabase(work_dir=work_dir)
     builder = ms.builder.LocalBuilder(max_workers=cores, timeout_sec=120.0)
-    runner = runner_for(rpc, 30.0, target.kind.name)
+    runner = runner_for(rpc, 30.0)
     cost_model = ms.cost_model.XGBModel(num_tuning_cores=cores)
     names = sorted(funcs)
     loggers = get_loggers_from_work_dir(work_dir, names)
-    done = trials_done(database)
+    done = len(database)
     if done:
         progress(f"meta_schedule: resuming with {done} measured records in {work_dir}")
     round_no = 0
@@ -107,7 +103,7 @@ def tune(funcs: dict, target, work_dir: str, trials: int, deadline: float, rpc=N
                       max_trials_global=count, num_trials_per_iter=count, builder=builder,
                       runner=runner, database=database, cost_model=cost_model)
         round_no += 1
-        now = trials_done(database)
+        now = len(database)
         if now == done:  # the search space gave nothing new
             progress("meta_schedule: no new candidates; stopping")
             break
