@@ -1,6 +1,7 @@
 """The persistent-kernel table: rnncc (persistent where it fits, else the fallback), rnncc's
-non-persistent schedule, and cuDNN through PyTorch, each CUDA-graph captured, float32 with TF32
-off, T = 100, C = H. Run on a GPU machine from the repository root:
+non-persistent schedule, and cuDNN through PyTorch, each CUDA-graph captured, T = 100, C = H:
+float32 with TF32 off on both sides, and float16 (half storage; rnncc accumulates in float32).
+Run on a GPU machine from the repository root:
 
     python3 benchmarks/persistent.py [--repeat 100] [--json out.json]
 
@@ -14,8 +15,9 @@ import json
 import rnncc
 from rnncc.bench import time_gpu
 
-CONFIGS = [("lstm", h, n) for h in (256, 512, 1024, 1536) for n in (1, 4)] + [
-    ("gru", h, n) for h in (512, 1024, 2048) for n in (1, 4)]
+CONFIGS = [("lstm", h, n, "float32") for h in (256, 512, 1024, 1536) for n in (1, 4)] + [
+    ("gru", h, n, "float32") for h in (512, 1024, 2048) for n in (1, 4)] + [
+    ("lstm", 2048, 4, "float16"), ("gru", 2816, 1, "float16")]
 
 
 def main():
@@ -25,8 +27,8 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     rows, device = [], None
-    for cell, hidden, batch in CONFIGS:
-        module = rnncc.compile(cell, hidden, hidden, batch, target="cuda")
+    for cell, hidden, batch, dtype in CONFIGS:
+        module = rnncc.compile(cell, hidden, hidden, batch, target="cuda", dtype=dtype)
         best = time_gpu(module, args.steps, args.repeat)
         device = best.get("device")
         if best["entry"] == "persistent":
@@ -35,16 +37,18 @@ def main():
             seq = best["rnncc"]
         plan = module.metadata["schedule"]["persistent"].get("plan")
         per = 1e3 / args.steps
-        rows.append({"cell": cell, "H": hidden, "N": batch, "schedule": best["entry"],
+        rows.append({"cell": cell, "H": hidden, "N": batch, "dtype": dtype,
+                     "schedule": best["entry"],
                      "plan": f"B={plan['blocks']} {plan['sync']}" if plan else "-",
                      "rnncc_us": best["rnncc"] * per, "sequence_us": seq * per,
                      "cudnn_us": best["cudnn"] * per})
-    print(f"{device}, {datetime.date.today().isoformat()}, T={args.steps}, float32 (TF32 off)\n")
-    print("| cell | H | N | schedule | plan | rnncc us/step | non-persistent us/step "
+    print(f"{device}, {datetime.date.today().isoformat()}, T={args.steps}, TF32 off\n")
+    print("| cell | H | N | dtype | schedule | plan | rnncc us/step | non-persistent us/step "
           "| cuDNN us/step | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['cell']} | {r['H']} | {r['N']} | {r['schedule']} | {r['plan']} "
+        print(f"| {r['cell']} | {r['H']} | {r['N']} | {r['dtype']} | {r['schedule']} "
+              f"| {r['plan']} "
               f"| {r['rnncc_us']:.2f} | {r['sequence_us']:.2f} | {r['cudnn_us']:.2f} "
               f"| {r['cudnn_us'] / r['rnncc_us']:.2f}x |")
     if args.json:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from .errors import ConfigError
 
-#: Storage dtypes rnncc compiles today.
-SUPPORTED = ("float32",)
+#: Storage dtypes rnncc compiles today (float16: half storage, float32 accumulation).
+SUPPORTED = ("float32", "float16")
 #: Storage dtypes the design takes next (half-precision storage, float32 accumulation).
-PLANNED = ("float16", "bfloat16")
+PLANNED = ("bfloat16",)
 
 
 def check_dtype(dtype: str) -> str:

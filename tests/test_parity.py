@@ -1,14 +1,15 @@
 """Every registered cell against the float64 NumPy reference, on fresh random inputs.
 
 On llvm always; on cuda with --gpu (the same checks on the GPU machine). Relative error
-||out - ref|| / ||ref|| under 1e-5 for float32, over y and every final state.
+||out - ref|| / ||ref|| under 1e-5 for float32 and 2e-3 for float16 (half storage, float32
+accumulation; the reference runs on the same half-rounded inputs), over y and every final state.
 """
 
 import numpy as np
 import pytest
 
 import rnncc
-from helpers import TOL_F32, check_against_reference, compiled
+from helpers import TOL, TOL_F32, check_against_reference, compiled
 
 CELLS = rnncc.cells.names()
 SIZES = [(h, n) for h in (1, 3, 33, 257) for n in (1, 3, 7)]
@@ -23,6 +24,16 @@ def test_matches_reference(cell, hidden, batch, target, rng):
     for steps, initial in ((1, False), (1, True), (37, True), (37, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL_F32, f"T={steps} initial={initial}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("hidden,batch", [(1, 1), (33, 7), (257, 3)])
+@pytest.mark.parametrize("cell", CELLS)
+def test_float16_matches_reference(cell, hidden, batch, target, rng):
+    module = compiled(cell, 5, hidden, batch, target, dtype="float16")
+    for steps, initial in ((1, True), (37, True), (37, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL["float16"], f"T={steps} initial={initial}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -27,6 +27,23 @@ def test_plans_that_fit(gates, hidden, batch):
     assert p.sync == ("tagged" if p.blocks <= 32 else "barrier")
 
 
+@pytest.mark.parametrize("gates, hidden, batch", [(4, 2048, 4), (3, 2048, 1), (4, 33, 7)])
+def test_float16_plans_hold_twice_the_weights(gates, hidden, batch):
+    """Half weights: 8 a 16-byte chunk, so a chunk of a row takes 4 registers, as in float32."""
+    p = plan(gates, hidden, batch, "float16", H100, states=2)
+    assert p.vec == 8 and p.chunks == -(-hidden // 256)
+    assert p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * 8 >= gates * hidden * hidden
+    assert p.smem_bytes <= H100.smem_per_block and p.reg_estimate <= 255
+
+
+def test_no_register_margin_fits_more():
+    """GRU H=2048 float32 fits only with every register used (the driver then asks ptxas)."""
+    with pytest.raises(Unfit):
+        plan(3, 2048, 1, "float32", H100, states=1)
+    p = plan(3, 2048, 1, "float32", H100, states=1, reg_margin=0)
+    assert p.reg_margin == 0 and p.smem_chunks > 0 and p.smem_bytes <= H100.smem_per_block
+
+
 def test_large_weights_use_shared_memory():
     p = plan(4, 1536, 4, "float32", H100, states=2)
     assert p.smem_chunks > 0 and p.reg_chunks > 0
@@ -36,7 +53,8 @@ def test_large_weights_use_shared_memory():
     (3, 2048, 1, "float32", r"need 372 KiB on each of 132 multiprocessors"),
     (4, 2048, 4, "float32", "more than their registers and shared memory hold"),
     (4, 512, 32, "float32", "batch 32 is over the persistent kernel's 16"),
-    (4, 512, 1, "float16", "float32 for now"),
+    (3, 2816, 1, "float16", r"need 352 KiB on each of 132 multiprocessors"),
+    (4, 512, 1, "bfloat16", "takes float32 or float16, not bfloat16"),
 ])
 def test_plans_that_do_not_fit(gates, hidden, batch, dtype, match):
     with pytest.raises(Unfit, match=match):
@@ -61,13 +79,23 @@ def test_persistent_option_errors():
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 class TestPersistentBuild:
     def test_unfit_falls_back_and_says_why(self):
-        module = rnncc.compile("gru", 64, 2048, 1, target="cuda")
+        module = rnncc.compile("gru", 64, 2048, 4, target="cuda", tuning="off")
         schedule = module.metadata["schedule"]
         assert schedule["kind"] == "sequence"
         assert "372 KiB" in schedule["persistent"]["reason"]
         assert "persistent_forward" not in module.metadata["functions"]
         with pytest.raises(ConfigError, match="persistent=on, but"):
-            rnncc.compile("gru", 64, 2048, 1, target="cuda", persistent="on")
+            rnncc.compile("gru", 64, 2048, 4, target="cuda", persistent="on", tuning="off")
+
+    def test_tight_plan_when_the_margin_does_not_fit(self):
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
+        module = rnncc.compile("gru", 64, 2048, 1, target="cuda", tuning="off")
+        schedule = module.metadata["schedule"]
+        assert schedule["kind"] == "persistent"
+        assert schedule["persistent"]["plan"]["reg_margin"] == 0
+        (name,) = cooperative_kernels(module.source("cuda"))
+        assert module.metadata["ptxas"][name]["spill_stores"] == 0
 
     @pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
     def test_kernel_builds_without_spills(self, sync, tmp_path):
@@ -92,3 +120,18 @@ class TestPersistentBuild:
         module = rnncc.compile("lstm", 32, 256, 1, target="cuda", persistent="off")
         assert module.metadata["schedule"]["kind"] == "sequence"
         assert module.metadata["schedule"]["persistent"] == {"reason": "persistent=off"}
+
+    @pytest.mark.parametrize("sync", ["tagged", "barrier"])
+    def test_float16_kernel_builds_without_spills(self, sync):
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
+        module = rnncc.compile("gru", 16, 512, 3, target="cuda", dtype="float16",
+                               knobs={"sync": sync})
+        plan = module.metadata["schedule"]["persistent"]["plan"]
+        assert module.metadata["schedule"]["kind"] == "persistent" and plan["vec"] == 8
+        source = module.source("cuda")
+        (name,) = cooperative_kernels(source)
+        report = module.metadata["ptxas"][name]
+        assert report["spill_stores"] == report["stack"] == 0 and report["registers"] > 64
+        assert f"{name}(half* __restrict__ b_hh_ptr" in source  # half weights and biases
+        assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.matmul"

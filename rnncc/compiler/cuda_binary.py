@@ -69,6 +69,19 @@ def parse_ptxas(report: str) -> dict:
     return kernels
 
 
+def cooperative_kernels(source: str) -> list[str]:
+    """Names of the kernels in CUDA ``source`` that wait on other blocks (rnncc's grid
+    exchange or barrier, or cooperative groups' grid sync): the persistent kernels."""
+    heads = list(re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?'
+                             r'(\w+)\([^;{]*\)\s*{', source))
+    found = []
+    for head, after in zip(heads, heads[1:] + [None]):
+        body = source[head.end():after.start() if after else len(source)]
+        if "rnncc_grid_" in body or ".sync()" in body:
+            found.append(head.group(1))
+    return found
+
+
 def compile_cubin(source: str, arch: str) -> tuple[bytes, dict]:
     """nvcc ``source`` to a cubin for ``arch`` (e.g. sm_90); returns (cubin, ptxas report)."""
     nvcc = find_nvcc()

@@ -58,7 +58,9 @@ WARPS = (4, 8, 16)
 
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
                      knobs):
-    """(plan or None, why not) for the persistent kernel."""
+    """(plan or None, why not) for the persistent kernel. Unless the knobs fix reg_margin, a
+    configuration that does not fit with ``reg_margin`` registers kept free is planned again
+    with none (ptxas then says whether it spills; the driver falls back if it does)."""
     from ..schedules import persistent
 
     if opts.persistent == "off":
@@ -73,11 +75,20 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
             raise ConfigError(why)
         return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
+
+    def attempt(margin):
+        return persistent.plan(problem.gates, problem.hidden_size, problem.batch,
+                               problem.dtype, gpu, len(problem.cell.states),
+                               max_blocks=knobs.get("max_blocks"), reg_margin=margin,
+                               warps=knobs.get("warps"))
+
     try:
-        found = persistent.plan(problem.gates, problem.hidden_size, problem.batch,
-                                problem.dtype, gpu, len(problem.cell.states),
-                                max_blocks=knobs.get("max_blocks"), reg_margin=reg_margin,
-                                warps=knobs.get("warps"))
+        try:
+            found = attempt(reg_margin)
+        except persistent.Unfit:
+            if "reg_margin" in knobs or reg_margin == 0:
+                raise
+            found = attempt(0)
     except persistent.Unfit as err:
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
@@ -136,14 +147,29 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     for _ in range(4):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs)
         module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
-        spills = {k: v for k, v in module.metadata.get("ptxas", {}).items()
-                  if k.startswith("persistent") and (v.get("spill_stores") or v.get("stack"))}
+        spills = _persistent_spills(module)
         if plan is None or not spills:
             return module
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
-                     f"({sorted(spills)}); replanned with fewer registers")
+                     f"({spills})")
+        if plan.reg_margin < margin:  # the plan that keeps no register free spilled
+            break
         margin += 24
-    raise BuildError(f"the persistent kernel for {problem.describe()} still spills registers")
+    why = (f"the persistent kernel for {problem.describe()} spills registers with every plan "
+           f"that fits (reg_margin {plan.reg_margin})")
+    if opts.persistent == "on":
+        raise BuildError(why)
+    return _build(problem, opts, tspec, None, why, notes, applied)
+
+
+def _persistent_spills(module) -> list[str]:
+    """The persistent kernels of ``module`` that ptxas reports spilling or using a stack."""
+    from .cuda_binary import cooperative_kernels
+
+    source = module.metadata.get("ptxas") and module.source("cuda")
+    ptxas = module.metadata.get("ptxas", {})
+    return sorted(k for k in cooperative_kernels(source or "")
+                  if ptxas.get(k, {}).get("spill_stores") or ptxas.get(k, {}).get("stack"))
 
 
 def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:

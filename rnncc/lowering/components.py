@@ -59,16 +59,18 @@ def _cast(expr, dtype: str):
     return expr if _dtype_of(expr) == dtype else expr.astype(dtype)
 
 
-def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str) -> tirx.PrimFunc:
+def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
+         a_dtype: str | None = None) -> tirx.PrimFunc:
     """``out[..., j] = sum_k a[..., k] * w[j, k] + b[j]`` for one projection.
 
-    ``a`` is ``lead + (K,)``, ``w`` [O, K] ("rows") or [K, O] ("cols"), ``b`` [O], ``out``
-    ``lead + (O,)``. Products and sums are in the accumulation dtype. Blocks: "gemm" (the
-    reduction) and "gemm_bias" (the epilogue).
+    ``a`` is ``lead + (K,)`` (dtype ``a_dtype``, default ``dtype``), ``w`` [O, K] ("rows") or
+    [K, O] ("cols") and ``b`` [O] in ``dtype``; ``out`` ``lead + (O,)``. Products, sums and
+    ``out`` are in the accumulation dtype (``out`` is a workspace: half storage rounds only
+    what the caller sees). Blocks: "gemm" (the reduction) and "gemm_bias" (the epilogue).
     """
     acc = accum_dtype(dtype)
     lead = tuple(i64(d) if isinstance(d, int) else d for d in lead)
-    a = te.placeholder(lead + (i64(k),), dtype, "a")
+    a = te.placeholder(lead + (i64(k),), a_dtype or dtype, "a")
     w_shape = (i64(o), i64(k)) if weights == "rows" else (i64(k), i64(o))
     w = te.placeholder(w_shape, dtype, "w")
     b = te.placeholder((i64(o),), dtype, "b")
@@ -84,7 +86,7 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str) -> tirx.PrimFunc
     )
     out = te.compute(
         lead + (i64(o),),
-        lambda *i: _cast(prod[i] + _cast(b[i[-1]], acc), dtype),
+        lambda *i: prod[i] + _cast(b[i[-1]], acc),
         name="gemm_bias",
     )
     return te.create_prim_func([a, w, b, out])
@@ -97,10 +99,12 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
     [N, G*H]; "per_gate", ``gi0 .. gi{G-1}`` then ``gh0 .. gh{G-1}``, each [N, H]. Then the
     previous states, each [N, H]. Outputs: ``y`` [N, H] (the new h), then the new states, each
-    [N, H]. ``fused``: one kernel for the whole step; otherwise one kernel an operation (the
-    unfused baseline).
+    [N, H]. ``y`` is in ``dtype``; the projections and the states are workspaces in the
+    accumulation dtype. ``fused``: one kernel for the whole step; otherwise one kernel an
+    operation (the unfused baseline).
     """
     acc = accum_dtype(dtype)
+    out_dtype, dtype = dtype, acc
     g_count = cell.gates
     n_, h_ = i64(batch), i64(hidden)
     if gates_layout == "combined":
@@ -134,7 +138,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                 [_cast(s[n, j], acc) for s in states],
             )
             _check_scalars(cell, new)
-            return [_cast(new[0], dtype)] + [_cast(v, dtype) for v in new]
+            return [_cast(new[0], out_dtype)] + [_cast(v, dtype) for v in new]
 
         outs = te.compute((n_, h_), body, name="cell")
     else:
@@ -152,7 +156,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                 f"cell {cell.name!r}: step must compute every state from its inputs with "
                 "rnncc.cells.ops and arithmetic operators to be staged"
             )
-        outs = [_elementwise(new[0].tensor, dtype, "y")]
+        outs = [_elementwise(new[0].tensor, out_dtype, "y")]
         outs += [_elementwise(v.tensor, dtype, f"{s}_new") for s, v in zip(cell.states, new)]
     return te.create_prim_func([*inputs, *states, *outs])
 
@@ -170,11 +174,13 @@ def _check_scalars(cell: Cell, values) -> None:
             )
 
 
-def copy(count: int, batch: int, hidden: int, dtype: str) -> tirx.PrimFunc:
-    """``out_i = in_i`` for ``count`` [N, H] tensors, in one kernel (state copies)."""
+def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str) -> tirx.PrimFunc:
+    """``out_i = in_i`` for ``count`` [N, H] tensors, in one kernel (state copies between the
+    caller's ``dtype`` and the workspaces' ``out_dtype``, or back)."""
     shape = (i64(batch), i64(hidden))
     ins = [te.placeholder(shape, dtype, f"in{i}") for i in range(count)]
-    outs = te.compute(shape, lambda n, j: [x[n, j] for x in ins], name="copy")
+    outs = te.compute(shape, lambda n, j: [_cast(x[n, j], out_dtype) for x in ins],
+                      name="copy")
     return te.create_prim_func([*ins, *(outs if count > 1 else [outs])])
 
 

@@ -26,6 +26,7 @@ import tvm_ffi
 from tvm import tirx
 
 from .. import schedules
+from ..dtypes import accum_dtype
 from ..spec import Options, Problem
 from . import components as comp
 from .assemble import ALL, Region, Stage, sequence_function, standalone_function
@@ -110,7 +111,8 @@ class _Builder:
 
     def states_copy(self, key, src, dst):
         p = self.p
-        func = self.scheduled(key, comp.copy(len(src), p.batch, p.hidden_size, p.dtype),
+        func = self.scheduled(key, comp.copy(len(src), p.batch, p.hidden_size,
+                                             src[0].buffer.dtype, dst[0].buffer.dtype),
                               "elementwise")
         return Stage(key, func, src + dst, len(dst))
 
@@ -118,12 +120,14 @@ class _Builder:
         """One GEMM over all gates, or one a gate (gate_gemm off)."""
         p, layout = self.p, self.layout
         g, h = p.gates, p.hidden_size
+        a_dtype = a_region.buffer.dtype
         if layout.gates == "combined":
-            func = self.scheduled(name, comp.gemm(lead, k, g * h, layout.weights, p.dtype),
-                                  "gemm")
+            func = self.scheduled(
+                name, comp.gemm(lead, k, g * h, layout.weights, p.dtype, a_dtype), "gemm")
             return [Stage(name, func, [a_region, Region(w, (ALL,) * len(w.shape)),
                                        Region(b, (ALL,)), out_whole], 1)]
-        func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype), "gemm")
+        func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype, a_dtype),
+                              "gemm")
         return [Stage(f"{name}_g{i}", func,
                       [a_region, Region(w, (i, ALL, ALL)),
                        Region(b, (slice(i * h, (i + 1) * h),)), out_of_gate(i)], 1)
@@ -143,9 +147,10 @@ class _Builder:
             xp_shape = (g, t_len, n, h) if per_gate else (t_len, n, g * h)
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
-        xp = self.param(sig, "xp", xp_shape, "workspace")
-        hp = self.param(sig, "hp", (g, n, h) if per_gate else (n, g * h), "workspace")
-        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace") for s in p.cell.states]
+        acc = accum_dtype(p.dtype)
+        xp = self.param(sig, "xp", xp_shape, "workspace", acc)
+        hp = self.param(sig, "hp", (g, n, h) if per_gate else (n, g * h), "workspace", acc)
+        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
 
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
@@ -196,8 +201,9 @@ class _Builder:
         sig = []
         w_shape = (plan.blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
         x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape)
-        xp = self.param(sig, "xp", (t_len, n, g * h), "workspace")
-        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace") for s in p.cell.states]
+        acc = accum_dtype(p.dtype)
+        xp = self.param(sig, "xp", (t_len, n, g * h), "workspace", acc)
+        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, n, h), "workspace", "uint64")
             init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, kernel.EMPTY_TAG),
@@ -213,7 +219,7 @@ class _Builder:
         prologue += self.projections("input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c,
                                      w_ih, b_ih, None, Region(xp, (ALL, ALL, ALL)))
         prologue.append(sync_stage)
-        k_func = kernel.kernel(p.cell, h, n, plan)
+        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}"
         prologue.append(Stage(
             "persistent", k_func,

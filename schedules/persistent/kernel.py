@@ -105,8 +105,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
-def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> str:
-    """TVMScript text of the kernel (exposed for tests and ``rnncc inspect``)."""
+def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
+           dtype: str = "float32") -> str:
+    """TVMScript text of the kernel (exposed for tests and ``rnncc inspect``). ``dtype`` is
+    the storage dtype of the weights, the bias and y; the input projections, the states'
+    workspaces, products, sums, h's staging and exchange, and the cell are float32."""
     g_count, states = cell.gates, len(cell.states)
     h, n_, vec, ki, kr, ks = hidden, batch, p.vec, p.chunks, p.reg_chunks, p.smem_chunks
     rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.blocks
@@ -129,10 +132,11 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
          + ("hw_h: T.handle):" if tagged else "cnt_h: T.handle):"))
     emit('    T.func_attr({"tirx.noalias": True})')
     emit('    T_len = T.int64()')
+    dt = dtype
     emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_}, {gh}), "float32")')
-    emit(f'    w = T.match_buffer(w_h, ({b_}, {wn}, {ki}, {rw}, 32, {vec}), "float32")')
-    emit(f'    b_hh = T.match_buffer(b_h, ({gh},), "float32")')
-    emit(f'    y = T.match_buffer(y_h, (T_len, {n_}, {h}), "float32")')
+    emit(f'    w = T.match_buffer(w_h, ({b_}, {wn}, {ki}, {rw}, 32, {vec}), "{dt}")')
+    emit(f'    b_hh = T.match_buffer(b_h, ({gh},), "{dt}")')
+    emit(f'    y = T.match_buffer(y_h, (T_len, {n_}, {h}), "{dt}")')
     for k in range(states):
         emit(f'    s{k} = T.match_buffer(s{k}_h, (2, {n_}, {h}), "float32")')
     if tagged:
@@ -142,17 +146,17 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     emit('    with T.sblock("root"):')
     i1 = " " * 8
     if kr:
-        emit(f'{i1}wreg = T.sblock_alloc_buffer(({kr * rw * vec},), "float32", scope="local")')
+        emit(f'{i1}wreg = T.sblock_alloc_buffer(({kr * rw * vec},), "{dt}", scope="local")')
     emit(f'{i1}acc = T.sblock_alloc_buffer(({acc_n},), "float32", scope="local")')
     emit(f'{i1}hv = T.sblock_alloc_buffer(({n_ * vec},), "float32", scope="local")')
-    emit(f'{i1}wv = T.sblock_alloc_buffer(({vec},), "float32", scope="local")')
+    emit(f'{i1}wv = T.sblock_alloc_buffer(({vec},), "{dt}", scope="local")')
     emit(f'{i1}gi = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
     emit(f'{i1}bh = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
     emit(f'{i1}st = T.sblock_alloc_buffer(({it_ * extra},), "float32", scope="local")')
     if tagged:
         emit(f'{i1}tv = T.sblock_alloc_buffer(({WAIT_BATCH},), "uint64", scope="local")')
     if ks:
-        emit(f'{i1}wsm = T.sblock_alloc_buffer(({wn * ks * rw * 32 * vec},), "float32", '
+        emit(f'{i1}wsm = T.sblock_alloc_buffer(({wn * ks * rw * 32 * vec},), "{dt}", '
              'scope="shared.dyn")')
     emit(f'{i1}hs = T.sblock_alloc_buffer(({n_ * kp},), "float32", scope="shared.dyn")')
     emit(f'{i1}gsum = T.sblock_alloc_buffer(({wn * rw * n_},), "float32", scope="shared.dyn")')
@@ -189,7 +193,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
         valid, n, j = item(it)
         guard(i3, valid)
         for g in range(g_count):
-            emit(f'{i3}        bh[{it * g_count + g}] = b_hh[{g * h} + {j}]')
+            emit(f'{i3}        bh[{it * g_count + g}] = T.Cast("float32", b_hh[{g * h} + {j}])')
         for k in range(1, states):
             emit(f'{i3}        st[{it * extra + k - 1}] = s{k}[0, {n}, {j}]')
     emit(f'{i3}for t in range(T_len):')
@@ -244,7 +248,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
         emit(f'{i4}        for n in T.unroll({n_}):')
         emit(f'{i4}            for v in T.unroll({vec}):')
         emit(f'{i4}                acc[q * {n_} + n] = acc[q * {n_} + n] + '
-             f'wv[v] * hv[n * {vec} + v]')
+             f'T.Cast("float32", wv[v]) * hv[n * {vec} + v]')
 
     if kr:
         emit(f'{i4}for i in T.unroll({kr}):')
@@ -290,7 +294,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
         guard(i4, valid)
         emit(f'{i4}        new = T.meta_var(apply_cell(gi, bh, gsum, hs, st, {it}, {n}, '
              f'{j}, {j} - bx * {u_}))')
-        emit(f'{i4}        y[t, {n}, {j}] = new[0]')
+        emit(f'{i4}        y[t, {n}, {j}] = T.Cast("{dt}", new[0])')
         emit(f'{i4}        s0[(t + 1) % 2, {n}, {j}] = new[0]')
         if tagged:
             emit(f'{i4}        T.cuda.func_call("{GRID_STORE}", T.address_of(hw[(t + 1) % 2, {n}, '
@@ -317,7 +321,8 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent") -> 
     return "\n".join(lines) + "\n"
 
 
-def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent"):
+def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
+           dtype: str = "float32"):
     """The kernel as a PrimFunc: params (xp [T,N,G*H], w (packed), b_hh [G*H], y [T,N,H],
     one [2,N,H] ping-pong buffer a state (h first), then for ``sync="tagged"`` the tagged h
     [2,N,H] uint64, else the barrier counter [1] uint32)."""
@@ -331,9 +336,9 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent"):
         prev = [hs[n * kp + j]] + [st[it * extra + k - 1] for k in range(1, len(cell.states))]
         return cell.evaluate(gates_i, gates_h, prev)
 
-    text = source(cell, hidden, batch, p, name)
+    text = source(cell, hidden, batch, p, name, dtype)
     extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,
-                  "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE, "GRID_LOAD_SRC": GRID_LOAD_SOURCE,
-                  "GRID_STORE_SRC": GRID_STORE_SOURCE,
+                  "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE,
+                  "GRID_LOAD_SRC": GRID_LOAD_SOURCE, "GRID_STORE_SRC": GRID_STORE_SOURCE,
                   "GRID_WAIT_SRC": GRID_WAIT_SOURCE}
     return parse(text, extra_vars=extra_vars)

@@ -69,6 +69,7 @@ class Plan:
     reg_estimate: int  # registers a thread, estimated
     smem_bytes: int    # dynamic shared memory a block
     sync: str = "tagged"  # "tagged" h words; "barrier": a counter barrier; "grid": coop. groups
+    reg_margin: int = 0  # registers the plan keeps free under the per-thread limit
 
     @property
     def threads(self) -> int:
@@ -112,7 +113,8 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
         return None
     return Plan(blocks=-(-hidden // units), units=units, warps=warps, rows_per_warp=rpw,
                 vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
-                items=items, reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem)
+                items=items, reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem,
+                reg_margin=margin)
 
 
 def estimate_ns(p: Plan, batch: int) -> float:
@@ -126,6 +128,9 @@ def estimate_ns(p: Plan, batch: int) -> float:
     return barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
 
 
+#: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
+ELEMENT_BYTES = {"float32": 4, "float16": 2}
+
 #: Warps a block the planner tries (threads = 32 * warps).
 WARPS = (8, 16, 4)
 
@@ -137,8 +142,9 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
     spills for a plan; a larger margin moves weight chunks from registers to shared memory)."""
-    if dtype != "float32":
-        raise Unfit(f"the persistent kernel takes float32 for now, not {dtype}")
+    if dtype not in ELEMENT_BYTES:
+        raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
+    elem = ELEMENT_BYTES[dtype]
     if batch > MAX_BATCH:
         raise Unfit(f"batch {batch} is over the persistent kernel's {MAX_BATCH} "
                     "(its accumulators live in registers)")
@@ -146,7 +152,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
         for wn in (warps,) if warps else WARPS:
-            found = _try(gates, hidden, batch, 4, gpu, units, wn, states, reg_margin)
+            found = _try(gates, hidden, batch, elem, gpu, units, wn, states, reg_margin)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, batch) < estimate_ns(best, batch):
@@ -155,7 +161,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.
         return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier")
-    need = gates * hidden * hidden * 4 / cap
+    need = gates * hidden * hidden * elem / cap
     raise Unfit(
         f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
         f"of {cap} multiprocessors of {gpu.name}, more than their registers and shared memory "
