@@ -12,7 +12,7 @@ import pytest
 
 import rnncc
 from conftest import random_weights
-from helpers import TOL_F32, check_against_reference, compiled
+from helpers import TOL, TOL_F32, check_against_reference, compiled
 from rnncc import reference
 from rnncc.errors import InputError
 
@@ -118,6 +118,28 @@ def test_persistent_variants_match_reference_and_repeat_exactly(sync, rng):
     first = module(x, packed)[0]
     for _ in range(20):  # a race would show as run-to-run differences
         np.testing.assert_array_equal(module(x, packed)[0], first)
+
+
+@pytest.mark.parametrize("sync", ["tagged", "barrier"])
+def test_float16_persistent_matches_reference_and_repeats_exactly(sync, rng):
+    module = rnncc.compile("gru", 32, 512, 3, target="cuda", dtype="float16",
+                           knobs={"sync": sync})
+    assert module.metadata["schedule"]["kind"] == "persistent"
+    for steps in (1, 100):
+        assert check_against_reference(module, rng, steps, True) < TOL["float16"]
+    w = {k: v.astype("float16") for k, v in random_weights(rng, 3, 32, 512).items()}
+    x = rng.standard_normal((100, 3, 32)).astype("float16")
+    packed = module.pack(w)
+    first = module(x, packed)[0]
+    assert first.dtype == np.float16
+    for _ in range(20):
+        np.testing.assert_array_equal(module(x, packed)[0], first)
+
+
+def test_float16_persistent_ten_thousand_steps(rng):
+    module = compiled("lstm", 64, 1024, 4, "cuda", dtype="float16")
+    assert module.metadata["schedule"]["kind"] == "persistent"
+    assert check_against_reference(module, rng, 10000, True) < TOL["float16"]
 
 
 def test_persistent_ten_thousand_steps(rng):

@@ -71,7 +71,7 @@ def test_persistent_option_errors():
     with pytest.raises(ConfigError, match="CUDA only"):
         rnncc.compile("lstm", 3, 4, 1, target="llvm", persistent="on")
     with pytest.raises(ConfigError, match="unknown persistent knob"):
-        rnncc.compile("lstm", 3, 4, 1, target="llvm", knobs={"unroll": 2})
+        rnncc.compile("lstm", 3, 4, 1, target="llvm", knobs={"vector": 2})
     with pytest.raises(ConfigError, match="persistent must be"):
         rnncc.compile("lstm", 3, 4, 1, target="llvm", persistent="maybe")
 
@@ -135,3 +135,26 @@ class TestPersistentBuild:
         assert report["spill_stores"] == report["stack"] == 0 and report["registers"] > 64
         assert f"{name}(half* __restrict__ b_hh_ptr" in source  # half weights and biases
         assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.matmul"
+
+
+def test_unroll_knob_unrolls_the_shared_memory_chunks():
+    import dataclasses
+
+    from rnncc.schedules.persistent.kernel import source
+
+    p = plan(4, 1536, 4, "float32", H100, states=2)
+    ks = p.smem_chunks
+    assert ks > 1
+    lstm = rnncc.cells.get("lstm")
+    assert "for si in T.unroll(1):" in source(lstm, 1536, 4, p)
+    assert f"for si in T.unroll({ks}):" in source(lstm, 1536, 4,
+                                                  dataclasses.replace(p, unroll=ks))
+
+
+def test_knob_candidates_follow_the_driver():
+    from rnncc.spec import Problem
+    from rnncc.tuning.knob_search import candidates
+
+    tight = candidates(Problem(rnncc.cells.get("gru"), 2048, 2048, 1), H100)
+    assert tight and tight[0] == {} and {"unroll": 9} in tight  # planned with no margin
+    assert candidates(Problem(rnncc.cells.get("gru"), 2048, 2048, 4), H100) == []

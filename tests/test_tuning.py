@@ -114,7 +114,9 @@ def test_knobs_are_checked():
     with pytest.raises(ConfigError, match="warps must be one of"):
         rnncc.compile("lstm", 16, 16, 2, knobs={"warps": 5})
     with pytest.raises(ConfigError, match="unknown persistent knob"):
-        rnncc.compile("lstm", 16, 16, 2, knobs={"unroll": 2})
+        rnncc.compile("lstm", 16, 16, 2, knobs={"vector": 2})
+    with pytest.raises(ConfigError, match="unroll must be an integer from 1"):
+        rnncc.compile("lstm", 16, 16, 2, knobs={"unroll": 0})
 
 
 def test_cuda_tune_needs_a_gpu(tmp_path):

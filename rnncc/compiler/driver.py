@@ -49,9 +49,10 @@ def _options(options: dict) -> Options:
 
 
 #: The persistent kernel's knobs (what ``rnncc tune`` searches): the synchronisation variant,
-#: a cap on the grid (so more hidden units a block), the warps a block, and the registers kept
-#: free under the limit (more moves weight chunks from registers to shared memory).
-KNOBS = ("sync", "max_blocks", "warps", "reg_margin")
+#: a cap on the grid (so more hidden units a block), the warps a block, the registers kept
+#: free under the limit (more moves weight chunks from registers to shared memory), and the
+#: unrolling of the loop over the weight chunks in shared memory.
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll")
 SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
@@ -93,8 +94,7 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
         return None, str(err)
-    if "sync" in knobs:
-        found = dataclasses.replace(found, sync=knobs["sync"])
+    found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
     return found, gpu
 
 
@@ -108,7 +108,7 @@ def check_knobs(knobs) -> dict:
         raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
     if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
         raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
-    for name, low in (("max_blocks", 1), ("reg_margin", 0)):
+    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1)):
         value = knobs.get(name, low)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
             raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")

@@ -238,28 +238,33 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     emit(f'{i4}for a in T.unroll({acc_n}):')
     emit(f'{i4}    acc[a] = T.float32(0)')
 
-    def products(chunk, weight):
-        emit(f'{i4}    for n in T.unroll({n_}):')
-        emit(f'{i4}        for v in T.vectorized({vec}):')
-        emit(f'{i4}            hv[n * {vec} + v] = '
+    def products(chunk, weight, ind=i4):
+        emit(f'{ind}    for n in T.unroll({n_}):')
+        emit(f'{ind}        for v in T.vectorized({vec}):')
+        emit(f'{ind}            hv[n * {vec} + v] = '
              f'hs[n * {kp} + (({chunk}) * 32 + lane) * {vec} + v]')
-        emit(f'{i4}    for q in T.unroll({rw}):')
-        weight()
-        emit(f'{i4}        for n in T.unroll({n_}):')
-        emit(f'{i4}            for v in T.unroll({vec}):')
-        emit(f'{i4}                acc[q * {n_} + n] = acc[q * {n_} + n] + '
+        emit(f'{ind}    for q in T.unroll({rw}):')
+        weight(ind)
+        emit(f'{ind}        for n in T.unroll({n_}):')
+        emit(f'{ind}            for v in T.unroll({vec}):')
+        emit(f'{ind}                acc[q * {n_} + n] = acc[q * {n_} + n] + '
              f'T.Cast("float32", wv[v]) * hv[n * {vec} + v]')
 
     if kr:
         emit(f'{i4}for i in T.unroll({kr}):')
-        products("i", lambda: (emit(f'{i4}        for v in T.vectorized({vec}):'),
-                               emit(f'{i4}            wv[v] = wreg[(i * {rw} + q) * {vec} + v]')))
+        products("i", lambda ind: (
+            emit(f'{ind}        for v in T.vectorized({vec}):'),
+            emit(f'{ind}            wv[v] = wreg[(i * {rw} + q) * {vec} + v]')))
     if ks:
-        emit(f'{i4}for s in range({ks}):')
-        products(f"{kr} + s", lambda: (
-            emit(f'{i4}        for v in T.vectorized({vec}):'),
-            emit(f'{i4}            wv[v] = wsm[(((warp * {ks} + s) * {rw} + q) * 32 + lane) * '
-                 f'{vec} + v]')))
+        # The shared-memory chunks: a loop, unrolled by p.unroll (a divisor of KS) so that
+        # the loads of one chunk overlap the products of another.
+        unroll = max(d for d in range(1, min(p.unroll, ks) + 1) if ks % d == 0)
+        emit(f'{i4}for so in range({ks // unroll}):')
+        emit(f'{i4}    for si in T.unroll({unroll}):')
+        products(f"{kr} + so * {unroll} + si", lambda ind: (
+            emit(f'{ind}        for v in T.vectorized({vec}):'),
+            emit(f'{ind}            wv[v] = wsm[(((warp * {ks} + so * {unroll} + si) * {rw} + q) '
+                 f'* 32 + lane) * {vec} + v]')), i4 + "    ")
     # 4. halving butterfly over the lanes
     length, masks, halving = acc_n, [16, 8, 4, 2, 1], []
     for m in masks:

@@ -70,6 +70,7 @@ class Plan:
     smem_bytes: int    # dynamic shared memory a block
     sync: str = "tagged"  # "tagged" h words; "barrier": a counter barrier; "grid": coop. groups
     reg_margin: int = 0  # registers the plan keeps free under the per-thread limit
+    unroll: int = 1  # shared-memory chunks a loop iteration (rounded down to a divisor of KS)
 
     @property
     def threads(self) -> int:
