@@ -15,7 +15,7 @@ One launch runs all T steps. Per step, each block:
 4. reduces over the 32 lanes with a halving butterfly (each exchange halves the values a lane
    carries, so RW*N sums cost about RW*N shuffles instead of 5*RW*N);
 5. applies the cell to its (unit, batch) pairs: gates from the sums plus b_hh and the
-   prefetched input projections, states other than h kept in registers across steps; writes
+   prefetched input projections, the states kept in registers across steps; writes
    h_t to y[t] and to the other half of the h ping-pong buffer;
 6. with a barrier variant, waits at the grid barrier, so that every block's h_t is visible
    before step t+1. Every variant spins on other blocks, so the launch is cooperative: all
@@ -117,7 +117,6 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     kp = ki * 32 * vec
     gh = g_count * h
     acc_n = _next_pow2(rw * n_)
-    extra = max(states - 1, 1)
     lines = []
     emit = lines.append
 
@@ -152,14 +151,15 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     emit(f'{i1}wv = T.sblock_alloc_buffer(({vec},), "{dt}", scope="local")')
     emit(f'{i1}gi = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
     emit(f'{i1}bh = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
-    emit(f'{i1}st = T.sblock_alloc_buffer(({it_ * extra},), "float32", scope="local")')
+    emit(f'{i1}st = T.sblock_alloc_buffer(({it_ * states},), "float32", scope="local")')
     if tagged:
         emit(f'{i1}tv = T.sblock_alloc_buffer(({WAIT_BATCH},), "uint64", scope="local")')
     if ks:
         emit(f'{i1}wsm = T.sblock_alloc_buffer(({wn * ks * rw * 32 * vec},), "{dt}", '
              'scope="shared.dyn")')
-    emit(f'{i1}hs = T.sblock_alloc_buffer(({n_ * kp},), "float32", scope="shared.dyn")')
-    emit(f'{i1}gsum = T.sblock_alloc_buffer(({wn * rw * n_},), "float32", scope="shared.dyn")')
+    # h_{t-1} for the products, then (once they are done) the gate sums: one buffer
+    emit(f'{i1}hs = T.sblock_alloc_buffer(({max(n_ * kp, wn * rw * n_)},), "float32", '
+         'scope="shared.dyn")')
     emit(f'{i1}for bx in T.thread_binding({b_}, thread="blockIdx.x"):')
     emit(f'{i1}    for tx in T.thread_binding({threads}, thread="threadIdx.x"):')
     i3 = " " * 16
@@ -188,14 +188,14 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         return (f"{e} < {u_ * n_} and bx * {u_} + {e} % {u_} < {h}", f"{e} // {u_}",
                 f"bx * {u_} + {e} % {u_}")
 
-    # per-pair constants and the initial states other than h
+    # per-pair constants and the initial states (kept in registers across steps)
     for it in range(it_):
         valid, n, j = item(it)
         guard(i3, valid)
         for g in range(g_count):
             emit(f'{i3}        bh[{it * g_count + g}] = T.Cast("float32", b_hh[{g * h} + {j}])')
-        for k in range(1, states):
-            emit(f'{i3}        st[{it * extra + k - 1}] = s{k}[0, {n}, {j}]')
+        for k in range(states):
+            emit(f'{i3}        st[{it * states + k}] = s{k}[0, {n}, {j}]')
     emit(f'{i3}for t in range(T_len):')
     i4 = " " * 20
     # 1. prefetch this step's input projections
@@ -285,20 +285,19 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     base = " + ".join(f"T.if_then_else(T.bitwise_and(lane, {m}) != 0, {sp}, 0)"
                       for m, sp in zip(halving, spread)) or "0"
     free_bits = sum(m for m in masks if m not in halving)
-    # TVM merges the block's dynamic shared buffers and may give gsum bytes of hs, which
-    # slower warps may still be reading for their products: wait for them first.
+    # The gate sums go where h_{t-1} was: wait until every warp's products have read it.
     emit(f'{i4}T.cuda.cta_sync()')
     for c in range(length):
         idx = f"({base} + {c})"
         guard(i4, f'T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}')
-        emit(f'{i4}        gsum[(warp * {rw} + {idx} // {n_}) * {n_} + {idx} % {n_}] = acc[{c}]')
+        emit(f'{i4}        hs[(warp * {rw} + {idx} // {n_}) * {n_} + {idx} % {n_}] = acc[{c}]')
     emit(f'{i4}T.cuda.cta_sync()')
     # 5. the cell
     for it in range(it_):
         valid, n, j = item(it)
         guard(i4, valid)
-        emit(f'{i4}        new = T.meta_var(apply_cell(gi, bh, gsum, hs, st, {it}, {n}, '
-             f'{j}, {j} - bx * {u_}))')
+        emit(f'{i4}        new = T.meta_var(apply_cell(gi, bh, hs, st, {it}, {n}, '
+             f'{j} - bx * {u_}))')
         emit(f'{i4}        y[t, {n}, {j}] = T.Cast("{dt}", new[0])')
         emit(f'{i4}        s0[(t + 1) % 2, {n}, {j}] = new[0]')
         if tagged:
@@ -306,8 +305,8 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
                  f'{j}]), T.bitwise_or(T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)), '
                  f'T.Cast("uint64", T.reinterpret("uint32", new[0]))), '
                  f'source_code=GRID_STORE_SRC)')
-        for k in range(1, states):
-            emit(f'{i4}        st[{it * extra + k - 1}] = new[{k}]')
+        for k in range(states):
+            emit(f'{i4}        st[{it * states + k}] = new[{k}]')
     # 6. grid barrier (the tagged exchange needs none: only the block's own threads sync)
     if tagged:
         emit(f'{i4}T.cuda.cta_sync()')
@@ -322,7 +321,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         if states > 1:
             guard(i3, valid)
             for k in range(1, states):
-                emit(f'{i3}        s{k}[T_len % 2, {n}, {j}] = st[{it * extra + k - 1}]')
+                emit(f'{i3}        s{k}[T_len % 2, {n}, {j}] = st[{it * states + k}]')
     return "\n".join(lines) + "\n"
 
 
@@ -331,15 +330,13 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     """The kernel as a PrimFunc: params (xp [T,N,G*H], w (packed), b_hh [G*H], y [T,N,H],
     one [2,N,H] ping-pong buffer a state (h first), then for ``sync="tagged"`` the tagged h
     [2,N,H] uint64, else the barrier counter [1] uint32)."""
-    g_count, kp = cell.gates, p.chunks * 32 * p.vec
+    g_count, states = cell.gates, len(cell.states)
 
-    def apply_cell(gi, bh, gsum, hs, st, it, n, j, u):
-        extra = max(len(cell.states) - 1, 1)
+    def apply_cell(gi, bh, gsum, st, it, n, u):
         gates_i = [gi[it * g_count + g] for g in range(g_count)]
         gates_h = [gsum[(g * p.units + u) * batch + n] + bh[it * g_count + g]
                    for g in range(g_count)]
-        prev = [hs[n * kp + j]] + [st[it * extra + k - 1] for k in range(1, len(cell.states))]
-        return cell.evaluate(gates_i, gates_h, prev)
+        return cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
 
     text = source(cell, hidden, batch, p, name, dtype)
     extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,

@@ -108,8 +108,8 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk)) if limit > fixed else 0
     smem_chunks = chunks - reg_chunks
     smem = (warps * smem_chunks * rpw * 32 * vec * elem_bytes  # weights
-            + batch * chunks * 32 * vec * 4                     # h_{t-1}, float32
-            + warps * rpw * batch * 4)                         # the gates' sums
+            + 4 * max(batch * chunks * 32 * vec,  # h_{t-1} (float32), then in its place
+                      warps * rpw * batch))       # the gates' sums
     if smem > gpu.smem_per_block or limit <= fixed:
         return None
     return Plan(blocks=-(-hidden // units), units=units, warps=warps, rows_per_warp=rpw,
