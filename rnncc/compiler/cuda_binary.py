@@ -77,7 +77,7 @@ def cooperative_kernels(source: str) -> list[str]:
     found = []
     for head, after in zip(heads, heads[1:] + [None]):
         body = source[head.end():after.start() if after else len(source)]
-        if "rnncc_grid_" in body or ".sync()" in body:
+        if "rnncc_grid_" in body or "this_grid().sync()" in body:
             found.append(head.group(1))
     return found
 

@@ -57,11 +57,31 @@ SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
 
+def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int):
+    """The persistent plan of ``problem`` on ``gpu`` (a planner GPU) under ``knobs``, or
+    :class:`Unfit`. Unless the knobs fix reg_margin, a configuration that does not fit with
+    ``reg_margin`` registers kept free is planned again with none (ptxas then says whether it
+    spills; :func:`compile_module` falls back if it does). Shared with ``rnncc tune``."""
+    from ..schedules import persistent
+
+    def attempt(margin):
+        return persistent.plan(problem.gates, problem.hidden_size, problem.batch,
+                               problem.dtype, gpu, len(problem.cell.states),
+                               max_blocks=knobs.get("max_blocks"), reg_margin=margin,
+                               warps=knobs.get("warps"))
+
+    try:
+        found = attempt(reg_margin)
+    except persistent.Unfit:
+        if "reg_margin" in knobs or reg_margin == 0:
+            raise
+        found = attempt(0)
+    return dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
+
+
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
                      knobs):
-    """(plan or None, why not) for the persistent kernel. Unless the knobs fix reg_margin, a
-    configuration that does not fit with ``reg_margin`` registers kept free is planned again
-    with none (ptxas then says whether it spills; the driver falls back if it does)."""
+    """(plan or None, why not) for the persistent kernel."""
     from ..schedules import persistent
 
     if opts.persistent == "off":
@@ -76,26 +96,12 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
             raise ConfigError(why)
         return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
-
-    def attempt(margin):
-        return persistent.plan(problem.gates, problem.hidden_size, problem.batch,
-                               problem.dtype, gpu, len(problem.cell.states),
-                               max_blocks=knobs.get("max_blocks"), reg_margin=margin,
-                               warps=knobs.get("warps"))
-
     try:
-        try:
-            found = attempt(reg_margin)
-        except persistent.Unfit:
-            if "reg_margin" in knobs or reg_margin == 0:
-                raise
-            found = attempt(0)
+        return plan_with_knobs(problem, gpu, knobs, reg_margin), gpu
     except persistent.Unfit as err:
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
         return None, str(err)
-    found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
-    return found, gpu
 
 
 def check_knobs(knobs) -> dict:
@@ -147,8 +153,10 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     for _ in range(4):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs)
         module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
+        if plan is None:
+            return module
         spills = _persistent_spills(module)
-        if plan is None or not spills:
+        if not spills:
             return module
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
                      f"({spills})")
@@ -166,9 +174,8 @@ def _persistent_spills(module) -> list[str]:
     """The persistent kernels of ``module`` that ptxas reports spilling or using a stack."""
     from .cuda_binary import cooperative_kernels
 
-    source = module.metadata.get("ptxas") and module.source("cuda")
     ptxas = module.metadata.get("ptxas", {})
-    return sorted(k for k in cooperative_kernels(source or "")
+    return sorted(k for k in cooperative_kernels(module.source("cuda"))
                   if ptxas.get(k, {}).get("spill_stores") or ptxas.get(k, {}).get("stack"))
 
 

@@ -104,12 +104,11 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     operation (the unfused baseline).
     """
     acc = accum_dtype(dtype)
-    out_dtype, dtype = dtype, acc
     g_count = cell.gates
     n_, h_ = i64(batch), i64(hidden)
     if gates_layout == "combined":
-        gi = te.placeholder((n_, i64(g_count * hidden)), dtype, "gi")
-        gh = te.placeholder((n_, i64(g_count * hidden)), dtype, "gh")
+        gi = te.placeholder((n_, i64(g_count * hidden)), acc, "gi")
+        gh = te.placeholder((n_, i64(g_count * hidden)), acc, "gh")
         inputs = [gi, gh]
 
         def read_i(g, n, j):
@@ -118,8 +117,8 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def read_h(g, n, j):
             return gh[n, g * hidden + j]
     else:
-        gis = [te.placeholder((n_, h_), dtype, f"gi{g}") for g in range(g_count)]
-        ghs = [te.placeholder((n_, h_), dtype, f"gh{g}") for g in range(g_count)]
+        gis = [te.placeholder((n_, h_), acc, f"gi{g}") for g in range(g_count)]
+        ghs = [te.placeholder((n_, h_), acc, f"gh{g}") for g in range(g_count)]
         inputs = gis + ghs
 
         def read_i(g, n, j):
@@ -128,23 +127,20 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def read_h(g, n, j):
             return ghs[g][n, j]
 
-    states = [te.placeholder((n_, h_), dtype, f"{s}_prev") for s in cell.states]
+    states = [te.placeholder((n_, h_), acc, f"{s}_prev") for s in cell.states]
 
     if fused:
         def body(n, j):
-            new = cell.evaluate(
-                [_cast(read_i(g, n, j), acc) for g in range(g_count)],
-                [_cast(read_h(g, n, j), acc) for g in range(g_count)],
-                [_cast(s[n, j], acc) for s in states],
-            )
+            new = cell.evaluate([read_i(g, n, j) for g in range(g_count)],
+                                [read_h(g, n, j) for g in range(g_count)],
+                                [s[n, j] for s in states])
             _check_scalars(cell, new)
-            return [_cast(new[0], out_dtype)] + [_cast(v, dtype) for v in new]
+            return [_cast(new[0], dtype)] + [_cast(v, acc) for v in new]
 
         outs = te.compute((n_, h_), body, name="cell")
     else:
         def gate(read, g):
-            return Staged(te.compute((n_, h_), lambda n, j: _cast(read(g, n, j), acc),
-                                     name=f"gate{g}"))
+            return Staged(te.compute((n_, h_), lambda n, j: read(g, n, j), name=f"gate{g}"))
 
         new = cell.evaluate(
             [gate(read_i, g) for g in range(g_count)],
@@ -156,8 +152,8 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                 f"cell {cell.name!r}: step must compute every state from its inputs with "
                 "rnncc.cells.ops and arithmetic operators to be staged"
             )
-        outs = [_elementwise(new[0].tensor, out_dtype, "y")]
-        outs += [_elementwise(v.tensor, dtype, f"{s}_new") for s, v in zip(cell.states, new)]
+        outs = [_elementwise(new[0].tensor, dtype, "y")]
+        outs += [_elementwise(v.tensor, acc, f"{s}_new") for s, v in zip(cell.states, new)]
     return te.create_prim_func([*inputs, *states, *outs])
 
 

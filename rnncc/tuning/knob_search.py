@@ -21,7 +21,7 @@ import time
 
 from ..errors import RnnccError
 
-#: Relative error against float64 a candidate must stay under (float32).
+#: Relative error against float64 (of the same rounded inputs) a candidate must stay under.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 #: Seconds a candidate's check and timing may take before it counts as hung.
 MEASURE_TIMEOUT = 40.0
@@ -29,23 +29,15 @@ MEASURE_TIMEOUT = 40.0
 
 def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     """Knob sets to try, the default ({}) first and ``start`` second, one a distinct plan."""
-    from ..compiler.driver import SYNCS, WARPS
+    from ..compiler.driver import SYNCS, WARPS, plan_with_knobs
     from ..schedules import persistent
     from ..schedules.persistent.planner import REG_MARGIN
 
     def plan_of(knobs):
-        margins = [knobs.get("reg_margin", REG_MARGIN)] + ([] if "reg_margin" in knobs else [0])
-        for margin in margins:  # as the driver plans: with no margin if the default is unfit
-            try:
-                found = persistent.plan(problem.gates, problem.hidden_size, problem.batch,
-                                        problem.dtype, gpu, len(problem.cell.states),
-                                        max_blocks=knobs.get("max_blocks"), reg_margin=margin,
-                                        warps=knobs.get("warps"))
-            except persistent.Unfit:
-                continue
-            return dataclasses.replace(
-                found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
-        return None
+        try:  # as rnncc compile plans it
+            return plan_with_knobs(problem, gpu, knobs, knobs.get("reg_margin", REG_MARGIN))
+        except persistent.Unfit:
+            return None
 
     base = plan_of({})
     if base is None:
