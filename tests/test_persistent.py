@@ -112,6 +112,9 @@ class TestPersistentBuild:
         expected = {"tagged": "rnncc_grid_load", "barrier": "rnncc_grid_barrier",
                     "grid": "this_grid().sync()"}[sync]
         assert expected in source
+        if sync == "tagged":  # tagged words are read with acquire loads, never plain volatile
+            assert "ld.acquire.gpu.global.u64" in source
+            assert "volatile const uint64_t" not in source
         path = module.export(tmp_path / "lstm.so")
         with open(path, "rb") as f:
             assert b"tirx.use_cooperative_launch" in f.read()
