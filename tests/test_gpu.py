@@ -172,3 +172,15 @@ def test_tagged_exchange_survives_many_runs(cell, rng):
         np.testing.assert_array_equal(module(x, packed)[0], first)
     ref_y, _ = reference.run(rnncc.cells.get(cell), x, w, {})
     assert reference.relative_error(first.astype("float64"), ref_y) < TOL["float16"]
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
+    ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
+    ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16")])
+def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rng):
+    module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype)
+    rules = module.metadata["schedule"]["rules"]
+    assert rules["input_gemm"] == rules["recurrent_gemm"] == "cuda.tiled_gemm"
+    for steps, initial in ((1, True), (37, True), (5, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"

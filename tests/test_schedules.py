@@ -1,5 +1,7 @@
 """Schedule rules, checked on the scheduled TIR (no GPU needed)."""
 
+import re
+
 import pytest
 import tvm
 import tvm_ffi
@@ -52,13 +54,67 @@ def test_unfused_step_is_several_kernels():
 
 def test_cuda_gemm_rule_choice():
     t_len = tirx.Var("T", "int64")
-    cases = [((1,), 512, 2048, "cuda.gemv"), ((64,), 512, 2048, "cuda.matmul"),
+    cases = [((1,), 512, 2048, "cuda.gemv"), ((64,), 512, 2048, "cuda.tiled_gemm"),
+             ((t_len, 64), 512, 2048, "cuda.tiled_gemm"), ((64,), 33, 99, "cuda.matmul"),
              ((t_len, 1), 256, 2048, "cuda.matmul"), ((1,), 1, 4, "cuda.gemm_simple")]
     for lead, k, o, rule in cases:
         result = schedules.schedule(comp.gemm(lead, k, o, "rows", "float32"), CUDA, "gemm")
         assert result.rule == rule, (lead, k, o, result.notes)
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
 
+
+
+@pytest.mark.parametrize("lead", [(64,), ("T", 96)], ids=["step", "all_steps"])
+def test_tiled_gemm_stages_k_major_tiles(lead):
+    """Both operands go through shared memory k-major and 4 values at a time into registers;
+    a run-time T is a grid dimension (no bounds checks on it); one step's small grid is split
+    along K (blockIdx.z: the slices, summed with the bias by a second kernel)."""
+    from rnncc.schedules import cuda_tiled_gemm
+
+    lead = tuple(tirx.Var("T", "int64") if d == "T" else d for d in lead)
+    func = comp.gemm(lead, 256, 1024, "rows", "float32")
+    sch = cuda_tiled_gemm.apply(func, CUDA)
+    assert sch is not None
+    scheduled = sch.mod["main"]
+    tags = thread_tags(scheduled)
+    assert {"blockIdx.x", "blockIdx.y", "threadIdx.x"} <= tags
+    assert "blockIdx.z" in tags
+    scopes = {}
+    for line in scheduled.script().splitlines():
+        if "T.sblock_alloc_buffer(" in line:
+            name = line.split("=")[0].strip()
+            dims = [int(d) for d in re.findall(r"T.int64\((\d+)\)", line)]
+            scope = re.search(r'scope="([\w.]+)"', line)
+            scopes[name] = (scope.group(1) if scope else "global", dims)
+    # k-major shared copies (K first), register tiles, the accumulators in registers
+    assert scopes["a_shared"][0] == "shared" and scopes["a_shared"][1][0] == 256
+    assert scopes["w_shared"] == ("shared", [256, 1024])
+    assert scopes["a_shared_local"][0] == scopes["w_shared_local"][0] == "local"
+    assert scopes["gemm_local"][0] == "local"
+    if len(lead) == 1:  # 32 tiles of 64 x 32: K = 256 in two slices of 128
+        assert scopes["gemm_rf"] == ("global", [2, 64, 1024])
+    else:
+        assert "gemm_rf" not in scopes
+    vectorized = [kind for kind, _ in loops(scheduled) if kind == int(tirx.ForKind.VECTORIZED)]
+    assert len(vectorized) == 4  # two global-to-shared copies, two shared-to-register reads
+
+
+def test_split_k_slices():
+    from rnncc.schedules.cuda_tiled_gemm import _splits
+
+    assert _splits(1024, 16, 128) == 4   # LSTM 1024, batch 64: 128 tiles -> 512 blocks
+    assert _splits(2048, 16, 192) == 2   # GRU 2048: 192 tiles -> 384 blocks
+    assert _splits(256, 16, 32) == 2     # slices stay 128 deep
+    assert _splits(1024, 16, 600) == 1   # enough blocks already
+    assert _splits(96, 16, 8) == 1       # too shallow to split
+
+
+def test_tiled_gemm_declines_what_does_not_tile():
+    from rnncc.schedules import cuda_tiled_gemm
+
+    for lead, k, o in [((16,), 256, 1024), ((64,), 33, 1024), ((64,), 256, 99), ((48,), 64, 64)]:
+        assert cuda_tiled_gemm.apply(comp.gemm(lead, k, o, "rows", "float32"), CUDA) is None
+    assert cuda_tiled_gemm.apply(comp.gemm((64,), 256, 1024, "cols", "float32"), CUDA) is None
 
 def test_cpu_gemm_is_parallel_and_vectorised():
     result = schedules.schedule(comp.gemm((3,), 64, 128, "cols", "float32"), LLVM, "gemm")

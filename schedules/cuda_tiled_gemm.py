@@ -1,0 +1,140 @@
+"""CUDA: register-tiled products on the CUDA cores for projections with many batch rows.
+
+out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o], with N (the batch, static) at least 32:
+the recurrent projection at batch >= 32 ([N, H] x [G*H, H]^T a step) and the input projection
+of all steps ([T, N, C] x [G*H, C]^T; T, when present, is a grid dimension, so a run-time T
+needs no bounds checks).
+
+A block computes a BN x BO tile of one step's output, TM x TO = 4 x 4 outputs a thread; K goes
+in chunks of BK through shared memory, stored k-major (a_s[k, n], w_s[k, o]), so that a thread
+reads its 4 rows and its 4 columns of a chunk as one 16-byte vector each; the global reads run
+along K, contiguous in both operands. The tile shape is picked to give about one block or more
+a multiprocessor; one step's product, whose grid is small (LSTM 1024 at batch 64: 128
+tiles), is split along K as well (split-K: S slices into an [S, N, O] workspace, then a
+small kernel sums them and adds the bias), which gives each multiprocessor several
+blocks to hide the global loads with. Sizes that do not divide into tiles are left to the
+next rule.
+"""
+
+from tvm import s_tir
+
+from ._common import gemm_blocks, static_extent
+from ._rule import Rule
+
+MIN_BATCH = 32
+TM = TO = 4
+#: (BN, BO) tile shapes, largest first; the first that gives enough blocks is used.
+TILES = ((64, 64), (64, 32), (32, 32))
+#: Blocks the tile choice aims for (about one a multiprocessor on an H100/H200).
+TARGET_BLOCKS = 120
+#: K chunk sizes, preferred first.
+BK_CHOICES = (16, 8, 4)
+#: Split-K: the grid a step aims for (about 4 blocks a multiprocessor), the least K a slice.
+SPLIT_BLOCKS = 512
+MIN_SLICE = 128
+
+
+def _weights_are_rows(sch, gemm) -> bool:
+    """True when w is read as w[o, k] (PyTorch's [O, K] rows, rnncc's CUDA layout)."""
+    block = sch.get(gemm)
+    o_var = block.iter_vars[-2].var
+    first = block.reads[1].region[0].min
+    return first.same_as(o_var)
+
+
+def _pick_tile(batch, rows, steps):
+    fits = [(bn, bo) for bn, bo in TILES if batch % bn == 0 and rows % bo == 0]
+    for bn, bo in fits:
+        if steps is None or (batch // bn) * (rows // bo) * steps >= TARGET_BLOCKS:
+            return bn, bo
+    return fits[-1] if fits else None
+
+
+def apply(func, target):
+    sch = s_tir.Schedule(func)
+    blocks = gemm_blocks(sch)
+    if blocks is None:
+        return None
+    gemm, bias = blocks
+    loops = sch.get_loops(gemm)
+    if len(loops) not in (3, 4) or not _weights_are_rows(sch, gemm):
+        return None
+    *lead, o, k = loops
+    batch, rows, depth = (static_extent(sch, x) for x in (lead[-1], o, k))
+    if None in (batch, rows, depth) or batch < MIN_BATCH:
+        return None
+    bk = next((c for c in BK_CHOICES if depth % c == 0), None)
+    # the steps a launch covers (unknown: T is a run-time size, and large)
+    steps = 1 if len(lead) == 1 else static_extent(sch, lead[0])
+    tile = _pick_tile(batch, rows, steps)
+    if bk is None or tile is None:
+        return None
+    bn, bo = tile
+    splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if len(lead) == 1 else 1
+    main = gemm
+    if splits > 1:
+        # split-K: S blocks a tile, each a slice of K, into a [S, N, O] buffer; then one
+        # small kernel sums the slices and adds the bias
+        k_s, k = sch.split(k, [splits, None])
+        main = sch.rfactor(k_s, factor_axis=0)
+        n_loop, o_loop, k_s, k = sch.get_loops(main)
+        lead = [k_s, n_loop]
+        o = o_loop
+    ty, tx = bn // TM, bo // TO
+    n_o, n_t, n_i = sch.split(lead[-1], [None, ty, TM])
+    o_o, o_t, o_i = sch.split(o, [None, tx, TO])
+    k_o, k_i = sch.split(k, [None, bk])
+    outer = [lead[0]] if len(lead) == 2 else []
+    sch.reorder(*outer, n_o, o_o, n_t, o_t, k_o, k_i, n_i, o_i)
+    if outer:
+        sch.bind(outer[0], "blockIdx.z")
+    sch.bind(n_o, "blockIdx.y")
+    sch.bind(o_o, "blockIdx.x")
+    thread = sch.fuse(n_t, o_t)
+    sch.bind(thread, "threadIdx.x")
+    threads = ty * tx
+
+    def stage(index):
+        """Operand ``index`` (0: a, 1: w) into shared memory k-major (16-byte global reads
+        along K), then a thread's 4 values of a chunk row into registers."""
+        shared = sch.cache_read(main, index, "shared")
+        sch.compute_at(shared, k_o)
+        sch.transform_layout(shared, ("write", 0), lambda *i: (i[-1], *i[:-1]))
+        fused = sch.fuse(*sch.get_loops(shared)[-2:])  # (rows of the tile, BK)
+        _, t, v = sch.split(fused, [None, threads, 4])
+        sch.bind(t, "threadIdx.x")
+        sch.vectorize(v)
+        local = sch.cache_read(main, index, "local")
+        sch.compute_at(local, k_i)
+        sch.vectorize(sch.get_loops(local)[-1])
+
+    stage(0)
+    stage(1)
+    sch.unroll(k_i)
+    if splits == 1:
+        sch.set_scope(gemm, 0, "local")
+        sch.decompose_reduction(gemm, k_o)
+        sch.reverse_compute_at(bias, thread)
+        return sch
+    partial = sch.cache_write(main, 0, "local")
+    sch.reverse_compute_at(partial, thread)
+    sch.decompose_reduction(main, k_o)
+    n_loop, o_loop, k_s = sch.get_loops(gemm)
+    b_x, t_x = sch.split(sch.fuse(n_loop, o_loop), [None, 256])
+    sch.bind(b_x, "blockIdx.x")
+    sch.bind(t_x, "threadIdx.x")
+    sch.set_scope(gemm, 0, "local")
+    sch.reverse_compute_at(bias, t_x)
+    return sch
+
+
+def _splits(depth: int, bk: int, blocks: int) -> int:
+    """Slices of K (a power of two) that bring a step's grid near SPLIT_BLOCKS, each slice at
+    least MIN_SLICE deep and a whole number of chunks."""
+    splits = 1
+    while (blocks * splits * 2 <= SPLIT_BLOCKS and depth % (splits * 2 * bk) == 0
+           and depth // (splits * 2) >= MIN_SLICE):
+        splits *= 2
+    return splits
+
+RULE = Rule("cuda.tiled_gemm", apply)
