@@ -176,7 +176,8 @@ def test_tagged_exchange_survives_many_runs(cell, rng):
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
-    ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16")])
+    ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16"),
+    ("lstm", 32, 256, 32, "float32"), ("gru", 16, 512, 64, "float16")])  # the last two: split-K
 def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rng):
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype)
     rules = module.metadata["schedule"]["rules"]

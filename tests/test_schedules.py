@@ -5,7 +5,7 @@ import re
 import pytest
 import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import s_tir, tirx
 
 import rnncc
 from rnncc import schedules
@@ -145,3 +145,46 @@ def test_sequence_records_rules_and_layout():
     assert names == ["x", "w_ih", "w_hh", "b_ih", "b_hh", "h0", "y", "h_n", "xp", "hp", "h_ws"]
     assert len(forward.params) == len(names)
     assert isinstance(lowered.mod, tvm.IRModule)
+
+
+def test_tiled_gemm_index_arithmetic_on_the_cpu(rng):
+    """The tiled rule's loop structure (tiles, k-major staging, split-K's slices and their
+    sum), built without its GPU thread bindings and memory scopes and run on the CPU, computes
+    the product exactly as NumPy does (the GPU tests check the real kernels)."""
+    import numpy as np
+
+    from rnncc.schedules import cuda_tiled_gemm
+
+    class Unbound(s_tir.Schedule):
+        def bind(self, loop, thread):
+            pass
+
+        def cache_read(self, block, index, scope, consumer_blocks=None):
+            return super().cache_read(block, index, "global", consumer_blocks)
+
+        def cache_write(self, block, index, scope, consumer_blocks=None):
+            return super().cache_write(block, index, "global", consumer_blocks)
+
+        def set_scope(self, block, index, scope):
+            pass
+
+    class Namespace:
+        Schedule = Unbound
+
+    for lead, k, o in [((64,), 1024, 256), ((3, 32), 64, 96)]:
+        func = comp.gemm(lead, k, o, "rows", "float32")
+        original = cuda_tiled_gemm.s_tir
+        cuda_tiled_gemm.s_tir = Namespace
+        try:
+            sch = cuda_tiled_gemm.apply(func, CUDA)
+        finally:
+            cuda_tiled_gemm.s_tir = original
+        assert ("gemm_rf" in sch.mod.script()) == (len(lead) == 1)
+        lib = tvm.compile(sch.mod, target="llvm")
+        a = rng.standard_normal((*lead, k)).astype("float32")
+        w = rng.standard_normal((o, k)).astype("float32")
+        b = rng.standard_normal(o).astype("float32")
+        out = tvm.runtime.empty((*lead, o), "float32", tvm.cpu())
+        lib["main"](*(tvm.runtime.tensor(x) for x in (a, w, b)), out)
+        ref = a.astype("float64") @ w.T.astype("float64") + b
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
