@@ -5,11 +5,11 @@ One launch runs all T steps. Per step, each block:
 1. prefetches the input projections of its (unit, batch) pairs for step t;
 2. stages h_{t-1} [N, H] (float32) in shared memory. With ``sync="tagged"`` (the default)
    h travels between blocks as 8-byte words (the value and the step that wrote it): a block
-   issues its loads, then re-reads only the words whose tag is not yet the step's, so no
-   separate barrier is needed and a step costs about one L2 round trip of communication
-   (data and flag in one store, as NCCL's low-latency protocol does). With ``"barrier"``
-   (rnncc's counter barrier) or ``"grid"`` (cooperative groups) h is plain float32, read
-   past L1 (``ld.global.cg``) after the barrier;
+   issues its loads (acquire loads at GPU scope), then re-reads only the words whose tag is
+   not yet the step's, so no separate barrier is needed and a step costs about one L2 round
+   trip of communication (data and flag in one store, as NCCL's low-latency protocol does).
+   With ``"barrier"`` (rnncc's counter barrier) or ``"grid"`` (cooperative groups) h is plain
+   float32, read past L1 (``ld.global.cg``) after the barrier;
 3. multiplies: each lane its 16-byte weight chunks (registers first, then shared memory) by
    the matching chunks of h, for every batch row; accumulation in float32;
 4. reduces over the 32 lanes with a halving butterfly (each exchange halves the values a lane
