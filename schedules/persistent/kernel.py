@@ -64,19 +64,6 @@ __device__ __forceinline__ float rnncc_shfl_xor(float value, int mask) {
 }
 """
 
-#: Loads of the tagged words are acquire loads at GPU scope (``ld.acquire.gpu``: on sm_90 a
-#: strong load followed by an L1 invalidation). Plain volatile loads (``ld.volatile``, strong at
-#: system scope) were measured to deadlock about once in 10 to 100 runs of 37 steps (float16
-#: tanh and relu RNNs, H=33, N=7, 9 blocks on an H200: a block waited on a word whose tag never
-#: came, and the wait limit trapped); with acquire loads 600 such runs passed.
-GRID_LOAD_SOURCE = f"""
-__device__ __forceinline__ uint64_t {GRID_LOAD}(const uint64_t* address) {{
-  uint64_t value;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address));
-  return value;
-}}
-"""
-
 GRID_STORE_SOURCE = f"""
 __device__ __forceinline__ void {GRID_STORE}(uint64_t* address, uint64_t value) {{
   *((volatile uint64_t*)address) = value;
@@ -88,12 +75,23 @@ EMPTY_TAG = 0x7FFFFFFF
 #: Words of h a thread loads before it waits on their tags.
 WAIT_BATCH = 8
 
-GRID_WAIT_SOURCE = f"""
-__device__ __forceinline__ uint64_t rnncc_acquire_u64(const uint64_t* address) {{
+#: The tagged exchange's loads are acquire loads at GPU scope (``ld.acquire.gpu``: on sm_90 a
+#: strong load followed by an L1 invalidation). Plain volatile loads (``ld.volatile``, strong at
+#: system scope) were measured to deadlock about once in 10 to 100 runs of 37 steps (float16
+#: tanh and relu RNNs, H=33, N=7, 9 blocks on an H200: a block waited on a word whose tag never
+#: came, and the wait limit trapped); with acquire loads 600 such runs passed.
+_ACQUIRE_LOAD = """(const uint64_t* address) {
   uint64_t value;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address));
   return value;
-}}
+}
+"""
+
+GRID_LOAD_SOURCE = f"__device__ __forceinline__ uint64_t {GRID_LOAD}{_ACQUIRE_LOAD}"
+
+# TVM emits a device function's source once a called name, so the wait (a separate call) has
+# its own copy of the load under a private name.
+GRID_WAIT_SOURCE = f"""__device__ __forceinline__ uint64_t rnncc_acquire_u64{_ACQUIRE_LOAD}
 __device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t step) {{
   uint64_t value = rnncc_acquire_u64(address);
   long long start = clock64();
