@@ -5,16 +5,18 @@ the recurrent projection at batch >= 32 ([N, H] x [G*H, H]^T a step) and the inp
 of all steps ([T, N, C] x [G*H, C]^T; T, when present, is a grid dimension, so a run-time T
 needs no bounds checks).
 
-A block computes a BN x BO tile of one step's output, TM x TO = 4 x 4 outputs a thread; K goes
-in chunks of BK through shared memory, stored k-major (a_s[k, n], w_s[k, o]), so that a thread
-reads its 4 rows and its 4 columns of a chunk as one 16-byte vector each; the global reads run
-along K, contiguous in both operands. The tile shape is picked to give about one block or more
-a multiprocessor; one step's product, whose grid is small (LSTM 1024 at batch 64: 128
-tiles), is split along K as well (split-K: S slices into an [S, N, O] workspace, then a
-small kernel sums them and adds the bias), which gives each multiprocessor several
-blocks to hide the global loads with. Sizes that do not divide into tiles are left to the
-next rule.
+A block computes a BN x BO tile of one step's output, TM x TO outputs a thread (8 x 4 by
+default: 8 rows of a, read as two 16-byte vectors that a warp's threads mostly share, and 4
+columns of w, one 16-byte vector); K goes in chunks of BK through shared memory, stored
+k-major (a_s[k, n], w_s[k, o]) so that those register loads are vectors; the global reads run
+along K, contiguous in both operands. One step's product has a small grid (LSTM 1024 at batch
+64: 64 tiles), so it is split along K as well (split-K: S slices into an [S, N, O] workspace,
+then a small kernel sums them and adds the bias), which gives each multiprocessor several
+blocks to hide the global loads with. Sizes that do not divide into tiles are left to the next
+rule. The tiles and slices were chosen by measurement (H200, batch 64, docs/benchmarks.md).
 """
+
+from dataclasses import dataclass
 
 from tvm import s_tir
 
@@ -22,16 +24,31 @@ from ._common import gemm_blocks, static_extent
 from ._rule import Rule
 
 MIN_BATCH = 32
-TM = TO = 4
-#: (BN, BO) tile shapes, largest first; the first that gives enough blocks is used.
-TILES = ((64, 64), (64, 32), (32, 32))
-#: Blocks the tile choice aims for (about one a multiprocessor on an H100/H200).
+#: (BN, BO, TM, TO): a block's BN x BO outputs, TM x TO a thread; best first. The first that
+#: divides the sizes is used (for a product of a few static steps, the first that also gives
+#: TARGET_BLOCKS blocks: about one a multiprocessor on an H100/H200).
+TILES = ((64, 64, 8, 4), (64, 32, 4, 4), (32, 32, 4, 4))
 TARGET_BLOCKS = 120
 #: K chunk sizes, preferred first.
 BK_CHOICES = (16, 8, 4)
-#: Split-K: the grid a step aims for (about 4 blocks a multiprocessor), the least K a slice.
-SPLIT_BLOCKS = 512
-MIN_SLICE = 128
+#: Split-K of one step's product: at most MAX_SPLITS slices (a power of two), each at least
+#: MIN_SLICE deep, the grid at most SPLIT_BLOCKS blocks.
+MAX_SPLITS = 8
+MIN_SLICE = 32
+SPLIT_BLOCKS = 1024
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A block computes bn x bo outputs, a thread tm x to of them; K goes in chunks of bk
+    through shared memory, in ``splits`` slices (split-K, one step's product only)."""
+
+    bn: int
+    bo: int
+    tm: int
+    to: int
+    bk: int
+    splits: int = 1
 
 
 def _weights_are_rows(sch, gemm) -> bool:
@@ -43,34 +60,50 @@ def _weights_are_rows(sch, gemm) -> bool:
 
 
 def _pick_tile(batch, rows, steps):
-    fits = [(bn, bo) for bn, bo in TILES if batch % bn == 0 and rows % bo == 0]
-    for bn, bo in fits:
-        if steps is None or (batch // bn) * (rows // bo) * steps >= TARGET_BLOCKS:
-            return bn, bo
+    fits = [t for t in TILES if batch % t[0] == 0 and rows % t[1] == 0]
+    for tile in fits:
+        if steps in (None, 1) or (batch // tile[0]) * (rows // tile[1]) * steps >= TARGET_BLOCKS:
+            return tile
     return fits[-1] if fits else None
 
 
-def apply(func, target):
+def plan(func) -> Tiling | None:
+    """The tiling for rnncc's gemm component ``func``, or None when it does not tile."""
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
     if blocks is None:
         return None
-    gemm, bias = blocks
-    loops = sch.get_loops(gemm)
-    if len(loops) not in (3, 4) or not _weights_are_rows(sch, gemm):
+    loops = sch.get_loops(blocks[0])
+    if len(loops) not in (3, 4) or not _weights_are_rows(sch, blocks[0]):
         return None
     *lead, o, k = loops
     batch, rows, depth = (static_extent(sch, x) for x in (lead[-1], o, k))
     if None in (batch, rows, depth) or batch < MIN_BATCH:
         return None
     bk = next((c for c in BK_CHOICES if depth % c == 0), None)
-    # the steps a launch covers (unknown: T is a run-time size, and large)
+    # the steps a launch covers (unknown: T is a run-time size, and large; one step: split-K
+    # makes its grid)
     steps = 1 if len(lead) == 1 else static_extent(sch, lead[0])
     tile = _pick_tile(batch, rows, steps)
     if bk is None or tile is None:
         return None
-    bn, bo = tile
+    bn, bo, tm, to = tile
     splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if len(lead) == 1 else 1
+    return Tiling(bn, bo, tm, to, bk, splits)
+
+
+def apply(func, target):
+    tiling = plan(func)
+    return None if tiling is None else schedule(func, tiling)
+
+
+def schedule(func, tiling: Tiling) -> s_tir.Schedule:
+    """``func`` (rnncc's gemm component, weights "rows") scheduled with ``tiling``."""
+    bn, bo, tm, to, bk, splits = (tiling.bn, tiling.bo, tiling.tm, tiling.to, tiling.bk,
+                                  tiling.splits)
+    sch = s_tir.Schedule(func)
+    gemm, bias = gemm_blocks(sch)
+    *lead, o, k = sch.get_loops(gemm)
     main = gemm
     if splits > 1:
         # split-K: S blocks a tile, each a slice of K, into a [S, N, O] buffer; then one
@@ -80,9 +113,9 @@ def apply(func, target):
         n_loop, o_loop, k_s, k = sch.get_loops(main)
         lead = [k_s, n_loop]
         o = o_loop
-    ty, tx = bn // TM, bo // TO
-    n_o, n_t, n_i = sch.split(lead[-1], [None, ty, TM])
-    o_o, o_t, o_i = sch.split(o, [None, tx, TO])
+    ty, tx = bn // tm, bo // to
+    n_o, n_t, n_i = sch.split(lead[-1], [None, ty, tm])
+    o_o, o_t, o_i = sch.split(o, [None, tx, to])
     k_o, k_i = sch.split(k, [None, bk])
     outer = [lead[0]] if len(lead) == 2 else []
     sch.reorder(*outer, n_o, o_o, n_t, o_t, k_o, k_i, n_i, o_i)
@@ -96,7 +129,7 @@ def apply(func, target):
 
     def stage(index):
         """Operand ``index`` (0: a, 1: w) into shared memory k-major (16-byte global reads
-        along K), then a thread's 4 values of a chunk row into registers."""
+        along K), then a thread's values of a chunk row into registers, 4 at a time."""
         shared = sch.cache_read(main, index, "shared")
         sch.compute_at(shared, k_o)
         sch.transform_layout(shared, ("write", 0), lambda *i: (i[-1], *i[:-1]))
@@ -106,7 +139,8 @@ def apply(func, target):
         sch.vectorize(v)
         local = sch.cache_read(main, index, "local")
         sch.compute_at(local, k_i)
-        sch.vectorize(sch.get_loops(local)[-1])
+        _, vec = sch.split(sch.get_loops(local)[-1], [None, 4])
+        sch.vectorize(vec)
 
     stage(0)
     stage(1)
@@ -129,12 +163,14 @@ def apply(func, target):
 
 
 def _splits(depth: int, bk: int, blocks: int) -> int:
-    """Slices of K (a power of two) that bring a step's grid near SPLIT_BLOCKS, each slice at
-    least MIN_SLICE deep and a whole number of chunks."""
+    """Slices of K for a step of ``blocks`` tiles: the most (a power of two, up to MAX_SPLITS)
+    that keep each slice a whole number of chunks and MIN_SLICE deep, and the grid within
+    SPLIT_BLOCKS."""
     splits = 1
-    while (blocks * splits * 2 <= SPLIT_BLOCKS and depth % (splits * 2 * bk) == 0
-           and depth // (splits * 2) >= MIN_SLICE):
+    while (splits * 2 <= MAX_SPLITS and blocks * splits * 2 <= SPLIT_BLOCKS
+           and depth % (splits * 2 * bk) == 0 and depth // (splits * 2) >= MIN_SLICE):
         splits *= 2
     return splits
+
 
 RULE = Rule("cuda.tiled_gemm", apply)

@@ -91,8 +91,8 @@ def test_tiled_gemm_stages_k_major_tiles(lead):
     assert scopes["w_shared"] == ("shared", [256, 1024])
     assert scopes["a_shared_local"][0] == scopes["w_shared_local"][0] == "local"
     assert scopes["gemm_local"][0] == "local"
-    if len(lead) == 1:  # 32 tiles of 64 x 32: K = 256 in two slices of 128
-        assert scopes["gemm_rf"] == ("global", [2, 64, 1024])
+    if len(lead) == 1:  # 16 tiles of 64 x 64: K = 256 in eight slices of 32
+        assert scopes["gemm_rf"] == ("global", [8, 64, 1024])
     else:
         assert "gemm_rf" not in scopes
     vectorized = [kind for kind, _ in loops(scheduled) if kind == int(tirx.ForKind.VECTORIZED)]
@@ -102,11 +102,13 @@ def test_tiled_gemm_stages_k_major_tiles(lead):
 def test_split_k_slices():
     from rnncc.schedules.cuda_tiled_gemm import _splits
 
-    assert _splits(1024, 16, 128) == 4   # LSTM 1024, batch 64: 128 tiles -> 512 blocks
-    assert _splits(2048, 16, 192) == 2   # GRU 2048: 192 tiles -> 384 blocks
-    assert _splits(256, 16, 32) == 2     # slices stay 128 deep
+    assert _splits(1024, 16, 64) == 8    # LSTM 1024, batch 64: 64 tiles -> 512 blocks
+    assert _splits(2048, 16, 96) == 8    # GRU 2048: 96 tiles -> 768 blocks
+    assert _splits(256, 16, 16) == 8     # LSTM 256: slices of 32
+    assert _splits(128, 16, 16) == 4     # slices stay 32 deep
+    assert _splits(1024, 16, 300) == 2   # the grid stays within 1024 blocks
     assert _splits(1024, 16, 600) == 1   # enough blocks already
-    assert _splits(96, 16, 8) == 1       # too shallow to split
+    assert _splits(48, 16, 8) == 1       # too shallow to split
 
 
 def test_tiled_gemm_declines_what_does_not_tile():
