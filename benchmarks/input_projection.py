@@ -1,0 +1,64 @@
+"""The input projection of all steps alone at small batch: the component as `rnncc compile`
+schedules it against cuBLAS (`torch.addmm`), both CUDA-graph captured, T = 100, C = H, TF32
+off; outputs checked against float64 first. Run on a GPU machine from the repository root:
+
+    python3 benchmarks/input_projection.py
+
+Prints one line a configuration, in microseconds a step (docs/benchmarks.md has the table).
+"""
+
+import torch
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from rnncc import schedules
+from rnncc.bench import _graph_ms
+from rnncc.lowering import components as comp
+
+STEPS = 100
+CONFIGS = [("lstm", 256, 4, "float32"), ("lstm", 1024, 1, "float32"),
+           ("lstm", 1024, 4, "float32"), ("lstm", 1536, 4, "float32"),
+           ("gru", 1024, 4, "float32"), ("gru", 2048, 4, "float32"),
+           ("lstm", 2048, 4, "float16"), ("gru", 2816, 1, "float16")]
+
+
+def measure(target, cell, hidden, batch, dtype):
+    """(rule, rnncc us/step, relative error, cuBLAS us/step) for one configuration."""
+    rows = (4 if cell == "lstm" else 3) * hidden
+    func = comp.gemm((tirx.Var("T", "int64"), batch), hidden, rows, "rows", dtype)
+    scheduled = schedules.schedule(func, target, "gemm")
+    mod = tvm.compile(tvm.IRModule({"main": scheduled.func}), target=target).mod
+    tdt = getattr(torch, dtype)
+    a = torch.randn(STEPS, batch, hidden, device="cuda").to(tdt)
+    w = (torch.randn(rows, hidden, device="cuda") / hidden ** 0.5).to(tdt)
+    b = torch.randn(rows, device="cuda").to(tdt)
+    out = torch.empty(STEPS, batch, rows, device="cuda")  # the accumulation dtype
+    args = [tvm_ffi.from_dlpack(x) for x in (a, w, b, out)]
+    device = tvm_ffi.device("cuda:0")
+
+    def call():
+        with tvm_ffi.use_raw_stream(device, torch.cuda.current_stream().cuda_stream):
+            mod["main"](*args)
+
+    out.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    ref = a.double() @ w.double().T + b.double()
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    ours = _graph_ms(torch, call, 100) * 1e3 / STEPS
+    cublas = _graph_ms(torch, lambda: torch.addmm(b, a.reshape(-1, hidden), w.T), 100)
+    return scheduled.rule, ours, err, cublas * 1e3 / STEPS
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    for cell, hidden, batch, dtype in CONFIGS:
+        rule, ours, err, cublas = measure(target, cell, hidden, batch, dtype)
+        print(f"{cell} {hidden} N={batch} {dtype}: {rule} {ours:.2f} us/step "
+              f"(relative error {err:.1e}), cuBLAS {cublas:.2f} us/step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
