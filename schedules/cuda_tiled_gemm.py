@@ -16,7 +16,7 @@ blocks to hide the global loads with. Sizes that do not divide into tiles are le
 rule. The tiles and slices were chosen by measurement (H200, batch 64, docs/benchmarks.md).
 """
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from tvm import s_tir
 
@@ -99,8 +99,7 @@ def apply(func, target):
 
 def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     """``func`` (rnncc's gemm component, weights "rows") scheduled with ``tiling``."""
-    bn, bo, tm, to, bk, splits = (tiling.bn, tiling.bo, tiling.tm, tiling.to, tiling.bk,
-                                  tiling.splits)
+    bn, bo, tm, to, bk, splits = astuple(tiling)
     sch = s_tir.Schedule(func)
     gemm, bias = gemm_blocks(sch)
     *lead, o, k = sch.get_loops(gemm)

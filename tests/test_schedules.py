@@ -63,7 +63,6 @@ def test_cuda_gemm_rule_choice():
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
 
 
-
 @pytest.mark.parametrize("lead", [(64,), ("T", 96)], ids=["step", "all_steps"])
 def test_tiled_gemm_stages_k_major_tiles(lead):
     """Both operands go through shared memory k-major and 4 values at a time into registers;
@@ -131,6 +130,7 @@ def test_tiled_gemm_declines_what_does_not_tile():
     for lead, k, o in [((16,), 256, 1024), ((64,), 33, 1024), ((64,), 256, 99), ((48,), 64, 64)]:
         assert cuda_tiled_gemm.apply(comp.gemm(lead, k, o, "rows", "float32"), CUDA) is None
     assert cuda_tiled_gemm.apply(comp.gemm((64,), 256, 1024, "cols", "float32"), CUDA) is None
+
 
 def test_cpu_gemm_is_parallel_and_vectorised():
     result = schedules.schedule(comp.gemm((3,), 64, 128, "cols", "float32"), LLVM, "gemm")
