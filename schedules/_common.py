@@ -46,6 +46,14 @@ def divisor(n: int | None, candidates) -> int:
     return 1
 
 
+def block_named(sch: s_tir.Schedule, name: str):
+    """The block called ``name``, or None when the PrimFunc has none."""
+    try:
+        return sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - no such block
+        return None
+
+
 def gemm_blocks(sch: s_tir.Schedule):
     """(gemm, gemm_bias) blocks of rnncc's gemm component, or None for any other PrimFunc."""
     try:

@@ -3,7 +3,10 @@
 out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o], with N (the batch, static) at least 32:
 the recurrent projection at batch >= 32 ([N, H] x [G*H, H]^T a step) and the input projection
 of all steps ([T, N, C] x [G*H, C]^T; T, when present, is a grid dimension, so a run-time T
-needs no bounds checks).
+needs no bounds checks). At a smaller batch (1, 2, 4 or 8) the input projection of all steps
+comes in chunks of S steps (:func:`chunk_steps`; the lowering lays xp out so): a chunk's S*N
+rows are the tile rows, read from x through the component's "gemm_rows" block straight into
+shared memory.
 
 A block computes a BN x BO tile of one step's output, TM x TO outputs a thread (8 x 4 by
 default: 8 rows of a, read as two 16-byte vectors that a warp's threads mostly share, and 4
@@ -20,7 +23,7 @@ from dataclasses import astuple, dataclass
 
 from tvm import s_tir
 
-from ._common import gemm_blocks, static_extent
+from ._common import block_named, gemm_blocks, static_extent
 from ._rule import Rule
 
 MIN_BATCH = 32
@@ -67,6 +70,15 @@ def _pick_tile(batch, rows, steps):
     return fits[-1] if fits else None
 
 
+def _lead(sch, gemm):
+    """(lead loops, o, k) of the gemm block; a chunked input projection's (S, N) loops fused
+    into one of S*N rows."""
+    *lead, o, k = sch.get_loops(gemm)
+    if len(lead) == 3:
+        lead = [lead[0], sch.fuse(lead[1], lead[2])]
+    return lead, o, k
+
+
 def plan(func) -> Tiling | None:
     """The tiling for rnncc's gemm component ``func``, or None when it does not tile."""
     sch = s_tir.Schedule(func)
@@ -74,9 +86,10 @@ def plan(func) -> Tiling | None:
     if blocks is None:
         return None
     loops = sch.get_loops(blocks[0])
-    if len(loops) not in (3, 4) or not _weights_are_rows(sch, blocks[0]):
+    if len(loops) not in (3, 4, 5) or not _weights_are_rows(sch, blocks[0]):
         return None
-    *lead, o, k = loops
+    batch_of_chunk = static_extent(sch, loops[-3]) if len(loops) == 5 else None
+    lead, o, k = _lead(sch, blocks[0])
     batch, rows, depth = (static_extent(sch, x) for x in (lead[-1], o, k))
     if None in (batch, rows, depth) or batch < MIN_BATCH:
         return None
@@ -88,8 +101,26 @@ def plan(func) -> Tiling | None:
     if bk is None or tile is None:
         return None
     bn, bo, tm, to = tile
+    if batch_of_chunk is not None and tm % batch_of_chunk:
+        return None  # a thread's rows would not be whole batches (see chunk_steps)
     splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if len(lead) == 1 else 1
     return Tiling(bn, bo, tm, to, bk, splits)
+
+
+def chunk_steps(batch: int, rows: int, depth: int, dtype: str) -> int:
+    """S: the steps of a chunk for the input projection of all steps at a batch N below
+    MIN_BATCH, so that this rule tiles the chunk's S*N rows; 1 where it would not. A thread's
+    TM rows must be whole batches (N divides TM): else the register tile's rows are not a box
+    in (step, n), and TVM's buffer compaction makes it thousands of floats. float32 only:
+    at float16 dlight's rule uses tensor cores on the unchunked product where it can (H200,
+    GRU 2816 batch 1: 0.58 us/step, this rule 2.68)."""
+    if dtype != "float32" or batch >= MIN_BATCH or batch & (batch - 1):
+        return 1
+    chunk = TILES[0][0] // batch
+    tile = _pick_tile(chunk * batch, rows, None)
+    if tile is None or tile[2] % batch or not any(depth % c == 0 for c in BK_CHOICES):
+        return 1
+    return chunk
 
 
 def apply(func, target):
@@ -102,7 +133,7 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     bn, bo, tm, to, bk, splits = astuple(tiling)
     sch = s_tir.Schedule(func)
     gemm, bias = gemm_blocks(sch)
-    *lead, o, k = sch.get_loops(gemm)
+    lead, o, k = _lead(sch, gemm)
     main = gemm
     if splits > 1:
         # split-K: S blocks a tile, each a slice of K, into a [S, N, O] buffer; then one
@@ -126,19 +157,26 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     sch.bind(thread, "threadIdx.x")
     threads = ty * tx
 
+    rows = block_named(sch, "gemm_rows")
+
     def stage(index):
         """Operand ``index`` (0: a, 1: w) into shared memory k-major (16-byte global reads
-        along K), then a thread's values of a chunk row into registers, 4 at a time."""
-        shared = sch.cache_read(main, index, "shared")
+        along K), then a thread's values of a chunk row into registers, 4 at a time. A
+        chunked projection's a is its "gemm_rows" block, computed into shared memory."""
+        if index == 0 and rows is not None:
+            shared = rows
+            sch.set_scope(shared, 0, "shared")
+        else:
+            shared = sch.cache_read(main, index, "shared")
         sch.compute_at(shared, k_o)
         sch.transform_layout(shared, ("write", 0), lambda *i: (i[-1], *i[:-1]))
-        fused = sch.fuse(*sch.get_loops(shared)[-2:])  # (rows of the tile, BK)
+        fused = sch.fuse(*_below(sch, shared, k_o))  # (rows of the tile, BK)
         _, t, v = sch.split(fused, [None, threads, 4])
         sch.bind(t, "threadIdx.x")
         sch.vectorize(v)
         local = sch.cache_read(main, index, "local")
         sch.compute_at(local, k_i)
-        _, vec = sch.split(sch.get_loops(local)[-1], [None, 4])
+        _, vec = sch.split(sch.fuse(*_below(sch, local, k_i)), [None, 4])
         sch.vectorize(vec)
 
     stage(0)
@@ -159,6 +197,13 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     sch.set_scope(gemm, 0, "local")
     sch.reverse_compute_at(bias, t_x)
     return sch
+
+
+def _below(sch, block, loop):
+    """The block's loops inside ``loop``."""
+    loops = sch.get_loops(block)
+    at = next(i for i, x in enumerate(loops) if sch.get_sref(x).same_as(sch.get_sref(loop)))
+    return loops[at + 1:]
 
 
 def _splits(depth: int, bk: int, blocks: int) -> int:

@@ -174,6 +174,22 @@ def test_tagged_exchange_survives_many_runs(cell, rng):
     assert reference.relative_error(first.astype("float64"), ref_y) < TOL["float16"]
 
 
+@pytest.mark.parametrize("cell, batch", [("lstm", 1), ("gru", 2), ("rnn_tanh", 4),
+                                         ("lstm", 8)])
+@pytest.mark.parametrize("persistent", ["auto", "off"])
+def test_chunked_input_projection_matches_reference(cell, batch, persistent, rng):
+    """At batch 1-8 the input projections of all steps come in chunks of 64/N steps (tiled
+    rule); T around whole chunks checks the last chunk's steps past T, in both entries."""
+    module = compiled(cell, 24, 64, batch, "cuda", persistent=persistent)
+    schedule = module.metadata["schedule"]
+    chunk = schedule["layout"]["chunk"]
+    assert chunk == 64 // batch and schedule["rules"]["input_gemm"] == "cuda.tiled_gemm"
+    assert schedule["kind"] == ("persistent" if persistent == "auto" else "sequence")
+    for steps in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3):
+        err = check_against_reference(module, rng, steps, True)
+        assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
     ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16"),

@@ -108,6 +108,9 @@ class TestPersistentBuild:
         assert kernels and all(v["spill_stores"] == 0 and v["spill_loads"] == 0
                                and v["stack"] == 0 for v in kernels.values())
         assert max(v["registers"] for v in kernels.values()) > 128  # weights in registers
+        xp = next(p for p in module.metadata["functions"]["persistent_forward"]
+                  if p["name"] == "xp")
+        assert xp["shape"] == ["T/64", 64, 1, 4096]  # input projections in chunks of steps
         source = module.source("cuda")
         expected = {"tagged": "rnncc_grid_load", "barrier": "rnncc_grid_barrier",
                     "grid": "this_grid().sync()"}[sync]

@@ -22,14 +22,12 @@ from tvm.ir import Range
 
 from .components import i64
 
-#: Marks a whole dimension in a :class:`Region`.
-ALL = slice(None)
-
 
 @dataclass(frozen=True)
 class Region:
     """A region of a sequence buffer. ``index`` has one entry a dimension: an integer or
-    PrimExpr selects one position and drops the dimension, a ``slice`` keeps it."""
+    PrimExpr selects one position and drops the dimension, a ``slice`` keeps it (``ALL`` of
+    :mod:`rnncc.lowering.components`: the whole dimension)."""
 
     buffer: tvm.ir.Var
     index: tuple
@@ -75,23 +73,24 @@ def _as_i64(value):
     return value if str(value.ty.dtype) == "int64" else value.astype("int64")
 
 
+def _remapped(expr, remap: dict):
+    return tvm_ffi.structural_map(expr, (tvm.ir.Var, lambda v: remap.get(v, v)), order="pre")
+
+
 def _bound_buffer(param, region: Region, remap: dict):
     """A buffer like ``param`` whose shape, strides and offset are those of ``region``.
 
-    Symbolic dimensions of ``param`` (its own T) are mapped to the region's in ``remap``.
+    ``remap`` maps the symbolic dimensions of the component's parameters (its own T) to the
+    region's; a dimension that is an expression of them (a chunk count) must equal the
+    region's extent.
     """
     kept = region.kept()
     shape = list(param.shape)
     analyzer = tvm.sym.Analyzer()
-    if len(kept) != len(shape):
+    if len(kept) != len(shape) or not all(analyzer.can_prove_equal(ext, _remapped(dim, remap))
+                                          for dim, (ext, _) in zip(shape, kept)):
         raise ValueError(f"cannot bind {param.name} {shape} to a region of {region.buffer.name} "
                          f"with extents {[e for e, _ in kept]}")
-    for dim, (ext, _) in zip(shape, kept):
-        if isinstance(dim, tvm.ir.Var):
-            remap[dim] = ext
-        elif not analyzer.can_prove_equal(ext, dim):
-            raise ValueError(f"cannot bind {param.name} {shape} to a region of "
-                             f"{region.buffer.name} with extents {[e for e, _ in kept]}")
     shape = [ext for ext, _ in kept]
     compact, acc = [], i64(1)
     for dim in reversed(shape):
@@ -111,10 +110,13 @@ def stage_block(stage: Stage):
     if len(params) != len(stage.args):
         raise ValueError(f"stage {stage.name}: {len(params)} parameters, {len(stage.args)} regions")
     remap = {}
+    for p, r in zip(params, stage.args):  # the component's run-time sizes, from any parameter
+        for dim, (ext, _) in zip(p.shape, r.kept()):
+            if isinstance(dim, tvm.ir.Var):
+                remap[dim] = ext
     for p, r in zip(params, stage.args):
         remap[p] = _bound_buffer(p, r, remap)
-    root = tvm_ffi.structural_map(func.body.block, (tvm.ir.Var, lambda v: remap.get(v, v)),
-                                  order="pre")
+    root = _remapped(func.body.block, remap)
     regions = [r.tensor_region() for r in stage.args]
     n_in = len(regions) - stage.n_outputs
     block = s_tir.SBlock(

@@ -10,6 +10,8 @@ Layouts (chosen by the schedule, see :class:`Layout`):
   ``"cols"``: [K, O] (O contiguous, for vectorising over outputs on CPUs).
 - gates ``"combined"``: a projection is one GEMM over all G gates, output [.., N, G*H];
   ``"per_gate"``: G GEMMs of H outputs each, output [G, .., N, H].
+- chunk S: the input projections of all steps, ``xp``, are [T, N, G*H] (S = 1) or, in chunks
+  of S steps, [ceil(T/S), S, N, G*H] (gates "combined" only; see :func:`gemm`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from ..dtypes import accum_dtype
 from ..errors import CellError
 from .staged import Staged
 
+#: A whole dimension in an index (see :class:`rnncc.lowering.assemble.Region`).
+ALL = slice(None)
+
 
 def i64(value) -> tirx.IntImm:
     """An int64 constant (rnncc's shapes are all int64)."""
@@ -36,12 +41,29 @@ class Layout:
 
     weights: str = "rows"
     gates: str = "combined"
+    chunk: int = 1
 
     def __post_init__(self):
         if self.weights not in ("rows", "cols"):
             raise ValueError(f"weights layout must be 'rows' or 'cols', got {self.weights!r}")
         if self.gates not in ("combined", "per_gate"):
             raise ValueError(f"gates layout must be 'combined' or 'per_gate', got {self.gates!r}")
+        if self.chunk < 1 or (self.chunk > 1 and self.gates != "combined"):
+            raise ValueError(f"chunk must be 1, or more with gates 'combined'; got {self.chunk} "
+                             f"with gates {self.gates!r}")
+
+    def projections_shape(self, t_len, batch: int, gates: int, hidden: int) -> tuple:
+        """Shape of the input projections of all T steps (gates "combined")."""
+        if self.chunk == 1:
+            return (t_len, batch, gates * hidden)
+        return (chunks(t_len, self.chunk), self.chunk, batch, gates * hidden)
+
+    def projections_at(self, t) -> tuple:
+        """Index of step t's [N, G*H] in the input projections of all steps."""
+        if self.chunk == 1:
+            return (t, ALL, ALL)
+        return (tvm.tirx.floordiv(t, i64(self.chunk)), tvm.tirx.floormod(t, i64(self.chunk)),
+                ALL, ALL)
 
     def weight_shape(self, gates: int, hidden: int, k: int) -> tuple[int, ...]:
         """Shape of a packed [G*H, K] weight."""
@@ -60,13 +82,18 @@ def _cast(expr, dtype: str):
 
 
 def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
-         a_dtype: str | None = None) -> tirx.PrimFunc:
+         a_dtype: str | None = None, chunk: int = 1) -> tirx.PrimFunc:
     """``out[..., j] = sum_k a[..., k] * w[j, k] + b[j]`` for one projection.
 
     ``a`` is ``lead + (K,)`` (dtype ``a_dtype``, default ``dtype``), ``w`` [O, K] ("rows") or
     [K, O] ("cols") and ``b`` [O] in ``dtype``; ``out`` ``lead + (O,)``. Products, sums and
     ``out`` are in the accumulation dtype (``out`` is a workspace: half storage rounds only
     what the caller sees). Blocks: "gemm" (the reduction) and "gemm_bias" (the epilogue).
+
+    ``chunk`` S > 1, for the input projection of all steps (``lead`` (T, N)): ``out`` is
+    [ceil(T/S), S, N, O], T padded to whole chunks of S steps. Block "gemm_rows" first reads
+    ``a`` in that shape, the last step's rows standing in for the steps past T, so that a
+    schedule can tile the S*N static rows of a chunk with no bounds checks.
     """
     acc = accum_dtype(dtype)
     lead = tuple(i64(d) if isinstance(d, int) else d for d in lead)
@@ -75,13 +102,22 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
     w = te.placeholder(w_shape, dtype, "w")
     b = te.placeholder((i64(o),), dtype, "b")
     r = te.reduce_axis((i64(0), i64(k)), "k")
+    rows = a
+    if chunk > 1:
+        t_len, n_ = lead
+        s_ = i64(chunk)
+        lead = (chunks(t_len, chunk), s_, n_)
+        rows = te.compute(lead + (i64(k),),
+                          lambda c, s, n, kk: a[tvm.tirx.min(c * s_ + s, t_len - 1), n, kk],
+                          name="gemm_rows")
 
     def weight(j, kk):
         return w[j, kk] if weights == "rows" else w[kk, j]
 
     prod = te.compute(
         lead + (i64(o),),
-        lambda *i: te.sum(_cast(a[i[:-1] + (r,)], acc) * _cast(weight(i[-1], r), acc), axis=r),
+        lambda *i: te.sum(_cast(rows[i[:-1] + (r,)], acc) * _cast(weight(i[-1], r), acc),
+                          axis=r),
         name="gemm",
     )
     out = te.compute(
@@ -90,6 +126,11 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
         name="gemm_bias",
     )
     return te.create_prim_func([a, w, b, out])
+
+
+def chunks(t_len, chunk: int):
+    """ceil(T / S): the chunks of S steps that hold T steps."""
+    return tvm.tirx.floordiv(t_len + i64(chunk - 1), i64(chunk))
 
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,

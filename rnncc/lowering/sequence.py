@@ -1,7 +1,8 @@
 """A layer's IRModule: the packing functions and one or two ways to run the sequence.
 
 Entries (function names; each has a signature in the module's metadata: parameter names,
-shapes with "T" for the run-time length, and "input", "output" or "workspace"):
+shapes with "T" for the run-time length and "T/S" for ceil(T/S) chunks of S steps, and
+"input", "output" or "workspace"):
 
 - ``pack_w_ih``, ``pack_w_hh``, ``forward``: the non-persistent schedule, cuDNN's first three
   optimisations as switchable stages (input GEMM of all steps, one GEMM over all gates, fused
@@ -12,6 +13,9 @@ shapes with "T" for the run-time length, and "input", "output" or "workspace"):
 
 forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each state s,
         y [T,N,H], <s>_n [1,N,H] for each state, xp, hp, <s>_ws [2,N,H] for each state)
+
+xp holds the input projections; of all steps at once, it is laid out by :class:`Layout`
+(in chunks of steps on CUDA at a small batch, so that the input GEMM tiles).
 
 The states ping-pong between two slots of their workspace (step t reads slot t % 2 and writes
 slot (t+1) % 2), so a cell may read any previous state while writing the new ones.
@@ -29,8 +33,8 @@ from .. import schedules
 from ..dtypes import accum_dtype
 from ..spec import Options, Problem
 from . import components as comp
-from .assemble import ALL, Region, Stage, sequence_function, standalone_function
-from .components import Layout, i64
+from .assemble import Region, Stage, sequence_function, standalone_function
+from .components import ALL, Layout, i64
 
 
 @dataclass
@@ -46,17 +50,26 @@ class Lowered:
     components: dict = field(default_factory=dict)
 
 
-def layout_for(target, options: Options) -> Layout:
-    """CUDA keeps PyTorch's [O, K] rows (coalesced along K); CPUs want [K, O] to vectorise."""
-    return Layout(weights="rows" if target.kind.name == "cuda" else "cols",
-                  gates="combined" if options.gate_gemm else "per_gate")
+def layout_for(target, options: Options, problem: Problem) -> Layout:
+    """CUDA keeps PyTorch's [O, K] rows (coalesced along K); CPUs want [K, O] to vectorise.
+    On CUDA the input projections of all steps go in chunks of steps where that lets the
+    tiled GEMM rule take their product (float32 at a batch of 1 to 8)."""
+    cuda = target.kind.name == "cuda"
+    combined = options.gate_gemm
+    chunk = 1
+    if cuda and combined and options.input_gemm:
+        chunk = schedules.cuda_tiled_gemm.chunk_steps(
+            problem.batch, problem.gates * problem.hidden_size, problem.input_size,
+            problem.dtype)
+    return Layout(weights="rows" if cuda else "cols",
+                  gates="combined" if combined else "per_gate", chunk=chunk)
 
 
 class _Builder:
     def __init__(self, problem: Problem, options: Options, target, database=None):
         self.p, self.options, self.target = problem, options, target
         self.database = database
-        self.layout = layout_for(target, options)
+        self.layout = layout_for(target, options, problem)
         self.lowered = Lowered(tvm.IRModule(), {}, self.layout)
         self._done = {}
 
@@ -72,7 +85,7 @@ class _Builder:
 
     def param(self, sig, name, shape, kind, dtype=None):
         dtype = dtype or self.p.dtype
-        sig.append({"name": name, "shape": [d if isinstance(d, int) else "T" for d in shape],
+        sig.append({"name": name, "shape": [_signature_dim(d) for d in shape],
                     "dtype": dtype, "kind": kind})
         return tirx.decl_buffer(tuple(i64(d) if isinstance(d, int) else d for d in shape),
                                 dtype, name)
@@ -122,8 +135,9 @@ class _Builder:
         g, h = p.gates, p.hidden_size
         a_dtype = a_region.buffer.dtype
         if layout.gates == "combined":
+            chunk = layout.chunk if len(lead) == 2 else 1  # chunks of the steps of x
             func = self.scheduled(
-                name, comp.gemm(lead, k, g * h, layout.weights, p.dtype, a_dtype), "gemm")
+                name, comp.gemm(lead, k, g * h, layout.weights, p.dtype, a_dtype, chunk), "gemm")
             return [Stage(name, func, [a_region, Region(w, (ALL,) * len(w.shape)),
                                        Region(b, (ALL,)), out_whole], 1)]
         func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype, a_dtype),
@@ -144,7 +158,7 @@ class _Builder:
         x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len,
                                                        layout.weight_shape(g, h, h))
         if options.input_gemm:
-            xp_shape = (g, t_len, n, h) if per_gate else (t_len, n, g * h)
+            xp_shape = (g, t_len, n, h) if per_gate else layout.projections_shape(t_len, n, g, h)
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
@@ -158,9 +172,9 @@ class _Builder:
         if options.input_gemm:
             prologue += self.projections(
                 "input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c, w_ih, b_ih,
-                lambda i: Region(xp, (i, ALL, ALL, ALL)), Region(xp, (ALL, ALL, ALL)))
+                lambda i: Region(xp, (i, ALL, ALL, ALL)), Region(xp, (ALL,) * len(xp_shape)))
             gi = ([Region(xp, (i, t, ALL, ALL)) for i in range(g)] if per_gate
-                  else [Region(xp, (t, ALL, ALL))])
+                  else [Region(xp, layout.projections_at(t))])
         else:
             steps += self.projections(
                 "input_gemm", Region(x, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
@@ -202,7 +216,8 @@ class _Builder:
         w_shape = (plan.blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
         x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape)
         acc = accum_dtype(p.dtype)
-        xp = self.param(sig, "xp", (t_len, n, g * h), "workspace", acc)
+        xp_shape = self.layout.projections_shape(t_len, n, g, h)
+        xp = self.param(sig, "xp", xp_shape, "workspace", acc)
         sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, n, h), "workspace", "uint64")
@@ -217,13 +232,13 @@ class _Builder:
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
         prologue += self.projections("input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c,
-                                     w_ih, b_ih, None, Region(xp, (ALL, ALL, ALL)))
+                                     w_ih, b_ih, None, Region(xp, (ALL,) * len(xp_shape)))
         prologue.append(sync_stage)
-        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype)
+        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=self.layout.chunk)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}"
         prologue.append(Stage(
             "persistent", k_func,
-            [Region(xp, (ALL, ALL, ALL)), Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,)),
+            [Region(xp, (ALL,) * len(xp_shape)), Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,)),
              Region(y, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
             + [Region(sync, (ALL,) * len(sync.shape))], 3 + len(sw)))
         final = tirx.floormod(t_len, i64(2))
@@ -244,6 +259,15 @@ def build(problem: Problem, options: Options, target, persistent_plan=None,
     if persistent_plan is not None:
         builder.persistent_entry(persistent_plan)
     return builder.lowered
+
+
+def _signature_dim(dim):
+    """A dimension as signatures write it: an int, "T", or "T/S" (comp.chunks(T, S))."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, tvm.ir.Var):
+        return "T"
+    return f"T/{int(dim.b)}"
 
 
 def _rename_params(func, buffers):

@@ -67,3 +67,14 @@ def read_metadata(path: str) -> dict:
         raise ModuleFileError(f"{path!r}: metadata format {meta.get('format')!r}, this rnncc "
                               f"reads format {FORMAT}")
     return meta
+
+
+def concrete_dim(dim, steps: int) -> int:
+    """A signature's dimension for a run of ``steps`` steps: an int as it is, "T" the steps,
+    "T/S" the chunks of S steps that hold them (ceil(T/S))."""
+    if isinstance(dim, int):
+        return dim
+    if dim == "T":
+        return steps
+    chunk = int(dim.split("/")[1])
+    return -(-steps // chunk)

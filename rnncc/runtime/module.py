@@ -258,7 +258,7 @@ class Module:
                                  f"module takes at most {limit} (its barrier counter is 32-bit)")
 
         def concrete(shape):
-            return [steps if d == "T" else d for d in shape]
+            return [md.concrete_dim(d, steps) for d in shape]
 
         args, results = [], {}
         for p in sig:

@@ -115,10 +115,11 @@ def _next_pow2(n: int) -> int:
 
 
 def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
-           dtype: str = "float32") -> str:
+           dtype: str = "float32", chunk: int = 1) -> str:
     """TVMScript text of the kernel (exposed for tests and ``rnncc inspect``). ``dtype`` is
     the storage dtype of the weights, the bias and y; the input projections, the states'
-    workspaces, products, sums, h's staging and exchange, and the cell are float32."""
+    workspaces, products, sums, h's staging and exchange, and the cell are float32. ``chunk``
+    S > 1: the input projections are in chunks of S steps, [ceil(T/S), S, N, G*H]."""
     g_count, states = cell.gates, len(cell.states)
     h, n_, vec, ki, kr, ks = hidden, batch, p.vec, p.chunks, p.reg_chunks, p.smem_chunks
     rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.blocks
@@ -141,7 +142,13 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     emit('    T.func_attr({"tirx.noalias": True})')
     emit('    T_len = T.int64()')
     dt = dtype
-    emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_}, {gh}), "float32")')
+    if chunk == 1:
+        emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_}, {gh}), "float32")')
+        step = "t"
+    else:
+        emit(f'    xp = T.match_buffer(xp_h, ((T_len + {chunk - 1}) // {chunk}, {chunk}, {n_}, '
+             f'{gh}), "float32")')
+        step = f"t // {chunk}, t % {chunk}"
     emit(f'    w = T.match_buffer(w_h, ({b_}, {wn}, {ki}, {rw}, 32, {vec}), "{dt}")')
     emit(f'    b_hh = T.match_buffer(b_h, ({gh},), "{dt}")')
     emit(f'    y = T.match_buffer(y_h, (T_len, {n_}, {h}), "{dt}")')
@@ -212,7 +219,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         valid, n, j = item(it)
         guard(i4, valid)
         for g in range(g_count):
-            emit(f'{i4}        gi[{it * g_count + g}] = xp[t, {n}, {g * h} + {j}]')
+            emit(f'{i4}        gi[{it * g_count + g}] = xp[{step}, {n}, {g * h} + {j}]')
     # 2. stage h_{t-1}
     total_h = n_ * kp
     if tagged:
@@ -335,8 +342,9 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
 
 
 def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
-           dtype: str = "float32"):
-    """The kernel as a PrimFunc: params (xp [T,N,G*H], w (packed), b_hh [G*H], y [T,N,H],
+           dtype: str = "float32", chunk: int = 1):
+    """The kernel as a PrimFunc: params (xp [T,N,G*H], or [ceil(T/S),S,N,G*H] in chunks of
+    ``chunk`` S steps, w (packed), b_hh [G*H], y [T,N,H],
     one [2,N,H] ping-pong buffer a state (h first), then for ``sync="tagged"`` the tagged h
     [2,N,H] uint64, else the barrier counter [1] uint32)."""
     g_count, states = cell.gates, len(cell.states)
@@ -347,7 +355,7 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
                    for g in range(g_count)]
         return cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
 
-    text = source(cell, hidden, batch, p, name, dtype)
+    text = source(cell, hidden, batch, p, name, dtype, chunk)
     extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,
                   "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE,
                   "GRID_LOAD_SRC": GRID_LOAD_SOURCE, "GRID_STORE_SRC": GRID_STORE_SOURCE,
