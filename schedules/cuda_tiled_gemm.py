@@ -79,18 +79,24 @@ def _lead(sch, gemm):
     return lead, o, k
 
 
+def _sizes(sch, gemm):
+    """(lead loops, o, k, rows a step, O, K, N of a chunked projection or None)."""
+    loops = sch.get_loops(gemm)
+    chunk_batch = static_extent(sch, loops[-3]) if len(loops) == 5 else None
+    lead, o, k = _lead(sch, gemm)
+    batch, rows, depth = (static_extent(sch, x) for x in (lead[-1], o, k))
+    return lead, o, k, batch, rows, depth, chunk_batch
+
+
 def plan(func) -> Tiling | None:
     """The tiling for rnncc's gemm component ``func``, or None when it does not tile."""
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
     if blocks is None:
         return None
-    loops = sch.get_loops(blocks[0])
-    if len(loops) not in (3, 4, 5) or not _weights_are_rows(sch, blocks[0]):
+    if len(sch.get_loops(blocks[0])) not in (3, 4, 5) or not _weights_are_rows(sch, blocks[0]):
         return None
-    batch_of_chunk = static_extent(sch, loops[-3]) if len(loops) == 5 else None
-    lead, o, k = _lead(sch, blocks[0])
-    batch, rows, depth = (static_extent(sch, x) for x in (lead[-1], o, k))
+    lead, _, _, batch, rows, depth, chunk_batch = _sizes(sch, blocks[0])
     if None in (batch, rows, depth) or batch < MIN_BATCH:
         return None
     bk = next((c for c in BK_CHOICES if depth % c == 0), None)
@@ -101,10 +107,33 @@ def plan(func) -> Tiling | None:
     if bk is None or tile is None:
         return None
     bn, bo, tm, to = tile
-    if batch_of_chunk is not None and tm % batch_of_chunk:
+    if chunk_batch is not None and tm % chunk_batch:
         return None  # a thread's rows would not be whole batches (see chunk_steps)
     splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if len(lead) == 1 else 1
     return Tiling(bn, bo, tm, to, bk, splits)
+
+
+def _misfits(tiling: Tiling, batch, rows, depth, one_step: bool, chunk_batch) -> list[str]:
+    """What keeps ``tiling`` from scheduling a product of ``batch`` x ``rows`` outputs a
+    step over ``depth``; empty when it fits."""
+    t = tiling
+    out = []
+    if None in (batch, rows, depth):
+        out.append("the rows a step, the outputs and K must be static")
+        return out
+    if batch % t.bn or rows % t.bo:
+        out.append(f"{t.bn} x {t.bo} tiles must divide the {batch} x {rows} outputs of a step")
+    if t.bn % t.tm or t.bo % t.to or t.tm % 4 or t.to % 4:
+        out.append(f"{t.tm} x {t.to} a thread must divide the tile and be multiples of 4")
+    elif (t.bn // t.tm) * (t.bo // t.to) > 1024:
+        out.append("more than 1024 threads a block")
+    if t.splits < 1 or depth % (t.bk * t.splits):
+        out.append(f"{t.splits} slices of whole {t.bk}-deep chunks must divide K = {depth}")
+    if t.splits > 1 and not one_step:
+        out.append("split-K is for one step's product only")
+    if chunk_batch is not None and t.tm % chunk_batch:
+        out.append(f"a thread's {t.tm} rows must be whole batches of {chunk_batch}")
+    return out
 
 
 def chunk_steps(batch: int, rows: int, depth: int, dtype: str) -> int:
@@ -129,11 +158,16 @@ def apply(func, target):
 
 
 def schedule(func, tiling: Tiling) -> s_tir.Schedule:
-    """``func`` (rnncc's gemm component, weights "rows") scheduled with ``tiling``."""
+    """``func`` (rnncc's gemm component, weights "rows") scheduled with ``tiling``; a
+    ValueError says why when the tiling does not fit its sizes."""
     bn, bo, tm, to, bk, splits = astuple(tiling)
     sch = s_tir.Schedule(func)
     gemm, bias = gemm_blocks(sch)
-    lead, o, k = _lead(sch, gemm)
+    lead, o, k, batch, rows, depth, chunk_batch = _sizes(sch, gemm)
+    misfits = _misfits(tiling, batch, rows, depth, len(lead) == 1, chunk_batch)
+    if misfits:
+        raise ValueError(f"{tiling} does not fit this product ({batch} x {rows} outputs a "
+                         f"step, K = {depth}): {'; '.join(misfits)}")
     main = gemm
     if splits > 1:
         # split-K: S blocks a tile, each a slice of K, into a [S, N, O] buffer; then one

@@ -124,6 +124,25 @@ def test_tiled_gemm_plans():
         assert plan(comp.gemm(lead, k, o, "rows", "float32")) == tiling, (lead, k, o)
 
 
+def test_tiled_gemm_refuses_a_tiling_that_does_not_fit():
+    """A hand-given (or tuned) tiling is checked against the sizes, with the reasons named."""
+    from rnncc.schedules.cuda_tiled_gemm import Tiling, schedule
+
+    t_len = tirx.Var("T", "int64")
+    cases = [((64,), 256, 1024, Tiling(64, 48, 8, 4, 16), "tiles must divide the 64 x 1024"),
+             ((64,), 256, 1024, Tiling(64, 64, 6, 4, 16), "multiples of 4"),
+             ((64,), 256, 1024, Tiling(64, 64, 8, 4, 16, 32), "slices of whole 16-deep"),
+             ((t_len, 64), 256, 1024, Tiling(64, 64, 8, 4, 16, 2), "one step's product"),
+             ((128,), 256, 1024, Tiling(128, 256, 4, 4, 16), "more than 1024 threads")]
+    for lead, k, o, tiling, reason in cases:
+        with pytest.raises(ValueError, match=reason):
+            schedule(comp.gemm(lead, k, o, "rows", "float32"), tiling)
+    with pytest.raises(ValueError, match="whole batches of 8"):
+        schedule(comp.gemm((t_len, 8), 64, 256, "rows", "float32", chunk=8),
+                 Tiling(64, 32, 4, 4, 16))
+    schedule(comp.gemm((64,), 256, 1024, "rows", "float32"), Tiling(32, 32, 4, 4, 8, 4))
+
+
 def test_tiled_gemm_declines_what_does_not_tile():
     from rnncc.schedules import cuda_tiled_gemm
 
