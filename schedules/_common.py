@@ -56,7 +56,5 @@ def block_named(sch: s_tir.Schedule, name: str):
 
 def gemm_blocks(sch: s_tir.Schedule):
     """(gemm, gemm_bias) blocks of rnncc's gemm component, or None for any other PrimFunc."""
-    try:
-        return sch.get_sblock("gemm"), sch.get_sblock("gemm_bias")
-    except Exception:  # noqa: BLE001 - not rnncc's gemm component
-        return None
+    blocks = block_named(sch, "gemm"), block_named(sch, "gemm_bias")
+    return None if None in blocks else blocks

@@ -97,19 +97,29 @@ def plan(func) -> Tiling | None:
     if len(sch.get_loops(blocks[0])) not in (3, 4, 5) or not _weights_are_rows(sch, blocks[0]):
         return None
     lead, _, _, batch, rows, depth, chunk_batch = _sizes(sch, blocks[0])
-    if None in (batch, rows, depth) or batch < MIN_BATCH:
+    if None in (batch, rows, depth):
         return None
-    bk = next((c for c in BK_CHOICES if depth % c == 0), None)
     # the steps a launch covers (unknown: T is a run-time size, and large; one step: split-K
     # makes its grid)
     steps = 1 if len(lead) == 1 else static_extent(sch, lead[0])
+    return _tiling(batch, rows, depth, steps, len(lead) == 1, chunk_batch)
+
+
+def _tiling(batch: int, rows: int, depth: int, steps, one_step: bool,
+            chunk_batch) -> Tiling | None:
+    """The planned tiling of a product of ``batch`` x ``rows`` outputs a step over ``depth``
+    (``steps`` of them, None when a run-time count; ``one_step``: no step loop, so split-K
+    makes its grid), or None."""
+    if batch < MIN_BATCH:
+        return None
+    bk = next((c for c in BK_CHOICES if depth % c == 0), None)
     tile = _pick_tile(batch, rows, steps)
     if bk is None or tile is None:
         return None
     bn, bo, tm, to = tile
     if chunk_batch is not None and tm % chunk_batch:
         return None  # a thread's rows would not be whole batches (see chunk_steps)
-    splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if len(lead) == 1 else 1
+    splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if one_step else 1
     return Tiling(bn, bo, tm, to, bk, splits)
 
 
@@ -146,10 +156,7 @@ def chunk_steps(batch: int, rows: int, depth: int, dtype: str) -> int:
     if dtype != "float32" or batch >= MIN_BATCH or batch & (batch - 1):
         return 1
     chunk = TILES[0][0] // batch
-    tile = _pick_tile(chunk * batch, rows, None)
-    if tile is None or tile[2] % batch or not any(depth % c == 0 for c in BK_CHOICES):
-        return 1
-    return chunk
+    return chunk if _tiling(chunk * batch, rows, depth, None, False, batch) else 1
 
 
 def apply(func, target):
@@ -191,14 +198,14 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     sch.bind(thread, "threadIdx.x")
     threads = ty * tx
 
-    rows = block_named(sch, "gemm_rows")
+    rows_block = block_named(sch, "gemm_rows")
 
     def stage(index):
         """Operand ``index`` (0: a, 1: w) into shared memory k-major (16-byte global reads
         along K), then a thread's values of a chunk row into registers, 4 at a time. A
         chunked projection's a is its "gemm_rows" block, computed into shared memory."""
-        if index == 0 and rows is not None:
-            shared = rows
+        if index == 0 and rows_block is not None:
+            shared = rows_block
             sch.set_scope(shared, 0, "shared")
         else:
             shared = sch.cache_read(main, index, "shared")
