@@ -12,10 +12,11 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from rnncc import schedules
+from rnncc import cells, schedules
 from rnncc.bench import _graph_ms
 from rnncc.lowering import components as comp
-from rnncc.schedules import cuda_tiled_gemm
+from rnncc.lowering import sequence
+from rnncc.spec import Options, Problem
 
 STEPS = 100
 CONFIGS = [("lstm", 256, 4, "float32"), ("lstm", 1024, 1, "float32"),
@@ -26,9 +27,11 @@ CONFIGS = [("lstm", 256, 4, "float32"), ("lstm", 1024, 1, "float32"),
 
 def measure(target, cell, hidden, batch, dtype):
     """(rule, rnncc us/step, relative error, cuBLAS us/step) for one configuration."""
-    rows = (4 if cell == "lstm" else 3) * hidden
-    chunk = cuda_tiled_gemm.chunk_steps(batch, rows, hidden, dtype)  # as rnncc compile lays xp out
-    func = comp.gemm((tirx.Var("T", "int64"), batch), hidden, rows, "rows", dtype, chunk=chunk)
+    problem = Problem(cells.get(cell), hidden, hidden, batch, dtype)
+    layout = sequence.layout_for(target, Options(), problem)  # as rnncc compile lays xp out
+    rows, chunk = problem.gates * hidden, layout.chunk
+    lead = (tirx.Var("M", "int64"),) if layout.flat_rows else (tirx.Var("T", "int64"), batch)
+    func = comp.gemm(lead, hidden, rows, "rows", dtype, chunk=chunk)
     scheduled = schedules.schedule(func, target, "gemm")
     mod = tvm.compile(tvm.IRModule({"main": scheduled.func}), target=target).mod
     tdt = getattr(torch, dtype)
@@ -38,7 +41,11 @@ def measure(target, cell, hidden, batch, dtype):
     chunks = -(-STEPS // chunk)
     out = torch.empty(chunks * chunk, batch, rows, device="cuda")  # the accumulation dtype
     view = out.view(chunks, chunk, batch, rows) if chunk > 1 else out
-    args = [tvm_ffi.from_dlpack(x) for x in (a, w, b, view)]
+    if layout.flat_rows:
+        a_view, view = a.view(-1, hidden), out.view(-1, rows)
+    else:
+        a_view = a
+    args = [tvm_ffi.from_dlpack(x) for x in (a_view, w, b, view)]
     device = tvm_ffi.device("cuda:0")
 
     def call():

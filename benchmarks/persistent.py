@@ -3,7 +3,7 @@ non-persistent schedule, and cuDNN through PyTorch, each CUDA-graph captured, T 
 float32 with TF32 off on both sides, and float16 (half storage; rnncc accumulates in float32).
 Run on a GPU machine from the repository root:
 
-    python3 benchmarks/persistent.py [--repeat 100] [--json out.json]
+    python3 benchmarks/persistent.py [--repeat 100] [--dtype float16] [--json out.json]
 
 Prints a markdown table with the GPU's name and the date, as in docs/benchmarks.md.
 """
@@ -24,10 +24,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--dtype", choices=("float32", "float16"), help="only these rows")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows, device = [], None
     for cell, hidden, batch, dtype in CONFIGS:
+        if args.dtype and dtype != args.dtype:
+            continue
         module = rnncc.compile(cell, hidden, hidden, batch, target="cuda", dtype=dtype)
         best = time_gpu(module, args.steps, args.repeat)
         device = best.get("device")

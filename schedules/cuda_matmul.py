@@ -24,4 +24,17 @@ def apply(func, target):
         return _MATMUL.apply(func.with_attr(NO_TENSOR_CORES, True), target, False)
 
 
+#: dlight's Matmul keeps a product off tensor cores when a static extent is at most this.
+TENSOR_CORE_MIN_EXTENT = 64
+
+
+def wants_flat_rows(dtype: str, depth: int, outputs: int) -> bool:
+    """Whether the input projection of all steps (K ``depth``, O ``outputs``) should reach this
+    rule with its rows as one dimension ([T*N, C], not [T, N, C]): dlight's tensor-core path
+    takes a float16 product whose rows are one run-time dimension and whose K and O are over
+    64, and no (T, N) lead (checked on the generated CUDA, TVM 0.27). float32 stays IEEE, on
+    the CUDA cores."""
+    return dtype == "float16" and min(depth, outputs) > TENSOR_CORE_MIN_EXTENT
+
+
 RULE = Rule("cuda.matmul", apply)

@@ -190,6 +190,23 @@ def test_chunked_input_projection_matches_reference(cell, batch, persistent, rng
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("lstm", 80, 33, 3), ("gru", 65, 33, 7), ("rnn_relu", 200, 65, 1)])
+@pytest.mark.parametrize("persistent", ["auto", "off"])
+def test_float16_input_projection_on_tensor_cores(cell, input_size, hidden, batch, persistent,
+                                                  rng):
+    """float16: the input GEMM of all steps sees [T*N, C] rows and runs on tensor cores (odd
+    T*N, C and G*H padded by the rule), in both entries."""
+    module = compiled(cell, input_size, hidden, batch, "cuda", dtype="float16",
+                      persistent=persistent)
+    schedule = module.metadata["schedule"]
+    assert schedule["layout"]["flat_rows"] and "mma_sync" in module.source("cuda")
+    assert schedule["kind"] == ("persistent" if persistent == "auto" else "sequence")
+    for steps, initial in ((1, True), (37, False), (100, True)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
     ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16"),

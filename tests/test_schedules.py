@@ -254,6 +254,30 @@ def test_input_projections_in_chunks_at_small_batch():
         assert sequence.layout_for(target, options, problem).chunk == 1
 
 
+def test_float16_input_projection_sees_flat_rows():
+    """float16 on CUDA with C and G*H over 64: the input GEMM of all steps sees x and xp as
+    [T*N, C] and [T*N, G*H] views, and dlight's rule puts it on tensor cores; smaller
+    products, float32 and CPUs keep [T, N, C]."""
+    lstm = rnncc.cells.get("lstm")
+    problem = Problem(lstm, 80, 33, 3, "float16")
+    layout = sequence.layout_for(CUDA, Options(), problem)
+    assert layout.flat_rows and layout.chunk == 1
+    for problem, options, target in [(Problem(lstm, 64, 33, 3, "float16"), Options(), CUDA),
+                                     (Problem(lstm, 80, 16, 3, "float16"), Options(), CUDA),
+                                     (Problem(lstm, 80, 33, 3), Options(), CUDA),
+                                     (Problem(lstm, 80, 33, 3, "float16"), Options(), LLVM),
+                                     (Problem(lstm, 80, 33, 3, "float16"),
+                                      Options(gate_gemm=False), CUDA)]:
+        assert not sequence.layout_for(target, options, problem).flat_rows
+    module = rnncc.compile("lstm", 80, 33, 3, target="cuda", dtype="float16")
+    schedule = module.metadata["schedule"]
+    assert schedule["layout"]["flat_rows"] and schedule["rules"]["input_gemm"] == "cuda.matmul"
+    xp = next(p for p in module.metadata["functions"]["forward"] if p["name"] == "xp")
+    assert xp["shape"] == ["T", 3, 132]  # the caller's view is unchanged
+    source = module.source("cuda")
+    assert "mma_sync" in source and "x_rows" not in module.metadata["functions"]["forward"]
+
+
 def test_sequence_records_rules_and_layout():
     problem = Problem(rnncc.cells.get("gru"), 5, 7, 1)
     lowered = sequence.build(problem, Options(gate_gemm=False), CUDA)

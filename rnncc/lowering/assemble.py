@@ -133,12 +133,15 @@ def _seq(stmts: list):
 
 def sequence_function(name: str, params: Sequence, prologue: Sequence[Stage],
                       t_var: tvm.ir.Var, t_extent, steps: Sequence[Stage],
-                      epilogue: Sequence[Stage] = ()) -> tirx.PrimFunc:
+                      epilogue: Sequence[Stage] = (), views: Sequence = ()) -> tirx.PrimFunc:
     """``prologue`` once, ``steps`` for t_var in [0, t_extent) (if any), then ``epilogue``,
-    as one PrimFunc."""
+    as one PrimFunc. ``views``: (view, buffer) pairs, a view being a buffer declared on another
+    buffer's memory in another shape (e.g. x [T, N, C] seen as [T*N, C]); stages' regions may
+    use it."""
     loop = [tirx.For(t_var, i64(0), t_extent, tirx.ForKind.SERIAL,
                      _seq([stage_block(s) for s in steps]))] if steps else []
-    body = _seq([stage_block(s) for s in prologue] + loop
+    body = _seq([tirx.DeclBuffer(view, data=of.data) for view, of in views]
+                + [stage_block(s) for s in prologue] + loop
                 + [stage_block(s) for s in epilogue])
     root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
     func = tirx.PrimFunc(list(params), root)

@@ -12,6 +12,8 @@ Layouts (chosen by the schedule, see :class:`Layout`):
   ``"per_gate"``: G GEMMs of H outputs each, output [G, .., N, H].
 - chunk S: the input projections of all steps, ``xp``, are [T, N, G*H] (S = 1) or, in chunks
   of S steps, [ceil(T/S), S, N, G*H] (gates "combined" only; see :func:`gemm`).
+- flat rows: the input GEMM of all steps sees x [T, N, C] as [T*N, C] and xp [T, N, G*H] as
+  [T*N, G*H], one run-time row dimension (views of the same memory; gates "combined", chunk 1).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Layout:
     weights: str = "rows"
     gates: str = "combined"
     chunk: int = 1
+    flat_rows: bool = False
 
     def __post_init__(self):
         if self.weights not in ("rows", "cols"):
@@ -51,6 +54,9 @@ class Layout:
         if self.chunk < 1 or (self.chunk > 1 and self.gates != "combined"):
             raise ValueError(f"chunk must be 1, or more with gates 'combined'; got {self.chunk} "
                              f"with gates {self.gates!r}")
+        if self.flat_rows and (self.chunk > 1 or self.gates != "combined"):
+            raise ValueError(f"flat rows need chunk 1 and gates 'combined'; got chunk "
+                             f"{self.chunk} with gates {self.gates!r}")
 
     def projections_shape(self, t_len, batch: int, gates: int, hidden: int) -> tuple:
         """Shape of the input projections of all T steps (gates "combined")."""

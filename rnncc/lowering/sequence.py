@@ -53,16 +53,19 @@ class Lowered:
 def layout_for(target, options: Options, problem: Problem) -> Layout:
     """CUDA keeps PyTorch's [O, K] rows (coalesced along K); CPUs want [K, O] to vectorise.
     On CUDA the input projections of all steps go in chunks of steps where that lets the
-    tiled GEMM rule take their product (float32 at a batch of 1 to 8)."""
+    tiled GEMM rule take their product (float32 at a batch of 1 to 8); in float16, as flat rows
+    where dlight's rule then puts their product on tensor cores."""
     cuda = target.kind.name == "cuda"
     combined = options.gate_gemm
-    chunk = 1
+    chunk, flat = 1, False
     if cuda and combined and options.input_gemm:
         chunk = schedules.cuda_tiled_gemm.chunk_steps(
             problem.batch, problem.gates * problem.hidden_size, problem.input_size,
             problem.dtype)
+        flat = chunk == 1 and schedules.cuda_matmul.wants_flat_rows(
+            problem.dtype, problem.input_size, problem.gates * problem.hidden_size)
     return Layout(weights="rows" if cuda else "cols",
-                  gates="combined" if combined else "per_gate", chunk=chunk)
+                  gates="combined" if combined else "per_gate", chunk=chunk, flat_rows=flat)
 
 
 class _Builder:
@@ -147,6 +150,17 @@ class _Builder:
                        Region(b, (slice(i * h, (i + 1) * h),)), out_of_gate(i)], 1)
                 for i in range(g)]
 
+    def input_operands(self, x, xp):
+        """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of
+        all steps: x and xp whole, or, with flat rows, [T*N, C] and [T*N, G*H] views of them."""
+        t_len, n = x.shape[0], self.p.batch
+        if not self.layout.flat_rows:
+            return (Region(x, (ALL,) * 3), (t_len, n), Region(xp, (ALL,) * len(xp.shape)), [])
+        x_rows, xp_rows = (tirx.decl_buffer((t_len * i64(n), b.shape[-1]), b.dtype,
+                                            f"{b.name}_rows") for b in (x, xp))
+        return (Region(x_rows, (ALL, ALL)), (tirx.Var("M", "int64"),),
+                Region(xp_rows, (ALL, ALL)), [(x_rows, x), (xp_rows, xp)])
+
     def sequence_entry(self):
         p, options, layout = self.p, self.options, self.layout
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
@@ -168,11 +182,12 @@ class _Builder:
 
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
-        steps = []
+        steps, views = [], []
         if options.input_gemm:
+            x_region, lead, xp_region, views = self.input_operands(x, xp)
             prologue += self.projections(
-                "input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c, w_ih, b_ih,
-                lambda i: Region(xp, (i, ALL, ALL, ALL)), Region(xp, (ALL,) * len(xp_shape)))
+                "input_gemm", x_region, lead, c, w_ih, b_ih,
+                lambda i: Region(xp, (i, ALL, ALL, ALL)), xp_region)
             gi = ([Region(xp, (i, t, ALL, ALL)) for i in range(g)] if per_gate
                   else [Region(xp, layout.projections_at(t))])
         else:
@@ -202,7 +217,7 @@ class _Builder:
                                      [Region(s, (0, ALL, ALL)) for s in sn])]
         params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, hp, *sw]
         self.add("forward", sequence_function("forward", params, prologue, t, t_len, steps,
-                                              epilogue), sig)
+                                              epilogue, views), sig)
 
     def persistent_entry(self, plan):
         from ..schedules.persistent import kernel
@@ -231,8 +246,9 @@ class _Builder:
             sync_stage = Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
-        prologue += self.projections("input_gemm", Region(x, (ALL, ALL, ALL)), (t_len, n), c,
-                                     w_ih, b_ih, None, Region(xp, (ALL,) * len(xp_shape)))
+        x_region, lead, xp_region, views = self.input_operands(x, xp)
+        prologue += self.projections("input_gemm", x_region, lead, c, w_ih, b_ih, None,
+                                     xp_region)
         prologue.append(sync_stage)
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=self.layout.chunk)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}"
@@ -246,7 +262,7 @@ class _Builder:
                                      [Region(s, (0, ALL, ALL)) for s in sn])]
         params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, *sw, sync]
         self.add("persistent_forward", sequence_function(
-            "persistent_forward", params, prologue, None, None, [], epilogue), sig)
+            "persistent_forward", params, prologue, None, None, [], epilogue, views), sig)
 
 
 def build(problem: Problem, options: Options, target, persistent_plan=None,
