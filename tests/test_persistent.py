@@ -19,6 +19,7 @@ def test_plans_that_fit(gates, hidden, batch):
     assert p.blocks <= H100.sms and p.blocks * p.units >= hidden > (p.blocks - 1) * p.units
     assert p.warps * p.rows_per_warp >= gates * p.units  # every row has a warp
     assert p.reg_chunks + p.smem_chunks == p.chunks == -(-hidden // (32 * p.vec))
+    assert p.global_chunks == 0 and p.streamed_bytes == 0
     assert p.smem_bytes <= H100.smem_per_block
     assert p.reg_estimate <= H100.max_regs_per_thread
     assert p.threads * p.items >= p.units * batch  # every (unit, batch) pair has a thread
@@ -44,6 +45,25 @@ def test_no_register_margin_fits_more():
     assert p.reg_margin == 0 and p.smem_chunks > 0 and p.smem_bytes <= H100.smem_per_block
 
 
+@pytest.mark.parametrize("gates, hidden, batch, dtype", [
+    (3, 2048, 4, "float32"), (3, 2816, 1, "float16"), (3, 1024, 3, "float32")])
+def test_streaming_plans_keep_what_does_not_fit_in_l2(gates, hidden, batch, dtype):
+    """Weights that registers and shared memory do not hold stay in global memory, read each
+    step from L2; only asked for (the driver asks when nothing fits on-chip), at most half the
+    L2, and the plan's chunks still cover W_hh."""
+    gpu = H100 if hidden > 1024 else gpu_for_arch("sm_90", sms=16)
+    with pytest.raises(Unfit):
+        plan(gates, hidden, batch, dtype, gpu)
+    p = plan(gates, hidden, batch, dtype, gpu, stream=True)
+    assert p.global_chunks > 0 and p.reg_chunks + p.smem_chunks + p.global_chunks == p.chunks
+    assert p.smem_bytes <= gpu.smem_per_block
+    assert 0 < p.streamed_bytes <= gpu.l2_bytes // 2
+    assert p.streamed_bytes == p.blocks * p.warps * p.rows_per_warp * 32 * 16 * p.global_chunks
+    assert p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * p.vec >= gates * hidden ** 2
+    fits = plan(4, 1024, 4, "float32", H100, states=2)  # streaming changes nothing that fits
+    assert plan(4, 1024, 4, "float32", H100, states=2, stream=True) == fits
+
+
 def test_large_weights_use_shared_memory():
     p = plan(4, 1536, 4, "float32", H100, states=2)
     assert p.smem_chunks > 0 and p.reg_chunks > 0
@@ -59,6 +79,11 @@ def test_large_weights_use_shared_memory():
 def test_plans_that_do_not_fit(gates, hidden, batch, dtype, match):
     with pytest.raises(Unfit, match=match):
         plan(gates, hidden, batch, dtype, H100)
+
+
+def test_streaming_is_capped_at_half_the_l2():
+    with pytest.raises(Unfit, match=r"or than those and half the L2 \(25 MiB\)"):
+        plan(4, 2048, 4, "float32", H100, stream=True)
 
 
 def test_fewer_multiprocessors_mean_unfit():
@@ -79,13 +104,27 @@ def test_persistent_option_errors():
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 class TestPersistentBuild:
     def test_unfit_falls_back_and_says_why(self):
-        module = rnncc.compile("gru", 64, 2048, 4, target="cuda", tuning="off")
+        module = rnncc.compile("lstm", 64, 2048, 4, target="cuda", tuning="off")
         schedule = module.metadata["schedule"]
         assert schedule["kind"] == "sequence"
-        assert "372 KiB" in schedule["persistent"]["reason"]
+        assert "496 KiB" in schedule["persistent"]["reason"]
+        assert "half the L2" in schedule["persistent"]["reason"]
         assert "persistent_forward" not in module.metadata["functions"]
         with pytest.raises(ConfigError, match="persistent=on, but"):
-            rnncc.compile("gru", 64, 2048, 4, target="cuda", persistent="on", tuning="off")
+            rnncc.compile("lstm", 64, 2048, 4, target="cuda", persistent="on", tuning="off")
+
+    def test_streaming_plan_when_nothing_fits_on_chip(self):
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
+        module = rnncc.compile("gru", 64, 2048, 4, target="cuda", tuning="off")
+        schedule = module.metadata["schedule"]
+        assert schedule["kind"] == "persistent"
+        chosen = schedule["persistent"]["plan"]
+        assert chosen["global_chunks"] > 0 and chosen["reg_margin"] > 0
+        (name,) = cooperative_kernels(module.source("cuda"))
+        assert module.metadata["ptxas"][name]["spill_stores"] == 0
+        first = chosen["reg_chunks"] + chosen["smem_chunks"]
+        assert f"w[bx, tx // 32, {first} + gc, q, tx % 32, v]" in module.source("tir")
 
     def test_tight_plan_when_the_margin_does_not_fit(self):
         from rnncc.compiler.cuda_binary import cooperative_kernels
@@ -163,4 +202,4 @@ def test_knob_candidates_follow_the_driver():
 
     tight = candidates(Problem(rnncc.cells.get("gru"), 2048, 2048, 1), H100)
     assert tight and tight[0] == {} and {"unroll": 9} in tight  # planned with no margin
-    assert candidates(Problem(rnncc.cells.get("gru"), 2048, 2048, 4), H100) == []
+    assert candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4), H100) == []

@@ -57,30 +57,37 @@ SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
 
-def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int):
+def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: bool = True):
     """The persistent plan of ``problem`` on ``gpu`` (a planner GPU) under ``knobs``, or
-    :class:`Unfit`. Unless the knobs fix reg_margin, a configuration that does not fit with
-    ``reg_margin`` registers kept free is planned again with none (ptxas then says whether it
-    spills; :func:`compile_module` falls back if it does). Shared with ``rnncc tune``."""
+    :class:`Unfit`. A configuration that does not fit on-chip with ``reg_margin`` registers
+    kept free is planned again with none (``tight``, unless the knobs fix reg_margin; ptxas
+    then says whether it spills: :func:`compile_module` falls back if it does), then as a
+    streaming plan (the weights that do not fit read from L2 every step). Shared with
+    ``rnncc tune``."""
     from ..schedules import persistent
 
-    def attempt(margin):
+    def attempt(margin, stream=False):
         return persistent.plan(problem.gates, problem.hidden_size, problem.batch,
                                problem.dtype, gpu, len(problem.cell.states),
                                max_blocks=knobs.get("max_blocks"), reg_margin=margin,
-                               warps=knobs.get("warps"))
+                               warps=knobs.get("warps"), stream=stream)
 
-    try:
-        found = attempt(reg_margin)
-    except persistent.Unfit:
-        if "reg_margin" in knobs or reg_margin == 0:
-            raise
-        found = attempt(0)
+    tries = [(reg_margin, False)]
+    if tight and "reg_margin" not in knobs and reg_margin > 0:
+        tries.append((0, False))
+    tries.append((reg_margin, True))
+    for margin, stream in tries:
+        try:
+            found = attempt(margin, stream)
+            break
+        except persistent.Unfit:
+            if stream:
+                raise
     return dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
 
 
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
-                     knobs):
+                     knobs, tight):
     """(plan or None, why not) for the persistent kernel."""
     from ..schedules import persistent
 
@@ -97,7 +104,7 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
-        return plan_with_knobs(problem, gpu, knobs, reg_margin), gpu
+        return plan_with_knobs(problem, gpu, knobs, reg_margin, tight), gpu
     except persistent.Unfit as err:
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
@@ -149,9 +156,9 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
 
     applied = apply.for_compile(problem, tspec, gpu, tuning)
     knobs = {**applied.knobs, **knobs}
-    margin, notes = knobs.get("reg_margin", REG_MARGIN), []
-    for _ in range(4):
-        plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs)
+    margin, tight, notes = knobs.get("reg_margin", REG_MARGIN), True, []
+    for _ in range(5):
+        plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)
         module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
         if plan is None:
             return module
@@ -160,9 +167,10 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
             return module
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
                      f"({spills})")
-        if plan.reg_margin < margin:  # the plan that keeps no register free spilled
-            break
-        margin += 24
+        if plan.reg_margin < margin:  # the plan that keeps no register free spilled: stream
+            tight = False
+        else:
+            margin += 24
     why = (f"the persistent kernel for {problem.describe()} spills registers with every plan "
            f"that fits (reg_margin {plan.reg_margin})")
     if opts.persistent == "on":

@@ -10,8 +10,9 @@ One launch runs all T steps. Per step, each block:
    trip of communication (data and flag in one store, as NCCL's low-latency protocol does).
    With ``"barrier"`` (rnncc's counter barrier) or ``"grid"`` (cooperative groups) h is plain
    float32, read past L1 (``ld.global.cg``) after the barrier;
-3. multiplies: each lane its 16-byte weight chunks (registers first, then shared memory) by
-   the matching chunks of h, for every batch row; accumulation in float32;
+3. multiplies: each lane its 16-byte weight chunks (registers first, then shared memory,
+   then, for a streaming plan, global memory) by the matching chunks of h, for every batch
+   row; accumulation in float32;
 4. reduces over the 32 lanes with a halving butterfly (each exchange halves the values a lane
    carries, so RW*N sums cost about RW*N shuffles instead of 5*RW*N);
 5. applies the cell to its (unit, batch) pairs: gates from the sums plus b_hh and the
@@ -281,6 +282,11 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
             emit(f'{ind}        for v in T.vectorized({vec}):'),
             emit(f'{ind}            wv[v] = wsm[(((warp * {ks} + so * {unroll} + si) * {rw} + q) '
                  f'* 32 + lane) * {vec} + v]')), i4 + "    ")
+    if p.global_chunks:  # streamed: read from global memory (L2) every step
+        emit(f'{i4}for gc in T.unroll({p.global_chunks}):')
+        products(f"{kr + ks} + gc", lambda ind: (
+            emit(f'{ind}        for v in T.vectorized({vec}):'),
+            emit(f'{ind}            wv[v] = w[bx, warp, {kr + ks} + gc, q, lane, v]')))
     # 4. halving butterfly over the lanes
     length, masks, halving = acc_n, [16, 8, 4, 2, 1], []
     for m in masks:

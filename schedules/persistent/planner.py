@@ -7,9 +7,14 @@ cooperative). Block b owns U hidden units, the rows of all G gates of those unit
 layout: the point-wise step needs no exchange between blocks), R = G*U rows of H weights. Its
 Wn warps take RW rows each; lane l of a warp holds, of each of its rows, the 16-byte chunks
 k = (i*32 + l)*VEC .. +VEC for i < KI (KI = H / (32*VEC), rounded up). Chunks i < KR live in
-registers, the others in shared memory. Each step the block stages h_{t-1} [N, H] in shared
+registers, the next KS in shared memory. Each step the block stages h_{t-1} [N, H] in shared
 memory, every lane multiplies its chunks, a warp reduction sums the lanes, and the threads of
 the block's (unit, batch) pairs apply the cell.
+
+Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
+global memory and are read every step; they are the only weights read there, a few MB that
+stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
+large for the registers and shared memory still runs persistently.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class GPU:
     regs_per_sm: int = 65536
     max_regs_per_thread: int = 255
     smem_per_block: int = 232448  # bytes a block may opt in to (227 KiB on Hopper)
+    l2_bytes: int = 50 * 2**20
 
 
 #: Planning defaults by architecture, the smallest common part of each; a module records the
@@ -34,19 +40,17 @@ class GPU:
 _ARCH_GPUS = {
     "sm_90": GPU("H100/H200 SXM", 132),
     "sm_90a": GPU("H100/H200 SXM", 132),
-    "sm_89": GPU("L40S", 142, smem_per_block=101376),
-    "sm_80": GPU("A100", 108, smem_per_block=166912),
-    "sm_86": GPU("RTX 30xx/A10", 28, smem_per_block=101376),
+    "sm_89": GPU("L40S", 142, smem_per_block=101376, l2_bytes=96 * 2**20),
+    "sm_80": GPU("A100", 108, smem_per_block=166912, l2_bytes=40 * 2**20),
+    "sm_86": GPU("RTX 30xx/A10", 28, smem_per_block=101376, l2_bytes=6 * 2**20),
 }
 
 
 def gpu_for_arch(arch: str, sms: int | None = None) -> GPU:
     """The planning GPU for an architecture (``sms`` overrides the multiprocessor count)."""
-    base = _ARCH_GPUS.get(arch, GPU(f"unknown {arch}", 28, smem_per_block=49152))
-    if sms is not None:
-        base = GPU(base.name, sms, base.regs_per_sm, base.max_regs_per_thread,
-                   base.smem_per_block)
-    return base
+    base = _ARCH_GPUS.get(arch, GPU(f"unknown {arch}", 28, smem_per_block=49152,
+                                    l2_bytes=4 * 2**20))
+    return base if sms is None else replace(base, sms=sms)
 
 
 class Unfit(Exception):
@@ -64,13 +68,19 @@ class Plan:
     vec: int           # VEC, elements a 16-byte chunk
     chunks: int        # KI
     reg_chunks: int    # KR
-    smem_chunks: int   # KS = KI - KR
+    smem_chunks: int   # KS = KI - KR - KG
     items: int         # IT, (unit, batch) pairs a thread applies the cell to
     reg_estimate: int  # registers a thread, estimated
     smem_bytes: int    # dynamic shared memory a block
     sync: str = "tagged"  # "tagged" h words; "barrier": a counter barrier; "grid": coop. groups
     reg_margin: int = 0  # registers the plan keeps free under the per-thread limit
     unroll: int = 1  # shared-memory chunks a loop iteration (rounded down to a divisor of KS)
+    global_chunks: int = 0  # KG, read from global memory (L2) every step; see "Streaming"
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of weights the whole grid reads from global memory every step."""
+        return self.blocks * self.warps * self.rows_per_warp * 32 * 16 * self.global_chunks
 
     @property
     def threads(self) -> int:
@@ -94,7 +104,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
-def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN):
+def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
+         stream=False):
     vec = 16 // elem_bytes
     chunks = -(-hidden // (32 * vec))
     rows = gates * units
@@ -104,18 +115,26 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     acc = _next_pow2(rpw * batch)
     fixed = OVERHEAD_REGS + acc + batch * 4 + items * (2 * gates + states)
     limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // threads) - margin
-    per_chunk = rpw * vec * elem_bytes // 4  # 32-bit registers one chunk of every row takes
-    reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk)) if limit > fixed else 0
-    smem_chunks = chunks - reg_chunks
-    smem = (warps * smem_chunks * rpw * 32 * vec * elem_bytes  # weights
-            + 4 * max(batch * chunks * 32 * vec,  # h_{t-1} (float32), then in its place
-                      warps * rpw * batch))       # the gates' sums
-    if smem > gpu.smem_per_block or limit <= fixed:
+    if limit <= fixed:
         return None
-    return Plan(blocks=-(-hidden // units), units=units, warps=warps, rows_per_warp=rpw,
+    per_chunk = rpw * vec * elem_bytes // 4  # 32-bit registers one chunk of every row takes
+    reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk))
+    smem_chunks = chunks - reg_chunks
+    chunk_bytes = warps * rpw * 32 * 16  # one chunk of every row of the block
+    staging = 4 * max(batch * chunks * 32 * vec,  # h_{t-1} (float32), then in its place
+                      warps * rpw * batch)        # the gates' sums
+    global_chunks = 0
+    if stream:
+        global_chunks = max(0, smem_chunks - (gpu.smem_per_block - staging) // chunk_bytes)
+        smem_chunks -= global_chunks
+    smem = smem_chunks * chunk_bytes + staging
+    blocks = -(-hidden // units)
+    if smem > gpu.smem_per_block or blocks * chunk_bytes * global_chunks > gpu.l2_bytes // 2:
+        return None
+    return Plan(blocks=blocks, units=units, warps=warps, rows_per_warp=rpw,
                 vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
                 items=items, reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem,
-                reg_margin=margin)
+                reg_margin=margin, global_chunks=global_chunks)
 
 
 def estimate_ns(p: Plan, batch: int) -> float:
@@ -126,7 +145,9 @@ def estimate_ns(p: Plan, batch: int) -> float:
     smem_weights = p.warps * p.smem_chunks * p.rows_per_warp * 32 * 16
     fmas = p.threads * p.chunks * p.rows_per_warp * p.vec * batch
     stage = batch * p.chunks * 32 * p.vec * 4
-    return barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
+    streamed = p.streamed_bytes / p.blocks  # from L2, about 20 bytes a clock a multiprocessor
+    return (barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
+            + streamed / (20 * clock))
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
@@ -138,11 +159,13 @@ WARPS = (8, 16, 4)
 
 def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
-         warps: int | None = None) -> Plan:
+         warps: int | None = None, stream: bool = False) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
-    spills for a plan; a larger margin moves weight chunks from registers to shared memory)."""
+    spills for a plan; a larger margin moves weight chunks from registers to shared memory).
+    ``stream``: weights that registers and shared memory do not hold may stay in global
+    memory (L2), up to half the L2 (see "Streaming" above)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
@@ -153,7 +176,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
         for wn in (warps,) if warps else WARPS:
-            found = _try(gates, hidden, batch, elem, gpu, units, wn, states, reg_margin)
+            found = _try(gates, hidden, batch, elem, gpu, units, wn, states, reg_margin, stream)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, batch) < estimate_ns(best, batch):
@@ -163,7 +186,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         # on large ones every block polling every word of h loads L2 more than one counter.
         return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier")
     need = gates * hidden * hidden * elem / cap
+    also = f", or than those and half the L2 ({gpu.l2_bytes // 2**21} MiB)" if stream else ""
     raise Unfit(
         f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
         f"of {cap} multiprocessors of {gpu.name}, more than their registers and shared memory "
-        f"hold (with h and batch {batch} staged)")
+        f"hold (with h and batch {batch} staged){also}")
