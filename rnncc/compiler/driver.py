@@ -87,7 +87,7 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
 
 
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
-                     knobs, tight):
+                     knobs, tight=True):
     """(plan or None, why not) for the persistent kernel."""
     from ..schedules import persistent
 
