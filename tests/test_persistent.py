@@ -1,6 +1,8 @@
 """The persistent kernel without a GPU: the planner's decisions, and the CUDA module it builds
 (grid barrier or tagged exchange in the source, cooperative launch, no register spills)."""
 
+import dataclasses
+
 import pytest
 
 import rnncc
@@ -90,6 +92,35 @@ def test_fewer_multiprocessors_mean_unfit():
     small = gpu_for_arch("sm_90", sms=16)
     with pytest.raises(Unfit, match="of 16 multiprocessors"):
         plan(4, 1024, 1, "float32", small)
+
+
+@pytest.mark.parametrize("limit", [160, 0])
+def test_driver_builds_each_plan_that_spills_once(monkeypatch, limit):
+    """After a spill the driver keeps more registers free until the plan changes (never
+    building the same chunks twice), and after five plans that spill falls back, saying so."""
+    from types import SimpleNamespace
+
+    from rnncc.compiler import driver
+
+    built = []
+
+    def build(problem, opts, tspec, plan, why, notes, applied):
+        built.append(plan)
+        return SimpleNamespace(plan=plan, why=why, notes=list(notes))
+
+    monkeypatch.setattr(driver, "_build", build)
+    monkeypatch.setattr(driver, "_persistent_spills",
+                        lambda m: ["kernel"] if m.plan.reg_estimate > limit else [])
+    module = driver.compile_module("gru", 64, 2816, 1, dtype="float16", target="cuda",
+                                   tuning="off")
+    tried = [dataclasses.replace(p, reg_margin=0) for p in built if p is not None]
+    assert len(tried) == len(set(tried))
+    spilled = [p for p in tried if p.reg_estimate > limit]
+    assert len([n for n in module.notes if "spilled" in n]) == len(spilled)
+    if limit:
+        assert module.plan.reg_estimate <= limit and module.plan.global_chunks > 0
+    else:
+        assert len(spilled) == 5 and module.plan is None and "spills registers" in module.why
 
 
 def test_persistent_option_errors():
@@ -183,8 +214,6 @@ class TestPersistentBuild:
 
 
 def test_unroll_knob_unrolls_the_shared_memory_chunks():
-    import dataclasses
-
     from rnncc.schedules.persistent.kernel import source
 
     p = plan(4, 1536, 4, "float32", H100, states=2)

@@ -156,17 +156,23 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
 
     applied = apply.for_compile(problem, tspec, gpu, tuning)
     knobs = {**applied.knobs, **knobs}
-    margin, tight, notes = knobs.get("reg_margin", REG_MARGIN), True, []
-    for _ in range(5):
+    margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
+    for _ in range(12):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)
+        if plan is not None and dataclasses.replace(plan, reg_margin=0) in spilled:
+            margin += 24  # a larger margin that plans the same chunks: not built again
+            continue
         module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
         if plan is None:
             return module
         spills = _persistent_spills(module)
         if not spills:
             return module
+        spilled.add(dataclasses.replace(plan, reg_margin=0))
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
                      f"({spills})")
+        if len(spilled) == 5:
+            break
         if plan.reg_margin < margin:  # the plan that keeps no register free spilled: stream
             tight = False
         else:
