@@ -160,8 +160,10 @@ def _summary(meta: dict) -> str:
     persistent = schedule.get("persistent", {})
     if schedule["kind"] == "persistent":
         plan = persistent["plan"]
+        streamed = plan.get("streamed_bytes", 0)
+        stream = f", {streamed / 2**20:.1f} MiB of weights read from L2 a step" if streamed else ""
         return (f"{head}: persistent kernel, {plan['blocks']} blocks x {plan['threads']} threads, "
-                f"{plan['sync']} exchange (planned for {persistent['planned_for']}); "
+                f"{plan['sync']} exchange{stream} (planned for {persistent['planned_for']}); "
                 "non-persistent schedule as fallback")
     return f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
 

@@ -145,6 +145,7 @@ class TestPersistentBuild:
             rnncc.compile("lstm", 64, 2048, 4, target="cuda", persistent="on", tuning="off")
 
     def test_streaming_plan_when_nothing_fits_on_chip(self):
+        from rnncc.cli.main import _summary
         from rnncc.compiler.cuda_binary import cooperative_kernels
 
         module = rnncc.compile("gru", 64, 2048, 4, target="cuda", tuning="off")
@@ -154,6 +155,7 @@ class TestPersistentBuild:
         assert chosen["global_chunks"] > 0 and chosen["reg_margin"] > 0
         (name,) = cooperative_kernels(module.source("cuda"))
         assert module.metadata["ptxas"][name]["spill_stores"] == 0
+        assert "9.0 MiB of weights read from L2 a step" in _summary(module.metadata)
         first = chosen["reg_chunks"] + chosen["smem_chunks"]
         assert f"w[bx, tx // 32, {first} + gc, q, tx % 32, v]" in module.source("tir")
 

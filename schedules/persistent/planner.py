@@ -87,7 +87,7 @@ class Plan:
         return 32 * self.warps
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "threads": self.threads}
+        return {**asdict(self), "threads": self.threads, "streamed_bytes": self.streamed_bytes}
 
 
 #: Registers a thread needs besides weights and accumulators (indices, h chunk, the cell).
@@ -125,7 +125,8 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
                       warps * rpw * batch)        # the gates' sums
     global_chunks = 0
     if stream:
-        global_chunks = max(0, smem_chunks - (gpu.smem_per_block - staging) // chunk_bytes)
+        held = max(0, (gpu.smem_per_block - staging) // chunk_bytes)
+        global_chunks = max(0, smem_chunks - held)
         smem_chunks -= global_chunks
     smem = smem_chunks * chunk_bytes + staging
     blocks = -(-hidden // units)
