@@ -46,10 +46,10 @@ __all__ = [
 ]
 
 
-def compile(cell, input_size: int, hidden_size: int, batch: int, dtype: str = "float32",  # noqa: A001
-            target: str = "cuda", arch: str | None = None, cpu: str | None = None,
-            sms: int | None = None, knobs: dict | None = None, gpu: str | None = None,
-            tuning: str = "auto", **options):
+def compile(cell, input_size: int, hidden_size: int, batch: int,  # noqa: A001
+            dtype: str = "float32", target: str = "cuda", arch: str | None = None,
+            cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
+            gpu: str | None = None, tuning: str = "auto", **options):
     """Compile one recurrent layer into a :class:`Module`.
 
     ``cell`` is a registered cell name, a :class:`rnncc.cells.Cell`, or the path of a cell
