@@ -1,6 +1,7 @@
 """Schedule rules, checked on the scheduled TIR (no GPU needed)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import tvm
@@ -8,6 +9,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 import rnncc
+from helpers import TOL_F32, check_against_reference
 from rnncc import schedules
 from rnncc.lowering import components as comp
 from rnncc.lowering import sequence
@@ -276,6 +278,18 @@ def test_float16_input_projection_sees_flat_rows():
     assert xp["shape"] == ["T", 3, 132]  # the caller's view is unchanged
     source = module.source("cuda")
     assert "mma_sync" in source and "x_rows" not in module.metadata["functions"]["forward"]
+
+
+def test_flat_row_views_compute_the_sequence(monkeypatch, rng):
+    """The views float16 gets on CUDA (x as [T*N, C], xp as [T*N, G*H] on their memory),
+    forced on the CPU: the numbers against float64, T = 1 and 6."""
+    real = sequence.layout_for
+    monkeypatch.setattr(sequence, "layout_for", lambda target, options, problem: replace(
+        real(target, options, problem), flat_rows=True))
+    module = rnncc.compile("gru", 5, 7, 3, target="llvm", tuning="off")
+    assert module.metadata["schedule"]["layout"]["flat_rows"]
+    for steps in (1, 6):
+        assert check_against_reference(module, rng, steps, True) < TOL_F32
 
 
 def test_sequence_records_rules_and_layout():
