@@ -40,8 +40,9 @@ def main():
             seq = best["rnncc"]
         plan = module.metadata["schedule"]["persistent"].get("plan")
         per = 1e3 / args.steps
+        streaming = best["entry"] == "persistent" and plan["global_chunks"] > 0
         rows.append({"cell": cell, "H": hidden, "N": batch, "dtype": dtype,
-                     "schedule": best["entry"],
+                     "schedule": best["entry"] + (" (streaming)" if streaming else ""),
                      "plan": f"B={plan['blocks']} {plan['sync']}" if plan else "-",
                      "rnncc_us": best["rnncc"] * per, "sequence_us": seq * per,
                      "cudnn_us": best["cudnn"] * per})
