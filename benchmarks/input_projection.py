@@ -40,12 +40,11 @@ def measure(target, cell, hidden, batch, dtype):
     b = torch.randn(rows, device="cuda").to(tdt)
     chunks = -(-STEPS // chunk)
     out = torch.empty(chunks * chunk, batch, rows, device="cuda")  # the accumulation dtype
-    view = out.view(chunks, chunk, batch, rows) if chunk > 1 else out
-    if layout.flat_rows:
-        a_view, view = a.view(-1, hidden), out.view(-1, rows)
+    if layout.flat_rows:  # the component's shapes: [T*N, C] -> [T*N, G*H]
+        a_arg, out_arg = a.view(-1, hidden), out.view(-1, rows)
     else:
-        a_view = a
-    args = [tvm_ffi.from_dlpack(x) for x in (a_view, w, b, view)]
+        a_arg, out_arg = a, out.view(chunks, chunk, batch, rows) if chunk > 1 else out
+    args = [tvm_ffi.from_dlpack(x) for x in (a_arg, w, b, out_arg)]
     device = tvm_ffi.device("cuda:0")
 
     def call():

@@ -159,7 +159,8 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
     for _ in range(12):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)
-        if plan is not None and dataclasses.replace(plan, reg_margin=0) in spilled:
+        chunks = None if plan is None else dataclasses.replace(plan, reg_margin=0)
+        if chunks in spilled:
             margin += 24  # a larger margin that plans the same chunks: not built again
             continue
         module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
@@ -168,7 +169,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
         spills = _persistent_spills(module)
         if not spills:
             return module
-        spilled.add(dataclasses.replace(plan, reg_margin=0))
+        spilled.add(chunks)
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
                      f"({spills})")
         if len(spilled) == 5:

@@ -128,14 +128,14 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
         held = max(0, (gpu.smem_per_block - staging) // chunk_bytes)
         global_chunks = max(0, smem_chunks - held)
         smem_chunks -= global_chunks
-    smem = smem_chunks * chunk_bytes + staging
-    blocks = -(-hidden // units)
-    if smem > gpu.smem_per_block or blocks * chunk_bytes * global_chunks > gpu.l2_bytes // 2:
+    found = Plan(blocks=-(-hidden // units), units=units, warps=warps, rows_per_warp=rpw,
+                 vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
+                 items=items, reg_estimate=fixed + reg_chunks * per_chunk,
+                 smem_bytes=smem_chunks * chunk_bytes + staging, reg_margin=margin,
+                 global_chunks=global_chunks)
+    if found.smem_bytes > gpu.smem_per_block or found.streamed_bytes > gpu.l2_bytes // 2:
         return None
-    return Plan(blocks=blocks, units=units, warps=warps, rows_per_warp=rpw,
-                vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
-                items=items, reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem,
-                reg_margin=margin, global_chunks=global_chunks)
+    return found
 
 
 def estimate_ns(p: Plan, batch: int) -> float:
