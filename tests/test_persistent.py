@@ -169,8 +169,19 @@ class TestPersistentBuild:
         (name,) = cooperative_kernels(module.source("cuda"))
         assert module.metadata["ptxas"][name]["spill_stores"] == 0
 
+    def test_small_plan_keeps_its_registers(self):
+        """512 threads, few weights a thread: without a minimum of one block a multiprocessor
+        in the launch bounds ptxas kept 40 registers and spilled (the driver then moved to a
+        slower plan)."""
+        module = rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"warps": 16})
+        plan = module.metadata["schedule"]["persistent"]["plan"]
+        assert (plan["threads"], plan["reg_margin"]) == (512, 24)  # the first plan, kept
+        assert not any("spilled" in note for note in module.metadata["schedule"]["notes"])
+
     @pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
     def test_kernel_builds_without_spills(self, sync, tmp_path):
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
         module = rnncc.compile("lstm", 32, 1024, 1, target="cuda", knobs={"sync": sync})
         schedule = module.metadata["schedule"]
         assert schedule["kind"] == "persistent"
@@ -187,6 +198,9 @@ class TestPersistentBuild:
         expected = {"tagged": "rnncc_grid_load", "barrier": "rnncc_grid_barrier",
                     "grid": "this_grid().sync()"}[sync]
         assert expected in source
+        (name,) = cooperative_kernels(source)  # one block a multiprocessor, as launched
+        threads = schedule["persistent"]["plan"]["threads"]
+        assert f"__launch_bounds__({threads}, 1) {name}(" in source
         if sync == "tagged":  # tagged words are read with acquire loads, never plain volatile
             assert "ld.acquire.gpu.global.u64" in source
             assert "volatile const uint64_t" not in source
