@@ -248,3 +248,42 @@ def test_knob_candidates_follow_the_driver():
     tight = candidates(Problem(rnncc.cells.get("gru"), 2048, 2048, 1), H100)
     assert tight and tight[0] == {} and {"unroll": 9} in tight  # planned with no margin
     assert candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4), H100) == []
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kernel_cell_uses_fast_exponential(cell, dtype):
+    """The per-step cell of every registered cell builds with the GPU's exponential and
+    division for exp and sigmoid (its values are float32 for either storage dtype); tanh stays
+    accurate, and outside the kernel the functions are TVM's again."""
+    from tvm import tirx
+
+    from rnncc.cells import ops
+    from rnncc.schedules.persistent.kernel import kernel
+
+    c = rnncc.cells.get(cell)
+    uses = set()
+    with ops.lowered_with({name: lambda x, name=name: uses.add(name) for name in ops.UNARY}):
+        c.evaluate(*([tirx.Var(f"v{i}", "float32") for i in range(k)]
+                     for k in (c.gates, c.gates, len(c.states))))
+    text = kernel(c, 33, 3, plan(c.gates, 33, 3, dtype, H100, states=len(c.states)),
+                  dtype=dtype).script()
+    assert ("__expf" in text) == bool(uses & {"sigmoid", "exp"})
+    assert ("__fdividef" in text) == ("sigmoid" in uses)
+    assert ("T.tanh(" in text) == ("tanh" in uses)
+    x = tirx.Var("x", "float32")
+    assert "__expf" not in str(ops.sigmoid(x)) and "__expf" not in str(ops.exp(x))
+
+
+def test_fast_forms_take_float32_only():
+    from tvm import tirx
+
+    from rnncc.cells import ops
+    from rnncc.schedules.persistent.kernel import FAST_FUNCTIONS
+
+    with ops.lowered_with(FAST_FUNCTIONS):
+        assert "__fdividef" in str(ops.sigmoid(tirx.Var("x", "float32")))
+        assert "__expf" not in str(ops.sigmoid(tirx.Var("x", "float64")))
+    with pytest.raises(KeyError, match="no point-wise functions"):
+        with ops.lowered_with({"softplus": abs}):
+            pass

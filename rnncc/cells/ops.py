@@ -8,10 +8,37 @@ a step must use these functions rather than ``tvm.tirx`` or NumPy ones directly.
 
 from __future__ import annotations
 
+import contextlib
+
+#: Implementations a schedule puts in place of TVM's for the expressions it builds (see
+#: :func:`lowered_with`): name -> f(PrimExpr) -> PrimExpr, or None to keep TVM's.
+_OVERRIDES: dict = {}
+
+
+@contextlib.contextmanager
+def lowered_with(functions: dict):
+    """Within the block, a step called with PrimExprs builds the point-wise functions named in
+    ``functions`` with those (e.g. a GPU's fast exponential); each may return None for an
+    argument it does not take (then TVM's form is used)."""
+    unknown = sorted(set(functions) - set(UNARY))
+    if unknown:
+        raise KeyError(f"no point-wise functions {unknown}; there are {UNARY}")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(functions)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
 
 def _prim(name: str, x):
     from tvm import tirx
 
+    override = _OVERRIDES.get(name)
+    found = override(x) if override is not None else None
+    if found is not None:
+        return found
     if name == "sigmoid":
         return tirx.sigmoid(x)
     if name == "tanh":

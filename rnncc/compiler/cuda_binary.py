@@ -2,7 +2,8 @@
 
 TVM 0.27 keeps CUDA *source* in a module built where no GPU driver is, and compiles it when the
 module is loaded (NVRTC, with fast math). A deployable rnncc module instead carries a cubin for
-its architecture, compiled here by nvcc with IEEE-accurate math (no ``--use_fast_math``), and
+its architecture, compiled here by nvcc with IEEE-accurate math (no ``--use_fast_math``; a
+schedule that wants a fast form calls it by name, as the persistent kernel's cell does), and
 the ptxas report (registers, spills) goes into the module's metadata.
 
 This file touches two TVM internals, kept here only:
