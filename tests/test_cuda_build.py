@@ -1,15 +1,18 @@
 """CUDA modules build on a machine without a GPU: host code, CUDA source, and a cubin from
 nvcc inside the library, with the ptxas report in the metadata (no GPU needed, nor used)."""
 
-import re
-
 import numpy as np
 import pytest
 
 import rnncc
 from conftest import has_nvcc, random_weights
 from helpers import compiled
-from rnncc.compiler.cuda_binary import library_device_code, parse_ptxas
+from rnncc.compiler.cuda_binary import (
+    cooperative_kernels,
+    kernel_bodies,
+    library_device_code,
+    parse_ptxas,
+)
 from rnncc.errors import BuildError
 from rnncc.runtime import metadata as md
 
@@ -31,11 +34,12 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
     assert "__global__" in source and "forward_kernel" in source
     # nvcc without fast math: IEEE expf, except where the persistent kernel's cell calls the
     # fast forms by name
-    bodies = {re.match(r"(?:__launch_bounds__\([\d, ]+\) )?(\w+)", b).group(1): b
-              for b in source.split('extern "C" __global__ void ')[1:]}
+    bodies = kernel_bodies(source)
     assert any(name.startswith("forward_kernel") for name in bodies)
+    persistent = cooperative_kernels(source)
+    assert len(persistent) == 1
     assert all("__expf" not in b and "__fdividef" not in b for name, b in bodies.items()
-               if not name.startswith("persistent_"))
+               if name not in persistent)
 
 
 def test_cuda_module_for_other_arch_and_variants(tmp_path):

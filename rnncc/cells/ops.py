@@ -32,6 +32,11 @@ def lowered_with(functions: dict):
         _OVERRIDES.update(saved)
 
 
+def dtype_of(x) -> str:
+    """The dtype of a PrimExpr, as a string."""
+    return str(x.dtype if hasattr(x, "dtype") else x.ty.dtype)
+
+
 def _prim(name: str, x):
     from tvm import tirx
 
@@ -46,8 +51,7 @@ def _prim(name: str, x):
     if name == "exp":
         return tirx.exp(x)
     if name == "relu":
-        dtype = x.dtype if hasattr(x, "dtype") else x.ty.dtype
-        return tirx.max(x, tirx.const(0, str(dtype)))
+        return tirx.max(x, tirx.const(0, dtype_of(x)))
     raise KeyError(name)
 
 

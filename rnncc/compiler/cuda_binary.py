@@ -70,19 +70,21 @@ def parse_ptxas(report: str) -> dict:
     return kernels
 
 
+def kernel_bodies(source: str) -> dict[str, str]:
+    """Each kernel defined in CUDA ``source`` (as TVM 0.27 writes it) by name: its body."""
+    heads = list(re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([\d, ]+\) )?'
+                             r'(\w+)\([^;{]*\)\s*{', source))
+    return {head.group(1): source[head.end():after.start() if after else len(source)]
+            for head, after in zip(heads, heads[1:] + [None])}
+
+
 def cooperative_kernels(source: str) -> list[str]:
     """Names of the kernels in CUDA ``source`` that wait on other blocks (rnncc's grid
     exchange or barrier, or cooperative groups' grid sync): the persistent kernels."""
-    heads = list(re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([\d, ]+\) )?'
-                             r'(\w+)\([^;{]*\)\s*{', source))
-    found = []
-    for head, after in zip(heads, heads[1:] + [None]):
-        body = source[head.end():after.start() if after else len(source)]
-        # TVM 0.27 calls cooperative groups' grid sync through a helper of its own
-        if any(m in body for m in ("rnncc_grid_", "this_grid().sync()",
-                                   "tvm_builtin_cuda_grid_sync()")):
-            found.append(head.group(1))
-    return found
+    # TVM 0.27 calls cooperative groups' grid sync through a helper of its own
+    return [name for name, body in kernel_bodies(source).items()
+            if any(m in body for m in ("rnncc_grid_", "this_grid().sync()",
+                                       "tvm_builtin_cuda_grid_sync()"))]
 
 
 def compile_cubin(source: str, arch: str) -> tuple[bytes, dict]:

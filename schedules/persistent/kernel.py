@@ -113,14 +113,10 @@ __device__ __forceinline__ float rnncc_ldcg(const float* address) {
 """
 
 
-def _float32(x) -> bool:
-    return str(x.dtype if hasattr(x, "dtype") else x.ty.dtype) == "float32"
-
-
 def _fast_exp(x):
     """e ** x by the GPU's exponential unit (``__expf``: CUDA gives at most 2 + |1.16 x| ulp),
     for float32; None (TVM's ``expf``) otherwise."""
-    if not _float32(x):
+    if ops.dtype_of(x) != "float32":
         return None
     return tirx.call_pure_extern("float32", "__expf", x)
 
@@ -128,7 +124,7 @@ def _fast_exp(x):
 def _fast_sigmoid(x):
     """1 / (1 + e ** -x) with :func:`_fast_exp` and ``__fdividef`` (2 ulp; 0 once the
     denominator passes 2 ** 126, where the exact quotient is below float32's normal range)."""
-    if not _float32(x):
+    if ops.dtype_of(x) != "float32":
         return None
     one = tirx.const(1.0, "float32")
     return tirx.call_pure_extern("float32", "__fdividef", one, one + _fast_exp(tirx.const(
