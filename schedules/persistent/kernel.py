@@ -310,8 +310,12 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
             emit(f'{ind}        for v in T.vectorized({vec}):'),
             emit(f'{ind}            wv[v] = wsm[(((warp * {ks} + so * {unroll} + si) * {rw} + q) '
                  f'* 32 + lane) * {vec} + v]')), i4 + "    ")
-    if p.global_chunks:  # streamed: read from global memory (L2) every step
-        emit(f'{i4}for gc in T.unroll({p.global_chunks}):')
+    if p.global_chunks:
+        # Streamed: read from global memory (L2) every step, in a loop (unrolled, ptxas hoists
+        # the loads of all chunks at once: a plan streaming 6 of 7 chunks then needed 255
+        # registers and spilled, and before the launch bounds had a minimum it failed on an
+        # H200 with "unspecified launch failure" in 15 of 22 runs; as a loop 30 of 30 passed).
+        emit(f"{i4}for gc in range({p.global_chunks}):")
         products(f"{kr + ks} + gc", lambda ind: (
             emit(f'{ind}        for v in T.vectorized({vec}):'),
             emit(f'{ind}            wv[v] = w[bx, warp, {kr + ks} + gc, q, lane, v]')))
