@@ -4,13 +4,18 @@ float32 with TF32 off on both sides, and float16 (half storage; rnncc accumulate
 Run on a GPU machine from the repository root:
 
     python3 benchmarks/persistent.py [--repeat 100] [--dtype float16] [--json out.json]
+                                     [--jobs 8]
 
-Prints a markdown table with the GPU's name and the date, as in docs/benchmarks.md.
+Prints a markdown table with the GPU's name and the date, as in docs/benchmarks.md. The modules
+are compiled first, ``--jobs`` at a time in worker processes, then timed one by one.
 """
 
 import argparse
 import datetime
 import json
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import rnncc
 from rnncc.bench import time_gpu
@@ -20,18 +25,16 @@ CONFIGS = [("lstm", h, n, "float32") for h in (256, 512, 1024, 1536) for n in (1
     ("lstm", 2048, 4, "float16"), ("gru", 2816, 1, "float16")]
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--dtype", choices=("float32", "float16"), help="only these rows")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+def _compile(job):
+    (cell, hidden, batch, dtype), folder = job
+    path = os.path.join(folder, f"{cell}_{hidden}_{batch}_{dtype}.so")
+    return rnncc.compile(cell, hidden, hidden, batch, target="cuda", dtype=dtype).export(path)
+
+
+def _time(args, configs, paths):
     rows, device = [], None
-    for cell, hidden, batch, dtype in CONFIGS:
-        if args.dtype and dtype != args.dtype:
-            continue
-        module = rnncc.compile(cell, hidden, hidden, batch, target="cuda", dtype=dtype)
+    for (cell, hidden, batch, dtype), path in zip(configs, paths):
+        module = rnncc.load(path)
         best = time_gpu(module, args.steps, args.repeat)
         device = best.get("device")
         if best["entry"] == "persistent":
@@ -46,6 +49,23 @@ def main():
                      "plan": f"B={plan['blocks']} {plan['sync']}" if plan else "-",
                      "rnncc_us": best["rnncc"] * per, "sequence_us": seq * per,
                      "cudnn_us": best["cudnn"] * per})
+    return rows, device
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--dtype", choices=("float32", "float16"), help="only these rows")
+    parser.add_argument("--json")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="modules compiled at once")
+    args = parser.parse_args()
+    configs = [c for c in CONFIGS if not args.dtype or c[3] == args.dtype]
+    with tempfile.TemporaryDirectory() as folder:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            paths = list(pool.map(_compile, [(c, folder) for c in configs]))
+        rows, device = _time(args, configs, paths)
     print(f"{device}, {datetime.date.today().isoformat()}, T={args.steps}, TF32 off\n")
     print("| cell | H | N | dtype | schedule | plan | rnncc us/step | non-persistent us/step "
           "| cuDNN us/step | speed-up |")
