@@ -22,7 +22,9 @@ STEPS = 100
 CONFIGS = [("lstm", 256, 4, "float32"), ("lstm", 1024, 1, "float32"),
            ("lstm", 1024, 4, "float32"), ("lstm", 1536, 4, "float32"),
            ("gru", 1024, 4, "float32"), ("gru", 2048, 4, "float32"),
-           ("lstm", 2048, 4, "float16"), ("gru", 2816, 1, "float16")]
+           ("lstm", 2048, 4, "float16"), ("gru", 2816, 1, "float16"),
+           ("lstm", 256, 64, "float32"), ("lstm", 1024, 64, "float32"),
+           ("lstm", 1536, 64, "float32"), ("gru", 2048, 64, "float32")]
 
 
 def measure(target, cell, hidden, batch, dtype):

@@ -17,6 +17,15 @@ along K, contiguous in both operands. One step's product has a small grid (LSTM 
 then a small kernel sums them and adds the bias), which gives each multiprocessor several
 blocks to hide the global loads with. Sizes that do not divide into tiles are left to the next
 rule. The tiles and slices were chosen by measurement (H200, batch 64, docs/benchmarks.md).
+
+Software pipeline (the products of all steps; one step's split-K product measured slower with
+it, H200): each K chunk's global reads go into registers first and are issued before the
+products of the previous chunk, then stored to shared memory after them (TVM's
+``software_pipeline_stage``/``order`` on the chunk loop), so the loads' latency overlaps the
+FMAs (input projections 2-10% faster at batch 1-64). A thread copies a contiguous run of its
+row (thread outermost in the copy's split), which keeps its register copy at 8 values. A
+chunked projection's x rows go straight to shared memory (their register copy would have a
+run-time size) after the products; only w is prefetched there.
 """
 
 from dataclasses import astuple, dataclass
@@ -175,6 +184,7 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     if misfits:
         raise ValueError(f"{tiling} does not fit this product ({batch} x {rows} outputs a "
                          f"step, K = {depth}): {'; '.join(misfits)}")
+    pipeline = len(lead) == 2  # the products of all steps (see the module docstring)
     main = gemm
     if splits > 1:
         # split-K: S blocks a tile, each a slice of K, into a [S, N, O] buffer; then one
@@ -211,10 +221,15 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
             shared = sch.cache_read(main, index, "shared")
         sch.compute_at(shared, k_o)
         sch.transform_layout(shared, ("write", 0), lambda *i: (i[-1], *i[:-1]))
-        fused = sch.fuse(*_below(sch, shared, k_o))  # (rows of the tile, BK)
-        _, t, v = sch.split(fused, [None, threads, 4])
-        sch.bind(t, "threadIdx.x")
-        sch.vectorize(v)
+        copies = [shared]
+        if pipeline and shared is not rows_block:
+            copies.insert(0, sch.cache_read(shared, 0, "local"))
+            sch.compute_at(copies[0], k_o)
+        for block in copies:
+            fused = sch.fuse(*_below(sch, block, k_o))  # (rows of the tile, BK)
+            t, _, v = sch.split(fused, [threads, None, 4])
+            sch.bind(t, "threadIdx.x")
+            sch.vectorize(v)
         local = sch.cache_read(main, index, "local")
         sch.compute_at(local, k_i)
         _, vec = sch.split(sch.fuse(*_below(sch, local, k_i)), [None, 4])
@@ -223,6 +238,12 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     stage(0)
     stage(1)
     sch.unroll(k_i)
+    if pipeline and rows_block is None:
+        sch.annotate(k_o, "software_pipeline_stage", [0, 0, 0, 0, 1])
+        sch.annotate(k_o, "software_pipeline_order", [0, 3, 1, 4, 2])
+    elif pipeline:
+        sch.annotate(k_o, "software_pipeline_stage", [0, 0, 0, 1])
+        sch.annotate(k_o, "software_pipeline_order", [2, 0, 3, 1])
     if splits == 1:
         sch.set_scope(gemm, 0, "local")
         sch.decompose_reduction(gemm, k_o)

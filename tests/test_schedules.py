@@ -97,7 +97,20 @@ def test_tiled_gemm_stages_k_major_tiles(lead):
     else:
         assert "gemm_rf" not in scopes
     vectorized = [kind for kind, _ in loops(scheduled) if kind == int(tirx.ForKind.VECTORIZED)]
-    assert len(vectorized) == 4  # two global-to-shared copies, two shared-to-register reads
+    script = scheduled.script()
+    if len(lead) == 1:  # one step's split-K product: no software pipeline
+        assert len(vectorized) == 4  # per operand: global to shared, shared to registers
+        assert "software_pipeline" not in script
+    else:
+        # per operand: global to registers, registers to shared memory, shared to registers
+        assert len(vectorized) == 6
+        # the next chunk's global loads are issued before the products of this one (software
+        # pipeline: loads, products, then the stores to shared memory)
+        assert '"software_pipeline_order": [0, 3, 1, 4, 2]' in script
+        assert '"software_pipeline_stage": [0, 0, 0, 0, 1]' in script
+        code = tvm.compile(tvm.IRModule({"main": scheduled}), target=CUDA).mod.imports[0]
+        body = code.inspect_source().split("for (int64_t k_0")[1]
+        assert body.index("a_ptr") < body.index("gemm_local_ptr") < body.index("a_shared_ptr[")
 
 
 def test_split_k_slices():
@@ -185,7 +198,9 @@ def test_chunked_input_projection_tiles_without_bounds_checks(batch):
     code = source.imports[0].inspect_source()
     assert "float gemm_local_ptr[32];" in code
     assert "__shared__ alignas(64) float gemm_rows_shared_ptr[1024];" in code
-    assert code.count("min(") == 1 and "if (" not in code.split("main_kernel(")[-1]
+    # the only clamp is the step's (the last chunk's rows past T), one at each copy of x
+    assert code.count("min(") == code.count(", (T - (int64_t)1))") > 0
+    assert "if (" not in code.split("main_kernel(")[-1]
 
 
 def test_fallback_rules_take_a_chunked_projection():
