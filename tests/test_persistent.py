@@ -221,6 +221,9 @@ class TestPersistentBuild:
         if sync == "tagged":  # tagged words are read with acquire loads, never plain volatile
             assert "ld.acquire.gpu.global.u64" in source
             assert "volatile const uint64_t" not in source
+        if sync == "barrier":  # release on arrival, acquire while waiting: no full fences
+            assert "red.release.gpu.global.add.u32" in source
+            assert "ld.acquire.gpu.global.u32" in source and "__threadfence" not in source
         path = module.export(tmp_path / "lstm.so")
         with open(path, "rb") as f:
             assert b"tirx.use_cooperative_launch" in f.read()

@@ -44,18 +44,24 @@ from .planner import Plan
 #: an error instead of hanging; a healthy step waits microseconds).
 WAIT_LIMIT_CYCLES = 1 << 34
 
+# Release on arrival (the block's stores of h_t, ordered by the block barrier, are visible
+# before its count), acquire while waiting, as cooperative groups' grid sync does on sm_70+.
+# A full fence (``__threadfence``) before a plain atomic and after the wait cost up to 0.3 us
+# a step more (H200, 64-128 blocks).
 BARRIER_SOURCE = f"""
+__device__ __forceinline__ unsigned int rnncc_acquire_u32(const unsigned int* address) {{
+  unsigned int value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}}
 __device__ __forceinline__ void {FLAG_BARRIER}(unsigned int* counter, unsigned int target) {{
   __syncthreads();
   if (threadIdx.x == 0) {{
-    __threadfence();
-    atomicAdd(counter, 1u);
-    volatile unsigned int* flag = counter;
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
     long long start = clock64();
-    while (*flag < target) {{
+    while (rnncc_acquire_u32(counter) < target) {{
       if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
     }}
-    __threadfence();
   }}
   __syncthreads();
 }}
