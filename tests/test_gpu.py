@@ -232,7 +232,8 @@ def test_float16_input_projection_on_tensor_cores(cell, input_size, hidden, batc
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
     ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16"),
-    ("lstm", 32, 256, 32, "float32"), ("gru", 16, 512, 64, "float16")])  # the last two: split-K
+    ("lstm", 32, 256, 32, "float32"), ("gru", 16, 512, 64, "float16"),  # these two: split-K
+    ("gru", 40, 128, 64, "float32")])  # 64 x 128 tiles of all steps' input projections
 def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rng):
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype)
     rules = module.metadata["schedule"]["rules"]
