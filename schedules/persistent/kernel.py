@@ -44,16 +44,26 @@ from .planner import Plan
 #: an error instead of hanging; a healthy step waits microseconds).
 WAIT_LIMIT_CYCLES = 1 << 34
 
+
+def _acquire_load(name: str, ctype: str, bits: int, ordering: bool) -> str:
+    """A device function ``name(address)``: an acquire load at GPU scope (``ld.acquire.gpu``:
+    on sm_90 a strong load followed by an L1 invalidation). ``ordering``: the compiler may not
+    move other memory accesses across it (a barrier's wait, whose loads of h come after); a
+    tagged word carries its data, so its loads need no such clobber."""
+    reg = "r" if bits == 32 else "l"
+    clobber = ' : "memory"' if ordering else ""
+    return (f"__device__ __forceinline__ {ctype} {name}(const {ctype}* address) {{\n"
+            f"  {ctype} value;\n"
+            f'  asm volatile("ld.acquire.gpu.global.u{bits} %0, [%1];" : "={reg}"(value) : '
+            f'"l"(address){clobber});\n'
+            "  return value;\n}\n")
+
+
 # Release on arrival (the block's stores of h_t, ordered by the block barrier, are visible
 # before its count), acquire while waiting, as cooperative groups' grid sync does on sm_70+.
 # A full fence (``__threadfence``) before a plain atomic and after the wait cost up to 0.3 us
 # a step more (H200, 64-128 blocks).
-BARRIER_SOURCE = f"""
-__device__ __forceinline__ unsigned int rnncc_acquire_u32(const unsigned int* address) {{
-  unsigned int value;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}}
+BARRIER_SOURCE = "\n" + _acquire_load("rnncc_acquire_u32", "unsigned int", 32, True) + f"""\
 __device__ __forceinline__ void {FLAG_BARRIER}(unsigned int* counter, unsigned int target) {{
   __syncthreads();
   if (threadIdx.x == 0) {{
@@ -84,23 +94,16 @@ EMPTY_TAG = 0x7FFFFFFF
 #: Words of h a thread loads before it waits on their tags.
 WAIT_BATCH = 8
 
-#: The tagged exchange's loads are acquire loads at GPU scope (``ld.acquire.gpu``: on sm_90 a
-#: strong load followed by an L1 invalidation). Plain volatile loads (``ld.volatile``, strong at
-#: system scope) were measured to deadlock about once in 10 to 100 runs of 37 steps (float16
-#: tanh and relu RNNs, H=33, N=7, 9 blocks on an H200: a block waited on a word whose tag never
-#: came, and the wait limit trapped); with acquire loads 600 such runs passed.
-_ACQUIRE_LOAD = """(const uint64_t* address) {
-  uint64_t value;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address));
-  return value;
-}
-"""
-
-GRID_LOAD_SOURCE = f"__device__ __forceinline__ uint64_t {GRID_LOAD}{_ACQUIRE_LOAD}"
+#: The tagged exchange's loads are acquire loads (:func:`_acquire_load`). Plain volatile loads
+#: (``ld.volatile``, strong at system scope) were measured to deadlock about once in 10 to 100
+#: runs of 37 steps (float16 tanh and relu RNNs, H=33, N=7, 9 blocks on an H200: a block waited
+#: on a word whose tag never came, and the wait limit trapped); with acquire loads 600 such
+#: runs passed.
+GRID_LOAD_SOURCE = _acquire_load(GRID_LOAD, "uint64_t", 64, False)
 
 # TVM emits a device function's source once a called name, so the wait (a separate call) has
 # its own copy of the load under a private name.
-GRID_WAIT_SOURCE = f"""__device__ __forceinline__ uint64_t rnncc_acquire_u64{_ACQUIRE_LOAD}
+GRID_WAIT_SOURCE = _acquire_load("rnncc_acquire_u64", "uint64_t", 64, False) + f"""
 __device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t step) {{
   uint64_t value = rnncc_acquire_u64(address);
   long long start = clock64();

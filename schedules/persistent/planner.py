@@ -78,9 +78,14 @@ class Plan:
     global_chunks: int = 0  # KG, read from global memory (L2) every step; see "Streaming"
 
     @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk of every row of a block."""
+        return _chunk_bytes(self.warps, self.rows_per_warp)
+
+    @property
     def streamed_bytes(self) -> int:
         """Bytes of weights the whole grid reads from global memory every step."""
-        return self.blocks * self.warps * self.rows_per_warp * 32 * 16 * self.global_chunks
+        return self.blocks * self.chunk_bytes * self.global_chunks
 
     @property
     def threads(self) -> int:
@@ -98,6 +103,10 @@ REG_MARGIN = 24
 MAX_BATCH = 16
 #: Largest grid that exchanges h as tagged words; larger grids use the counter barrier.
 TAGGED_MAX_BLOCKS = 32
+
+
+def _chunk_bytes(warps: int, rows_per_warp: int) -> int:
+    return warps * rows_per_warp * 32 * 16  # 32 lanes, 16 bytes a lane
 
 
 def _next_pow2(n: int) -> int:
@@ -120,7 +129,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     per_chunk = rpw * vec * elem_bytes // 4  # 32-bit registers one chunk of every row takes
     reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk))
     smem_chunks = chunks - reg_chunks
-    chunk_bytes = warps * rpw * 32 * 16  # one chunk of every row of the block
+    chunk_bytes = _chunk_bytes(warps, rpw)
     staging = 4 * max(batch * chunks * 32 * vec,  # h_{t-1} (float32), then in its place
                       warps * rpw * batch)        # the gates' sums
     global_chunks = 0
@@ -143,7 +152,7 @@ def estimate_ns(p: Plan, batch: int) -> float:
     the staging of h. Only used to rank plans (measured times decide in tuning)."""
     clock = 1.9  # GHz
     barrier = 800 + 4 * p.blocks
-    smem_weights = p.warps * p.smem_chunks * p.rows_per_warp * 32 * 16
+    smem_weights = p.smem_chunks * p.chunk_bytes
     fmas = p.threads * p.chunks * p.rows_per_warp * p.vec * batch
     stage = batch * p.chunks * 32 * p.vec * 4
     streamed = p.streamed_bytes / p.blocks  # from L2, about 20 bytes a clock a multiprocessor
