@@ -190,6 +190,31 @@ def test_chunked_input_projection_matches_reference(cell, batch, persistent, rng
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, rows", [
+    ("gru", 1024, 1024, 4, None), ("lstm", 1024, 1024, 1, None), ("lstm", 33, 257, 3, 8),
+    ("rnn_relu", 7, 3, 1, 8), ("lstm", 100, 64, 7, 5), ("rnn_tanh", 1, 33, 16, 64)])
+def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, input_size, hidden,
+                                                                      batch, rows, rng):
+    """The persistent kernel computing its own input projections (by default at C >= 1024,
+    N <= 4; forced with ``input_rows``): odd C (one element a load), groups of rows of x that
+    cross steps and pass T*N, and one step."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda",
+                           knobs=None if rows is None else {"input_rows": rows})
+    schedule = module.metadata["schedule"]
+    assert schedule["kind"] == "persistent" and schedule["persistent"]["plan"]["input_rows"]
+    for steps, initial in ((1, True), (37, False), (100, True)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+    gates = rnncc.cells.get(cell).gates
+    w = {k: v.astype("float32") for k, v in random_weights(rng, gates, input_size,
+                                                          hidden).items()}
+    x = rng.standard_normal((61, batch, input_size)).astype("float32")
+    packed = module.pack(w)
+    first = module(x, packed)[0]
+    for _ in range(20):
+        np.testing.assert_array_equal(module(x, packed)[0], first)
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, sms", [
     ("gru", 33, 1024, 3, "float32", 16), ("lstm", 7, 777, 2, "float32", 8),
     ("rnn_tanh", 40, 1500, 1, "float32", 8), ("gru", 64, 2048, 4, "float32", None)])

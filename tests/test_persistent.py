@@ -8,7 +8,7 @@ import pytest
 import rnncc
 from conftest import has_nvcc
 from rnncc.errors import ConfigError
-from rnncc.schedules.persistent import Unfit, gpu_for_arch, plan
+from rnncc.schedules.persistent import Unfit, fuse_input, gpu_for_arch, plan
 
 H100 = gpu_for_arch("sm_90")
 
@@ -228,6 +228,38 @@ class TestPersistentBuild:
         with open(path, "rb") as f:
             assert b"tirx.use_cooperative_launch" in f.read()
 
+    @pytest.mark.parametrize("knobs", [None, {"input_rows": 0}])
+    def test_fused_input_projection_by_default_at_wide_inputs(self, knobs):
+        """C >= 1024, N <= 4: the kernel computes its own input projections (no input GEMM
+        stage in the persistent entry, W_ih packed for it); ``input_rows=0`` turns it off."""
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
+        module = rnncc.compile("gru", 1024, 1024, 1, target="cuda", knobs=knobs,
+                               tuning="off")
+        schedule = module.metadata["schedule"]
+        plan_ = schedule["persistent"]["plan"]
+        functions = module.metadata["functions"]
+        source = module.source("cuda")
+        (name,) = cooperative_kernels(source)
+        report = module.metadata["ptxas"][name]
+        assert report["spill_stores"] == report["stack"] == 0
+        if knobs is None:
+            assert plan_["input_rows"] >= 8 and schedule["rules"]["persistent"].endswith("+input")
+            w_ih = next(p for p in functions["persistent_forward"] if p["name"] == "w_ih")
+            assert w_ih["shape"] == [plan_["blocks"], 256, 5, 8, 4]  # [B, KC, RL, 8, VEC]
+            assert "persistent_pack_w_ih" in functions
+            xp = next(p for p in functions["persistent_forward"] if p["name"] == "xp")
+            assert xp["shape"] == ["T", 1, 3072]  # no chunks: no padded steps to compute
+            assert f"{name}(float* __restrict__ b_hh_ptr, float* __restrict__ b_ih_ptr" in source
+        else:
+            assert plan_["input_rows"] == 0 and "persistent_pack_w_ih" not in functions
+
+    def test_narrow_inputs_keep_the_input_gemm(self):
+        module = rnncc.compile("lstm", 256, 256, 4, target="cuda", tuning="off")
+        assert module.metadata["schedule"]["persistent"]["plan"]["input_rows"] == 0
+        with pytest.raises(ConfigError, match="input_rows must be an integer"):
+            rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"input_rows": -1})
+
     def test_sequence_only_when_asked(self):
         module = rnncc.compile("lstm", 32, 256, 1, target="cuda", persistent="off")
         assert module.metadata["schedule"]["kind"] == "sequence"
@@ -247,6 +279,36 @@ class TestPersistentBuild:
         assert report["spill_stores"] == report["stack"] == 0 and report["registers"] > 64
         assert f"{name}(half* __restrict__ b_hh_ptr" in source  # half weights and biases
         assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.matmul"
+
+
+@pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [
+    (4, 1024, 1024, 1, None), (4, 1024, 1024, 4, None), (3, 33, 257, 3, None),
+    (1, 7, 3, 1, None), (4, 100, 64, 7, 5), (3, 1024, 1024, 4, 200)])
+def test_fused_input_plans(gates, input_size, hidden, batch, rows):
+    """A fused input projection keeps the plan, takes whole groups of 4 rows of x (``rows``
+    rounded up, capped by the accumulators) and stays within shared memory."""
+    from rnncc.schedules.persistent import planner
+
+    base = plan(gates, hidden, batch, "float32", H100)
+    fused = fuse_input(base, gates, input_size, batch, H100, rows)
+    assert fused is not None and fused.fused and not base.fused
+    assert dataclasses.replace(fused, input_rows=0, input_chunks=0,
+                               smem_bytes=base.smem_bytes) == base
+    sn = fused.input_rows
+    assert sn % planner.X_GROUPS == 0 and planner.FUSED_MIN_ROWS <= sn <= planner.FUSED_MAX_ROWS
+    if rows:  # rounded up, within the accumulators (and shared memory: GRU 1024 N=4 takes 32)
+        assert sn <= min(-(-rows // 4) * 4, 4 * (64 // planner.fused_row_split(base, gates)))
+        assert sn == {5: 8, 200: 32}[rows]
+    assert fused.input_chunks == -(-input_size // 4)
+    assert base.smem_bytes <= fused.smem_bytes <= H100.smem_per_block
+
+
+def test_fused_input_needs_shared_memory_for_w_ih():
+    """LSTM 1536: W_hh fills shared memory, so W_ih's rows do not fit next to it."""
+    base = plan(4, 1536, 1, "float32", H100, states=2)
+    assert base.smem_chunks > 0
+    assert fuse_input(base, 4, 1536, 1, H100) is None
+    assert fuse_input(base, 4, 16, 1, H100).fused  # a narrow input's rows do
 
 
 def test_unroll_knob_unrolls_the_shared_memory_chunks():

@@ -50,9 +50,10 @@ def _options(options: dict) -> Options:
 
 #: The persistent kernel's knobs (what ``rnncc tune`` searches): the synchronisation variant,
 #: a cap on the grid (so more hidden units a block), the warps a block, the registers kept
-#: free under the limit (more moves weight chunks from registers to shared memory), and the
-#: unrolling of the loop over the weight chunks in shared memory.
-KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll")
+#: free under the limit (more moves weight chunks from registers to shared memory), the
+#: unrolling of the loop over the weight chunks in shared memory, and the rows of x a group
+#: of the fused input projection (0: the input projection is a separate GEMM).
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows")
 SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
@@ -83,7 +84,28 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         except persistent.Unfit:
             if stream:
                 raise
-    return dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
+    found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
+    rows = knobs.get("input_rows")
+    if rows == 0 or (rows is None and not fuses_input(problem)):
+        return found
+    return persistent.fuse_input(found, problem.gates, problem.input_size, problem.batch, gpu,
+                                 rows) or found
+
+
+#: The persistent kernel computes its input projections itself by default (float32, where
+#: W_ih fits in shared memory) at C >= FUSE_MIN_INPUT and N <= FUSE_MAX_BATCH: measured faster
+#: there than the separate GEMM (H200: LSTM 1024 N=1 2.43 -> 2.19 us/step, N=4 3.94 -> 3.75),
+#: slower at C = 256-512 and at N = 8 (docs/benchmarks.md); the ``input_rows`` knob decides
+#: elsewhere.
+FUSE_MIN_INPUT = 1024
+FUSE_MAX_BATCH = 4
+
+
+def fuses_input(problem: Problem) -> bool:
+    """Whether the persistent kernel computes its input projections itself by default
+    (:func:`rnncc.schedules.persistent.fuse_input`)."""
+    return (problem.dtype == "float32" and problem.input_size >= FUSE_MIN_INPUT
+            and problem.batch <= FUSE_MAX_BATCH)
 
 
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
@@ -121,7 +143,7 @@ def check_knobs(knobs) -> dict:
         raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
     if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
         raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
-    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1)):
+    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0)):
         value = knobs.get(name, low)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
             raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")
@@ -169,6 +191,11 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
         spills = _persistent_spills(module)
         if not spills:
             return module
+        if plan.fused:  # the same plan with the separate input GEMM first
+            notes.append(f"persistent plan with its input projection fused ({plan.input_rows} "
+                         f"rows a group) spilled ({spills}); built with the input GEMM")
+            knobs = {**knobs, "input_rows": 0}
+            continue
         spilled.add(chunks)
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "
                      f"({spills})")

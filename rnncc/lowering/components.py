@@ -258,15 +258,36 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
     shape = tuple(i64(d) for d in (plan.blocks, plan.warps, plan.chunks, rw, 32, vec))
 
     def value(b, wp, i, q, lane, v):
-        r = wp * rw + q
-        j = b * u + r % u
-        k = (i * 32 + lane) * vec + v
-        valid = tvm.tirx.all(r < gates * u, j < hidden, k < hidden)
-        row = (r // u) * hidden + tvm.tirx.min(j, hidden - 1)
-        return tvm.tirx.if_then_else(valid, w[row, tvm.tirx.min(k, hidden - 1)],
-                                     tirx.const(0, dtype))
+        return _block_row(w, gates, hidden, hidden, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
+                          dtype)
 
     return te.create_prim_func([w, te.compute(shape, value, name="pack")])
+
+
+def pack_fused_input(gates: int, hidden: int, depth: int, shape: tuple, plan,
+                     dtype: str) -> tirx.PrimFunc:
+    """W_ih [G*H, C] into a fused input projection's layout ``shape`` [B, KC, RL, 8, VEC]
+    (:func:`rnncc.schedules.persistent.kernel.input_weight_shape`): block b, chunk c, row q,
+    row group rg, element v holds W_ih[g*H + j, c*VEC + v] with r = rg*RL + q, g = r // U and
+    j = b*U + r % U (zero outside)."""
+    w = te.placeholder((i64(gates * hidden), i64(depth)), dtype, "w")
+    _, _, rl, _, vec = shape
+
+    def value(b, c, q, rg, v):
+        return _block_row(w, gates, hidden, depth, plan.units, b, rg * rl + q, c * vec + v,
+                          dtype)
+
+    return te.create_prim_func([w, te.compute(tuple(i64(d) for d in shape), value,
+                                              name="pack")])
+
+
+def _block_row(w, gates, hidden, depth, units, b, r, k, dtype):
+    """W[g*H + j, k] for row r of block b (g = r // U, j = b*U + r % U), zero outside."""
+    j = b * units + r % units
+    valid = tvm.tirx.all(r < gates * units, j < hidden, k < depth)
+    row = (r // units) * hidden + tvm.tirx.min(j, hidden - 1)
+    return tvm.tirx.if_then_else(valid, w[row, tvm.tirx.min(k, depth - 1)],
+                                 tirx.const(0, dtype))
 
 
 def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.PrimFunc:

@@ -9,7 +9,9 @@ shapes with "T" for the run-time length and "T/S" for ceil(T/S) chunks of S step
   point-wise step). Always present: it fits every size, and is the fallback.
 - ``persistent_pack_w_hh``, ``persistent_forward``: the persistent kernel (CUDA, when its
   planner says the weights fit on-chip): the input GEMM of all steps, then one cooperative
-  kernel for all T steps. It shares ``pack_w_ih`` (PyTorch's [G*H, C] rows).
+  kernel for all T steps. It shares ``pack_w_ih`` (PyTorch's [G*H, C] rows), or, with the
+  input projection fused into the kernel (the plan's ``input_rows``), has its own
+  ``persistent_pack_w_ih`` and no input GEMM.
 
 forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each state s,
         y [T,N,H], <s>_n [1,N,H] for each state, xp, hp, <s>_ws [2,N,H] for each state)
@@ -111,12 +113,12 @@ class _Builder:
         func = self.scheduled(rule_key or name, func, "elementwise")
         self.add(name, standalone_function(name, _rename_params(func, [src, dst])), sig)
 
-    def io(self, sig, t_len, w_hh_shape):
+    def io(self, sig, t_len, w_hh_shape, w_ih_shape=None):
         """The parameters both forward functions start with."""
         p, layout = self.p, self.layout
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         x = self.param(sig, "x", (t_len, n, c), "input")
-        w_ih = self.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
+        w_ih = self.param(sig, "w_ih", w_ih_shape or layout.weight_shape(g, h, c), "input")
         w_hh = self.param(sig, "w_hh", w_hh_shape, "input")
         b_ih = self.param(sig, "b_ih", (g * h,), "input")
         b_hh = self.param(sig, "b_hh", (g * h,), "input")
@@ -226,12 +228,20 @@ class _Builder:
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         self.pack("persistent_pack_w_hh", "hh", h,
                   comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
+        w_ih_shape = None
+        if plan.fused:  # W_ih packed for the kernel too (planner: "Fused input projection")
+            w_ih_shape = kernel.input_weight_shape(p.cell, plan)
+            self.pack("persistent_pack_w_ih", "ih", c,
+                      comp.pack_fused_input(g, h, c, w_ih_shape, plan, p.dtype),
+                      "persistent_pack_w_ih")
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape)
+        x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
-        xp_shape = self.layout.projections_shape(t_len, n, g, h)
+        chunk = 1 if plan.fused else self.layout.chunk
+        xp_shape = (t_len, n, g * h) if plan.fused else self.layout.projections_shape(
+            t_len, n, g, h)
         xp = self.param(sig, "xp", xp_shape, "workspace", acc)
         sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
         if plan.sync == "tagged":
@@ -246,17 +256,24 @@ class _Builder:
             sync_stage = Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
-        x_region, lead, xp_region, views = self.input_operands(x, xp)
-        prologue += self.projections("input_gemm", x_region, lead, c, w_ih, b_ih, None,
-                                     xp_region)
+        views = []
+        whole = [Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,)), Region(xp, (ALL,) * len(xp_shape))]
+        if plan.fused:
+            inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,))]
+            inputs += whole
+        else:
+            x_region, lead, xp_region, views = self.input_operands(x, xp)
+            prologue += self.projections("input_gemm", x_region, lead, c, w_ih, b_ih, None,
+                                         xp_region)
+            inputs = whole[-1:] + whole[:-1]
         prologue.append(sync_stage)
-        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=self.layout.chunk)
-        self.lowered.rules["persistent"] = f"persistent.{plan.sync}"
-        prologue.append(Stage(
-            "persistent", k_func,
-            [Region(xp, (ALL,) * len(xp_shape)), Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,)),
-             Region(y, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
-            + [Region(sync, (ALL,) * len(sync.shape))], 3 + len(sw)))
+        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c)
+        self.lowered.rules["persistent"] = f"persistent.{plan.sync}" + (
+            "+input" if plan.fused else "")
+        outputs = [Region(y, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
+        outputs.append(Region(sync, (ALL,) * len(sync.shape)))
+        prologue.append(Stage("persistent", k_func, inputs + outputs,
+                              len(outputs) + plan.fused))
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
                                      [Region(s, (0, ALL, ALL)) for s in sn])]

@@ -48,7 +48,7 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
         blocks = max(1, int(base.blocks * frac))
         tries += [{"max_blocks": blocks, "sync": s} for s in ("tagged", "barrier")]
     tries += [{"warps": w} for w in WARPS]
-    tries += [{"reg_margin": REG_MARGIN + 32}]
+    tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
     if base.smem_chunks > 1:
         tries += [{"unroll": base.smem_chunks}]
     out, seen = [], set()

@@ -1,6 +1,8 @@
 """The persistent kernel, generated as TVMScript for one cell, size and plan.
 
-One launch runs all T steps. Per step, each block:
+One launch runs all T steps. With a fused input projection (``plan.input_rows``), each block
+first computes the input projections of its rows for all steps (:func:`_fused_input`). Then,
+per step, each block:
 
 1. prefetches the input projections of its (unit, batch) pairs for step t;
 2. stages h_{t-1} [N, H] (float32) in shared memory. With ``sync="tagged"`` (the default)
@@ -38,6 +40,7 @@ from tvm.script.parser.core.entry import parse
 from rnncc.cells import ops
 from rnncc.compiler.pipeline import FLAG_BARRIER, GRID_LOAD, GRID_STORE, GRID_WAIT
 
+from . import planner
 from .planner import Plan
 
 #: GPU clock cycles a block waits on another before it gives up (__trap: the launch fails with
@@ -153,11 +156,12 @@ def _next_pow2(n: int) -> int:
 
 
 def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
-           dtype: str = "float32", chunk: int = 1) -> str:
+           dtype: str = "float32", chunk: int = 1, input_size: int = 0) -> str:
     """TVMScript text of the kernel (exposed for tests and ``rnncc inspect``). ``dtype`` is
     the storage dtype of the weights, the bias and y; the input projections, the states'
     workspaces, products, sums, h's staging and exchange, and the cell are float32. ``chunk``
-    S > 1: the input projections are in chunks of S steps, [ceil(T/S), S, N, G*H]."""
+    S > 1: the input projections are in chunks of S steps, [ceil(T/S), S, N, G*H]. A plan
+    with a fused input projection (``p.fused``) needs ``input_size`` C."""
     g_count, states = cell.gates, len(cell.states)
     h, n_, vec, ki, kr, ks = hidden, batch, p.vec, p.chunks, p.reg_chunks, p.smem_chunks
     rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.blocks
@@ -174,12 +178,23 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         emit(f'{indent}    with T.Then():')
 
     tagged = p.sync == "tagged"
-    emit(f"@T.prim_func(s_tir=True)\ndef {name}(xp_h: T.handle, w_h: T.handle, b_h: T.handle, "
-         "y_h: T.handle, " + "".join(f"s{k}_h: T.handle, " for k in range(states))
-         + ("hw_h: T.handle):" if tagged else "cnt_h: T.handle):"))
+    fused = p.fused
+    if fused and (chunk != 1 or input_size < 1):
+        raise ValueError(f"a fused input projection needs chunk 1 and an input size, got "
+                         f"chunk {chunk} and input size {input_size}")
+    # inputs first, outputs last (a fused kernel writes xp)
+    params = (["x", "wi", "bi", "w", "b", "xp"] if fused else ["xp", "w", "b"]) + ["y"]
+    params += [f"s{k}" for k in range(states)] + ["hw" if tagged else "cnt"]
+    emit(f"@T.prim_func(s_tir=True)\ndef {name}("
+         + ", ".join(f"{a}_h: T.handle" for a in params) + "):")
     emit('    T.func_attr({"tirx.noalias": True})')
     emit('    T_len = T.int64()')
     dt = dtype
+    sn, kc = p.input_rows, p.input_chunks
+    if fused:
+        emit(f'    x = T.match_buffer(x_h, (T_len, {n_}, {input_size}), "{dt}")')
+        emit(f'    wi = T.match_buffer(wi_h, {input_weight_shape(cell, p)}, "{dt}")')
+        emit(f'    b_ih = T.match_buffer(bi_h, ({gh},), "{dt}")')
     if chunk == 1:
         emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_}, {gh}), "float32")')
         step = "t"
@@ -211,14 +226,28 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     if ks:
         emit(f'{i1}wsm = T.sblock_alloc_buffer(({wn * ks * rw * 32 * vec},), "{dt}", '
              'scope="shared.dyn")')
-    # h_{t-1} for the products, then (once they are done) the gate sums: one buffer
-    emit(f'{i1}hs = T.sblock_alloc_buffer(({max(n_ * kp, wn * rw * n_)},), "float32", '
-         'scope="shared.dyn")')
+    if fused:
+        rl, snl = planner.fused_row_split(p, g_count), sn // planner.X_GROUPS
+        emit(f'{i1}pacc = T.sblock_alloc_buffer(({rl * snl},), "float32", scope="local")')
+        emit(f'{i1}xv = T.sblock_alloc_buffer(({snl * vec},), "float32", scope="local")')
+        emit(f'{i1}wq = T.sblock_alloc_buffer(({rl * vec},), "{dt}", scope="local")')
+        emit(f'{i1}xs = T.sblock_alloc_buffer((1,), "float32", scope="local")')
+        emit(f'{i1}wis = T.sblock_alloc_buffer(({kc * rl * planner.ROW_GROUPS * vec},), '
+             f'"{dt}", scope="shared.dyn")')
+        fused_floats = sn * max(kc * vec + 4, wn * (rl * planner.ROW_GROUPS + 1))
+    else:
+        fused_floats = 0
+    # h_{t-1} for the products, then (once they are done) the gate sums: one buffer (first
+    # the rows of x of the fused input projection)
+    emit(f'{i1}hs = T.sblock_alloc_buffer(({max(n_ * kp, wn * rw * n_, fused_floats)},), '
+         '"float32", scope="shared.dyn")')
     emit(f'{i1}for bx in T.thread_binding({b_}, thread="blockIdx.x"):')
     emit(f'{i1}    for tx in T.thread_binding({threads}, thread="threadIdx.x"):')
     i3 = " " * 16
     emit(f'{i3}warp = T.meta_var(tx // 32)')
     emit(f'{i3}lane = T.meta_var(tx % 32)')
+    if fused:
+        _fused_input(emit, guard, cell, hidden, batch, p, input_size, i3)
     # weights into registers and shared memory, once
     if kr:
         emit(f'{i3}for i in T.unroll({kr}):')
@@ -329,25 +358,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
             emit(f'{ind}        for v in T.vectorized({vec}):'),
             emit(f'{ind}            wv[v] = w[bx, warp, {kr + ks} + gc, q, lane, v]')))
     # 4. halving butterfly over the lanes
-    length, masks, halving = acc_n, [16, 8, 4, 2, 1], []
-    for m in masks:
-        if length > 1:
-            half = length // 2
-            halving.append(m)
-            for a in range(half):
-                emit(f'{i4}acc[{a}] = T.if_then_else(T.bitwise_and(lane, {m}) != 0, '
-                     f'acc[{a + half}], acc[{a}]) + T.cuda.func_call("rnncc_shfl_xor", '
-                     f'T.if_then_else('
-                     f'T.bitwise_and(lane, {m}) != 0, acc[{a}], acc[{a + half}]), {m}, '
-                     f'source_code=SHFL, return_type="float32")')
-            length = half
-        else:
-            emit(f'{i4}acc[0] = acc[0] + T.cuda.func_call("rnncc_shfl_xor", acc[0], {m}, '
-                 f'source_code=SHFL, return_type="float32")')
-    spread = [acc_n >> (s + 1) for s in range(len(halving))]
-    base = " + ".join(f"T.if_then_else(T.bitwise_and(lane, {m}) != 0, {sp}, 0)"
-                      for m, sp in zip(halving, spread)) or "0"
-    free_bits = sum(m for m in masks if m not in halving)
+    length, base, free_bits = _butterfly(emit, "acc", acc_n, i4)
     # The gate sums go where h_{t-1} was: wait until every warp's products have read it.
     emit(f'{i4}T.cuda.cta_sync()')
     for c in range(length):
@@ -388,12 +399,145 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     return "\n".join(lines) + "\n"
 
 
+def _butterfly(emit, buf: str, size: int, ind: str):
+    """Emit the halving butterfly that sums ``buf[:size]`` (a power of two) over the 32 lanes
+    of a warp; (values a lane keeps, the TVMScript of the index of its first, the lane bits
+    that do not select values: lanes with them set hold copies)."""
+    length, masks, halving = size, [16, 8, 4, 2, 1], []
+    for m in masks:
+        if length > 1:
+            half = length // 2
+            halving.append(m)
+            for a in range(half):
+                emit(f'{ind}{buf}[{a}] = T.if_then_else(T.bitwise_and(lane, {m}) != 0, '
+                     f'{buf}[{a + half}], {buf}[{a}]) + T.cuda.func_call("rnncc_shfl_xor", '
+                     f'T.if_then_else('
+                     f'T.bitwise_and(lane, {m}) != 0, {buf}[{a}], {buf}[{a + half}]), {m}, '
+                     f'source_code=SHFL, return_type="float32")')
+            length = half
+        else:
+            emit(f'{ind}{buf}[0] = {buf}[0] + T.cuda.func_call("rnncc_shfl_xor", {buf}[0], '
+                 f'{m}, source_code=SHFL, return_type="float32")')
+    spread = [size >> (s + 1) for s in range(len(halving))]
+    base = " + ".join(f"T.if_then_else(T.bitwise_and(lane, {m}) != 0, {sp}, 0)"
+                      for m, sp in zip(halving, spread)) or "0"
+    return length, base, sum(m for m in masks if m not in halving)
+
+
+def input_weight_shape(cell, p: Plan) -> tuple:
+    """Shape of W_ih packed for a fused input projection: [B, KC, RL, 8, VEC], block b, chunk c,
+    row q of the lane's RL, row group rg, element v holding W_ih[g*H + j, c*VEC + v] with
+    r = rg*RL + q, g = r // U and j = b*U + r % U (zero outside)."""
+    rl = planner.fused_row_split(p, cell.gates)
+    return (p.blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
+
+
+def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size: int,
+                 ind: str) -> None:
+    """Emit the fused input projection (planner: "Fused input projection"). For each group of
+    SN rows m = t*N + n of x: stage them in shared memory (float32, zero past C and past T*N,
+    rows padded by 16 bytes so the 4 x groups' loads hit different banks); warp w multiplies
+    its range of K chunks, lane (x group xg, row group rg) rows r = rg*RL + q of W_ih (in
+    shared memory) by rows m = 4*s + xg of x; the warps' sums go through shared memory
+    ([Wn, SN, 8*RL + 1], padded: a stride of SN floats made 16-way bank conflicts, 1.7x slower
+    on an H200), and thread i adds them up for outputs (n, r) = divmod(i, R) and writes
+    xp[t, n, g*H + j] = sum + b_ih[g*H + j]."""
+    g_count, h, n_, vec = cell.gates, hidden, batch, p.vec
+    u_, threads, sn, kc, c = p.units, p.threads, p.input_rows, p.input_chunks, input_size
+    wn, r_ = p.warps, g_count * p.units
+    rl, rg_n = planner.fused_row_split(p, g_count), planner.ROW_GROUPS
+    snl = sn // planner.X_GROUPS
+    xstride = kc * vec + 4
+    rp = rl * rg_n + 1  # a row of the warps' sums [Wn, SN, 8*RL + 1], padded against conflicts
+    cw = -(-kc // wn)  # K chunks a warp
+    rows = f"T_len * {n_}"
+    rg, xg = f"(lane % {rg_n})", f"(lane // {rg_n})"
+    # the block's W_ih rows into shared memory, once (the first group's barrier orders them)
+    total = kc * rl * rg_n * vec
+    e = f"(e * {threads} + tx)"
+    emit(f'{ind}for e in range({-(-total // (threads * vec))}):')
+    emit(f'{ind}    for v in T.vectorized({vec}):')
+    guard(ind + "        ", f'{e} * {vec} < {total}')
+    emit(f'{ind}                wis[{e} * {vec} + v] = wi[bx, {e} // {rl * rg_n}, '
+         f'{e} // {rg_n} % {rl}, {e} % {rg_n}, v]')
+    emit(f'{ind}for m0 in range(({rows} + {sn - 1}) // {sn}):')
+    i5 = ind + "    "
+    # stage SN rows of x: 16-byte vectors where C keeps them aligned, else one element each
+    step = vec if c % vec == 0 else 1
+    width = kc * vec // step
+    slots = sn * width
+    per = -(-slots // threads)
+    emit(f'{i5}for e in {"T.unroll" if per <= 32 else "range"}({per}):')
+    e = f"(e * {threads} + tx)"
+    r, k = f"{e} // {width}", f"{e} % {width} * {step}"
+    m = f"m0 * {sn} + {r}"
+    inner = i5 + "    "
+    if slots % threads:
+        guard(inner, f"{e} < {slots}")
+        inner += "        "
+    emit(f'{inner}with T.If({k} < {c} and {m} < {rows}):')
+    emit(f'{inner}    with T.Then():')
+    emit(f'{inner}        for v in T.vectorized({step}):')
+    emit(f'{inner}            hs[{r} * {xstride} + {k} + v] = T.Cast("float32", '
+         f'x[({m}) // {n_}, ({m}) % {n_}, {k} + v])')
+    emit(f'{inner}    with T.Else():')
+    emit(f'{inner}        for v in T.vectorized({step}):')
+    emit(f'{inner}            hs[{r} * {xstride} + {k} + v] = T.float32(0)')
+    emit(f'{i5}T.cuda.cta_sync()')
+    emit(f'{i5}for a in T.unroll({rl * snl}):')
+    emit(f'{i5}    pacc[a] = T.float32(0)')
+    emit(f'{i5}for ci in range({cw}):')
+    i6 = i5 + "    "
+    chunk = f"(warp * {cw} + ci)"
+    if kc % wn:
+        guard(i6, f"{chunk} < {kc}")
+        i6 += "        "
+    emit(f'{i6}for s in T.unroll({snl}):')
+    emit(f'{i6}    for v in T.vectorized({vec}):')
+    emit(f'{i6}        xv[s * {vec} + v] = hs[(s * {planner.X_GROUPS} + {xg}) * {xstride} + '
+         f'{chunk} * {vec} + v]')
+    emit(f'{i6}for q in T.unroll({rl}):')
+    emit(f'{i6}    for v in T.vectorized({vec}):')
+    emit(f'{i6}        wq[q * {vec} + v] = wis[(({chunk} * {rl} + q) * {rg_n} + {rg}) * {vec} + v]')
+    emit(f'{i6}for q in T.unroll({rl}):')
+    emit(f'{i6}    for s in T.unroll({snl}):')
+    emit(f'{i6}        for v in T.unroll({vec}):')
+    emit(f'{i6}            pacc[q * {snl} + s] = pacc[q * {snl} + s] + '
+         f'T.Cast("float32", wq[q * {vec} + v]) * xv[s * {vec} + v]')
+    # the warps' sums where x was: [Wn, SN, 8*RL + 1]
+    emit(f'{i5}T.cuda.cta_sync()')
+    emit(f'{i5}for q in T.unroll({rl}):')
+    emit(f'{i5}    for s in T.unroll({snl}):')
+    emit(f'{i5}        hs[(warp * {sn} + s * {planner.X_GROUPS} + {xg}) * {rp} + {rg} * {rl} + q] '
+         f'= pacc[q * {snl} + s]')
+    emit(f'{i5}T.cuda.cta_sync()')
+    outs = r_ * sn
+    per = -(-outs // threads)
+    emit(f'{i5}for e in {"T.unroll" if per <= 32 else "range"}({per}):')
+    o = f"(e * {threads} + tx)"
+    n, row = f"({o} // {r_})", f"({o} % {r_})"
+    mm = f"(m0 * {sn} + {n})"
+    j = f"(bx * {u_} + {row} % {u_})"
+    out = f"{row} // {u_} * {h} + {j}"
+    cond = f"{j} < {h} and {mm} < {rows}" + (f" and {o} < {outs}" if outs % threads else "")
+    guard(i5 + "    ", cond)
+    i7 = i5 + "            "
+    emit(f'{i7}xs[0] = T.Cast("float32", b_ih[{out}])')
+    emit(f'{i7}for w in T.unroll({wn}):')
+    emit(f'{i7}    xs[0] = xs[0] + hs[(w * {sn} + {n}) * {rp} + {row}]')
+    emit(f'{i7}xp[{mm} // {n_}, {mm} % {n_}, {out}] = xs[0]')
+    # the next group's rows go where these sums were; the time loop reads xp
+    emit(f'{i5}T.cuda.cta_sync()')
+
+
 def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
-           dtype: str = "float32", chunk: int = 1):
+           dtype: str = "float32", chunk: int = 1, input_size: int = 0):
     """The kernel as a PrimFunc: params (xp [T,N,G*H], or [ceil(T/S),S,N,G*H] in chunks of
     ``chunk`` S steps, w (packed), b_hh [G*H], y [T,N,H],
     one [2,N,H] ping-pong buffer a state (h first), then for ``sync="tagged"`` the tagged h
-    [2,N,H] uint64, else the barrier counter [1] uint32)."""
+    [2,N,H] uint64, else the barrier counter [1] uint32). With a fused input projection
+    (``p.fused``) the params start x [T,N,C], W_ih (packed as w, C wide), b_ih [G*H], w,
+    b_hh, then xp [T,N,G*H] (written), y and the rest as above."""
     g_count, states = cell.gates, len(cell.states)
 
     def apply_cell(gi, bh, gsum, st, it, n, u):
@@ -402,7 +546,7 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
                    for g in range(g_count)]
         return cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
 
-    text = source(cell, hidden, batch, p, name, dtype, chunk)
+    text = source(cell, hidden, batch, p, name, dtype, chunk, input_size)
     extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,
                   "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE,
                   "GRID_LOAD_SRC": GRID_LOAD_SOURCE, "GRID_STORE_SRC": GRID_STORE_SOURCE,

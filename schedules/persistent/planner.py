@@ -11,6 +11,14 @@ registers, the next KS in shared memory. Each step the block stages h_{t-1} [N, 
 memory, every lane multiplies its chunks, a warp reduction sums the lanes, and the threads of
 the block's (unit, batch) pairs apply the cell.
 
+Fused input projection (:func:`fuse_input`): the block computes the input projections of
+its own R = G*U rows for all steps itself, before its time loop and before it loads W_hh: a
+small GEMM of x [T*N, C] (in groups of SN rows, staged in shared memory) by its rows of W_ih
+(packed [B, KC, RL, 8, VEC], copied to shared memory once), its warps splitting K, each lane
+RL rows of W_ih by SN/4 rows of x. No separate GEMM kernel, no chunk padding of T, and each
+block reads its rows of W_ih once. (Reading them from global memory every group instead, where
+shared memory does not hold them, was slower than the separate GEMM: H200, LSTM 1536.)
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -76,6 +84,8 @@ class Plan:
     reg_margin: int = 0  # registers the plan keeps free under the per-thread limit
     unroll: int = 1  # shared-memory chunks a loop iteration (rounded down to a divisor of KS)
     global_chunks: int = 0  # KG, read from global memory (L2) every step; see "Streaming"
+    input_rows: int = 0  # SN, rows of x a group of the fused input projection; 0: not fused
+    input_chunks: int = 0  # KC, 16-byte chunks of a row of W_ih (fused input projection)
 
     @property
     def chunk_bytes(self) -> int:
@@ -86,6 +96,11 @@ class Plan:
     def streamed_bytes(self) -> int:
         """Bytes of weights the whole grid reads from global memory every step."""
         return self.blocks * self.chunk_bytes * self.global_chunks
+
+    @property
+    def fused(self) -> bool:
+        """The block computes its own input projections (see "Fused input projection")."""
+        return self.input_rows > 0
 
     @property
     def threads(self) -> int:
@@ -113,6 +128,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
+def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> int:
+    """Shared memory for h_{t-1} (float32), then in its place the gates' sums."""
+    return 4 * max(batch * chunks * 32 * vec, warps * rpw * batch)
+
+
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
          stream=False):
     vec = 16 // elem_bytes
@@ -130,8 +150,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk))
     smem_chunks = chunks - reg_chunks
     chunk_bytes = _chunk_bytes(warps, rpw)
-    staging = 4 * max(batch * chunks * 32 * vec,  # h_{t-1} (float32), then in its place
-                      warps * rpw * batch)        # the gates' sums
+    staging = _staging_bytes(batch, chunks, vec, warps, rpw)
     global_chunks = 0
     if stream:
         held = max(0, (gpu.smem_per_block - staging) // chunk_bytes)
@@ -158,6 +177,45 @@ def estimate_ns(p: Plan, batch: int) -> float:
     streamed = p.streamed_bytes / p.blocks  # from L2, about 20 bytes a clock a multiprocessor
     return (barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
             + streamed / (20 * clock))
+
+
+#: Lanes of a warp in the fused input projection: 8 row groups (RL rows each) by 4 groups of
+#: rows of x (lane = 8 * x group + row group), so a lane's loads of W_ih and x each serve
+#: several products and a warp's loads hit 8 and 4 distinct addresses (no bank conflicts).
+ROW_GROUPS, X_GROUPS = 8, 4
+#: Accumulators a lane of the fused input projection aims at (RL * SN / 4).
+FUSED_ACCUMULATORS = 64
+#: Most rows of x a group of the fused input projection takes.
+FUSED_MAX_ROWS = 64
+#: Fewest rows of x a group takes (fewer: the block barriers and the sums across warps would
+#: cost more than the products; the separate GEMM runs instead).
+FUSED_MIN_ROWS = 8
+
+
+def fused_row_split(p: Plan, gates: int) -> int:
+    """RL: the block's rows of W_ih (R = G*U) a lane of the fused input projection takes."""
+    return -(-(gates * p.units) // ROW_GROUPS)
+
+
+def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
+               rows: int | None = None) -> Plan | None:
+    """``p`` with its input projection fused (see "Fused input projection"): W_ih's rows in
+    shared memory and SN rows of x a group (``rows``, rounded up to a multiple of 4, or the
+    most that :data:`FUSED_ACCUMULATORS` allows), fewer where shared memory holds fewer;
+    None when it holds fewer than :data:`FUSED_MIN_ROWS`."""
+    rl = fused_row_split(p, gates)
+    in_chunks = -(-input_size // p.vec)  # 16-byte chunks of a row of x or of W_ih
+    # a staged row of x (float32, padded by 16 bytes), then in its place the warps' sums
+    per_row = max(4 * (in_chunks * p.vec + 4), 4 * p.warps * (rl * ROW_GROUPS + 1))
+    held = p.smem_chunks * p.chunk_bytes + in_chunks * rl * ROW_GROUPS * 16  # W_hh, W_ih
+    cap = X_GROUPS * max(1, min(FUSED_ACCUMULATORS // rl, FUSED_MAX_ROWS // X_GROUPS))
+    want = min(cap, -(-rows // X_GROUPS) * X_GROUPS) if rows else cap
+    sn = min(want, (gpu.smem_per_block - held) // per_row // X_GROUPS * X_GROUPS)
+    if sn < min(want, FUSED_MIN_ROWS):
+        return None
+    staging = _staging_bytes(batch, p.chunks, p.vec, p.warps, p.rows_per_warp)
+    return replace(p, input_rows=sn, input_chunks=in_chunks,
+                   smem_bytes=held + max(staging, sn * per_row))
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
