@@ -257,15 +257,16 @@ class _Builder:
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
         views = []
-        whole = [Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,)), Region(xp, (ALL,) * len(xp_shape))]
-        if plan.fused:
-            inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,))]
-            inputs += whole
+        recurrent = [Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,))]
+        xp_whole = Region(xp, (ALL,) * len(xp_shape))
+        if plan.fused:  # the kernel reads x and W_ih and writes xp
+            inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
+                      *recurrent, xp_whole]
         else:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
             prologue += self.projections("input_gemm", x_region, lead, c, w_ih, b_ih, None,
                                          xp_region)
-            inputs = whole[-1:] + whole[:-1]
+            inputs = [xp_whole, *recurrent]
         prologue.append(sync_stage)
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}" + (

@@ -151,6 +151,14 @@ def _fast_sigmoid(x):
 FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
 
 
+def _block_loop(emit, ind: str, count: int, threads: int, unroll: bool = False) -> str:
+    """Emit ``for e in ...`` that spreads ``count`` items over the block's threads (unrolled
+    when ``unroll`` and at most 32 a thread); the TVMScript of a thread's item index."""
+    per = -(-count // threads)
+    emit(f'{ind}for e in {"T.unroll" if unroll and per <= 32 else "range"}({per}):')
+    return f"(e * {threads} + tx)"
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
@@ -257,7 +265,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     if ks:
         total = wn * ks * rw * 32 * vec
         per = rw * 32 * vec
-        emit(f'{i3}for e in range({-(-total // (threads * vec))}):')
+        _block_loop(emit, i3, total // vec, threads)
         emit(f'{i3}    for v in T.vectorized({vec}):')
         guard(i3 + "        ", f'(e * {threads} + tx) * {vec} < {total}')
         emit(f'{i3}                wsm[(e * {threads} + tx) * {vec} + v] = w[bx, '
@@ -309,7 +317,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         emit(f'{i4}                hs[{e}] = T.reinterpret("float32", T.Cast("uint32", '
              f'T.bitwise_and(tv[i], T.uint64({0xFFFFFFFF}))))')
     else:
-        emit(f'{i4}for e in range({-(-total_h // threads)}):')
+        _block_loop(emit, i4, total_h, threads)
         guard(i4 + "    ", f'e * {threads} + tx < {total_h}')
         emit(f'{i4}            hs[e * {threads} + tx] = T.if_then_else('
              f'(e * {threads} + tx) % {kp} < {h}, T.cuda.func_call("rnncc_ldcg", '
@@ -454,8 +462,7 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
     rg, xg = f"(lane % {rg_n})", f"(lane // {rg_n})"
     # the block's W_ih rows into shared memory, once (the first group's barrier orders them)
     total = kc * rl * rg_n * vec
-    e = f"(e * {threads} + tx)"
-    emit(f'{ind}for e in range({-(-total // (threads * vec))}):')
+    e = _block_loop(emit, ind, total // vec, threads)
     emit(f'{ind}    for v in T.vectorized({vec}):')
     guard(ind + "        ", f'{e} * {vec} < {total}')
     emit(f'{ind}                wis[{e} * {vec} + v] = wi[bx, {e} // {rl * rg_n}, '
@@ -466,9 +473,7 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
     step = vec if c % vec == 0 else 1
     width = kc * vec // step
     slots = sn * width
-    per = -(-slots // threads)
-    emit(f'{i5}for e in {"T.unroll" if per <= 32 else "range"}({per}):')
-    e = f"(e * {threads} + tx)"
+    e = _block_loop(emit, i5, slots, threads, unroll=True)
     r, k = f"{e} // {width}", f"{e} % {width} * {step}"
     m = f"m0 * {sn} + {r}"
     inner = i5 + "    "
@@ -512,9 +517,7 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
          f'= pacc[q * {snl} + s]')
     emit(f'{i5}T.cuda.cta_sync()')
     outs = r_ * sn
-    per = -(-outs // threads)
-    emit(f'{i5}for e in {"T.unroll" if per <= 32 else "range"}({per}):')
-    o = f"(e * {threads} + tx)"
+    o = _block_loop(emit, i5, outs, threads, unroll=True)
     n, row = f"({o} // {r_})", f"({o} % {r_})"
     mm = f"(m0 * {sn} + {n})"
     j = f"(bx * {u_} + {row} % {u_})"
