@@ -161,9 +161,12 @@ def _summary(meta: dict) -> str:
     if schedule["kind"] == "persistent":
         plan = persistent["plan"]
         streamed = plan.get("streamed_bytes", 0)
-        stream = f", {streamed / 2**20:.1f} MiB of weights read from L2 a step" if streamed else ""
+        extra = f", {streamed / 2**20:.1f} MiB of weights read from L2 a step" if streamed else ""
+        groups = plan.get("batch_groups", 1)
+        if groups > 1:
+            extra += f", {groups} batch groups of {meta['batch'] // groups}"
         return (f"{head}: persistent kernel, {plan['blocks']} blocks x {plan['threads']} threads, "
-                f"{plan['sync']} exchange{stream} (planned for {persistent['planned_for']}); "
+                f"{plan['sync']} exchange{extra} (planned for {persistent['planned_for']}); "
                 "non-persistent schedule as fallback")
     return f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
 

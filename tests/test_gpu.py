@@ -160,8 +160,10 @@ def test_persistent_and_sequence_entries_agree(rng):
 @pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu"])
 def test_tagged_exchange_survives_many_runs(cell, rng):
     """With plain volatile loads of the tagged words this plan (9 blocks of 128 threads, h
-    staged in two batches a thread) deadlocked within 10 to 100 runs of 37 steps on an H200."""
-    module = compiled(cell, 5, 33, 7, "cuda", dtype="float16")
+    staged in two batches a thread) deadlocked within 10 to 100 runs of 37 steps on an H200
+    (one batch group: by default this batch runs as 7 groups)."""
+    module = rnncc.compile(cell, 5, 33, 7, target="cuda", dtype="float16",
+                           knobs={"batch_groups": 1})
     plan = module.metadata["schedule"]["persistent"]["plan"]
     assert plan["sync"] == "tagged" and plan["blocks"] == 9 and plan["threads"] == 128
     w = {k: v.astype("float16") for k, v in random_weights(rng, 1, 5, 33).items()}
@@ -197,8 +199,9 @@ def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, inpu
                                                                       batch, rows, rng):
     """The persistent kernel computing its own input projections (by default at C >= 1024,
     N <= 4; forced with ``input_rows``): odd C (one element a load), groups of rows of x that
-    cross steps and pass T*N, and one step."""
-    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda",
+    cross steps and pass T*N, and one step. Without tuning logs (GRU 1024 N=4's runs in 2
+    batch groups)."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", tuning="off",
                            knobs=None if rows is None else {"input_rows": rows})
     schedule = module.metadata["schedule"]
     assert schedule["kind"] == "persistent" and schedule["persistent"]["plan"]["input_rows"]
@@ -209,6 +212,32 @@ def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, inpu
     w = {k: v.astype("float32") for k, v in random_weights(rng, gates, input_size,
                                                           hidden).items()}
     x = rng.standard_normal((61, batch, input_size)).astype("float32")
+    packed = module.pack(w)
+    first = module(x, packed)[0]
+    for _ in range(20):
+        np.testing.assert_array_equal(module(x, packed)[0], first)
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("input_size, hidden, batch, knobs, dtype", [
+    (33, 257, 6, {"batch_groups": 3}, "float32"),
+    (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}, "float32"),
+    (1, 3, 7, {"batch_groups": 7}, "float32"),
+    (40, 129, 4, {"batch_groups": 2, "sync": "grid"}, "float16")])
+def test_batch_groups_match_reference_and_repeat_exactly(cell, input_size, hidden, batch, knobs,
+                                                         dtype, rng):
+    """The grid split into batch groups (each its own exchange of h, one packing of W_hh):
+    every synchronisation variant, odd sizes, one step."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
+                           knobs=knobs, persistent="on")
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["batch_groups"] == knobs["batch_groups"]
+    for steps, initial in ((1, True), (37, False), (100, True)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
+    w = {k: v.astype(dtype) for k, v in random_weights(
+        rng, rnncc.cells.get(cell).gates, input_size, hidden).items()}
+    x = rng.standard_normal((61, batch, input_size)).astype(dtype)
     packed = module.pack(w)
     first = module(x, packed)[0]
     for _ in range(20):

@@ -190,7 +190,8 @@ class TestPersistentBuild:
         """512 threads, few weights a thread: without a minimum of one block a multiprocessor
         in the launch bounds ptxas kept 40 registers and spilled (the driver then moved to a
         slower plan)."""
-        module = rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"warps": 16})
+        module = rnncc.compile("lstm", 256, 256, 4, target="cuda",
+                               knobs={"warps": 16, "batch_groups": 1})
         plan = module.metadata["schedule"]["persistent"]["plan"]
         assert (plan["threads"], plan["reg_margin"]) == (512, 24)  # the first plan, kept
         assert not any("spilled" in note for note in module.metadata["schedule"]["notes"])
@@ -260,6 +261,27 @@ class TestPersistentBuild:
         with pytest.raises(ConfigError, match="input_rows must be an integer"):
             rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"input_rows": -1})
 
+    def test_batch_groups_build(self):
+        """LSTM 256 N=4 runs as 4 groups of batch 1 by default; the groups share one packing
+        of W_hh and have a counter each with the barrier."""
+        from rnncc.cli.main import _summary
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
+        for sync in ("tagged", "barrier"):
+            module = rnncc.compile("lstm", 256, 256, 4, target="cuda", tuning="off",
+                                   knobs={"sync": sync})
+            plan_ = module.metadata["schedule"]["persistent"]["plan"]
+            assert (plan_["batch_groups"], plan_["sync"], plan_["input_rows"]) == (4, sync, 0)
+            params = {p["name"]: p["shape"] for p in
+                      module.metadata["functions"]["persistent_forward"]}
+            assert params["w_hh"][0] == plan_["blocks"] // 4
+            assert params["h_tagged" if sync == "tagged" else "counter"] == (
+                [2, 4, 256] if sync == "tagged" else [4])
+            (name,) = cooperative_kernels(module.source("cuda"))
+            report = module.metadata["ptxas"][name]
+            assert report["spill_stores"] == report["stack"] == 0
+            assert "4 batch groups of 1" in _summary(module.metadata)
+
     def test_sequence_only_when_asked(self):
         module = rnncc.compile("lstm", 32, 256, 1, target="cuda", persistent="off")
         assert module.metadata["schedule"]["kind"] == "sequence"
@@ -311,6 +333,57 @@ def test_fused_input_needs_shared_memory_for_w_ih():
     assert fuse_input(base, 4, 16, 1, H100).fused  # a narrow input's rows do
 
 
+@pytest.mark.parametrize("gates, hidden, batch, groups", [
+    (4, 256, 4, 4), (4, 512, 4, 4), (3, 512, 4, 4), (1, 33, 6, 6), (4, 257, 16, 8),
+    (4, 1024, 4, 1), (3, 1024, 4, 1), (4, 256, 1, 1)])
+def test_batch_groups_by_default_where_weights_fit_in_registers(gates, hidden, batch, groups):
+    """The most groups whose plan keeps all weights in registers; each group is the plan of
+    batch N/NG on SMs/NG multiprocessors. LSTM/GRU 1024 N=4 would need shared memory in 2
+    groups (measured slower): one group."""
+    p = plan(gates, hidden, batch, "float32", H100, states=2, batch_groups=None)
+    assert p.batch_groups == groups and p.blocks == groups * p.group_blocks <= H100.sms
+    one = plan(gates, hidden, batch // groups, "float32", H100, states=2,
+               max_blocks=H100.sms // groups)
+    assert dataclasses.replace(p, blocks=p.group_blocks, batch_groups=1) == one
+    if groups > 1:
+        assert p.smem_chunks == 0 and fuse_input(p, gates, 1024, batch, H100) is None
+    else:
+        assert p == plan(gates, hidden, batch, "float32", H100, states=2)
+
+
+def test_batch_group_errors():
+    with pytest.raises(Unfit, match="batch_groups must divide batch 4, got 3"):
+        plan(4, 256, 4, "float32", H100, batch_groups=3)
+    with pytest.raises(Unfit, match="batch 32 is over the persistent kernel's 16"):
+        plan(4, 256, 32, "float32", H100, batch_groups=None)
+    assert plan(4, 256, 32, "float32", H100, batch_groups=2).batch_groups == 2
+    with pytest.raises(Unfit, match=r"33 multiprocessors of H100/H200 SXM \(4 batch groups\)"):
+        plan(4, 1024, 4, "float32", H100, batch_groups=4)
+    with pytest.raises(ConfigError, match=r"divide the batch 4, got 3; allowed: \[1, 2, 4\]"):
+        rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"batch_groups": 3})
+    with pytest.raises(ConfigError, match="takes one batch group, got batch_groups 2"):
+        rnncc.compile("lstm", 256, 256, 4, target="cuda",
+                      knobs={"batch_groups": 2, "input_rows": 8})
+
+
+def test_batch_groups_kernel_source():
+    """Block bx: the weights of block bx % (B/NG), batch rows from bx // (B/NG) * N/NG; the
+    counter barrier counts the blocks of its group."""
+    from rnncc.schedules.persistent.kernel import source
+
+    lstm = rnncc.cells.get("lstm")
+    p = plan(4, 256, 4, "float32", H100, states=2, batch_groups=2)
+    bg = p.group_blocks
+    text = source(lstm, 256, 4, p)
+    assert f'T.thread_binding({p.blocks}, thread="blockIdx.x")' in text
+    assert f"= w[(bx % {bg}), warp, i, q, lane, v]" in text
+    assert f"hw[t % 2, bx // {bg} * 2 + T.min(" in text
+    assert f"y[t, bx // {bg} * 2 + (0 * {p.threads} + tx) // {p.units}, " in text
+    text = source(lstm, 256, 4, dataclasses.replace(p, sync="barrier"))
+    assert 'cnt = T.match_buffer(cnt_h, (2,), "uint32")' in text
+    assert f"T.address_of(cnt[bx // {bg}]), T.Cast(\"uint32\", (t + 1) * {bg})" in text
+
+
 def test_unroll_knob_unrolls_the_shared_memory_chunks():
     from rnncc.schedules.persistent.kernel import source
 
@@ -330,6 +403,8 @@ def test_knob_candidates_follow_the_driver():
     tight = candidates(Problem(rnncc.cells.get("gru"), 2048, 2048, 1), H100)
     assert tight and tight[0] == {} and {"unroll": 9} in tight  # planned with no margin
     assert candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4), H100) == []
+    small = candidates(Problem(rnncc.cells.get("lstm"), 256, 256, 4), H100)
+    assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())

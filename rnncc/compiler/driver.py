@@ -51,9 +51,10 @@ def _options(options: dict) -> Options:
 #: The persistent kernel's knobs (what ``rnncc tune`` searches): the synchronisation variant,
 #: a cap on the grid (so more hidden units a block), the warps a block, the registers kept
 #: free under the limit (more moves weight chunks from registers to shared memory), the
-#: unrolling of the loop over the weight chunks in shared memory, and the rows of x a group
-#: of the fused input projection (0: the input projection is a separate GEMM).
-KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows")
+#: unrolling of the loop over the weight chunks in shared memory, the rows of x a group of
+#: the fused input projection (0: the input projection is a separate GEMM), and the batch
+#: groups (a divisor of N: the grid split into that many groups, a slice of the batch each).
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "batch_groups")
 SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
@@ -71,18 +72,21 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         return persistent.plan(problem.gates, problem.hidden_size, problem.batch,
                                problem.dtype, gpu, len(problem.cell.states),
                                max_blocks=knobs.get("max_blocks"), reg_margin=margin,
-                               warps=knobs.get("warps"), stream=stream)
+                               warps=knobs.get("warps"), stream=stream, batch_groups=groups)
 
+    # None: the planner's choice (one group where a fused input projection is asked for)
+    groups = knobs.get("batch_groups", 1 if knobs.get("input_rows") else None)
     tries = [(reg_margin, False)]
     if tight and "reg_margin" not in knobs and reg_margin > 0:
         tries.append((0, False))
-    tries.append((reg_margin, True))
-    for margin, stream in tries:
+    if groups in (None, 1):  # batch groups keep the weights on-chip
+        tries.append((reg_margin, True))
+    for i, (margin, stream) in enumerate(tries):
         try:
             found = attempt(margin, stream)
             break
         except persistent.Unfit:
-            if stream:
+            if i == len(tries) - 1:
                 raise
     found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
     rows = knobs.get("input_rows")
@@ -143,7 +147,8 @@ def check_knobs(knobs) -> dict:
         raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
     if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
         raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
-    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0)):
+    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
+                      ("batch_groups", 1)):
         value = knobs.get(name, low)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
             raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")
@@ -171,13 +176,24 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)
+    groups = knobs.get("batch_groups", 1)
+    if batch % groups:
+        raise ConfigError(f"batch_groups must divide the batch {batch}, got {groups}; allowed: "
+                          f"{[d for d in range(1, batch + 1) if batch % d == 0]}")
+    if groups > 1 and knobs.get("input_rows"):
+        raise ConfigError(f"a fused input projection (input_rows {knobs['input_rows']}) takes one "
+                          f"batch group, got batch_groups {groups}")
     if not isinstance(tuning, str):
         raise ConfigError(f"tuning must be 'auto', 'off' or a log directory, got {tuning!r}")
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
     applied = apply.for_compile(problem, tspec, gpu, tuning)
-    knobs = {**applied.knobs, **knobs}
+    # the caller's knobs over the log's; batch groups and a fused projection exclude each
+    # other, so a caller who sets either takes neither from the log
+    pair = {"batch_groups", "input_rows"}
+    knobs = {**{k: v for k, v in applied.knobs.items() if not (k in pair and pair & set(knobs))},
+             **knobs}
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
     for _ in range(12):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)

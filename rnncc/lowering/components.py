@@ -243,19 +243,21 @@ def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str) -> 
     return te.create_prim_func([w, packed])
 
 
-def zero_counter() -> tirx.PrimFunc:
-    """A [1] uint32 counter set to 0 (the persistent kernel's grid barrier)."""
-    out = te.compute((i64(1),), lambda i: tirx.const(0, "uint32"), name="zero")
+def zero_counter(count: int = 1) -> tirx.PrimFunc:
+    """``count`` uint32 counters set to 0 (the persistent kernel's barrier, one a batch
+    group)."""
+    out = te.compute((i64(count),), lambda i: tirx.const(0, "uint32"), name="zero")
     return te.create_prim_func([out])
 
 
 def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
-    """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC]: block b,
+    """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC] (B: the
+    blocks of one batch group, which all groups share): block b,
     warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
     r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside)."""
     w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
-    shape = tuple(i64(d) for d in (plan.blocks, plan.warps, plan.chunks, rw, 32, vec))
+    shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.chunks, rw, 32, vec))
 
     def value(b, wp, i, q, lane, v):
         return _block_row(w, gates, hidden, hidden, u, b, wp * rw + q, (i * 32 + lane) * vec + v,

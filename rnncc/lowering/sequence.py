@@ -236,7 +236,7 @@ class _Builder:
                       "persistent_pack_w_ih")
         t_len = tirx.Var("T", "int64")
         sig = []
-        w_shape = (plan.blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
+        w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
         x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         chunk = 1 if plan.fused else self.layout.chunk
@@ -251,8 +251,9 @@ class _Builder:
             sync_stage = Stage("init_tagged", init, [Region(s0[0], (0, ALL, ALL)),
                                                      Region(sync, (ALL, ALL, ALL))], 1)
         else:
-            sync = self.param(sig, "counter", (1,), "workspace", "uint32")
-            zero = self.scheduled("zero_counter", comp.zero_counter(), "elementwise")
+            sync = self.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
+            zero = self.scheduled("zero_counter", comp.zero_counter(plan.batch_groups),
+                                  "elementwise")
             sync_stage = Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]

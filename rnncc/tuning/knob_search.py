@@ -1,11 +1,12 @@
 """A search over the persistent kernel's knobs (:data:`rnncc.compiler.driver.KNOBS`).
 
 Candidates are the planner's default, a starting point (a nearby configuration's tuned knobs),
-each synchronisation variant, smaller grids, other block sizes, and more weights in shared
-memory; knobs that give the same plan are measured once. Candidates build in parallel (one
-process each, the machine's cores); each is then run in a separate measuring process on fresh
-random inputs, its output checked against the float64 reference (a wrong result is rejected
-with its error) and only then timed (CUDA-graph captured, median). A candidate that fails to
+each synchronisation variant, each number of batch groups, smaller grids, other block sizes,
+more weights in shared memory, and the input projection fused or not; knobs that give the same
+plan are measured once. Candidates build in parallel (one process each, the machine's cores);
+each is then run in a separate measuring process on fresh random inputs, its output checked
+against the float64 reference (a wrong result is rejected with its error) and only then timed
+(CUDA-graph captured, median). A candidate that fails to
 build, crashes or hangs (killed after a timeout) is skipped with the reason. Each result is
 appended to ``results.jsonl`` in the work directory, and a resumed search skips what it has.
 """
@@ -44,6 +45,7 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
         return []
     tries = [{}, dict(start or {})]
     tries += [{"sync": s} for s in SYNCS]
+    tries += [{"batch_groups": d} for d in range(1, problem.batch + 1) if problem.batch % d == 0]
     for frac in (0.75, 0.5, 0.375, 0.25):
         blocks = max(1, int(base.blocks * frac))
         tries += [{"max_blocks": blocks, "sync": s} for s in ("tagged", "barrier")]

@@ -24,6 +24,11 @@ per step, each block:
    before step t+1. Every variant spins on other blocks, so the launch is cooperative: all
    blocks resident, or the driver refuses the launch (never a hang).
 
+With batch groups (``plan.batch_groups`` NG > 1; planner: "Batch groups") block bx runs batch
+rows bx // (B/NG) * N/NG + n, n < N/NG, with the weights of block bx % (B/NG): staging, the
+tagged words and the counter (one a group) stay within its group, so each group runs as the
+kernel of batch N/NG would (``"grid"`` still synchronises the whole grid).
+
 Register arrays are indexed only by unrolled loop indices, so they stay in registers. Every
 wait on another block is bounded (:data:`WAIT_LIMIT_CYCLES`, about 8 s): past it the kernel
 traps, so a fault shows up as a failed launch with an error, never as a hang.
@@ -172,8 +177,13 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     with a fused input projection (``p.fused``) needs ``input_size`` C."""
     g_count, states = cell.gates, len(cell.states)
     h, n_, vec, ki, kr, ks = hidden, batch, p.vec, p.chunks, p.reg_chunks, p.smem_chunks
-    rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.blocks
+    rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.group_blocks
     threads = p.threads
+    # Batch groups (planner): block bx runs batch rows nb + n, n < N/NG, with the weights of
+    # block bl; one group is written as the kernel was before groups.
+    ng, n_all = p.batch_groups, batch
+    n_ = batch // ng
+    blk, nb = ("bx", "") if ng == 1 else (f"(bx % {b_})", f"bx // {b_} * {n_} + ")
     kp = ki * 32 * vec
     gh = g_count * h
     acc_n = _next_pow2(rw * n_)
@@ -187,9 +197,9 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
 
     tagged = p.sync == "tagged"
     fused = p.fused
-    if fused and (chunk != 1 or input_size < 1):
-        raise ValueError(f"a fused input projection needs chunk 1 and an input size, got "
-                         f"chunk {chunk} and input size {input_size}")
+    if fused and (chunk != 1 or input_size < 1 or ng > 1):
+        raise ValueError(f"a fused input projection needs chunk 1, an input size and one batch "
+                         f"group, got chunk {chunk}, input size {input_size} and {ng} groups")
     # inputs first, outputs last (a fused kernel writes xp)
     params = (["x", "wi", "bi", "w", "b", "xp"] if fused else ["xp", "w", "b"]) + ["y"]
     params += [f"s{k}" for k in range(states)] + ["hw" if tagged else "cnt"]
@@ -200,25 +210,25 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     dt = dtype
     sn, kc = p.input_rows, p.input_chunks
     if fused:
-        emit(f'    x = T.match_buffer(x_h, (T_len, {n_}, {input_size}), "{dt}")')
+        emit(f'    x = T.match_buffer(x_h, (T_len, {n_all}, {input_size}), "{dt}")')
         emit(f'    wi = T.match_buffer(wi_h, {input_weight_shape(cell, p)}, "{dt}")')
         emit(f'    b_ih = T.match_buffer(bi_h, ({gh},), "{dt}")')
     if chunk == 1:
-        emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_}, {gh}), "float32")')
+        emit(f'    xp = T.match_buffer(xp_h, (T_len, {n_all}, {gh}), "float32")')
         step = "t"
     else:
-        emit(f'    xp = T.match_buffer(xp_h, ((T_len + {chunk - 1}) // {chunk}, {chunk}, {n_}, '
+        emit(f'    xp = T.match_buffer(xp_h, ((T_len + {chunk - 1}) // {chunk}, {chunk}, {n_all}, '
              f'{gh}), "float32")')
         step = f"t // {chunk}, t % {chunk}"
     emit(f'    w = T.match_buffer(w_h, ({b_}, {wn}, {ki}, {rw}, 32, {vec}), "{dt}")')
     emit(f'    b_hh = T.match_buffer(b_h, ({gh},), "{dt}")')
-    emit(f'    y = T.match_buffer(y_h, (T_len, {n_}, {h}), "{dt}")')
+    emit(f'    y = T.match_buffer(y_h, (T_len, {n_all}, {h}), "{dt}")')
     for k in range(states):
-        emit(f'    s{k} = T.match_buffer(s{k}_h, (2, {n_}, {h}), "float32")')
+        emit(f'    s{k} = T.match_buffer(s{k}_h, (2, {n_all}, {h}), "float32")')
     if tagged:
-        emit(f'    hw = T.match_buffer(hw_h, (2, {n_}, {h}), "uint64")')
+        emit(f'    hw = T.match_buffer(hw_h, (2, {n_all}, {h}), "uint64")')
     else:
-        emit('    cnt = T.match_buffer(cnt_h, (1,), "uint32")')
+        emit(f'    cnt = T.match_buffer(cnt_h, ({ng},), "uint32")')
     emit('    with T.sblock("root"):')
     i1 = " " * 8
     if kr:
@@ -249,7 +259,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     # the rows of x of the fused input projection)
     emit(f'{i1}hs = T.sblock_alloc_buffer(({max(n_ * kp, wn * rw * n_, fused_floats)},), '
          '"float32", scope="shared.dyn")')
-    emit(f'{i1}for bx in T.thread_binding({b_}, thread="blockIdx.x"):')
+    emit(f'{i1}for bx in T.thread_binding({p.blocks}, thread="blockIdx.x"):')
     emit(f'{i1}    for tx in T.thread_binding({threads}, thread="threadIdx.x"):')
     i3 = " " * 16
     emit(f'{i3}warp = T.meta_var(tx // 32)')
@@ -261,14 +271,14 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         emit(f'{i3}for i in T.unroll({kr}):')
         emit(f'{i3}    for q in T.unroll({rw}):')
         emit(f'{i3}        for v in T.vectorized({vec}):')
-        emit(f'{i3}            wreg[(i * {rw} + q) * {vec} + v] = w[bx, warp, i, q, lane, v]')
+        emit(f'{i3}            wreg[(i * {rw} + q) * {vec} + v] = w[{blk}, warp, i, q, lane, v]')
     if ks:
         total = wn * ks * rw * 32 * vec
         per = rw * 32 * vec
         _block_loop(emit, i3, total // vec, threads)
         emit(f'{i3}    for v in T.vectorized({vec}):')
         guard(i3 + "        ", f'(e * {threads} + tx) * {vec} < {total}')
-        emit(f'{i3}                wsm[(e * {threads} + tx) * {vec} + v] = w[bx, '
+        emit(f'{i3}                wsm[(e * {threads} + tx) * {vec} + v] = w[{blk}, '
              f'(e * {threads} + tx) * {vec} // {ks * per}, '
              f'{kr} + (e * {threads} + tx) * {vec} % {ks * per} // {per}, '
              f'(e * {threads} + tx) * {vec} % {per} // {32 * vec}, '
@@ -276,8 +286,8 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
 
     def item(it):  # (valid, n, j) of the thread's it-th (unit, batch) pair
         e = f"({it} * {threads} + tx)"
-        return (f"{e} < {u_ * n_} and bx * {u_} + {e} % {u_} < {h}", f"{e} // {u_}",
-                f"bx * {u_} + {e} % {u_}")
+        return (f"{e} < {u_ * n_} and {blk} * {u_} + {e} % {u_} < {h}", f"{e} // {u_}",
+                f"{blk} * {u_} + {e} % {u_}")
 
     # per-pair constants and the initial states (kept in registers across steps)
     for it in range(it_):
@@ -286,7 +296,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         for g in range(g_count):
             emit(f'{i3}        bh[{it * g_count + g}] = T.Cast("float32", b_hh[{g * h} + {j}])')
         for k in range(states):
-            emit(f'{i3}        st[{it * states + k}] = s{k}[0, {n}, {j}]')
+            emit(f'{i3}        st[{it * states + k}] = s{k}[0, {nb}{n}, {j}]')
     emit(f'{i3}for t in range(T_len):')
     i4 = " " * 20
     # 1. prefetch this step's input projections
@@ -294,7 +304,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         valid, n, j = item(it)
         guard(i4, valid)
         for g in range(g_count):
-            emit(f'{i4}        gi[{it * g_count + g}] = xp[{step}, {n}, {g * h} + {j}]')
+            emit(f'{i4}        gi[{it * g_count + g}] = xp[{step}, {nb}{n}, {g * h} + {j}]')
     # 2. stage h_{t-1}
     total_h = n_ * kp
     if tagged:
@@ -302,7 +312,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         batches = -(-per_thread // WAIT_BATCH)
         emit(f'{i4}for bi in range({batches}):')
         e = f"((bi * {WAIT_BATCH} + i) * {threads} + tx)"
-        addr = (f"T.address_of(hw[t % 2, T.min({e} // {kp}, {n_ - 1}), "
+        addr = (f"T.address_of(hw[t % 2, {nb}T.min({e} // {kp}, {n_ - 1}), "
                 f"T.min({e} % {kp}, {h - 1})])")
         valid = f"{e} < {total_h} and {e} % {kp} < {h}"
         emit(f'{i4}    for i in T.unroll({WAIT_BATCH}):')
@@ -321,7 +331,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         guard(i4 + "    ", f'e * {threads} + tx < {total_h}')
         emit(f'{i4}            hs[e * {threads} + tx] = T.if_then_else('
              f'(e * {threads} + tx) % {kp} < {h}, T.cuda.func_call("rnncc_ldcg", '
-             f'T.address_of(s0[t % 2, (e * {threads} + tx) // {kp}, '
+             f'T.address_of(s0[t % 2, {nb}(e * {threads} + tx) // {kp}, '
              f'T.min((e * {threads} + tx) % {kp}, {h - 1})]), source_code=LDCG, '
              f'return_type="float32"), T.float32(0))')
     emit(f'{i4}T.cuda.cta_sync()')
@@ -364,7 +374,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         emit(f"{i4}for gc in range({p.global_chunks}):")
         products(f"{kr + ks} + gc", lambda ind: (
             emit(f'{ind}        for v in T.vectorized({vec}):'),
-            emit(f'{ind}            wv[v] = w[bx, warp, {kr + ks} + gc, q, lane, v]')))
+            emit(f'{ind}            wv[v] = w[{blk}, warp, {kr + ks} + gc, q, lane, v]')))
     # 4. halving butterfly over the lanes
     length, base, free_bits = _butterfly(emit, "acc", acc_n, i4)
     # The gate sums go where h_{t-1} was: wait until every warp's products have read it.
@@ -379,12 +389,13 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         valid, n, j = item(it)
         guard(i4, valid)
         emit(f'{i4}        new = T.meta_var(apply_cell(gi, bh, hs, st, {it}, {n}, '
-             f'{j} - bx * {u_}))')
-        emit(f'{i4}        y[t, {n}, {j}] = T.Cast("{dt}", new[0])')
-        emit(f'{i4}        s0[(t + 1) % 2, {n}, {j}] = new[0]')
+             f'{j} - {blk} * {u_}))')
+        emit(f'{i4}        y[t, {nb}{n}, {j}] = T.Cast("{dt}", new[0])')
+        emit(f'{i4}        s0[(t + 1) % 2, {nb}{n}, {j}] = new[0]')
         if tagged:
-            emit(f'{i4}        T.cuda.func_call("{GRID_STORE}", T.address_of(hw[(t + 1) % 2, {n}, '
-                 f'{j}]), T.bitwise_or(T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)), '
+            emit(f'{i4}        T.cuda.func_call("{GRID_STORE}", '
+                 f'T.address_of(hw[(t + 1) % 2, {nb}{n}, {j}]), T.bitwise_or('
+                 f'T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)), '
                  f'T.Cast("uint64", T.reinterpret("uint32", new[0]))), '
                  f'source_code=GRID_STORE_SRC)')
         for k in range(states):
@@ -395,7 +406,8 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     elif p.sync == "grid":
         emit(f'{i4}T.cuda.grid_sync()')
     else:
-        emit(f'{i4}T.cuda.func_call("{FLAG_BARRIER}", T.address_of(cnt[0]), '
+        emit(f'{i4}T.cuda.func_call("{FLAG_BARRIER}", '
+             f'T.address_of(cnt[{0 if ng == 1 else f"bx // {b_}"}]), '
              f'T.Cast("uint32", (t + 1) * {b_}), source_code=BARRIER)')
     # final states other than h
     for it in range(it_):
@@ -403,7 +415,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         if states > 1:
             guard(i3, valid)
             for k in range(1, states):
-                emit(f'{i3}        s{k}[T_len % 2, {n}, {j}] = st[{it * states + k}]')
+                emit(f'{i3}        s{k}[T_len % 2, {nb}{n}, {j}] = st[{it * states + k}]')
     return "\n".join(lines) + "\n"
 
 
@@ -438,6 +450,12 @@ def input_weight_shape(cell, p: Plan) -> tuple:
     r = rg*RL + q, g = r // U and j = b*U + r % U (zero outside)."""
     rl = planner.fused_row_split(p, cell.gates)
     return (p.blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
+
+
+#: K chunks a warp of the fused input projection takes an iteration (unrolled; rounded down to a
+#: divisor of its chunks). H200, us a step, 1 -> 4: LSTM 1024 N=4 3.86 -> 3.75, GRU 1024 N=4
+#: 3.50 -> 3.40, N=1 within 0.02; 8 and all of them no better.
+FUSED_UNROLL = 4
 
 
 def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size: int,
@@ -491,9 +509,11 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
     emit(f'{i5}T.cuda.cta_sync()')
     emit(f'{i5}for a in T.unroll({rl * snl}):')
     emit(f'{i5}    pacc[a] = T.float32(0)')
-    emit(f'{i5}for ci in range({cw}):')
-    i6 = i5 + "    "
-    chunk = f"(warp * {cw} + ci)"
+    unroll = max(d for d in range(1, min(FUSED_UNROLL, cw) + 1) if cw % d == 0)
+    emit(f'{i5}for co in range({cw // unroll}):')
+    emit(f'{i5}    for cu in T.unroll({unroll}):')
+    i6 = i5 + "        "
+    chunk = f"(warp * {cw} + co * {unroll} + cu)"
     if kc % wn:
         guard(i6, f"{chunk} < {kc}")
         i6 += "        "
@@ -545,7 +565,8 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
 
     def apply_cell(gi, bh, gsum, st, it, n, u):
         gates_i = [gi[it * g_count + g] for g in range(g_count)]
-        gates_h = [gsum[(g * p.units + u) * batch + n] + bh[it * g_count + g]
+        gates_h = [gsum[(g * p.units + u) * (batch // p.batch_groups) + n]
+                   + bh[it * g_count + g]
                    for g in range(g_count)]
         return cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
 

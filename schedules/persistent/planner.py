@@ -19,6 +19,16 @@ RL rows of W_ih by SN/4 rows of x. No separate GEMM kernel, no chunk padding of 
 block reads its rows of W_ih once. (Reading them from global memory every group instead, where
 shared memory does not hold them, was slower than the separate GEMM: H200, LSTM 1536.)
 
+Batch groups (``batch_groups`` NG, a divisor of N): the grid is NG groups of B/NG blocks, and
+group g runs the batch rows n = g*N/NG .. (g+1)*N/NG - 1 as a grid of its own would at batch
+N/NG: the same packed weights (block b holds those of block b % (B/NG)), h exchanged and
+synchronised within the group only. Each group is the small-batch kernel, whose step is
+shorter (fewer blocks to wait for, a shorter staging of h, fewer products a lane), at the cost
+of NG copies of the weights on-chip. Chosen by default (``batch_groups=None``) where a group's
+weights fit in its blocks' registers (measured on an H200: LSTM 256 batch 4 in 4 groups 1.74 ->
+1.18 us a step, LSTM 512 2.36 -> 1.68, GRU 512 2.31 -> 1.68; where a group needs shared memory
+for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15).
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -86,6 +96,12 @@ class Plan:
     global_chunks: int = 0  # KG, read from global memory (L2) every step; see "Streaming"
     input_rows: int = 0  # SN, rows of x a group of the fused input projection; 0: not fused
     input_chunks: int = 0  # KC, 16-byte chunks of a row of W_ih (fused input projection)
+    batch_groups: int = 1  # NG, groups of blocks a batch slice each (see "Batch groups")
+
+    @property
+    def group_blocks(self) -> int:
+        """Blocks of one batch group (B / NG): the blocks the weights are packed for."""
+        return self.blocks // self.batch_groups
 
     @property
     def chunk_bytes(self) -> int:
@@ -202,7 +218,9 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     """``p`` with its input projection fused (see "Fused input projection"): W_ih's rows in
     shared memory and SN rows of x a group (``rows``, rounded up to a multiple of 4, or the
     most that :data:`FUSED_ACCUMULATORS` allows), fewer where shared memory holds fewer;
-    None when it holds fewer than :data:`FUSED_MIN_ROWS`."""
+    None when it holds fewer than :data:`FUSED_MIN_ROWS`, or for a plan with batch groups."""
+    if p.batch_groups > 1:
+        return None
     rl = fused_row_split(p, gates)
     in_chunks = -(-input_size // p.vec)  # 16-byte chunks of a row of x or of W_ih
     # a staged row of x (float32, padded by 16 bytes), then in its place the warps' sums
@@ -227,35 +245,56 @@ WARPS = (8, 16, 4)
 
 def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
-         warps: int | None = None, stream: bool = False) -> Plan:
+         warps: int | None = None, stream: bool = False, batch_groups: int | None = 1) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
     spills for a plan; a larger margin moves weight chunks from registers to shared memory).
     ``stream``: weights that registers and shared memory do not hold may stay in global
-    memory (L2), up to half the L2 (see "Streaming" above)."""
+    memory (L2), up to half the L2 (see "Streaming" above). ``batch_groups``: NG, a divisor
+    of ``batch`` (see "Batch groups"; not with ``stream``), or None: the most groups whose
+    weights fit in registers, else one (batch <= :data:`MAX_BATCH` only)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
-    if batch > MAX_BATCH:
-        raise Unfit(f"batch {batch} is over the persistent kernel's {MAX_BATCH} "
-                    "(its accumulators live in registers)")
-    cap = min(gpu.sms, max_blocks or gpu.sms)
+    if batch_groups is None:
+        args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
+        if not stream and batch <= MAX_BATCH:
+            for groups in range(batch, 1, -1):
+                if batch % groups == 0:
+                    try:
+                        found = plan(*args, batch_groups=groups)
+                    except Unfit:
+                        continue
+                    if found.smem_chunks == 0:
+                        return found
+        return plan(*args, stream=stream)
+    if batch_groups < 1 or batch % batch_groups:
+        raise Unfit(f"batch_groups must divide batch {batch}, got {batch_groups}")
+    if stream and batch_groups > 1:
+        raise Unfit("a streaming plan takes no batch groups")
+    local = batch // batch_groups
+    if local > MAX_BATCH:
+        raise Unfit(f"batch {local}{' a group' if batch_groups > 1 else ''} is over the "
+                    f"persistent kernel's {MAX_BATCH} (its accumulators live in registers)")
+    cap = min(gpu.sms, max_blocks or gpu.sms) // batch_groups
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
         for wn in (warps,) if warps else WARPS:
-            found = _try(gates, hidden, batch, elem, gpu, units, wn, states, reg_margin, stream)
+            found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream)
             if found is None or found.blocks > cap:
                 continue
-            if best is None or estimate_ns(found, batch) < estimate_ns(best, batch):
+            if best is None or estimate_ns(found, local) < estimate_ns(best, local):
                 best = found
     if best is not None:
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.
-        return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier")
-    need = gates * hidden * hidden * elem / cap
+        return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier",
+                       blocks=best.blocks * batch_groups, batch_groups=batch_groups)
+    need = gates * hidden * hidden * elem / max(cap, 1)
     also = f", or than those and half the L2 ({gpu.l2_bytes // 2**21} MiB)" if stream else ""
+    groups = f" ({batch_groups} batch groups)" if batch_groups > 1 else ""
     raise Unfit(
         f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
-        f"of {cap} multiprocessors of {gpu.name}, more than their registers and shared memory "
-        f"hold (with h and batch {batch} staged){also}")
+        f"of {cap} multiprocessors of {gpu.name}{groups}, more than their registers and shared "
+        f"memory hold (with h and batch {local} staged){also}")
