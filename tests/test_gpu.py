@@ -192,17 +192,23 @@ def test_chunked_input_projection_matches_reference(cell, batch, persistent, rng
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("cell, input_size, hidden, batch, rows", [
+@pytest.mark.parametrize("cell, input_size, hidden, batch, knobs", [
     ("gru", 1024, 1024, 4, None), ("lstm", 1024, 1024, 1, None), ("lstm", 33, 257, 3, 8),
-    ("rnn_relu", 7, 3, 1, 8), ("lstm", 100, 64, 7, 5), ("rnn_tanh", 1, 33, 16, 64)])
+    ("rnn_relu", 7, 3, 1, 8), ("lstm", 100, 64, 7, 5), ("rnn_tanh", 1, 33, 16, 64),
+    ("lstm", 1536, 1536, 1, None), ("lstm", 1001, 1536, 3, 16),
+    ("gru", 1030, 1024, 2, {"input_rows": 16, "batch_groups": 2}),
+    ("lstm", 33, 257, 6, {"input_rows": 8, "batch_groups": 3})])
 def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, input_size, hidden,
-                                                                      batch, rows, rng):
+                                                                      batch, knobs, rng):
     """The persistent kernel computing its own input projections (by default at C >= 1024,
-    N <= 4; forced with ``input_rows``): odd C (one element a load), groups of rows of x that
-    cross steps and pass T*N, and one step. Without tuning logs (GRU 1024 N=4's runs in 2
-    batch groups)."""
+    N <= 4; forced with ``input_rows``, the int given here): odd C (one element a load),
+    groups of rows of x that cross steps and pass T*N, one step, W_ih in slabs through
+    W_hh's shared memory (LSTM H=1536, GRU 1024 in 2 batch groups), batch groups. Without
+    tuning logs (GRU 1024 N=4's runs in 2 batch groups, unfused)."""
+    if isinstance(knobs, int):
+        knobs = {"input_rows": knobs}
     module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", tuning="off",
-                           knobs=None if rows is None else {"input_rows": rows})
+                           knobs=knobs)
     schedule = module.metadata["schedule"]
     assert schedule["kind"] == "persistent" and schedule["persistent"]["plan"]["input_rows"]
     for steps, initial in ((1, True), (37, False), (100, True)):

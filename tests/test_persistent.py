@@ -255,6 +255,23 @@ class TestPersistentBuild:
         else:
             assert plan_["input_rows"] == 0 and "persistent_pack_w_ih" not in functions
 
+    @pytest.mark.parametrize("batch", [1, 4])
+    def test_fused_input_in_slabs_by_default_at_batch_1(self, batch):
+        """LSTM 1536: W_ih in slabs through W_hh's shared memory, by default at N = 1 only
+        (measured slower at N = 4); ``input_rows`` forces it."""
+        from rnncc.compiler.cuda_binary import cooperative_kernels
+
+        module = rnncc.compile("lstm", 1536, 1536, batch, target="cuda", tuning="off")
+        plan_ = module.metadata["schedule"]["persistent"]["plan"]
+        if batch == 1:
+            assert (plan_["input_slab"], plan_["input_rows"]) == (192, 24)
+            assert "for sl in range(2):" in module.source("tir")
+            (name,) = cooperative_kernels(module.source("cuda"))
+            report = module.metadata["ptxas"][name]
+            assert report["spill_stores"] == report["stack"] == 0
+        else:
+            assert plan_["input_rows"] == 0
+
     def test_narrow_inputs_keep_the_input_gemm(self):
         module = rnncc.compile("lstm", 256, 256, 4, target="cuda", tuning="off")
         assert module.metadata["schedule"]["persistent"]["plan"]["input_rows"] == 0
@@ -325,12 +342,25 @@ def test_fused_input_plans(gates, input_size, hidden, batch, rows):
     assert base.smem_bytes <= fused.smem_bytes <= H100.smem_per_block
 
 
-def test_fused_input_needs_shared_memory_for_w_ih():
-    """LSTM 1536: W_hh fills shared memory, so W_ih's rows do not fit next to it."""
+def test_fused_input_in_slabs_through_w_hh_shared_memory():
+    """LSTM 1536: W_hh fills shared memory, so W_ih's rows go through its shared memory in
+    even slabs of K chunks (before W_hh is loaded there); GRU 2048 leaves no room for x."""
+    from rnncc.schedules.persistent import planner
+
     base = plan(4, 1536, 1, "float32", H100, states=2)
     assert base.smem_chunks > 0
-    assert fuse_input(base, 4, 1536, 1, H100) is None
-    assert fuse_input(base, 4, 16, 1, H100).fused  # a narrow input's rows do
+    fused = fuse_input(base, 4, 1536, 1, H100)
+    rl = planner.fused_row_split(base, 4)
+    assert (fused.input_chunks, fused.input_slab) == (384, 192)  # 2 slabs
+    assert fused.input_slab * rl * planner.ROW_GROUPS * 16 <= base.smem_chunks * base.chunk_bytes
+    assert fused.input_rows >= planner.FUSED_MIN_ROWS
+    assert fused.smem_bytes <= H100.smem_per_block
+    narrow = fuse_input(base, 4, 16, 1, H100)  # a narrow input's rows fit next to W_hh
+    assert narrow.fused and narrow.input_slab == 0
+    tight = plan(3, 2048, 1, "float32", H100, reg_margin=0)
+    assert tight.smem_chunks > 0 and fuse_input(tight, 3, 2048, 1, H100) is None
+    streaming = plan(3, 2048, 4, "float32", H100, stream=True)
+    assert streaming.global_chunks and fuse_input(streaming, 3, 16, 4, H100) is None
 
 
 @pytest.mark.parametrize("gates, hidden, batch, groups", [
@@ -346,7 +376,7 @@ def test_batch_groups_by_default_where_weights_fit_in_registers(gates, hidden, b
                max_blocks=H100.sms // groups)
     assert dataclasses.replace(p, blocks=p.group_blocks, batch_groups=1) == one
     if groups > 1:
-        assert p.smem_chunks == 0 and fuse_input(p, gates, 1024, batch, H100) is None
+        assert p.smem_chunks == 0
     else:
         assert p == plan(gates, hidden, batch, "float32", H100, states=2)
 
@@ -361,9 +391,6 @@ def test_batch_group_errors():
         plan(4, 1024, 4, "float32", H100, batch_groups=4)
     with pytest.raises(ConfigError, match=r"divide the batch 4, got 3; allowed: \[1, 2, 4\]"):
         rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"batch_groups": 3})
-    with pytest.raises(ConfigError, match="takes one batch group, got batch_groups 2"):
-        rnncc.compile("lstm", 256, 256, 4, target="cuda",
-                      knobs={"batch_groups": 2, "input_rows": 8})
 
 
 def test_batch_groups_kernel_source():
@@ -382,6 +409,10 @@ def test_batch_groups_kernel_source():
     text = source(lstm, 256, 4, dataclasses.replace(p, sync="barrier"))
     assert 'cnt = T.match_buffer(cnt_h, (2,), "uint32")' in text
     assert f"T.address_of(cnt[bx // {bg}]), T.Cast(\"uint32\", (t + 1) * {bg})" in text
+    fused = fuse_input(p, 4, 64, 4, H100)  # each group projects its own rows of x
+    text = source(lstm, 256, 4, fused, input_size=64)
+    assert f"x[(m0 * {fused.input_rows} + " in text and f"bx // {bg} * 2 + (m0 * " in text
+    assert f"wi[(bx % {bg}), " in text
 
 
 def test_unroll_knob_unrolls_the_shared_memory_chunks():

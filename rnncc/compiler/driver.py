@@ -74,8 +74,7 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
                                max_blocks=knobs.get("max_blocks"), reg_margin=margin,
                                warps=knobs.get("warps"), stream=stream, batch_groups=groups)
 
-    # None: the planner's choice (one group where a fused input projection is asked for)
-    groups = knobs.get("batch_groups", 1 if knobs.get("input_rows") else None)
+    groups = knobs.get("batch_groups")  # None: the planner's choice
     tries = [(reg_margin, False)]
     if tight and "reg_margin" not in knobs and reg_margin > 0:
         tries.append((0, False))
@@ -92,17 +91,25 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
     rows = knobs.get("input_rows")
     if rows == 0 or (rows is None and not fuses_input(problem)):
         return found
-    return persistent.fuse_input(found, problem.gates, problem.input_size, problem.batch, gpu,
-                                 rows) or found
+    fused = persistent.fuse_input(found, problem.gates, problem.input_size, problem.batch, gpu,
+                                  rows)
+    if fused is None or (rows is None and fused.input_slab
+                         and problem.batch > FUSE_SLAB_MAX_BATCH):
+        return found
+    return fused
 
 
 #: The persistent kernel computes its input projections itself by default (float32, where
-#: W_ih fits in shared memory) at C >= FUSE_MIN_INPUT and N <= FUSE_MAX_BATCH: measured faster
-#: there than the separate GEMM (H200: LSTM 1024 N=1 2.43 -> 2.19 us/step, N=4 3.94 -> 3.75),
-#: slower at C = 256-512 and at N = 8 (docs/benchmarks.md); the ``input_rows`` knob decides
-#: elsewhere.
+#: shared memory holds W_ih or slabs of it) at C >= FUSE_MIN_INPUT and N <= FUSE_MAX_BATCH:
+#: measured faster there than the separate GEMM (H200: LSTM 1024 N=1 2.43 -> 2.19 us/step,
+#: N=4 3.94 -> 3.75), slower at C = 256-512 and at N = 8 (docs/benchmarks.md); the
+#: ``input_rows`` knob decides elsewhere.
 FUSE_MIN_INPUT = 1024
 FUSE_MAX_BATCH = 4
+#: ... and, where W_ih goes through W_hh's shared memory in slabs, at N <= FUSE_SLAB_MAX_BATCH
+#: (H200: LSTM 1536 N=1 3.99 -> 3.59 us/step; N=4 6.99 -> 7.20, GRU 1024 N=4 in 2 batch groups
+#: 3.38 -> 3.44).
+FUSE_SLAB_MAX_BATCH = 1
 
 
 def fuses_input(problem: Problem) -> bool:
@@ -180,20 +187,13 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     if batch % groups:
         raise ConfigError(f"batch_groups must divide the batch {batch}, got {groups}; allowed: "
                           f"{[d for d in range(1, batch + 1) if batch % d == 0]}")
-    if groups > 1 and knobs.get("input_rows"):
-        raise ConfigError(f"a fused input projection (input_rows {knobs['input_rows']}) takes one "
-                          f"batch group, got batch_groups {groups}")
     if not isinstance(tuning, str):
         raise ConfigError(f"tuning must be 'auto', 'off' or a log directory, got {tuning!r}")
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
     applied = apply.for_compile(problem, tspec, gpu, tuning)
-    # the caller's knobs over the log's; batch groups and a fused projection exclude each
-    # other, so a caller who sets either takes neither from the log
-    pair = {"batch_groups", "input_rows"}
-    knobs = {**{k: v for k, v in applied.knobs.items() if not (k in pair and pair & set(knobs))},
-             **knobs}
+    knobs = {**applied.knobs, **knobs}
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
     for _ in range(12):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)

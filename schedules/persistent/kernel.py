@@ -197,9 +197,10 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
 
     tagged = p.sync == "tagged"
     fused = p.fused
-    if fused and (chunk != 1 or input_size < 1 or ng > 1):
-        raise ValueError(f"a fused input projection needs chunk 1, an input size and one batch "
-                         f"group, got chunk {chunk}, input size {input_size} and {ng} groups")
+    if fused and (chunk != 1 or input_size < 1 or (p.input_slab and not ks)):
+        raise ValueError(f"a fused input projection needs chunk 1, an input size and, in slabs, "
+                         f"shared memory for W_hh, got chunk {chunk}, input size {input_size} "
+                         f"and {ks} chunks of W_hh in shared memory")
     # inputs first, outputs last (a fused kernel writes xp)
     params = (["x", "wi", "bi", "w", "b", "xp"] if fused else ["xp", "w", "b"]) + ["y"]
     params += [f"s{k}" for k in range(states)] + ["hw" if tagged else "cnt"]
@@ -250,9 +251,11 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         emit(f'{i1}xv = T.sblock_alloc_buffer(({snl * vec},), "float32", scope="local")')
         emit(f'{i1}wq = T.sblock_alloc_buffer(({rl * vec},), "{dt}", scope="local")')
         emit(f'{i1}xs = T.sblock_alloc_buffer((1,), "float32", scope="local")')
-        emit(f'{i1}wis = T.sblock_alloc_buffer(({kc * rl * planner.ROW_GROUPS * vec},), '
-             f'"{dt}", scope="shared.dyn")')
-        fused_floats = sn * max(kc * vec + 4, wn * (rl * planner.ROW_GROUPS + 1))
+        if not p.input_slab:  # else W_ih goes through wsm
+            emit(f'{i1}wis = T.sblock_alloc_buffer(({kc * rl * planner.ROW_GROUPS * vec},), '
+                 f'"{dt}", scope="shared.dyn")')
+        fused_floats = sn * max((p.input_slab or kc) * vec + 4,
+                                wn * (rl * planner.ROW_GROUPS + 1))
     else:
         fused_floats = 0
     # h_{t-1} for the products, then (once they are done) the gate sums: one buffer (first
@@ -265,7 +268,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     emit(f'{i3}warp = T.meta_var(tx // 32)')
     emit(f'{i3}lane = T.meta_var(tx % 32)')
     if fused:
-        _fused_input(emit, guard, cell, hidden, batch, p, input_size, i3)
+        _fused_input(emit, guard, cell, hidden, n_, p, input_size, i3, blk, nb)
     # weights into registers and shared memory, once
     if kr:
         emit(f'{i3}for i in T.unroll({kr}):')
@@ -449,7 +452,7 @@ def input_weight_shape(cell, p: Plan) -> tuple:
     row q of the lane's RL, row group rg, element v holding W_ih[g*H + j, c*VEC + v] with
     r = rg*RL + q, g = r // U and j = b*U + r % U (zero outside)."""
     rl = planner.fused_row_split(p, cell.gates)
-    return (p.blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
+    return (p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
 
 
 #: K chunks a warp of the fused input projection takes an iteration (unrolled; rounded down to a
@@ -459,50 +462,69 @@ FUSED_UNROLL = 4
 
 
 def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size: int,
-                 ind: str) -> None:
-    """Emit the fused input projection (planner: "Fused input projection"). For each group of
-    SN rows m = t*N + n of x: stage them in shared memory (float32, zero past C and past T*N,
-    rows padded by 16 bytes so the 4 x groups' loads hit different banks); warp w multiplies
-    its range of K chunks, lane (x group xg, row group rg) rows r = rg*RL + q of W_ih (in
-    shared memory) by rows m = 4*s + xg of x; the warps' sums go through shared memory
+                 ind: str, blk: str, nb: str) -> None:
+    """Emit the fused input projection (planner: "Fused input projection"). ``batch``: the
+    block's group's N, whose rows start at ``nb``; ``blk``: the block whose weights it holds.
+    For each slab of W_ih's K chunks (one, all of them, where W_ih's rows stay in shared
+    memory; else each is copied into W_hh's shared memory first) and each group of SN rows
+    m = t*N + n of x: stage them (the slab's columns) in shared memory (float32, zero past C
+    and past T*N, rows padded by 16 bytes so the 4 x groups' loads hit different banks); warp
+    w multiplies its range of the slab's K chunks, lane (x group xg, row group rg) rows
+    r = rg*RL + q of W_ih by rows m = 4*s + xg of x; the warps' sums go through shared memory
     ([Wn, SN, 8*RL + 1], padded: a stride of SN floats made 16-way bank conflicts, 1.7x slower
     on an H200), and thread i adds them up for outputs (n, r) = divmod(i, R) and writes
-    xp[t, n, g*H + j] = sum + b_ih[g*H + j]."""
+    xp[t, n, g*H + j] = sum + b_ih[g*H + j] (later slabs add to it)."""
     g_count, h, n_, vec = cell.gates, hidden, batch, p.vec
     u_, threads, sn, kc, c = p.units, p.threads, p.input_rows, p.input_chunks, input_size
     wn, r_ = p.warps, g_count * p.units
     rl, rg_n = planner.fused_row_split(p, g_count), planner.ROW_GROUPS
     snl = sn // planner.X_GROUPS
-    xstride = kc * vec + 4
+    ksl = p.input_slab or kc  # K chunks a slab
+    slabs = -(-kc // ksl)
+    wbuf = "wsm" if p.input_slab else "wis"
+    xstride = ksl * vec + 4
     rp = rl * rg_n + 1  # a row of the warps' sums [Wn, SN, 8*RL + 1], padded against conflicts
-    cw = -(-kc // wn)  # K chunks a warp
+    cw = -(-ksl // wn)  # K chunks a warp
     rows = f"T_len * {n_}"
     rg, xg = f"(lane % {rg_n})", f"(lane // {rg_n})"
-    # the block's W_ih rows into shared memory, once (the first group's barrier orders them)
-    total = kc * rl * rg_n * vec
+    # the slab's W_ih rows into shared memory (the first group's barrier orders them; the last
+    # group's barrier keeps the next slab from overwriting rows still read)
+    if p.input_slab:
+        emit(f'{ind}for sl in range({slabs}):')
+        ind += "    "
+        first = f"sl * {ksl} + "
+    else:
+        first = ""
+    total = ksl * rl * rg_n * vec
     e = _block_loop(emit, ind, total // vec, threads)
     emit(f'{ind}    for v in T.vectorized({vec}):')
     guard(ind + "        ", f'{e} * {vec} < {total}')
-    emit(f'{ind}                wis[{e} * {vec} + v] = wi[bx, {e} // {rl * rg_n}, '
-         f'{e} // {rg_n} % {rl}, {e} % {rg_n}, v]')
+    cidx = f"{first}{e} // {rl * rg_n}"
+    if kc % ksl:  # the last slab's chunks past KC are zero
+        value = (f'T.if_then_else({cidx} < {kc}, wi[{blk}, T.min({cidx}, {kc - 1}), '
+                 f'{e} // {rg_n} % {rl}, {e} % {rg_n}, v], T.Cast(wi.dtype, 0))')
+    else:
+        value = f'wi[{blk}, {cidx}, {e} // {rg_n} % {rl}, {e} % {rg_n}, v]'
+    emit(f'{ind}                {wbuf}[{e} * {vec} + v] = {value}')
     emit(f'{ind}for m0 in range(({rows} + {sn - 1}) // {sn}):')
     i5 = ind + "    "
     # stage SN rows of x: 16-byte vectors where C keeps them aligned, else one element each
     step = vec if c % vec == 0 else 1
-    width = kc * vec // step
+    width = ksl * vec // step
     slots = sn * width
     e = _block_loop(emit, i5, slots, threads, unroll=True)
     r, k = f"{e} // {width}", f"{e} % {width} * {step}"
+    col = f"sl * {ksl * vec} + {k}" if p.input_slab else k
     m = f"m0 * {sn} + {r}"
     inner = i5 + "    "
     if slots % threads:
         guard(inner, f"{e} < {slots}")
         inner += "        "
-    emit(f'{inner}with T.If({k} < {c} and {m} < {rows}):')
+    emit(f'{inner}with T.If({col} < {c} and {m} < {rows}):')
     emit(f'{inner}    with T.Then():')
     emit(f'{inner}        for v in T.vectorized({step}):')
     emit(f'{inner}            hs[{r} * {xstride} + {k} + v] = T.Cast("float32", '
-         f'x[({m}) // {n_}, ({m}) % {n_}, {k} + v])')
+         f'x[({m}) // {n_}, {nb}({m}) % {n_}, {col} + v])')
     emit(f'{inner}    with T.Else():')
     emit(f'{inner}        for v in T.vectorized({step}):')
     emit(f'{inner}            hs[{r} * {xstride} + {k} + v] = T.float32(0)')
@@ -514,8 +536,8 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
     emit(f'{i5}    for cu in T.unroll({unroll}):')
     i6 = i5 + "        "
     chunk = f"(warp * {cw} + co * {unroll} + cu)"
-    if kc % wn:
-        guard(i6, f"{chunk} < {kc}")
+    if ksl % wn:
+        guard(i6, f"{chunk} < {ksl}")
         i6 += "        "
     emit(f'{i6}for s in T.unroll({snl}):')
     emit(f'{i6}    for v in T.vectorized({vec}):')
@@ -523,7 +545,8 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
          f'{chunk} * {vec} + v]')
     emit(f'{i6}for q in T.unroll({rl}):')
     emit(f'{i6}    for v in T.vectorized({vec}):')
-    emit(f'{i6}        wq[q * {vec} + v] = wis[(({chunk} * {rl} + q) * {rg_n} + {rg}) * {vec} + v]')
+    emit(f'{i6}        wq[q * {vec} + v] = {wbuf}[(({chunk} * {rl} + q) * {rg_n} + {rg}) * {vec} '
+         '+ v]')
     emit(f'{i6}for q in T.unroll({rl}):')
     emit(f'{i6}    for s in T.unroll({snl}):')
     emit(f'{i6}        for v in T.unroll({vec}):')
@@ -540,15 +563,19 @@ def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size
     o = _block_loop(emit, i5, outs, threads, unroll=True)
     n, row = f"({o} // {r_})", f"({o} % {r_})"
     mm = f"(m0 * {sn} + {n})"
-    j = f"(bx * {u_} + {row} % {u_})"
+    j = f"({blk} * {u_} + {row} % {u_})"
     out = f"{row} // {u_} * {h} + {j}"
     cond = f"{j} < {h} and {mm} < {rows}" + (f" and {o} < {outs}" if outs % threads else "")
     guard(i5 + "    ", cond)
     i7 = i5 + "            "
-    emit(f'{i7}xs[0] = T.Cast("float32", b_ih[{out}])')
+    target = f"xp[{mm} // {n_}, {nb}{mm} % {n_}, {out}]"
+    start = f'T.Cast("float32", b_ih[{out}])'
+    if p.input_slab:  # later slabs add to what the earlier ones wrote
+        start = f"T.if_then_else(sl == 0, {start}, {target})"
+    emit(f'{i7}xs[0] = {start}')
     emit(f'{i7}for w in T.unroll({wn}):')
     emit(f'{i7}    xs[0] = xs[0] + hs[(w * {sn} + {n}) * {rp} + {row}]')
-    emit(f'{i7}xp[{mm} // {n_}, {mm} % {n_}, {out}] = xs[0]')
+    emit(f'{i7}{target} = xs[0]')
     # the next group's rows go where these sums were; the time loop reads xp
     emit(f'{i5}T.cuda.cta_sync()')
 

@@ -16,8 +16,11 @@ its own R = G*U rows for all steps itself, before its time loop and before it lo
 small GEMM of x [T*N, C] (in groups of SN rows, staged in shared memory) by its rows of W_ih
 (packed [B, KC, RL, 8, VEC], copied to shared memory once), its warps splitting K, each lane
 RL rows of W_ih by SN/4 rows of x. No separate GEMM kernel, no chunk padding of T, and each
-block reads its rows of W_ih once. (Reading them from global memory every group instead, where
-shared memory does not hold them, was slower than the separate GEMM: H200, LSTM 1536.)
+block reads its rows of W_ih once. Where W_ih's rows do not fit next to W_hh's chunks, they
+go through the shared memory W_hh's chunks take later, in slabs of KSL K chunks: for each slab,
+every group of x (that slab's columns) adds its products to xp. (Reading W_ih from global
+memory every group instead was slower than the separate GEMM: H200, LSTM 1536.) With batch
+groups a block computes its own group's rows of x.
 
 Batch groups (``batch_groups`` NG, a divisor of N): the grid is NG groups of B/NG blocks, and
 group g runs the batch rows n = g*N/NG .. (g+1)*N/NG - 1 as a grid of its own would at batch
@@ -96,6 +99,7 @@ class Plan:
     global_chunks: int = 0  # KG, read from global memory (L2) every step; see "Streaming"
     input_rows: int = 0  # SN, rows of x a group of the fused input projection; 0: not fused
     input_chunks: int = 0  # KC, 16-byte chunks of a row of W_ih (fused input projection)
+    input_slab: int = 0  # KSL, chunks of W_ih a slab through W_hh's shared memory; 0: resident
     batch_groups: int = 1  # NG, groups of blocks a batch slice each (see "Batch groups")
 
     @property
@@ -206,6 +210,8 @@ FUSED_MAX_ROWS = 64
 #: Fewest rows of x a group takes (fewer: the block barriers and the sums across warps would
 #: cost more than the products; the separate GEMM runs instead).
 FUSED_MIN_ROWS = 8
+#: Fewest K chunks a slab of W_ih takes where it goes through W_hh's shared memory.
+FUSED_MIN_SLAB = 16
 
 
 def fused_row_split(p: Plan, gates: int) -> int:
@@ -216,24 +222,38 @@ def fused_row_split(p: Plan, gates: int) -> int:
 def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
                rows: int | None = None) -> Plan | None:
     """``p`` with its input projection fused (see "Fused input projection"): W_ih's rows in
-    shared memory and SN rows of x a group (``rows``, rounded up to a multiple of 4, or the
-    most that :data:`FUSED_ACCUMULATORS` allows), fewer where shared memory holds fewer;
-    None when it holds fewer than :data:`FUSED_MIN_ROWS`, or for a plan with batch groups."""
-    if p.batch_groups > 1:
+    shared memory next to W_hh's, or else in slabs of K chunks through W_hh's shared memory,
+    and SN rows of x a group (``rows``, rounded up to a multiple of 4, or the most that
+    :data:`FUSED_ACCUMULATORS` allows), fewer where shared memory holds fewer; None when it
+    holds fewer than :data:`FUSED_MIN_ROWS`, slabs would be narrower than
+    :data:`FUSED_MIN_SLAB`, or the plan streams weights."""
+    if p.global_chunks:
         return None
     rl = fused_row_split(p, gates)
     in_chunks = -(-input_size // p.vec)  # 16-byte chunks of a row of x or of W_ih
-    # a staged row of x (float32, padded by 16 bytes), then in its place the warps' sums
-    per_row = max(4 * (in_chunks * p.vec + 4), 4 * p.warps * (rl * ROW_GROUPS + 1))
-    held = p.smem_chunks * p.chunk_bytes + in_chunks * rl * ROW_GROUPS * 16  # W_hh, W_ih
+    row_chunk = rl * ROW_GROUPS * 16  # bytes of one chunk of all the block's rows of W_ih
+    w_hh = p.smem_chunks * p.chunk_bytes
     cap = X_GROUPS * max(1, min(FUSED_ACCUMULATORS // rl, FUSED_MAX_ROWS // X_GROUPS))
     want = min(cap, -(-rows // X_GROUPS) * X_GROUPS) if rows else cap
-    sn = min(want, (gpu.smem_per_block - held) // per_row // X_GROUPS * X_GROUPS)
-    if sn < min(want, FUSED_MIN_ROWS):
+    staging = _staging_bytes(batch // p.batch_groups, p.chunks, p.vec, p.warps,
+                             p.rows_per_warp)
+
+    def rows_for(width, held):  # SN for staged rows of ``width`` chunks, or None
+        # a staged row of x (float32, padded by 16 bytes), then in its place the warps' sums
+        per_row = max(4 * (width * p.vec + 4), 4 * p.warps * (rl * ROW_GROUPS + 1))
+        sn = min(want, (gpu.smem_per_block - held) // per_row // X_GROUPS * X_GROUPS)
+        return (sn, held + max(staging, sn * per_row)) if sn >= min(want, FUSED_MIN_ROWS) else None
+
+    found = rows_for(in_chunks, w_hh + in_chunks * row_chunk)  # W_ih next to W_hh
+    slab = 0
+    if found is None and w_hh // row_chunk >= FUSED_MIN_SLAB:
+        slabs = -(-in_chunks // (w_hh // row_chunk))
+        slab = -(-in_chunks // slabs)  # W_ih through W_hh's shared memory, even slabs
+        found = rows_for(slab, w_hh)
+    if found is None:
         return None
-    staging = _staging_bytes(batch, p.chunks, p.vec, p.warps, p.rows_per_warp)
-    return replace(p, input_rows=sn, input_chunks=in_chunks,
-                   smem_bytes=held + max(staging, sn * per_row))
+    return replace(p, input_rows=found[0], input_chunks=in_chunks, input_slab=slab,
+                   smem_bytes=found[1])
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
