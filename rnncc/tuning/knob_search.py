@@ -6,9 +6,9 @@ more weights in shared memory, and the input projection fused or not; knobs that
 plan are measured once. Candidates build in parallel (one process each, the machine's cores);
 each is then run in a separate measuring process on fresh random inputs, its output checked
 against the float64 reference (a wrong result is rejected with its error) and only then timed
-(CUDA-graph captured, median). A candidate that fails to
-build, crashes or hangs (killed after a timeout) is skipped with the reason. Each result is
-appended to ``results.jsonl`` in the work directory, and a resumed search skips what it has.
+(CUDA-graph captured, median). A candidate that fails to build, crashes or hangs (killed after
+a timeout) is skipped with the reason. Each result is appended to ``results.jsonl`` in the work
+directory, and a resumed search skips what it has.
 """
 
 from __future__ import annotations

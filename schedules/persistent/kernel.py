@@ -174,13 +174,14 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     the storage dtype of the weights, the bias and y; the input projections, the states'
     workspaces, products, sums, h's staging and exchange, and the cell are float32. ``chunk``
     S > 1: the input projections are in chunks of S steps, [ceil(T/S), S, N, G*H]. A plan
-    with a fused input projection (``p.fused``) needs ``input_size`` C."""
+    with a fused input projection (``p.fused``) needs ``input_size`` C. ``batch``: N, all
+    batch groups together."""
     g_count, states = cell.gates, len(cell.states)
     h, n_, vec, ki, kr, ks = hidden, batch, p.vec, p.chunks, p.reg_chunks, p.smem_chunks
     rw, wn, u_, it_, b_ = p.rows_per_warp, p.warps, p.units, p.items, p.group_blocks
     threads = p.threads
     # Batch groups (planner): block bx runs batch rows nb + n, n < N/NG, with the weights of
-    # block bl; one group is written as the kernel was before groups.
+    # block blk; one group is written as the kernel was before groups.
     ng, n_all = p.batch_groups, batch
     n_ = batch // ng
     blk, nb = ("bx", "") if ng == 1 else (f"(bx % {b_})", f"bx // {b_} * {n_} + ")
@@ -585,7 +586,8 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     """The kernel as a PrimFunc: params (xp [T,N,G*H], or [ceil(T/S),S,N,G*H] in chunks of
     ``chunk`` S steps, w (packed), b_hh [G*H], y [T,N,H],
     one [2,N,H] ping-pong buffer a state (h first), then for ``sync="tagged"`` the tagged h
-    [2,N,H] uint64, else the barrier counter [1] uint32). With a fused input projection
+    [2,N,H] uint64, else the barrier counters [NG] uint32, one a batch group). With a fused
+    input projection
     (``p.fused``) the params start x [T,N,C], W_ih (packed as w, C wide), b_ih [G*H], w,
     b_hh, then xp [T,N,G*H] (written), y and the rest as above."""
     g_count, states = cell.gates, len(cell.states)
