@@ -30,12 +30,15 @@ def main():
         t = time_gpu(tuned, args.steps, args.repeat)
         u = time_gpu(untuned, args.steps, args.repeat, cudnn=False)
         device = t["device"]
-        rules = tuned.metadata["schedule"]["rules"]
-        rows.append((cell, hidden, f"{rules['input_gemm']} / {rules['recurrent_gemm']}",
-                     u["rnncc"] * per, t["rnncc"] * per, t["cudnn"] * per))
+        schedule = tuned.metadata["schedule"]
+        rules = schedule["rules"]
+        how = (f"persistent, {schedule['persistent']['plan']['batch_groups']} batch groups"
+               if schedule["kind"] == "persistent"
+               else f"{rules['input_gemm']} / {rules['recurrent_gemm']}")
+        rows.append((cell, hidden, how, u["rnncc"] * per, t["rnncc"] * per, t["cudnn"] * per))
     print(f"{device}, {datetime.date.today().isoformat()}, N={args.batch}, T={args.steps}, "
           "TF32 off\n")
-    print("| cell | H | rules (input / recurrent) | no logs us/step | with logs us/step "
+    print("| cell | H | schedule (rules: input / recurrent) | no logs us/step | with logs us/step "
           "| cuDNN us/step | vs cuDNN |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for cell, hidden, rules, off, on, cudnn in rows:

@@ -229,11 +229,12 @@ def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, inpu
     (33, 257, 6, {"batch_groups": 3}, "float32"),
     (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}, "float32"),
     (1, 3, 7, {"batch_groups": 7}, "float32"),
+    (16, 64, 40, {"batch_groups": 4}, "float32"),
     (40, 129, 4, {"batch_groups": 2, "sync": "grid"}, "float16")])
 def test_batch_groups_match_reference_and_repeat_exactly(cell, input_size, hidden, batch, knobs,
                                                          dtype, rng):
     """The grid split into batch groups (each its own exchange of h, one packing of W_hh):
-    every synchronisation variant, odd sizes, one step."""
+    every synchronisation variant, odd sizes, a batch over 16, one step."""
     module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
                            knobs=knobs, persistent="on")
     plan = module.metadata["schedule"]["persistent"]["plan"]

@@ -385,8 +385,13 @@ def test_batch_group_errors():
     with pytest.raises(Unfit, match="batch_groups must divide batch 4, got 3"):
         plan(4, 256, 4, "float32", H100, batch_groups=3)
     with pytest.raises(Unfit, match="batch 32 is over the persistent kernel's 16"):
-        plan(4, 256, 32, "float32", H100, batch_groups=None)
+        plan(4, 256, 32, "float32", H100)
+    with pytest.raises(Unfit, match="no split into batch groups of at most 16 fits"):
+        plan(4, 1024, 64, "float32", H100, batch_groups=None)
     assert plan(4, 256, 32, "float32", H100, batch_groups=2).batch_groups == 2
+    # past 16, the most groups that fit at all (here with a chunk in shared memory)
+    wide = plan(4, 256, 64, "float32", H100, states=2, batch_groups=None)
+    assert (wide.batch_groups, wide.smem_chunks) == (16, 1)
     with pytest.raises(Unfit, match=r"33 multiprocessors of H100/H200 SXM \(4 batch groups\)"):
         plan(4, 1024, 4, "float32", H100, batch_groups=4)
     with pytest.raises(ConfigError, match=r"divide the batch 4, got 3; allowed: \[1, 2, 4\]"):
