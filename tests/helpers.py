@@ -42,6 +42,30 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
     return max(errors)
 
 
+def check_across_steps(module, rng):
+    """Assert ``module`` within TOL of float64 on fresh inputs at T = 1 and 100 (with initial
+    states) and 37 (without)."""
+    for steps, initial in ((1, True), (37, False), (100, True)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL[module.dtype], f"T={steps}: relative error {err:.3e}"
+
+
+def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True):
+    """Assert that ``repeats`` more runs of ``module`` on one fresh input of ``steps`` steps
+    (weights packed once, or passed as arrays each call) give the first run's y bit for bit:
+    a race between blocks shows as run-to-run differences."""
+    from conftest import random_weights
+
+    dt = module.dtype
+    w = {k: v.astype(dt) for k, v in random_weights(
+        rng, rnncc.cells.get(module.cell).gates, module.input_size, module.hidden_size).items()}
+    x = rng.standard_normal((steps, module.batch, module.input_size)).astype(dt)
+    weights = module.pack(w) if pack else w
+    first = module(x, weights)[0]
+    for _ in range(repeats):
+        np.testing.assert_array_equal(module(x, weights)[0], first)
+
+
 def _host(a):
     if hasattr(a, "detach"):
         return a.detach().cpu().numpy()

@@ -12,7 +12,14 @@ import pytest
 
 import rnncc
 from conftest import random_weights
-from helpers import TOL, TOL_F32, check_against_reference, compiled
+from helpers import (
+    TOL,
+    TOL_F32,
+    check_across_steps,
+    check_against_reference,
+    check_repeats_exactly,
+    compiled,
+)
 from rnncc import reference
 from rnncc.errors import InputError
 
@@ -211,17 +218,8 @@ def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, inpu
                            knobs=knobs)
     schedule = module.metadata["schedule"]
     assert schedule["kind"] == "persistent" and schedule["persistent"]["plan"]["input_rows"]
-    for steps, initial in ((1, True), (37, False), (100, True)):
-        err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
-    gates = rnncc.cells.get(cell).gates
-    w = {k: v.astype("float32") for k, v in random_weights(rng, gates, input_size,
-                                                          hidden).items()}
-    x = rng.standard_normal((61, batch, input_size)).astype("float32")
-    packed = module.pack(w)
-    first = module(x, packed)[0]
-    for _ in range(20):
-        np.testing.assert_array_equal(module(x, packed)[0], first)
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng)
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())
@@ -239,16 +237,8 @@ def test_batch_groups_match_reference_and_repeat_exactly(cell, input_size, hidde
                            knobs=knobs, persistent="on")
     plan = module.metadata["schedule"]["persistent"]["plan"]
     assert plan["batch_groups"] == knobs["batch_groups"]
-    for steps, initial in ((1, True), (37, False), (100, True)):
-        err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
-    w = {k: v.astype(dtype) for k, v in random_weights(
-        rng, rnncc.cells.get(cell).gates, input_size, hidden).items()}
-    x = rng.standard_normal((61, batch, input_size)).astype(dtype)
-    packed = module.pack(w)
-    first = module(x, packed)[0]
-    for _ in range(20):
-        np.testing.assert_array_equal(module(x, packed)[0], first)
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng)
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, sms", [
@@ -262,15 +252,8 @@ def test_streaming_plan_matches_reference_and_repeats_exactly(cell, input_size, 
     schedule = module.metadata["schedule"]
     assert schedule["kind"] == "persistent"
     assert schedule["persistent"]["plan"]["global_chunks"] > 0
-    for steps, initial in ((1, True), (37, False), (100, True)):
-        err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
-    w = {k: v.astype(dtype) for k, v in random_weights(
-        rng, rnncc.cells.get(cell).gates, input_size, hidden).items()}
-    x = rng.standard_normal((50, batch, input_size)).astype(dtype)
-    first = module(x, w)[0]
-    for _ in range(5):
-        assert np.array_equal(module(x, w)[0], first)
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng, steps=50, repeats=5, pack=False)
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
@@ -285,9 +268,7 @@ def test_float16_input_projection_on_tensor_cores(cell, input_size, hidden, batc
     schedule = module.metadata["schedule"]
     assert schedule["layout"]["flat_rows"] and "mma_sync" in module.source("cuda")
     assert schedule["kind"] == ("persistent" if persistent == "auto" else "sequence")
-    for steps, initial in ((1, True), (37, False), (100, True)):
-        err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"
+    check_across_steps(module, rng)
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
