@@ -58,3 +58,12 @@ def gemm_blocks(sch: s_tir.Schedule):
     """(gemm, gemm_bias) blocks of rnncc's gemm component, or None for any other PrimFunc."""
     blocks = block_named(sch, "gemm"), block_named(sch, "gemm_bias")
     return None if None in blocks else blocks
+
+
+def weights_are_rows(sch: s_tir.Schedule, gemm) -> bool:
+    """True when the gemm block reads w as w[o, k] (PyTorch's [O, K] rows, rnncc's CUDA
+    layout)."""
+    block = sch.get(gemm)
+    o_var = block.iter_vars[-2].var
+    first = block.reads[1].region[0].min
+    return first.same_as(o_var)

@@ -32,7 +32,7 @@ from dataclasses import astuple, dataclass
 
 from tvm import s_tir
 
-from ._common import block_named, gemm_blocks, static_extent
+from ._common import block_named, gemm_blocks, static_extent, weights_are_rows
 from ._rule import Rule
 
 MIN_BATCH = 32
@@ -65,14 +65,6 @@ class Tiling:
     to: int
     bk: int
     splits: int = 1
-
-
-def _weights_are_rows(sch, gemm) -> bool:
-    """True when w is read as w[o, k] (PyTorch's [O, K] rows, rnncc's CUDA layout)."""
-    block = sch.get(gemm)
-    o_var = block.iter_vars[-2].var
-    first = block.reads[1].region[0].min
-    return first.same_as(o_var)
 
 
 def _pick_tile(batch, rows, steps, chunked=False):
@@ -108,7 +100,7 @@ def plan(func) -> Tiling | None:
     blocks = gemm_blocks(sch)
     if blocks is None:
         return None
-    if len(sch.get_loops(blocks[0])) not in (3, 4, 5) or not _weights_are_rows(sch, blocks[0]):
+    if len(sch.get_loops(blocks[0])) not in (3, 4, 5) or not weights_are_rows(sch, blocks[0]):
         return None
     lead, _, _, batch, rows, depth, chunk_batch = _sizes(sch, blocks[0])
     if None in (batch, rows, depth):

@@ -279,7 +279,22 @@ def test_float16_input_projection_on_tensor_cores(cell, input_size, hidden, batc
 def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rng):
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype)
     rules = module.metadata["schedule"]["rules"]
-    assert rules["input_gemm"] == rules["recurrent_gemm"] == "cuda.tiled_gemm"
+    assert rules["recurrent_gemm"] == "cuda.tiled_gemm"
+    sgemm = dtype == "float32" and (cell, hidden) == ("lstm", 256)  # O = 1024, C = 32
+    assert rules["input_gemm"] == ("cuda.sgemm" if sgemm else "cuda.tiled_gemm")
     for steps, initial in ((1, True), (37, True), (5, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("lstm", 32, 256, 32), ("gru", 48, 128, 64), ("rnn_tanh", 16, 128, 33),
+    ("rnn_relu", 160, 256, 96)])
+def test_sgemm_input_projection_matches_reference(cell, input_size, hidden, batch, rng):
+    """The 128 x 128 SGEMM of all steps' input projections, with T*N rows that fill no tile
+    (T = 1), part of the last (T = 37) or whole tiles (T = 100 at N = 32 or 64)."""
+    module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off")
+    assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.sgemm"
+    for steps, initial in ((1, True), (37, False), (100, True)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"

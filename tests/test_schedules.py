@@ -57,12 +57,57 @@ def test_unfused_step_is_several_kernels():
 def test_cuda_gemm_rule_choice():
     t_len = tirx.Var("T", "int64")
     cases = [((1,), 512, 2048, "cuda.gemv"), ((64,), 512, 2048, "cuda.tiled_gemm"),
-             ((t_len, 64), 512, 2048, "cuda.tiled_gemm"), ((64,), 33, 99, "cuda.matmul"),
+             ((t_len, 64), 512, 2048, "cuda.sgemm"), ((t_len, 64), 40, 2048, "cuda.tiled_gemm"),
+             ((64,), 33, 99, "cuda.matmul"),
              ((t_len, 1), 256, 2048, "cuda.matmul"), ((1,), 1, 4, "cuda.gemm_simple")]
     for lead, k, o, rule in cases:
         result = schedules.schedule(comp.gemm(lead, k, o, "rows", "float32"), CUDA, "gemm")
         assert result.rule == rule, (lead, k, o, result.notes)
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
+
+
+def test_sgemm_takes_large_batch_float32_projections_of_all_steps():
+    from rnncc.schedules import cuda_sgemm
+
+    t_len = tirx.Var("T", "int64")
+    for lead, k, o in [((t_len, 64), 1024, 4096), ((t_len, 32), 16, 128), ((t_len, 33), 48, 384)]:
+        assert cuda_sgemm.sizes(comp.gemm(lead, k, o, "rows", "float32")) == (lead[1], k, o)
+    declined = [((t_len, 16), 1024, 4096, "rows", "float32"),  # batch under 32 (chunks)
+                ((t_len, 64), 1024, 4000, "rows", "float32"),  # O not whole tiles
+                ((t_len, 64), 1032, 4096, "rows", "float32"),  # K not whole pairs of chunks
+                ((64,), 1024, 4096, "rows", "float32"),  # one step (the tiled rule's split-K)
+                ((t_len * 64,), 1024, 4096, "rows", "float32"),  # flat rows
+                ((t_len, 64), 1024, 4096, "cols", "float32"),
+                ((t_len, 64), 1024, 4096, "rows", "float16")]
+    for lead, k, o, weights, dtype in declined:
+        assert cuda_sgemm.apply(comp.gemm(lead, k, o, weights, dtype), CUDA) is None, lead
+
+
+def test_sgemm_is_double_buffered_with_one_barrier_a_chunk():
+    """Two shared tiles an operand (k-major, rows padded), 16-byte loads, one barrier a chunk
+    (TVM's barrier insertion adds none of its own), and registers for two blocks of 256
+    threads a multiprocessor, no spills (ptxas, via nvcc)."""
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import cuda_sgemm
+
+    t_len = tirx.Var("T", "int64")
+    result = schedules.schedule(comp.gemm((t_len, 64), 1024, 4096, "rows", "float32"), CUDA,
+                                "gemm")
+    assert result.rule == "cuda.sgemm"
+    func = result.func.with_attr("global_symbol", "sgemm")
+    source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
+    source = source.inspect_source()
+    shared = re.findall(r"__shared__ alignas\(\d+\) float (\w+)_ptr\[(\d+)\]", source)
+    size = (cuda_sgemm.BK - 1) * (cuda_sgemm.TILE + cuda_sgemm.PAD) + cuda_sgemm.TILE
+    assert sorted(shared) == [(f"{op}_s{j}", str(size)) for op in "aw" for j in range(2)]
+    loop = source.split("for (int c = 0; c < 64; ++c)")[1]  # K = 1024 in 64 pairs of chunks
+    assert loop.count("__syncthreads()") == 2  # one a chunk
+    assert source.count("__syncthreads()") == 3  # and one after the first chunk's stores
+    assert loop.count("*(float4*)(af_ptr") == 2 * 2 * cuda_sgemm.BK
+    _, report = compile_cubin(source, "sm_90")
+    (kernel,) = report.values()
+    assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
+    assert kernel["registers"] <= 65536 // (2 * cuda_sgemm.THREADS)
 
 
 @pytest.mark.parametrize("lead", [(64,), ("T", 96)], ids=["step", "all_steps"])
