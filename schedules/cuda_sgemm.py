@@ -4,8 +4,10 @@ SGEMM written out in TIR (the classic double-buffered register-blocked kernel).
 out[t, n, o] = sum_k a[t, n, k] * w[o, k] + b[o] for the M = T*N rows of all steps (N static, at
 least :data:`MIN_BATCH`; T a run-time size) and O outputs, K deep. A block computes a 128 x 128
 tile of M x O with 256 threads, 8 x 8 outputs a thread (rows ty*4 + i and 64 + ty*4 + i,
-columns tq*4 + j and 64 + tq*4 + j, ty, tq = divmod(thread, 16), i, j < 4: each operand's
-16-byte register loads are shared by a warp's threads, 64 FMAs a thread for 4 of them). K goes
+columns tq*4 + j and 64 + tq*4 + j, i, j < 4, for the thread's place (ty, tq) in a 16 x 16
+grid whose warps cover 4 x 8 patches: each operand's 16-byte register loads are shared by a
+warp's threads, 64 FMAs a thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16 were
+slower in whole sequences, H200, docs/benchmarks.md). K goes
 in chunks of :data:`BK` through shared memory stored k-major, double-buffered: the next
 chunk's global loads (16 bytes a thread an operand) are issued before the current chunk's
 products and stored to the other buffer after them, so one barrier a chunk suffices and the
