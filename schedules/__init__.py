@@ -35,8 +35,7 @@ ROLES = ("gemm", "elementwise")
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
     ("cuda", "gemm"): [cuda_small_batch_gemv.RULE, cuda_gemv.RULE, cuda_sgemm.RULE,
-                       cuda_tiled_gemm.RULE,
-                       cuda_matmul.RULE, cuda_gemm_simple.RULE],
+                       cuda_tiled_gemm.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],

@@ -35,7 +35,7 @@ from ._rule import Rule
 MIN_BATCH = 32
 #: Rows of M and of O a block's tile.
 TILE = 128
-#: K a chunk through shared memory.
+#: K a chunk through shared memory (a multiple of 8: a thread stages whole 16-byte vectors).
 BK = 8
 #: Threads a block (16 x 16, 8 x 8 outputs each).
 THREADS = 256
