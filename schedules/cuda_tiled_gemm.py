@@ -6,8 +6,8 @@ of all steps ([T, N, C] x [G*H, C]^T; T, when present, is a grid dimension, so a
 needs no bounds checks). At a smaller batch (1, 2, 4 or 8) the input projection of all steps
 comes in chunks of S steps (:func:`chunk_steps`; the lowering lays xp out so): a chunk's S*N
 rows are the tile rows, read from x through the component's "gemm_rows" block straight into
-shared memory. :mod:`.cuda_sgemm` comes first for the float32 input projection of all steps at
-batch >= 32 (O a multiple of 128, K of 16); this rule takes those it declines.
+shared memory. :mod:`.cuda_sgemm` comes first for float32 projections (of all steps and of one
+step) at batch >= 32 with O a multiple of 128 and K of 16; this rule takes those it declines.
 
 A block computes a BN x BO tile of one step's output, TM x TO outputs a thread (8 x 4 by
 default: 8 rows of a, read as two 16-byte vectors that a warp's threads mostly share, and 4

@@ -274,14 +274,14 @@ def test_float16_input_projection_on_tensor_cores(cell, input_size, hidden, batc
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
     ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16"),
-    ("lstm", 32, 256, 32, "float32"), ("gru", 16, 512, 64, "float16"),  # these two: split-K
+    ("gru", 32, 320, 64, "float32"), ("gru", 16, 512, 64, "float16"),  # these two: split-K
     ("gru", 40, 128, 64, "float32")])  # 64 x 128 tiles of all steps' input projections
 def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rng):
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype)
     rules = module.metadata["schedule"]["rules"]
-    assert rules["recurrent_gemm"] == "cuda.tiled_gemm"
-    sgemm = dtype == "float32" and (cell, hidden) == ("lstm", 256)  # O = 1024, C = 32
-    assert rules["input_gemm"] == ("cuda.sgemm" if sgemm else "cuda.tiled_gemm")
+    assert rules["input_gemm"] == "cuda.tiled_gemm"  # sgemm: O or K off its tiles, or float16
+    sgemm = (dtype, hidden) == ("float32", 128)  # each step's [64, 128] x [384, 128]^T
+    assert rules["recurrent_gemm"] == ("cuda.sgemm" if sgemm else "cuda.tiled_gemm")
     for steps, initial in ((1, True), (37, True), (5, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
@@ -289,12 +289,15 @@ def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rn
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
     ("lstm", 32, 256, 32), ("gru", 48, 128, 64), ("rnn_tanh", 16, 128, 33),
-    ("rnn_relu", 160, 256, 96)])
-def test_sgemm_input_projection_matches_reference(cell, input_size, hidden, batch, rng):
-    """The 128 x 128 SGEMM of all steps' input projections, with T*N rows that fill no tile
-    (T = 1), part of the last (T = 37) or whole tiles (T = 100 at N = 32 or 64)."""
+    ("rnn_relu", 160, 256, 96), ("lstm", 32, 32, 40)])
+def test_sgemm_matches_reference(cell, input_size, hidden, batch, rng):
+    """The SGEMM of all steps' input projections, with T*N rows that fill no 128-row tile
+    (T = 1), part of the last (T = 37) or whole tiles (T = 100 at N = 32 or 64); and of each
+    step's recurrent projection, in 64-row tiles (N = 96: one and a half) and 1 to 4 slices
+    of K (hidden 32, 128, 256)."""
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off")
-    assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.sgemm"
+    rules = module.metadata["schedule"]["rules"]
+    assert rules["input_gemm"] == rules["recurrent_gemm"] == "cuda.sgemm"
     for steps, initial in ((1, True), (37, False), (100, True)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"

@@ -11,6 +11,7 @@ from tvm import s_tir, tirx
 import rnncc
 from helpers import TOL_F32, check_against_reference
 from rnncc import schedules
+from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
 from rnncc.lowering import sequence
 from rnncc.schedules._rule import Rule
@@ -56,7 +57,8 @@ def test_unfused_step_is_several_kernels():
 
 def test_cuda_gemm_rule_choice():
     t_len = tirx.Var("T", "int64")
-    cases = [((1,), 512, 2048, "cuda.gemv"), ((64,), 512, 2048, "cuda.tiled_gemm"),
+    cases = [((1,), 512, 2048, "cuda.gemv"), ((64,), 512, 2048, "cuda.sgemm"),
+             ((64,), 320, 960, "cuda.tiled_gemm"),
              ((t_len, 64), 512, 2048, "cuda.sgemm"), ((t_len, 64), 40, 2048, "cuda.tiled_gemm"),
              ((64,), 33, 99, "cuda.matmul"),
              ((t_len, 1), 256, 2048, "cuda.matmul"), ((1,), 1, 4, "cuda.gemm_simple")]
@@ -66,48 +68,83 @@ def test_cuda_gemm_rule_choice():
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
 
 
-def test_sgemm_takes_large_batch_float32_projections_of_all_steps():
+def test_sgemm_takes_large_batch_float32_projections():
     from rnncc.schedules import cuda_sgemm
 
     t_len = tirx.Var("T", "int64")
-    for lead, k, o in [((t_len, 64), 1024, 4096), ((t_len, 32), 16, 128), ((t_len, 33), 48, 384)]:
-        assert cuda_sgemm.sizes(comp.gemm(lead, k, o, "rows", "float32")) == (lead[1], k, o)
+    taken = [((t_len, 64), 1024, 4096), ((t_len, 32), 16, 128), ((t_len, 33), 48, 384),
+             ((64,), 1024, 4096), ((33,), 48, 384), ((96,), 256, 1024)]
+    for lead, k, o in taken:
+        product = cuda_sgemm.sizes(comp.gemm(lead, k, o, "rows", "float32"))
+        assert product == cuda_sgemm.Product(lead[-1], k, o, len(lead) == 2), lead
     declined = [((t_len, 16), 1024, 4096, "rows", "float32"),  # batch under 32 (chunks)
+                ((16,), 1024, 4096, "rows", "float32"),
                 ((t_len, 64), 1024, 4000, "rows", "float32"),  # O not whole tiles
-                ((t_len, 64), 1032, 4096, "rows", "float32"),  # K not whole pairs of chunks
-                ((64,), 1024, 4096, "rows", "float32"),  # one step (the tiled rule's split-K)
+                ((64,), 1032, 4096, "rows", "float32"),  # K not whole pairs of chunks
                 ((t_len * 64,), 1024, 4096, "rows", "float32"),  # flat rows
                 ((t_len, 64), 1024, 4096, "cols", "float32"),
-                ((t_len, 64), 1024, 4096, "rows", "float16")]
+                ((64,), 1024, 4096, "rows", "float16")]
     for lead, k, o, weights, dtype in declined:
         assert cuda_sgemm.apply(comp.gemm(lead, k, o, weights, dtype), CUDA) is None, lead
 
 
-def test_sgemm_is_double_buffered_with_one_barrier_a_chunk():
+@pytest.mark.parametrize("batch, depth, outputs, splits", [
+    (64, 1024, 4096, 8), (64, 1536, 6144, 8), (64, 1024, 3072, 16), (64, 2048, 6144, 8),
+    (96, 256, 1024, 4), (33, 128, 128, 2), (40, 32, 128, 1)])
+def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits):
+    """One step's product: 64-row tiles of 128 threads, K in slices (the four standard batch-64
+    sizes as measured best, H200) of whole pairs of chunks, at least MIN_SLICE deep, the grid
+    within SPLIT_BLOCKS; the slices go to a workspace that a second kernel sums in order with
+    the bias."""
+    from rnncc.schedules import cuda_sgemm
+
+    product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
+    assert product.splits == splits
+    tiles = -(-batch // cuda_sgemm.STEP_TILE) * outputs // cuda_sgemm.TILE
+    assert splits == 1 or tiles * splits <= cuda_sgemm.SPLIT_BLOCKS
+    assert depth % (splits * 2 * cuda_sgemm.BK) == 0
+    assert splits == 1 or depth // splits >= cuda_sgemm.MIN_SLICE
+    func = cuda_sgemm.kernel(product).with_attr("global_symbol", "step")
+    source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
+    bodies = kernel_bodies(source.inspect_source())
+    assert len(bodies) == (2 if splits > 1 else 1)
+    assert "__launch_bounds__(128) step_kernel(" in source.inspect_source()
+    if splits > 1:
+        assert "blockIdx.z" in bodies["step_kernel"]
+        (total,) = [body for name, body in bodies.items() if name != "step_kernel"]
+        assert total.count("slices_ptr[") == splits and "b_ptr" in total
+
+
+@pytest.mark.parametrize("lead, pairs", [(("T", 64), 64), ((64,), 8)], ids=["all_steps", "step"])
+def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs):
     """Two shared tiles an operand (k-major, rows padded), 16-byte loads, one barrier a chunk
     (TVM's barrier insertion adds none of its own), and registers for two blocks of 256
-    threads a multiprocessor, no spills (ptxas, via nvcc)."""
+    threads (all steps) or four of 128 (one step) a multiprocessor, no spills (ptxas, via
+    nvcc). K = 1024: 64 pairs of chunks, or 8 in each of one step's 8 slices."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_sgemm
 
-    t_len = tirx.Var("T", "int64")
-    result = schedules.schedule(comp.gemm((t_len, 64), 1024, 4096, "rows", "float32"), CUDA,
-                                "gemm")
+    lead = tuple(tirx.Var("T", "int64") if d == "T" else d for d in lead)
+    gemm = comp.gemm(lead, 1024, 4096, "rows", "float32")
+    result = schedules.schedule(gemm, CUDA, "gemm")
     assert result.rule == "cuda.sgemm"
+    product = cuda_sgemm.sizes(gemm)
     func = result.func.with_attr("global_symbol", "sgemm")
     source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
     source = source.inspect_source()
     shared = re.findall(r"__shared__ alignas\(\d+\) float (\w+)_ptr\[(\d+)\]", source)
-    size = (cuda_sgemm.BK - 1) * (cuda_sgemm.TILE + cuda_sgemm.PAD) + cuda_sgemm.TILE
-    assert sorted(shared) == [(f"{op}_s{j}", str(size)) for op in "aw" for j in range(2)]
-    loop = source.split("for (int c = 0; c < 64; ++c)")[1]  # K = 1024 in 64 pairs of chunks
+    sizes = {op: (cuda_sgemm.BK - 1) * (tile + cuda_sgemm.PAD) + tile
+             for op, tile in (("a", product.tile_rows), ("w", cuda_sgemm.TILE))}
+    assert sorted(shared) == [(f"{op}_s{j}", str(sizes[op])) for op in "aw" for j in range(2)]
+    loop = source.split(f"for (int c = 0; c < {pairs}; ++c)")[1]
     assert loop.count("__syncthreads()") == 2  # one a chunk
     assert source.count("__syncthreads()") == 3  # and one after the first chunk's stores
     assert loop.count("*(float4*)(af_ptr") == 2 * 2 * cuda_sgemm.BK
     _, report = compile_cubin(source, "sm_90")
-    (kernel,) = report.values()
+    kernel = report["sgemm_kernel"]
     assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
-    assert kernel["registers"] <= 65536 // (2 * cuda_sgemm.THREADS)
+    blocks = 2 if product.all_steps else 4
+    assert kernel["registers"] <= 65536 // (blocks * product.threads)
 
 
 @pytest.mark.parametrize("lead", [(64,), ("T", 96)], ids=["step", "all_steps"])
