@@ -1,6 +1,8 @@
-"""The input projection of all steps alone at small batch: the component as `rnncc compile`
-schedules it against cuBLAS (`torch.addmm`), both CUDA-graph captured, T = 100, C = H, TF32
-off; outputs checked against float64 first. Run on a GPU machine from the repository root:
+"""The input projection of all steps alone: the component as `rnncc compile` schedules and
+builds it (nvcc, as deployed modules; TVM alone would use NVRTC with other ptxas options and
+fast math, which gave this rule's kernels 141 registers instead of 128 and other speeds)
+against cuBLAS (`torch.addmm`), both CUDA-graph captured, T = 100, C = H, TF32 off; outputs
+checked against float64 first. Run on a GPU machine from the repository root:
 
     python3 benchmarks/input_projection.py
 
@@ -14,6 +16,8 @@ from tvm import tirx
 
 from rnncc import cells, schedules
 from rnncc.bench import _graph_ms
+from rnncc.compiler import pipeline
+from rnncc.compiler.cuda_binary import nvcc_callback
 from rnncc.lowering import components as comp
 from rnncc.lowering import sequence
 from rnncc.spec import Options, Problem
@@ -35,7 +39,9 @@ def measure(target, cell, hidden, batch, dtype):
     lead = (tirx.Var("M", "int64"),) if layout.flat_rows else (tirx.Var("T", "int64"), batch)
     func = comp.gemm(lead, hidden, rows, "rows", dtype, chunk=chunk)
     scheduled = schedules.schedule(func, target, "gemm")
-    mod = tvm.compile(tvm.IRModule({"main": scheduled.func}), target=target).mod
+    with nvcc_callback(target.attrs["arch"], {}):
+        mod = tvm.compile(tvm.IRModule({"main": scheduled.func}), target=target,
+                          tir_pipeline=pipeline.register()).mod
     tdt = getattr(torch, dtype)
     a = torch.randn(STEPS, batch, hidden, device="cuda").to(tdt)
     w = (torch.randn(rows, hidden, device="cuda") / hidden ** 0.5).to(tdt)
