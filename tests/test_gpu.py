@@ -143,9 +143,27 @@ def test_float16_persistent_matches_reference_and_repeats_exactly(sync, rng):
         np.testing.assert_array_equal(module(x, packed)[0], first)
 
 
+@pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
+def test_float16_tensor_cores_match_reference_and_repeat_exactly(sync, rng):
+    """Products on tensor cores (mma.sync): batch 7 of the instruction's 8 rows, H = 1000 (K
+    padded to 1024 with zeros), each exchange of h."""
+    module = rnncc.compile("lstm", 33, 1000, 7, target="cuda", dtype="float16",
+                           knobs={"warps": 4, "mma": True, "sync": sync})
+    assert module.metadata["schedule"]["persistent"]["plan"]["mma"]
+    check_across_steps(module, rng)
+    w = {k: v.astype("float16") for k, v in random_weights(rng, 4, 33, 1000).items()}
+    x = rng.standard_normal((100, 7, 33)).astype("float16")
+    packed = module.pack(w)
+    assert packed.entry == "persistent"
+    first = module(x, packed)[0]
+    for _ in range(20):
+        np.testing.assert_array_equal(module(x, packed)[0], first)
+
+
 def test_float16_persistent_ten_thousand_steps(rng):
     module = compiled("lstm", 64, 1024, 4, "cuda", dtype="float16")
     assert module.metadata["schedule"]["kind"] == "persistent"
+    assert module.metadata["schedule"]["persistent"]["plan"]["mma"]  # on tensor cores
     assert check_against_reference(module, rng, 10000, True) < TOL["float16"]
 
 

@@ -312,6 +312,24 @@ class TestPersistentBuild:
         assert module.metadata["schedule"]["kind"] == "sequence"
         assert module.metadata["schedule"]["persistent"] == {"reason": "persistent=off"}
 
+    def test_float16_tensor_core_kernel(self):
+        """Products as mma.sync (16 a chunk of K), no butterfly over the lanes, four block
+        barriers a step as on the CUDA cores, no spills."""
+        from rnncc.compiler.cuda_binary import cooperative_kernels, kernel_bodies
+
+        module = rnncc.compile("lstm", 33, 1000, 7, target="cuda", dtype="float16",
+                               knobs={"warps": 4, "mma": True, "sync": "barrier"})
+        plan_ = module.metadata["schedule"]["persistent"]["plan"]
+        assert plan_["mma"] and plan_["rows_per_warp"] == 8 and plan_["chunks"] == 4
+        source = module.source("cuda")
+        (name,) = cooperative_kernels(source)
+        loop = kernel_bodies(source)[name].split("for (int64_t t = (int64_t)0; t < T; ++t)")[1]
+        assert loop.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 16 * 4
+        assert "rnncc_shfl_xor" not in loop
+        assert loop.count("__syncthreads()") == 4
+        report = module.metadata["ptxas"][name]
+        assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0
+
     @pytest.mark.parametrize("sync", ["tagged", "barrier"])
     def test_float16_kernel_builds_without_spills(self, sync):
         from rnncc.compiler.cuda_binary import cooperative_kernels
@@ -326,6 +344,49 @@ class TestPersistentBuild:
         assert report["spill_stores"] == report["stack"] == 0 and report["registers"] > 64
         assert f"{name}(half* __restrict__ b_hh_ptr" in source  # half weights and biases
         assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.matmul"
+
+
+def test_tensor_cores_for_float16_warps_of_eight_rows():
+    """float16, 8 rows a warp, at most 8 batch rows a group, at least MMA_MIN_CHUNKS chunks of
+    K and no fused input: products on tensor cores, whose freed registers take weight chunks
+    from shared memory; h's float16 fragments fit next to them. Anything else: None."""
+    from rnncc.schedules.persistent import planner, tensor_cores
+
+    base = plan(4, 2048, 4, "float16", H100, states=2)
+    assert (base.rows_per_warp, base.chunks, base.smem_chunks) == (8, 8, 5)
+    mma = tensor_cores(base, "float16", 4, H100)
+    assert mma.mma and not base.mma
+    assert mma.reg_chunks > base.reg_chunks
+    assert mma.reg_chunks + mma.smem_chunks == base.reg_chunks + base.smem_chunks
+    assert mma.smem_bytes == (mma.smem_chunks * mma.chunk_bytes
+                              + planner.mma_staging_bytes(mma, 4)) <= H100.smem_per_block
+    assert mma.reg_estimate <= 255 - mma.reg_margin
+    assert tensor_cores(base, "float32", 4, H100) is None
+    assert tensor_cores(base, "float16", 9 * base.batch_groups, H100) is None
+    small = plan(4, 512, 2, "float16", H100, states=2, batch_groups=2)
+    assert small.rows_per_warp == 8 and small.chunks < planner.MMA_MIN_CHUNKS
+    assert tensor_cores(small, "float16", 2, H100) is None
+    assert tensor_cores(plan(3, 1100, 5, "float16", H100), "float16", 5, H100) is None  # RW 4
+    fused = fuse_input(plan(4, 1024, 1, "float32", H100, states=2), 4, 1024, 1, H100)
+    assert tensor_cores(dataclasses.replace(fused, vec=8), "float16", 1, H100) is None
+
+
+def test_mma_knob():
+    """``mma``: None (where tensor cores apply), True (or the plan is unfit, saying why) or
+    False; anything else is refused."""
+    from rnncc import cells
+    from rnncc.compiler import driver
+    from rnncc.spec import Problem
+
+    with pytest.raises(ConfigError, match="mma must be true or false, got 'yes'"):
+        driver.check_knobs({"mma": "yes"})
+    lstm = Problem(cells.get("lstm"), 2048, 2048, 4, "float16")
+    assert driver.plan_with_knobs(lstm, H100, {}, 24).mma
+    assert not driver.plan_with_knobs(lstm, H100, {"mma": False}, 24).mma
+    fp32 = Problem(cells.get("lstm"), 32, 1024, 1, "float32")
+    with pytest.raises(Unfit, match=r"mma=True, but .* this plan has float32, 5 rows a warp, "
+                                    r"1 batch row\(s\) a group, 8 chunk\(s\) of K$"):
+        driver.plan_with_knobs(fp32, H100, {"mma": True}, 24)
 
 
 @pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [
@@ -449,6 +510,8 @@ def test_knob_candidates_follow_the_driver():
     assert candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4), H100) == []
     small = candidates(Problem(rnncc.cells.get("lstm"), 256, 256, 4), H100)
     assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
+    half = candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4, "float16"), H100)
+    assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())

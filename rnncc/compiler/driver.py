@@ -54,7 +54,8 @@ def _options(options: dict) -> Options:
 #: unrolling of the loop over the weight chunks in shared memory, the rows of x a group of
 #: the fused input projection (0: the input projection is a separate GEMM), and the batch
 #: groups (a divisor of N: the grid split into that many groups, a slice of the batch each).
-KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "batch_groups")
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "batch_groups",
+         "mma")
 SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
@@ -89,14 +90,26 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
                 raise
     found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
     rows = knobs.get("input_rows")
-    if rows == 0 or (rows is None and not fuses_input(problem)):
+    if rows != 0 and (rows is not None or fuses_input(problem)):
+        fused = persistent.fuse_input(found, problem.gates, problem.input_size, problem.batch,
+                                      gpu, rows)
+        if fused is not None and not (rows is None and fused.input_slab
+                                      and problem.batch > FUSE_SLAB_MAX_BATCH):
+            found = fused
+    mma = knobs.get("mma")  # None: tensor cores wherever they apply
+    if mma is False:
         return found
-    fused = persistent.fuse_input(found, problem.gates, problem.input_size, problem.batch, gpu,
-                                  rows)
-    if fused is None or (rows is None and fused.input_slab
-                         and problem.batch > FUSE_SLAB_MAX_BATCH):
-        return found
-    return fused
+    tensor = persistent.tensor_cores(found, problem.dtype, problem.batch, gpu)
+    if tensor is None and mma:
+        mma_ = persistent.planner
+        raise persistent.Unfit(
+            f"mma=True, but tensor-core products need float16, {mma_.MMA_ROWS} rows a warp, at "
+            f"most {mma_.MMA_MAX_BATCH} batch rows a group, at least {mma_.MMA_MIN_CHUNKS} "
+            f"chunks of K and no fused input projection; this plan has {problem.dtype}, "
+            f"{found.rows_per_warp} rows a warp, {problem.batch // found.batch_groups} batch "
+            f"row(s) a group, {found.chunks} chunk(s) of K"
+            f"{' and a fused input projection' if found.fused else ''}")
+    return tensor or found
 
 
 #: The persistent kernel computes its input projections itself by default (float32, where
@@ -154,6 +167,8 @@ def check_knobs(knobs) -> dict:
         raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
     if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
         raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
+    if not isinstance(knobs.get("mma", False), bool):
+        raise ConfigError(f"mma must be true or false, got {knobs['mma']!r}")
     for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
                       ("batch_groups", 1)):
         value = knobs.get(name, low)

@@ -254,12 +254,20 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
     """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC] (B: the
     blocks of one batch group, which all groups share): block b,
     warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
-    r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside)."""
+    r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside).
+    A plan on tensor cores (``plan.mma``, RW = 8) keeps the shape and holds the mma's B
+    fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 16 k-steps) and
+    c = e % 4, row r = w*RW + l // 4 and k = i*256 + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2)."""
     w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
     shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.chunks, rw, 32, vec))
 
     def value(b, wp, i, q, lane, v):
+        if plan.mma:
+            e = q * vec + v
+            c = e % 4
+            k = i * (32 * vec) + e // 4 * 16 + lane % 4 * 2 + c % 2 + c // 2 * 8
+            return _block_row(w, gates, hidden, hidden, u, b, wp * rw + lane // 4, k, dtype)
         return _block_row(w, gates, hidden, hidden, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
                           dtype)
 

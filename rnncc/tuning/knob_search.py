@@ -2,7 +2,8 @@
 
 Candidates are the planner's default, a starting point (a nearby configuration's tuned knobs),
 each synchronisation variant, each number of batch groups, smaller grids, other block sizes,
-more weights in shared memory, and the input projection fused or not; knobs that give the same
+more weights in shared memory, the input projection fused or not, and the products on tensor
+cores or not (float16); knobs that give the same
 plan are measured once. Candidates build in parallel (one process each, the machine's cores);
 each is then run in a separate measuring process on fresh random inputs, its output checked
 against the float64 reference (a wrong result is rejected with its error) and only then timed
@@ -51,6 +52,7 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
         tries += [{"max_blocks": blocks, "sync": s} for s in ("tagged", "barrier")]
     tries += [{"warps": w} for w in WARPS]
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
+    tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
     if base.smem_chunks > 1:
         tries += [{"unroll": base.smem_chunks}]
     out, seen = [], set()

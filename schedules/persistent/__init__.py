@@ -6,6 +6,6 @@ split; ``kernel`` generates the cooperative kernel that loops over time. The inp
 of all steps runs first, as one GEMM (the non-persistent schedule's stage).
 """
 
-from .planner import GPU, Plan, Unfit, fuse_input, gpu_for_arch, plan
+from .planner import GPU, Plan, Unfit, fuse_input, gpu_for_arch, plan, tensor_cores
 
-__all__ = ["GPU", "Plan", "Unfit", "fuse_input", "gpu_for_arch", "plan"]
+__all__ = ["GPU", "Plan", "Unfit", "fuse_input", "gpu_for_arch", "plan", "tensor_cores"]

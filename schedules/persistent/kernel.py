@@ -16,7 +16,10 @@ per step, each block:
    then, for a streaming plan, global memory) by the matching chunks of h, for every batch
    row; accumulation in float32;
 4. reduces over the 32 lanes with a halving butterfly (each exchange halves the values a lane
-   carries, so RW*N sums cost about RW*N shuffles instead of 5*RW*N);
+   carries, so RW*N sums cost about RW*N shuffles instead of 5*RW*N). A float16 plan on tensor
+   cores (``plan.mma``, planner: "Tensor cores") does 3 and 4 as ``mma.sync`` instructions
+   instead, from h staged in float16 fragments (``hs16``), in :data:`MMA_CHAINS` independent
+   accumulators;
 5. applies the cell to its (unit, batch) pairs: gates from the sums plus b_hh and the
    prefetched input projections, the states kept in registers across steps; writes
    h_t to y[t] and to the other half of the h ping-pong buffer;
@@ -160,6 +163,10 @@ def _fast_sigmoid(x):
 #: (``tanh.approx.f32``, 2 ** -11 relative) gave output errors of 5e-6, too near the 1e-5 bound.
 FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
 
+#: Independent accumulators of the tensor-core products (k-step f adds into f % MMA_CHAINS,
+#: summed in a fixed order at the end): one chain would make each mma wait for the previous.
+MMA_CHAINS = 4
+
 
 def _block_loop(emit, ind: str, count: int, threads: int, unroll: bool = False) -> str:
     """Emit ``for e in ...`` that spreads ``count`` items over the block's threads (unrolled
@@ -240,8 +247,16 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     i1 = " " * 8
     if kr:
         emit(f'{i1}wreg = T.sblock_alloc_buffer(({kr * rw * vec},), "{dt}", scope="local")')
-    emit(f'{i1}acc = T.sblock_alloc_buffer(({acc_n},), "float32", scope="local")')
-    emit(f'{i1}hv = T.sblock_alloc_buffer(({n_ * vec},), "float32", scope="local")')
+    mma = p.mma
+    if mma:  # the mma's A fragment (h), B fragment (weights) and sums (see planner)
+        emit(f'{i1}af = T.sblock_alloc_buffer((8,), "float16", scope="local")')
+        emit(f'{i1}wb = T.sblock_alloc_buffer((4,), "{dt}", scope="local")')
+        emit(f'{i1}dacc = T.sblock_alloc_buffer(({4 * MMA_CHAINS},), "float32", scope="local")')
+        emit(f'{i1}hs16 = T.sblock_alloc_buffer(({planner.MMA_ROWS * kp},), "float16", '
+             'scope="shared.dyn")')
+    else:
+        emit(f'{i1}acc = T.sblock_alloc_buffer(({acc_n},), "float32", scope="local")')
+        emit(f'{i1}hv = T.sblock_alloc_buffer(({n_ * vec},), "float32", scope="local")')
     emit(f'{i1}wv = T.sblock_alloc_buffer(({vec},), "{dt}", scope="local")')
     emit(f'{i1}gi = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
     emit(f'{i1}bh = T.sblock_alloc_buffer(({it_ * g_count},), "float32", scope="local")')
@@ -266,7 +281,8 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         fused_floats = 0
     # h_{t-1} for the products, then (once they are done) the gate sums: one buffer (first
     # the rows of x of the fused input projection)
-    emit(f'{i1}hs = T.sblock_alloc_buffer(({max(n_ * kp, wn * rw * n_, fused_floats)},), '
+    staged = 0 if mma else n_ * kp  # with tensor cores, h goes to hs16 instead
+    emit(f'{i1}hs = T.sblock_alloc_buffer(({max(staged, wn * rw * n_, fused_floats)},), '
          '"float32", scope="shared.dyn")')
     emit(f'{i1}for bx in T.thread_binding({p.blocks}, thread="blockIdx.x"):')
     emit(f'{i1}    for tx in T.thread_binding({threads}, thread="threadIdx.x"):')
@@ -292,6 +308,24 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
              f'{kr} + (e * {threads} + tx) * {vec} % {ks * per} // {per}, '
              f'(e * {threads} + tx) * {vec} % {per} // {32 * vec}, '
              f'(e * {threads} + tx) % 32, v]')
+
+    if mma:
+        # h's fragments: batch rows past N stay zero; so do the A registers of rows 8-15
+        _block_loop(emit, i3, planner.MMA_ROWS * kp, threads)
+        guard(i3 + "    ", f'e * {threads} + tx < {planner.MMA_ROWS * kp}')
+        emit(f'{i3}            hs16[e * {threads} + tx] = T.float16(0)')
+        emit(f'{i3}for c in T.unroll(8):')
+        emit(f'{i3}    af[c] = T.float16(0)')
+        emit(f'{i3}T.tvm_storage_sync("shared.dyn")')  # zeros before the first staging
+
+    def staged_h(e: str, value: str) -> str:
+        """The statement that stages element ``e`` (n = e // KP, k = e % KP) of h_{t-1}."""
+        if not mma:
+            return f"hs[{e}] = {value}"
+        n, k = f"({e}) // {kp}", f"({e}) % {kp}"
+        at = (f"(({k}) // 16 * 32 + {n} * 4 + ({k}) % 8 // 2) * 4 + ({k}) % 16 // 8 * 2 "
+              f"+ ({k}) % 2")
+        return f'hs16[{at}] = T.Cast("float16", {value})'
 
     def item(it):  # (valid, n, j) of the thread's it-th (unit, batch) pair
         e = f"({it} * {threads} + tx)"
@@ -333,22 +367,43 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         emit(f'{i4}                tv[i] = T.cuda.func_call("{GRID_WAIT}", {addr}, '
              f'T.Cast("uint64", t), source_code=GRID_WAIT_SRC, return_type="uint64")')
         guard(i4 + "        ", f'{e} < {total_h}')
-        emit(f'{i4}                hs[{e}] = T.reinterpret("float32", T.Cast("uint32", '
-             f'T.bitwise_and(tv[i], T.uint64({0xFFFFFFFF}))))')
+        emit(f'{i4}                ' + staged_h(e, 'T.reinterpret("float32", T.Cast('
+                                                 f'"uint32", T.bitwise_and(tv[i], '
+                                                 f'T.uint64({0xFFFFFFFF}))))'))
     else:
         _block_loop(emit, i4, total_h, threads)
         guard(i4 + "    ", f'e * {threads} + tx < {total_h}')
-        emit(f'{i4}            hs[e * {threads} + tx] = T.if_then_else('
-             f'(e * {threads} + tx) % {kp} < {h}, T.cuda.func_call("rnncc_ldcg", '
-             f'T.address_of(s0[t % 2, {nb}(e * {threads} + tx) // {kp}, '
-             f'T.min((e * {threads} + tx) % {kp}, {h - 1})]), source_code=LDCG, '
-             f'return_type="float32"), T.float32(0))')
+        emit(f'{i4}            ' + staged_h(
+            f"e * {threads} + tx", f'T.if_then_else((e * {threads} + tx) % {kp} < {h}, '
+            f'T.cuda.func_call("rnncc_ldcg", T.address_of(s0[t % 2, {nb}(e * {threads} + tx) '
+            f'// {kp}, T.min((e * {threads} + tx) % {kp}, {h - 1})]), source_code=LDCG, '
+            f'return_type="float32"), T.float32(0))'))
     emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
     # 3. products
-    emit(f'{i4}for a in T.unroll({acc_n}):')
-    emit(f'{i4}    acc[a] = T.float32(0)')
+    if mma:
+        emit(f'{i4}for a in T.unroll({4 * MMA_CHAINS}):')
+        emit(f'{i4}    dacc[a] = T.float32(0)')
+    else:
+        emit(f'{i4}for a in T.unroll({acc_n}):')
+        emit(f'{i4}    acc[a] = T.float32(0)')
 
     def products(chunk, weight, ind=i4):
+        if mma:  # wv: the B fragments of two k-steps of 16 (planner: "Tensor cores")
+            emit(f'{ind}    for q in T.unroll({rw}):')
+            weight(ind)
+            emit(f'{ind}        for s in T.unroll(2):')
+            at = f"((({chunk}) * {vec * 2} + q * 2 + s) * 32 + lane) * 4"
+            emit(f'{ind}            for v in T.vectorized(2):')
+            emit(f'{ind}                af[v] = hs16[{at} + v]')
+            emit(f'{ind}            for v in T.vectorized(2):')
+            emit(f'{ind}                af[4 + v] = hs16[{at} + 2 + v]')
+            emit(f'{ind}            for v in T.vectorized(4):')
+            emit(f'{ind}                wb[v] = wv[s * 4 + v]')
+            chain = f"(q * 2 + s) % {MMA_CHAINS} * 4"
+            emit(f'{ind}            T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", '
+                 f'"fp16", "fp16", "fp32", af.data, 0, wb.data, 0, dacc.data, {chain}, False, '
+                 'dtype="float32"))')
+            return
         emit(f'{ind}    for n in T.unroll({n_}):')
         emit(f'{ind}        for v in T.vectorized({vec}):')
         emit(f'{ind}            hv[n * {vec} + v] = '
@@ -384,14 +439,26 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         products(f"{kr + ks} + gc", lambda ind: (
             emit(f'{ind}        for v in T.vectorized({vec}):'),
             emit(f'{ind}            wv[v] = w[{blk}, warp, {kr + ks} + gc, q, lane, v]')))
-    # 4. halving butterfly over the lanes
-    length, base, free_bits = _butterfly(emit, "acc", acc_n, i4)
-    # The gate sums go where h_{t-1} was: wait until every warp's products have read it.
-    emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
-    for c in range(length):
-        idx = f"({base} + {c})"
-        guard(i4, f'T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}')
-        emit(f'{i4}        hs[(warp * {rw} + {idx} // {n_}) * {n_} + {idx} % {n_}] = acc[{c}]')
+    if mma:
+        # 4. the mma summed over k: lane l holds batch row l // 4 of rows (l % 4)*2 + {0, 1}.
+        # hs holds only the sums here, but shares the dynamic shared memory with hs16, so
+        # TVM's barrier insertion would add this barrier (before the sums) anyway.
+        emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
+        guard(i4, f'lane // 4 < {n_}')
+        for c in range(2):
+            total = " + ".join(f"dacc[{4 * m + c}]" for m in range(MMA_CHAINS))
+            emit(f'{i4}        hs[(warp * {rw} + lane % 4 * 2 + {c}) * {n_} + lane // 4] = '
+                 f'{total}')
+    else:
+        # 4. halving butterfly over the lanes
+        length, base, free_bits = _butterfly(emit, "acc", acc_n, i4)
+        # The gate sums go where h_{t-1} was: wait until every warp's products have read it.
+        emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
+        for c in range(length):
+            idx = f"({base} + {c})"
+            guard(i4, f'T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}')
+            emit(f'{i4}        hs[(warp * {rw} + {idx} // {n_}) * {n_} + {idx} % {n_}] = '
+                 f'acc[{c}]')
     emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
     # 5. the cell
     for it in range(it_):

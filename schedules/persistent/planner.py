@@ -35,6 +35,17 @@ for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15). Pa
 64 in 16 groups 3.59 us a step against 9.59 for the non-persistent schedule, GRU 512 in 8
 groups 10.42 against 15.79).
 
+Tensor cores (:func:`tensor_cores`; float16 weights, 8 rows a warp, at most 8 batch rows a
+group, at least :data:`MMA_MIN_CHUNKS` chunks of K, no fused input projection): a warp's
+products are ``mma.sync`` m16n8k16 instructions (float16 operands, float32 sums): the warp's 8
+rows are the instruction's N, the batch its M (rows past N are zeros), 16 k a step. Lane l
+holds, of each 16 k, the weights W[row l // 4][k0 + (l % 4)*2 + {0, 1, 8, 9}] (the
+instruction's B fragment; same registers and shared memory as the CUDA-core layout, another
+order), h_{t-1} is staged in float16 in the fragment order of A, and the instruction sums over
+k: no per-element conversion of the weights and no reduction over the lanes, and the registers
+of the CUDA cores' accumulators hold weights instead. h is rounded to float16 for the product
+(as cuDNN's float16 RNNs keep it); the sums, the cell and the states stay float32.
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -104,6 +115,7 @@ class Plan:
     input_chunks: int = 0  # KC, 16-byte chunks of a row of W_ih (fused input projection)
     input_slab: int = 0  # KSL, chunks of W_ih a slab through W_hh's shared memory; 0: resident
     batch_groups: int = 1  # NG, groups of blocks a batch slice each (see "Batch groups")
+    mma: bool = False  # products on tensor cores (see "Tensor cores")
 
     @property
     def group_blocks(self) -> int:
@@ -257,6 +269,50 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
         return None
     return replace(p, input_rows=found[0], input_chunks=in_chunks, input_slab=slab,
                    smem_bytes=found[1])
+
+
+#: Tensor-core products: a warp's rows (the mma's N) and the most batch rows a group (its M
+#: holds 16; rows 8-15 would need a second pair of A registers).
+MMA_ROWS, MMA_MAX_BATCH = 8, 8
+#: Registers the tensor-core products need: 4 chains of 4 sums, A and B fragments.
+MMA_REGS = 24
+#: Fewest K chunks (of 256 float16 values) a row for tensor cores: with fewer, a warp's few
+#: mma instructions leave their latency exposed (H200, us/step, CUDA cores / tensor cores: LSTM
+#: 2048 N=4 6.76 / 4.85 (8 chunks), LSTM 1024 N=4 2.88 / 2.61 (4); LSTM 512 N=2 1.24 / 1.51
+#: (2), LSTM 256 N=1 1.04 / 1.12 (1)).
+MMA_MIN_CHUNKS = 4
+
+
+def mma_staging_bytes(p: Plan, batch: int) -> int:
+    """Shared memory for h_{t-1} in float16 fragment order (8 batch rows, zeros past N), and
+    the gates' sums (float32) in a buffer of their own."""
+    return 2 * MMA_ROWS * p.chunks * 32 * p.vec + 4 * p.warps * p.rows_per_warp * batch
+
+
+def tensor_cores(p: Plan, dtype: str, batch: int, gpu: GPU) -> Plan | None:
+    """``p`` with its products on tensor cores (see "Tensor cores"), or None where they do not
+    apply: float16 storage, :data:`MMA_ROWS` rows a warp, at most :data:`MMA_MAX_BATCH` batch
+    rows a group (``batch``: all groups), no fused input projection, and shared memory for h's
+    float16 fragments. The registers the CUDA-core products needed for their accumulators
+    and h (RW*N and 4*N) hold further weight chunks instead (fewer in shared memory)."""
+    local = batch // p.batch_groups
+    if (dtype != "float16" or p.rows_per_warp != MMA_ROWS or local > MMA_MAX_BATCH
+            or p.fused or p.chunks < MMA_MIN_CHUNKS):
+        return None
+    per_chunk = p.rows_per_warp * p.vec * 2 // 4
+    fixed = (p.reg_estimate - p.reg_chunks * per_chunk - _next_pow2(p.rows_per_warp * local)
+             - 4 * local + MMA_REGS)
+    limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // p.threads) - p.reg_margin
+    held = p.reg_chunks + p.smem_chunks
+    reg_chunks = max(p.reg_chunks, min(held, (limit - fixed) // per_chunk))
+    smem_chunks = held - reg_chunks
+    staging = _staging_bytes(local, p.chunks, p.vec, p.warps, p.rows_per_warp)
+    smem = (p.smem_bytes - staging + mma_staging_bytes(p, local)
+            - (p.smem_chunks - smem_chunks) * p.chunk_bytes)
+    if smem > gpu.smem_per_block:
+        return None
+    return replace(p, mma=True, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
+                   reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem)
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
