@@ -369,6 +369,8 @@ def test_tensor_cores_for_float16_warps_of_eight_rows():
     assert tensor_cores(plan(3, 1100, 5, "float16", H100), "float16", 5, H100) is None  # RW 4
     fused = fuse_input(plan(4, 1024, 1, "float32", H100, states=2), 4, 1024, 1, H100)
     assert tensor_cores(dataclasses.replace(fused, vec=8), "float16", 1, H100) is None
+    streaming = dataclasses.replace(base, smem_chunks=4, global_chunks=1)
+    assert tensor_cores(streaming, "float16", 4, H100) is None
 
 
 def test_mma_knob():

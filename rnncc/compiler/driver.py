@@ -105,10 +105,11 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         raise persistent.Unfit(
             f"mma=True, but tensor-core products need float16, {mma_.MMA_ROWS} rows a warp, at "
             f"most {mma_.MMA_MAX_BATCH} batch rows a group, at least {mma_.MMA_MIN_CHUNKS} "
-            f"chunks of K and no fused input projection; this plan has {problem.dtype}, "
-            f"{found.rows_per_warp} rows a warp, {problem.batch // found.batch_groups} batch "
-            f"row(s) a group, {found.chunks} chunk(s) of K"
-            f"{' and a fused input projection' if found.fused else ''}")
+            f"chunks of K, no fused input projection and no streamed chunks; this plan has "
+            f"{problem.dtype}, {found.rows_per_warp} rows a warp, "
+            f"{problem.batch // found.batch_groups} batch row(s) a group, {found.chunks} "
+            f"chunk(s) of K{', a fused input projection' if found.fused else ''}"
+            f"{', streamed chunks' if found.global_chunks else ''}")
     return tensor or found
 
 
