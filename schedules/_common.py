@@ -1,8 +1,19 @@
-"""Small helpers shared by the rules: loop nests of a PrimFunc and their sizes."""
+"""Small helpers shared by the rules: loop nests of a PrimFunc and their sizes, and the
+PrimFuncs that rules write as TVMScript text."""
 
 from __future__ import annotations
 
 from tvm import s_tir
+from tvm.script import tirx as T
+
+
+def prim_func_from_text(text: str, **names):
+    """The PrimFunc that TVMScript ``text`` defines, with ``T`` (``tvm.script.tirx``) and
+    ``names`` in scope. The one place the rules call TVM's TVMScript parser entry
+    (``tvm.script.parser.core.entry.parse``, an internal module of TVM 0.27)."""
+    from tvm.script.parser.core.entry import parse
+
+    return parse(text, extra_vars={"T": T, **names})
 
 
 def loop_nests(sch: s_tir.Schedule):

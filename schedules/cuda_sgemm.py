@@ -34,10 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import s_tir
-from tvm.script import tirx as T
-from tvm.script.parser.core.entry import parse
 
-from ._common import gemm_blocks, static_extent, weights_are_rows
+from ._common import gemm_blocks, prim_func_from_text, static_extent, weights_are_rows
 from ._rule import Rule
 
 #: Fewest batch rows a step this rule takes (below, the chunked projections of
@@ -278,7 +276,7 @@ def _sum_slices(n_: int, o_: int, splits: int) -> list[str]:
 
 def kernel(product: Product):
     """The kernel(s) as a PrimFunc with the gemm component's parameters (a, w, b, out)."""
-    return parse(source(product), extra_vars={"T": T})
+    return prim_func_from_text(source(product))
 
 
 def apply(func, target):

@@ -47,12 +47,11 @@ from __future__ import annotations
 import math
 
 from tvm import tirx
-from tvm.script import tirx as T
-from tvm.script.parser.core.entry import parse
 
 from rnncc.cells import ops
 from rnncc.compiler.pipeline import FLAG_BARRIER, GRID_LOAD, GRID_STORE, GRID_WAIT
 
+from .._common import prim_func_from_text
 from . import planner
 from .planner import Plan
 
@@ -673,9 +672,9 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         return cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
 
     text = source(cell, hidden, batch, p, name, dtype, chunk, input_size)
-    extra_vars = {"T": T, "apply_cell": apply_cell, "BARRIER": BARRIER_SOURCE,
-                  "SHFL": SHFL_SOURCE, "LDCG": LDCG_SOURCE,
-                  "GRID_LOAD_SRC": GRID_LOAD_SOURCE, "GRID_STORE_SRC": GRID_STORE_SOURCE,
-                  "GRID_WAIT_SRC": GRID_WAIT_SOURCE}
     with ops.lowered_with(FAST_FUNCTIONS):
-        return parse(text, extra_vars=extra_vars)
+        return prim_func_from_text(text, apply_cell=apply_cell, BARRIER=BARRIER_SOURCE,
+                                   SHFL=SHFL_SOURCE, LDCG=LDCG_SOURCE,
+                                   GRID_LOAD_SRC=GRID_LOAD_SOURCE,
+                                   GRID_STORE_SRC=GRID_STORE_SOURCE,
+                                   GRID_WAIT_SRC=GRID_WAIT_SOURCE)
