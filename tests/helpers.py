@@ -50,10 +50,11 @@ def check_across_steps(module, rng):
         assert err < TOL[module.dtype], f"T={steps}: relative error {err:.3e}"
 
 
-def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True):
+def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True, entry=None):
     """Assert that ``repeats`` more runs of ``module`` on one fresh input of ``steps`` steps
     (weights packed once, or passed as arrays each call) give the first run's y bit for bit:
-    a race between blocks shows as run-to-run differences."""
+    a race between blocks shows as run-to-run differences. ``entry``: the schedule the packed
+    weights must run ("persistent" or "sequence")."""
     from conftest import random_weights
 
     dt = module.dtype
@@ -61,6 +62,8 @@ def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True):
         rng, rnncc.cells.get(module.cell).gates, module.input_size, module.hidden_size).items()}
     x = rng.standard_normal((steps, module.batch, module.input_size)).astype(dt)
     weights = module.pack(w) if pack else w
+    if entry is not None:
+        assert weights.entry == entry
     first = module(x, weights)[0]
     for _ in range(repeats):
         np.testing.assert_array_equal(module(x, weights)[0], first)

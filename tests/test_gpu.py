@@ -151,13 +151,7 @@ def test_float16_tensor_cores_match_reference_and_repeat_exactly(sync, rng):
                            knobs={"warps": 4, "mma": True, "sync": sync})
     assert module.metadata["schedule"]["persistent"]["plan"]["mma"]
     check_across_steps(module, rng)
-    w = {k: v.astype("float16") for k, v in random_weights(rng, 4, 33, 1000).items()}
-    x = rng.standard_normal((100, 7, 33)).astype("float16")
-    packed = module.pack(w)
-    assert packed.entry == "persistent"
-    first = module(x, packed)[0]
-    for _ in range(20):
-        np.testing.assert_array_equal(module(x, packed)[0], first)
+    check_repeats_exactly(module, rng, steps=100, entry="persistent")
 
 
 def test_float16_persistent_ten_thousand_steps(rng):

@@ -101,10 +101,10 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         return found
     tensor = persistent.tensor_cores(found, problem.dtype, problem.batch, gpu)
     if tensor is None and mma:
-        mma_ = persistent.planner
+        planner = persistent.planner
         raise persistent.Unfit(
-            f"mma=True, but tensor-core products need float16, {mma_.MMA_ROWS} rows a warp, at "
-            f"most {mma_.MMA_MAX_BATCH} batch rows a group, at least {mma_.MMA_MIN_CHUNKS} "
+            f"mma=True, but tensor-core products need float16, {planner.MMA_ROWS} rows a warp, at "
+            f"most {planner.MMA_MAX_BATCH} batch rows a group, at least {planner.MMA_MIN_CHUNKS} "
             f"chunks of K, no fused input projection and no streamed chunks; this plan has "
             f"{problem.dtype}, {found.rows_per_warp} rows a warp, "
             f"{problem.batch // found.batch_groups} batch row(s) a group, {found.chunks} "

@@ -18,8 +18,8 @@ per step, each block:
 4. reduces over the 32 lanes with a halving butterfly (each exchange halves the values a lane
    carries, so RW*N sums cost about RW*N shuffles instead of 5*RW*N). A float16 plan on tensor
    cores (``plan.mma``, planner: "Tensor cores") does 3 and 4 as ``mma.sync`` instructions
-   instead, from h staged in float16 fragments (``hs16``), in :data:`MMA_CHAINS` independent
-   accumulators;
+   instead, from h staged in float16 fragments (``hs16``), in ``planner.MMA_CHAINS``
+   independent accumulators;
 5. applies the cell to its (unit, batch) pairs: gates from the sums plus b_hh and the
    prefetched input projections, the states kept in registers across steps; writes
    h_t to y[t] and to the other half of the h ping-pong buffer;
@@ -162,10 +162,6 @@ def _fast_sigmoid(x):
 #: (``tanh.approx.f32``, 2 ** -11 relative) gave output errors of 5e-6, too near the 1e-5 bound.
 FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
 
-#: Independent accumulators of the tensor-core products (k-step f adds into f % MMA_CHAINS,
-#: summed in a fixed order at the end): one chain would make each mma wait for the previous.
-MMA_CHAINS = 4
-
 
 def _block_loop(emit, ind: str, count: int, threads: int, unroll: bool = False) -> str:
     """Emit ``for e in ...`` that spreads ``count`` items over the block's threads (unrolled
@@ -246,11 +242,11 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     i1 = " " * 8
     if kr:
         emit(f'{i1}wreg = T.sblock_alloc_buffer(({kr * rw * vec},), "{dt}", scope="local")')
-    mma = p.mma
+    mma, chains = p.mma, planner.MMA_CHAINS
     if mma:  # the mma's A fragment (h), B fragment (weights) and sums (see planner)
         emit(f'{i1}af = T.sblock_alloc_buffer((8,), "float16", scope="local")')
         emit(f'{i1}wb = T.sblock_alloc_buffer((4,), "{dt}", scope="local")')
-        emit(f'{i1}dacc = T.sblock_alloc_buffer(({4 * MMA_CHAINS},), "float32", scope="local")')
+        emit(f'{i1}dacc = T.sblock_alloc_buffer(({4 * chains},), "float32", scope="local")')
         emit(f'{i1}hs16 = T.sblock_alloc_buffer(({planner.MMA_ROWS * kp},), "float16", '
              'scope="shared.dyn")')
     else:
@@ -380,7 +376,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
     # 3. products
     if mma:
-        emit(f'{i4}for a in T.unroll({4 * MMA_CHAINS}):')
+        emit(f'{i4}for a in T.unroll({4 * chains}):')
         emit(f'{i4}    dacc[a] = T.float32(0)')
     else:
         emit(f'{i4}for a in T.unroll({acc_n}):')
@@ -398,7 +394,7 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
             emit(f'{ind}                af[4 + v] = hs16[{at} + 2 + v]')
             emit(f'{ind}            for v in T.vectorized(4):')
             emit(f'{ind}                wb[v] = wv[s * 4 + v]')
-            chain = f"(q * 2 + s) % {MMA_CHAINS} * 4"
+            chain = f"(q * 2 + s) % {chains} * 4"
             emit(f'{ind}            T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", '
                  f'"fp16", "fp16", "fp32", af.data, 0, wb.data, 0, dacc.data, {chain}, False, '
                  'dtype="float32"))')
@@ -438,21 +434,21 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         products(f"{kr + ks} + gc", lambda ind: (
             emit(f'{ind}        for v in T.vectorized({vec}):'),
             emit(f'{ind}            wv[v] = w[{blk}, warp, {kr + ks} + gc, q, lane, v]')))
+    # 4. the sums over K: the mma's own (lane l holds batch row l // 4 of rows (l % 4)*2 +
+    # {0, 1}), else a halving butterfly over the lanes
+    if not mma:
+        length, base, free_bits = _butterfly(emit, "acc", acc_n, i4)
+    # The gate sums go where h_{t-1} was: wait until every warp's products have read it (with
+    # tensor cores h is in hs16, but it shares the dynamic shared memory with hs, so TVM's
+    # barrier insertion would add this barrier anyway).
+    emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
     if mma:
-        # 4. the mma summed over k: lane l holds batch row l // 4 of rows (l % 4)*2 + {0, 1}.
-        # hs holds only the sums here, but shares the dynamic shared memory with hs16, so
-        # TVM's barrier insertion would add this barrier (before the sums) anyway.
-        emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
         guard(i4, f'lane // 4 < {n_}')
         for c in range(2):
-            total = " + ".join(f"dacc[{4 * m + c}]" for m in range(MMA_CHAINS))
+            total = " + ".join(f"dacc[{4 * m + c}]" for m in range(chains))
             emit(f'{i4}        hs[(warp * {rw} + lane % 4 * 2 + {c}) * {n_} + lane // 4] = '
                  f'{total}')
     else:
-        # 4. halving butterfly over the lanes
-        length, base, free_bits = _butterfly(emit, "acc", acc_n, i4)
-        # The gate sums go where h_{t-1} was: wait until every warp's products have read it.
-        emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
         for c in range(length):
             idx = f"({base} + {c})"
             guard(i4, f'T.bitwise_and(lane, {free_bits}) == 0 and {idx} < {rw * n_}')

@@ -274,8 +274,12 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
 #: Tensor-core products: a warp's rows (the mma's N) and the most batch rows a group (its M
 #: holds 16; rows 8-15 would need a second pair of A registers).
 MMA_ROWS, MMA_MAX_BATCH = 8, 8
-#: Registers the tensor-core products need: 4 chains of 4 sums, A and B fragments.
-MMA_REGS = 24
+#: Independent accumulators of the tensor-core products (k-step f adds into f % MMA_CHAINS,
+#: summed in a fixed order at the end): one chain would make each mma wait for the previous.
+MMA_CHAINS = 4
+#: Registers the tensor-core products need: the chains' 4 sums each, the A (4) and B (2)
+#: fragments and their addresses (2).
+MMA_REGS = 4 * MMA_CHAINS + 8
 #: Fewest K chunks (of 256 float16 values) a row for tensor cores: with fewer, a warp's few
 #: mma instructions leave their latency exposed (H200, us/step, CUDA cores / tensor cores: LSTM
 #: 2048 N=4 6.76 / 4.85 (8 chunks), LSTM 1024 N=4 2.88 / 2.61 (4); LSTM 512 N=2 1.24 / 1.51
@@ -307,9 +311,7 @@ def tensor_cores(p: Plan, dtype: str, batch: int, gpu: GPU) -> Plan | None:
     held = p.reg_chunks + p.smem_chunks
     reg_chunks = max(p.reg_chunks, min(held, (limit - fixed) // per_chunk))
     smem_chunks = held - reg_chunks
-    staging = _staging_bytes(local, p.chunks, p.vec, p.warps, p.rows_per_warp)
-    smem = (p.smem_bytes - staging + mma_staging_bytes(p, local)
-            - (p.smem_chunks - smem_chunks) * p.chunk_bytes)
+    smem = smem_chunks * p.chunk_bytes + mma_staging_bytes(p, local)  # no fused projection
     if smem > gpu.smem_per_block:
         return None
     return replace(p, mma=True, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
