@@ -234,6 +234,26 @@ def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, inpu
     check_repeats_exactly(module, rng)
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, knobs", [
+    ("gru", 1024, 1024, 4, None), ("lstm", 1001, 257, 3, {"input_steps": 4, "sync": "tagged"}),
+    ("rnn_tanh", 33, 64, 1, {"input_steps": 8, "sync": "grid"}),
+    ("gru", 100, 129, 2, {"input_steps": 4, "sync": "barrier", "batch_groups": 2}),
+    ("gru", 1028, 1024, 4, {"input_steps": 5}),
+    ("rnn_relu", 7, 3, 4, {"input_steps": 1, "batch_groups": 1})])
+def test_overlapped_input_projection_matches_reference_and_repeats_exactly(
+        cell, input_size, hidden, batch, knobs, rng):
+    """The fused input projection overlapped with the time loop (by default for GRU 1024
+    N=4, eight steps a group; forced with ``input_steps``): every synchronisation variant, x copied
+    asynchronously (C % 4 == 0) or staged one element a load (odd C), slabs of K that pass
+    C, groups of steps that pass T (T = 1, 37, 100), batch groups, one step a group."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", tuning="off",
+                           knobs=knobs, persistent="on")
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["input_steps"] == (knobs or {}).get("input_steps", 8)
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng)
+
+
 @pytest.mark.parametrize("cell", rnncc.cells.names())
 @pytest.mark.parametrize("input_size, hidden, batch, knobs, dtype", [
     (33, 257, 6, {"batch_groups": 3}, "float32"),

@@ -8,7 +8,7 @@ import pytest
 import rnncc
 from conftest import has_nvcc
 from rnncc.errors import ConfigError
-from rnncc.schedules.persistent import Unfit, fuse_input, gpu_for_arch, plan
+from rnncc.schedules.persistent import Unfit, fuse_input, gpu_for_arch, overlap_input, plan
 
 H100 = gpu_for_arch("sm_90")
 
@@ -221,10 +221,11 @@ class TestPersistentBuild:
         assert expected in source
         (name,) = cooperative_kernels(source)  # one block a multiprocessor, as launched
         # four block barriers a step: after h's staging, on each side of the gate sums, after
-        # the exchange (the kernel's barriers are TVM storage syncs, so TVM adds none of its own
-        # next to them; it added four a step to the block-wide syncs of cta_sync)
+        # the exchange; the counter barrier's arrival follows a fifth (the kernel's barriers are
+        # TVM storage syncs, so TVM adds none of its own next to them; it added four a step to
+        # the block-wide syncs of cta_sync)
         loop = kernel_bodies(source)[name].split("for (int64_t t = (int64_t)0; t < T; ++t)")[1]
-        assert loop.count("__syncthreads()") == 4
+        assert loop.count("__syncthreads()") == 4 + (sync == "barrier")
         threads = schedule["persistent"]["plan"]["threads"]
         assert f"__launch_bounds__({threads}, 1) {name}(" in source
         if sync == "tagged":  # tagged words are read with acquire loads, never plain volatile
@@ -280,6 +281,33 @@ class TestPersistentBuild:
         else:
             assert plan_["input_rows"] == 0
 
+    @pytest.mark.parametrize("cell, input_size, hidden, batch, knobs", [
+        ("gru", 1024, 1024, 4, None), ("lstm", 1001, 257, 3, {"input_steps": 4, "sync": "tagged"})])
+    def test_overlapped_input_projection_builds(self, cell, input_size, hidden, batch, knobs):
+        """The slab's products sit between publishing h (the arrival at the counter barrier,
+        or the tagged stores) and waiting for the other blocks; x's slab copied with
+        ``cp.async`` where C % 4 == 0 (GRU 1024 N=4, by default), else staged; no spills."""
+        from rnncc.compiler.cuda_binary import cooperative_kernels, kernel_bodies
+
+        module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", knobs=knobs,
+                               tuning="off", persistent="on")
+        schedule = module.metadata["schedule"]
+        assert schedule["persistent"]["plan"]["input_steps"] == (knobs or {"input_steps": 8})[
+            "input_steps"]
+        assert schedule["rules"]["persistent"].endswith("+input")
+        source = module.source("cuda")
+        (name,) = cooperative_kernels(source)
+        report = module.metadata["ptxas"][name]
+        assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0
+        loop = kernel_bodies(source)[name].split("for (int64_t t = (int64_t)0; t < T; ++t)")[1]
+        products = loop.index("pacc_ptr[")
+        if knobs is None:
+            assert "cp.async.cg.shared.global" in source and "rnncc_cp_async(" in loop
+            assert loop.index("rnncc_grid_arrive(") < products < loop.index("rnncc_grid_barrier(")
+        else:
+            assert "cp.async" not in source
+            assert loop.index("rnncc_grid_store(") < products
+
     def test_narrow_inputs_keep_the_input_gemm(self):
         module = rnncc.compile("lstm", 256, 256, 4, target="cuda", tuning="off")
         assert module.metadata["schedule"]["persistent"]["plan"]["input_rows"] == 0
@@ -313,8 +341,8 @@ class TestPersistentBuild:
         assert module.metadata["schedule"]["persistent"] == {"reason": "persistent=off"}
 
     def test_float16_tensor_core_kernel(self):
-        """Products as mma.sync (16 a chunk of K), no butterfly over the lanes, four block
-        barriers a step as on the CUDA cores, no spills."""
+        """Products as mma.sync (16 a chunk of K), no butterfly over the lanes, five block
+        barriers a step as on the CUDA cores with the counter barrier, no spills."""
         from rnncc.compiler.cuda_binary import cooperative_kernels, kernel_bodies
 
         module = rnncc.compile("lstm", 33, 1000, 7, target="cuda", dtype="float16",
@@ -326,7 +354,7 @@ class TestPersistentBuild:
         loop = kernel_bodies(source)[name].split("for (int64_t t = (int64_t)0; t < T; ++t)")[1]
         assert loop.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 16 * 4
         assert "rnncc_shfl_xor" not in loop
-        assert loop.count("__syncthreads()") == 4
+        assert loop.count("__syncthreads()") == 5
         report = module.metadata["ptxas"][name]
         assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0
 
@@ -432,6 +460,92 @@ def test_fused_input_in_slabs_through_w_hh_shared_memory():
     assert tight.smem_chunks > 0 and fuse_input(tight, 3, 2048, 1, H100) is None
     streaming = plan(3, 2048, 4, "float32", H100, stream=True)
     assert streaming.global_chunks and fuse_input(streaming, 3, 16, 4, H100) is None
+
+
+def test_overlap_steps():
+    """S: the largest with S*N a multiple of 4 and at most 32 rows, else the smallest."""
+    from rnncc.schedules.persistent.planner import overlap_steps
+
+    steps = {1: 32, 2: 16, 3: 8, 4: 8, 5: 4, 7: 4, 8: 4, 12: 2, 16: 2, 32: 1, 33: 4}
+    assert {n: overlap_steps(n) for n in steps} == steps
+
+
+@pytest.mark.parametrize("input_size, steps, width", [(1024, None, 32), (1028, 5, 52),
+                                                      (7, 1, 2)])
+def test_overlapped_input_plans(input_size, steps, width):
+    """GRU 1024 N=4: the plan of the recurrent products kept; W_ih resident, S*N rows of x a
+    group, the K chunks cut into S slabs; within shared memory and the registers."""
+    base = plan(3, 1024, 4, "float32", H100, states=1)
+    over = overlap_input(base, 3, input_size, 4, H100, steps)
+    assert over is not None and over.fused and over.input_slab == 0
+    assert over.input_steps == (steps or 8) and over.input_rows == 4 * over.input_steps
+    assert over.input_chunks == -(-input_size // 4) and over.input_width == width
+    assert dataclasses.replace(over, input_rows=0, input_chunks=0, input_steps=0,
+                               smem_bytes=base.smem_bytes, reg_estimate=base.reg_estimate) == base
+    assert base.smem_bytes < over.smem_bytes <= H100.smem_per_block
+    assert base.reg_estimate < over.reg_estimate <= 255 - over.reg_margin
+    before = fuse_input(base, 3, input_size, 4, H100)  # the same projection before the loop
+    assert before.input_steps == 0 and before.input_width == before.input_chunks
+
+
+def test_overlapped_input_plans_that_do_not_fit():
+    """None: S*N not a multiple of 4, float16, streamed weights, or accumulators that do not
+    fit in the registers (LSTM 1024 N=4 with the default margin; without it they fit)."""
+    gru = plan(3, 1024, 4, "float32", H100, states=1)
+    assert overlap_input(gru, 3, 1024, 4, H100, 3).input_rows == 12
+    assert overlap_input(plan(3, 1024, 1, "float32", H100), 3, 1024, 1, H100, 3) is None
+    assert overlap_input(plan(3, 1024, 4, "float16", H100), 3, 1024, 4, H100) is None
+    streaming = plan(3, 2048, 4, "float32", H100, stream=True)
+    assert streaming.global_chunks and overlap_input(streaming, 3, 1024, 4, H100) is None
+    lstm = plan(4, 1024, 4, "float32", H100, states=2)
+    assert overlap_input(lstm, 4, 1024, 4, H100) is None
+    assert overlap_input(dataclasses.replace(lstm, reg_margin=0), 4, 1024, 4, H100, 4)
+
+
+def test_input_steps_knob():
+    """Overlapped where it fits when neither input knob is given (GRU 1024 N=4);
+    ``input_steps=0`` keeps the projection before the loop, ``input_rows=0`` the separate
+    GEMM; a forced S that does not fit is unfit, saying why; both knobs are refused."""
+    from rnncc import cells
+    from rnncc.compiler import driver
+    from rnncc.spec import Problem
+
+    gru = Problem(cells.get("gru"), 1024, 1024, 4, "float32")
+    assert driver.plan_with_knobs(gru, H100, {}, 24).input_steps == 8
+    assert driver.plan_with_knobs(gru, H100, {"input_steps": 4}, 24).input_steps == 4
+    before = driver.plan_with_knobs(gru, H100, {"input_steps": 0}, 24)
+    assert before.input_steps == 0 and before.fused
+    assert not driver.plan_with_knobs(gru, H100, {"input_rows": 0}, 24).fused
+    lstm = Problem(cells.get("lstm"), 1024, 1024, 4, "float32")  # registers: before the loop
+    assert driver.plan_with_knobs(lstm, H100, {}, 24).input_steps == 0
+    one = Problem(cells.get("gru"), 1024, 1024, 1, "float32")
+    with pytest.raises(Unfit, match=r"input_steps=3, but .* this plan has N=1$"):
+        driver.plan_with_knobs(one, H100, {"input_steps": 3}, 24)
+    with pytest.raises(ConfigError, match=r"input_rows=8 and input_steps=4: give input_rows"):
+        driver.check_knobs({"input_rows": 8, "input_steps": 4})
+    with pytest.raises(ConfigError, match="input_steps must be an integer from 0 to 4096"):
+        driver.check_knobs({"input_steps": -1})
+    assert driver.check_knobs({"input_rows": 8, "input_steps": 0})
+
+
+def test_overlapped_plan_that_spills_is_built_before_the_loop(monkeypatch):
+    from types import SimpleNamespace
+
+    from rnncc.compiler import driver
+
+    built = []
+
+    def build(problem, opts, tspec, plan, why, notes, applied):
+        built.append(plan)
+        return SimpleNamespace(plan=plan, why=why, notes=list(notes))
+
+    monkeypatch.setattr(driver, "_build", build)
+    monkeypatch.setattr(driver, "_persistent_spills",
+                        lambda m: ["kernel"] if m.plan.input_steps else [])
+    module = driver.compile_module("gru", 1024, 1024, 4, target="cuda", tuning="off")
+    assert [p.input_steps for p in built] == [8, 0]
+    assert module.plan.fused and module.plan.input_rows > 0
+    assert any("overlapped (8 steps a group) spilled" in n for n in module.notes)
 
 
 @pytest.mark.parametrize("gates, hidden, batch, groups", [

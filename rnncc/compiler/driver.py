@@ -52,10 +52,12 @@ def _options(options: dict) -> Options:
 #: a cap on the grid (so more hidden units a block), the warps a block, the registers kept
 #: free under the limit (more moves weight chunks from registers to shared memory), the
 #: unrolling of the loop over the weight chunks in shared memory, the rows of x a group of
-#: the fused input projection (0: the input projection is a separate GEMM), and the batch
-#: groups (a divisor of N: the grid split into that many groups, a slice of the batch each).
-KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "batch_groups",
-         "mma")
+#: the fused input projection before the time loop (0: the input projection is a separate
+#: GEMM), the steps a group of the fused input projection overlapped with the time loop (0:
+#: not overlapped), the batch groups (a divisor of N: the grid split into that many groups, a
+#: slice of the batch each), and the products on tensor cores.
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
+         "batch_groups", "mma")
 SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
@@ -89,13 +91,30 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
             if i == len(tries) - 1:
                 raise
     found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
-    rows = knobs.get("input_rows")
-    if rows != 0 and (rows is not None or fuses_input(problem)):
-        fused = persistent.fuse_input(found, problem.gates, problem.input_size, problem.batch,
-                                      gpu, rows)
-        if fused is not None and not (rows is None and fused.input_slab
-                                      and problem.batch > FUSE_SLAB_MAX_BATCH):
-            found = fused
+    rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
+    if steps:  # forced overlapped
+        fused = persistent.overlap_input(found, problem.gates, problem.input_size,
+                                         problem.batch, gpu, steps)
+        if fused is None:
+            raise persistent.Unfit(
+                f"input_steps={steps}, but the overlapped input projection needs S*N (N a batch "
+                f"group) a multiple of {persistent.planner.X_GROUPS}, no streamed chunks, and "
+                "W_ih's rows, its accumulators and x's slabs held on-chip next to W_hh; this "
+                f"plan has N={problem.batch // found.batch_groups}"
+                f"{', streamed chunks' if found.global_chunks else ''}")
+        found = fused
+    elif rows != 0 and (rows is not None or fuses_input(problem)):
+        fused = None
+        if rows is None and steps is None:  # overlapped where it fits
+            fused = persistent.overlap_input(found, problem.gates, problem.input_size,
+                                             problem.batch, gpu)
+        if fused is None:
+            fused = persistent.fuse_input(found, problem.gates, problem.input_size,
+                                          problem.batch, gpu, rows)
+            if fused is not None and rows is None and fused.input_slab \
+                    and problem.batch > FUSE_SLAB_MAX_BATCH:
+                fused = None
+        found = fused or found
     mma = knobs.get("mma")  # None: tensor cores wherever they apply
     if mma is False:
         return found
@@ -171,10 +190,15 @@ def check_knobs(knobs) -> dict:
     if not isinstance(knobs.get("mma", False), bool):
         raise ConfigError(f"mma must be true or false, got {knobs['mma']!r}")
     for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
-                      ("batch_groups", 1)):
+                      ("input_steps", 0), ("batch_groups", 1)):
         value = knobs.get(name, low)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
             raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")
+    if knobs.get("input_steps") and knobs.get("input_rows") is not None:
+        raise ConfigError(f"input_rows={knobs['input_rows']} and input_steps="
+                          f"{knobs['input_steps']}: give input_rows (the fused input projection "
+                          "before the time loop, 0: the separate GEMM) or input_steps (fused and "
+                          "overlapped with the time loop), not both")
     return knobs
 
 
@@ -223,10 +247,16 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
         spills = _persistent_spills(module)
         if not spills:
             return module
+        if plan.input_steps and not knobs.get("input_steps"):  # before the loop instead
+            notes.append(f"persistent plan with its input projection overlapped ("
+                         f"{plan.input_steps} steps a group) spilled ({spills}); built with it "
+                         "before the time loop")
+            knobs = {**knobs, "input_steps": 0}
+            continue
         if plan.fused:  # the same plan with the separate input GEMM first
             notes.append(f"persistent plan with its input projection fused ({plan.input_rows} "
                          f"rows a group) spilled ({spills}); built with the input GEMM")
-            knobs = {**knobs, "input_rows": 0}
+            knobs = {k: v for k, v in knobs.items() if k != "input_steps"} | {"input_rows": 0}
             continue
         spilled.add(chunks)
         notes.append(f"persistent plan with {plan.reg_estimate} estimated registers spilled "

@@ -21,6 +21,7 @@ DYN_SHARED = "tirx.use_dyn_shared_memory"
 MIN_BLOCKS = "tirx.launch_bounds_min_blocks_per_sm"
 #: rnncc's device functions that wait on other blocks (rnncc.schedules.persistent.kernel):
 #: every device function whose name starts with "rnncc_grid_" makes a kernel cooperative.
+FLAG_ARRIVE = "rnncc_grid_arrive"
 FLAG_BARRIER = "rnncc_grid_barrier"
 GRID_LOAD = "rnncc_grid_load"
 GRID_STORE = "rnncc_grid_store"

@@ -52,6 +52,7 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
         tries += [{"max_blocks": blocks, "sync": s} for s in ("tagged", "barrier")]
     tries += [{"warps": w} for w in WARPS]
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
+    tries += [{"input_steps": 0}, {"input_steps": 4}, {"input_steps": 8}]
     tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
     if base.smem_chunks > 1:
         tries += [{"unroll": base.smem_chunks}]

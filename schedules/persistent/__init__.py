@@ -3,9 +3,11 @@
 ``planner`` decides from the cell, the sizes, the dtype and the GPU whether the weights fit in
 the registers and shared memory of one block a multiprocessor, and picks the grid and the
 split; ``kernel`` generates the cooperative kernel that loops over time. The input projection
-of all steps runs first, as one GEMM (the non-persistent schedule's stage).
+of all steps runs first, as one GEMM (the non-persistent schedule's stage), or inside the
+kernel: before its time loop, or overlapped with it (planner: "Fused input projection").
 """
 
-from .planner import GPU, Plan, Unfit, fuse_input, gpu_for_arch, plan, tensor_cores
+from .planner import GPU, Plan, Unfit, fuse_input, gpu_for_arch, overlap_input, plan, tensor_cores
 
-__all__ = ["GPU", "Plan", "Unfit", "fuse_input", "gpu_for_arch", "plan", "tensor_cores"]
+__all__ = ["GPU", "Plan", "Unfit", "fuse_input", "gpu_for_arch", "overlap_input", "plan",
+           "tensor_cores"]

@@ -1,8 +1,9 @@
 """The persistent kernel, generated as TVMScript for one cell, size and plan.
 
 One launch runs all T steps. With a fused input projection (``plan.input_rows``), each block
-first computes the input projections of its rows for all steps (:func:`_fused_input`). Then,
-per step, each block:
+first computes the input projections of its rows for all steps (:class:`_InputProjection`),
+or, overlapped (``plan.input_steps``), for the first group of steps only. Then, per step, each
+block:
 
 1. prefetches the input projections of its (unit, batch) pairs for step t;
 2. stages h_{t-1} [N, H] (float32) in shared memory. With ``sync="tagged"`` (the default)
@@ -24,7 +25,10 @@ per step, each block:
    prefetched input projections, the states kept in registers across steps; writes
    h_t to y[t] and to the other half of the h ping-pong buffer;
 6. with a barrier variant, waits at the grid barrier, so that every block's h_t is visible
-   before step t+1. Every variant spins on other blocks, so the launch is cooperative: all
+   before step t+1 (the counter barrier in two halves: the block arrives, then waits). An
+   overlapped input projection computes a slab of a later group of steps between publishing
+   h_t (the tagged stores, or the arrival) and the wait, where the block would otherwise
+   idle. Every variant spins on other blocks, so the launch is cooperative: all
    blocks resident, or the driver refuses the launch (never a hang).
 
 With batch groups (``plan.batch_groups`` NG > 1; planner: "Batch groups") block bx runs batch
@@ -49,7 +53,7 @@ import math
 from tvm import tirx
 
 from rnncc.cells import ops
-from rnncc.compiler.pipeline import FLAG_BARRIER, GRID_LOAD, GRID_STORE, GRID_WAIT
+from rnncc.compiler.pipeline import FLAG_ARRIVE, FLAG_BARRIER, GRID_LOAD, GRID_STORE, GRID_WAIT
 
 from .._common import prim_func_from_text
 from . import planner
@@ -74,20 +78,23 @@ def _acquire_load(name: str, ctype: str, bits: int, ordering: bool) -> str:
             "  return value;\n}\n")
 
 
-# Release on arrival (the block's stores of h_t, ordered by the block barrier, are visible
-# before its count), acquire while waiting, as cooperative groups' grid sync does on sm_70+;
-# the block then waits for its thread 0 at the kernel's next block barrier.
+# The counter barrier, in two halves that thread 0 calls: the arrival, after a block barrier
+# (so the block's stores of h_t are ordered before it), releases (they are visible before its
+# count); the wait acquires, as cooperative groups' grid sync does on sm_70+; the block then
+# waits for its thread 0 at the kernel's next block barrier. Between the two the block may
+# work on what needs no other block (the overlapped input projection).
 # A full fence (``__threadfence``) before a plain atomic and after the wait cost up to 0.3 us
 # a step more (H200, 64-128 blocks).
+ARRIVE_SOURCE = f"""
+__device__ __forceinline__ void {FLAG_ARRIVE}(unsigned int* counter) {{
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+}}
+"""
 BARRIER_SOURCE = "\n" + _acquire_load("rnncc_acquire_u32", "unsigned int", 32, True) + f"""\
 __device__ __forceinline__ void {FLAG_BARRIER}(unsigned int* counter, unsigned int target) {{
-  __syncthreads();
-  if (threadIdx.x == 0) {{
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
-    long long start = clock64();
-    while (rnncc_acquire_u32(counter) < target) {{
-      if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
-    }}
+  long long start = clock64();
+  while (rnncc_acquire_u32(counter) < target) {{
+    if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
   }}
 }}
 """
@@ -133,6 +140,22 @@ __device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_
 LDCG_SOURCE = """
 __device__ __forceinline__ float rnncc_ldcg(const float* address) {
   return __ldcg(address);
+}
+"""
+
+# An asynchronous copy of 16 bytes from global to shared memory (``cp.async``, sm_80+): zeros
+# where ``bytes`` is 0 (then nothing is read). The overlapped input projection copies the next
+# slab's x while the step runs, so its slab does not wait on memory.
+CP_ASYNC_SOURCE = """
+__device__ __forceinline__ void rnncc_cp_async(float* shared, const float* global, int bytes) {
+  unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(global),
+               "r"(bytes) : "memory");
+}
+"""
+CP_WAIT_SOURCE = """
+__device__ __forceinline__ void rnncc_cp_async_wait() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
 }
 """
 
@@ -270,12 +293,17 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         if not p.input_slab:  # else W_ih goes through wsm
             emit(f'{i1}wis = T.sblock_alloc_buffer(({kc * rl * planner.ROW_GROUPS * vec},), '
                  f'"{dt}", scope="shared.dyn")')
-        fused_floats = sn * max((p.input_slab or kc) * vec + 4,
-                                wn * (rl * planner.ROW_GROUPS + 1))
+        sums_floats = sn * wn * (rl * planner.ROW_GROUPS + 1)
+        if p.input_steps:  # x's slabs in a buffer of their own
+            emit(f'{i1}xsl = T.sblock_alloc_buffer(({sn * (p.input_width * vec + 4)},), '
+                 '"float32", scope="shared.dyn")')
+            fused_floats = sums_floats
+        else:
+            fused_floats = max(sn * (p.input_width * vec + 4), sums_floats)
     else:
         fused_floats = 0
-    # h_{t-1} for the products, then (once they are done) the gate sums: one buffer (first
-    # the rows of x of the fused input projection)
+    # h_{t-1} for the products, then (once they are done) the gate sums: one buffer (also
+    # for the rows of x of the fused input projection, and its warps' sums)
     staged = 0 if mma else n_ * kp  # with tensor cores, h goes to hs16 instead
     emit(f'{i1}hs = T.sblock_alloc_buffer(({max(staged, wn * rw * n_, fused_floats)},), '
          '"float32", scope="shared.dyn")')
@@ -284,8 +312,10 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     i3 = " " * 16
     emit(f'{i3}warp = T.meta_var(tx // 32)')
     emit(f'{i3}lane = T.meta_var(tx % 32)')
-    if fused:
-        _fused_input(emit, guard, cell, hidden, n_, p, input_size, i3, blk, nb)
+    proj = _InputProjection(emit, guard, cell, hidden, n_, p, input_size, blk, nb) if fused \
+        else None
+    if proj:
+        proj.before_loop(i3)
     # weights into registers and shared memory, once
     if kr:
         emit(f'{i3}for i in T.unroll({kr}):')
@@ -343,6 +373,9 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
         guard(i4, valid)
         for g in range(g_count):
             emit(f'{i4}        gi[{it * g_count + g}] = xp[{step}, {nb}{n}, {g * h} + {j}]')
+    overlap = proj is not None and p.input_steps
+    if overlap:  # the copies of this step's slab of x
+        proj.start_copies(i4)
     # 2. stage h_{t-1}
     total_h = n_ * kp
     if tagged:
@@ -471,14 +504,26 @@ def source(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
                  f'source_code=GRID_STORE_SRC)')
         for k in range(states):
             emit(f'{i4}        st[{it * states + k}] = new[{k}]')
-    # 6. grid barrier (the tagged exchange needs none: only the block's own threads sync)
-    if tagged:
-        emit(f'{i4}T.tvm_storage_sync("shared.dyn")')
-    elif p.sync == "grid":
-        emit(f'{i4}T.cuda.grid_sync()')
+    # 6. h_t is published (the tagged words) or arrives at the counter barrier; then the
+    # overlapped input projection's slab (needs no other block); then the wait for the other
+    # blocks' h_t (the tagged exchange waits in the next step's staging)
+    if tagged or p.sync == "grid":
+        if overlap:
+            proj.wait(i4)
+            emit(f'{i4}T.tvm_storage_sync("shared.dyn")')  # the cell has read the sums
+            proj.in_loop(i4)
+        emit(f'{i4}T.tvm_storage_sync("shared.dyn")' if tagged else f'{i4}T.cuda.grid_sync()')
     else:
-        emit(f'{i4}T.cuda.func_call("{FLAG_BARRIER}", '
-             f'T.address_of(cnt[{0 if ng == 1 else f"bx // {b_}"}]), '
+        counter = f'T.address_of(cnt[{0 if ng == 1 else f"bx // {b_}"}])'
+        if overlap:
+            proj.wait(i4)
+        emit(f'{i4}T.tvm_storage_sync("shared.dyn")')  # every h_t stored before the arrival
+        guard(i4, "tx == 0")
+        emit(f'{i4}        T.cuda.func_call("{FLAG_ARRIVE}", {counter}, source_code=ARRIVE)')
+        if overlap:
+            proj.in_loop(i4)
+            guard(i4, "tx == 0")
+        emit(f'{i4}        T.cuda.func_call("{FLAG_BARRIER}", {counter}, '
              f'T.Cast("uint32", (t + 1) * {b_}), source_code=BARRIER)')
         emit(f'{i4}T.tvm_storage_sync("shared.dyn")')  # the block waits for its thread 0
     # final states other than h
@@ -530,123 +575,239 @@ def input_weight_shape(cell, p: Plan) -> tuple:
 FUSED_UNROLL = 4
 
 
-def _fused_input(emit, guard, cell, hidden: int, batch: int, p: Plan, input_size: int,
-                 ind: str, blk: str, nb: str) -> None:
-    """Emit the fused input projection (planner: "Fused input projection"). ``batch``: the
+class _InputProjection:
+    """Emits the fused input projection (planner: "Fused input projection"): the block's rows
+    of W_ih (packed [B, KC, RL, 8, VEC]) by groups of SN rows m = t*N + n of x. ``batch``: the
     block's group's N, whose rows start at ``nb``; ``blk``: the block whose weights it holds.
-    For each slab of W_ih's K chunks (one, all of them, where W_ih's rows stay in shared
-    memory; else each is copied into W_hh's shared memory first) and each group of SN rows
-    m = t*N + n of x: stage them (the slab's columns) in shared memory (float32, zero past C
-    and past T*N, rows padded by 16 bytes so the 4 x groups' loads hit different banks); warp
-    w multiplies its range of the slab's K chunks, lane (x group xg, row group rg) rows
-    r = rg*RL + q of W_ih by rows m = 4*s + xg of x; the warps' sums go through shared memory
-    ([Wn, SN, 8*RL + 1], padded: a stride of SN floats made 16-way bank conflicts, 1.7x slower
-    on an H200), and thread i adds them up for outputs (n, r) = divmod(i, R) and writes
-    xp[t, n, g*H + j] = sum + b_ih[g*H + j] (later slabs add to it)."""
-    g_count, h, n_, vec = cell.gates, hidden, batch, p.vec
-    u_, threads, sn, kc, c = p.units, p.threads, p.input_rows, p.input_chunks, input_size
-    wn, r_ = p.warps, g_count * p.units
-    rl, rg_n = planner.fused_row_split(p, g_count), planner.ROW_GROUPS
-    snl = sn // planner.X_GROUPS
-    ksl = p.input_slab or kc  # K chunks a slab
-    slabs = -(-kc // ksl)
-    wbuf = "wsm" if p.input_slab else "wis"
-    xstride = ksl * vec + 4
-    rp = rl * rg_n + 1  # a row of the warps' sums [Wn, SN, 8*RL + 1], padded against conflicts
-    cw = -(-ksl // wn)  # K chunks a warp
-    rows = f"T_len * {n_}"
-    rg, xg = f"(lane % {rg_n})", f"(lane // {rg_n})"
-    # the slab's W_ih rows into shared memory (the first group's barrier orders them; the last
-    # group's barrier keeps the next slab from overwriting rows still read)
-    if p.input_slab:
-        emit(f'{ind}for sl in range({slabs}):')
-        ind += "    "
-        first = f"sl * {ksl} + "
-    else:
-        first = ""
-    total = ksl * rl * rg_n * vec
-    e = _block_loop(emit, ind, total // vec, threads)
-    emit(f'{ind}    for v in T.vectorized({vec}):')
-    guard(ind + "        ", f'{e} * {vec} < {total}')
-    cidx = f"{first}{e} // {rl * rg_n}"
-    if kc % ksl:  # the last slab's chunks past KC are zero
-        value = (f'T.if_then_else({cidx} < {kc}, wi[{blk}, T.min({cidx}, {kc - 1}), '
-                 f'{e} // {rg_n} % {rl}, {e} % {rg_n}, v], T.Cast(wi.dtype, 0))')
-    else:
-        value = f'wi[{blk}, {cidx}, {e} // {rg_n} % {rl}, {e} % {rg_n}, v]'
-    emit(f'{ind}                {wbuf}[{e} * {vec} + v] = {value}')
-    emit(f'{ind}for m0 in range(({rows} + {sn - 1}) // {sn}):')
-    i5 = ind + "    "
-    # stage SN rows of x: 16-byte vectors where C keeps them aligned, else one element each
-    step = vec if c % vec == 0 else 1
-    width = ksl * vec // step
-    slots = sn * width
-    e = _block_loop(emit, i5, slots, threads, unroll=True)
-    r, k = f"{e} // {width}", f"{e} % {width} * {step}"
-    col = f"sl * {ksl * vec} + {k}" if p.input_slab else k
-    m = f"m0 * {sn} + {r}"
-    inner = i5 + "    "
-    if slots % threads:
-        guard(inner, f"{e} < {slots}")
-        inner += "        "
-    emit(f'{inner}with T.If({col} < {c} and {m} < {rows}):')
-    emit(f'{inner}    with T.Then():')
-    emit(f'{inner}        for v in T.vectorized({step}):')
-    emit(f'{inner}            hs[{r} * {xstride} + {k} + v] = T.Cast("float32", '
-         f'x[({m}) // {n_}, {nb}({m}) % {n_}, {col} + v])')
-    emit(f'{inner}    with T.Else():')
-    emit(f'{inner}        for v in T.vectorized({step}):')
-    emit(f'{inner}            hs[{r} * {xstride} + {k} + v] = T.float32(0)')
-    emit(f'{i5}T.tvm_storage_sync("shared.dyn")')
-    emit(f'{i5}for a in T.unroll({rl * snl}):')
-    emit(f'{i5}    pacc[a] = T.float32(0)')
-    unroll = max(d for d in range(1, min(FUSED_UNROLL, cw) + 1) if cw % d == 0)
-    emit(f'{i5}for co in range({cw // unroll}):')
-    emit(f'{i5}    for cu in T.unroll({unroll}):')
-    i6 = i5 + "        "
-    chunk = f"(warp * {cw} + co * {unroll} + cu)"
-    if ksl % wn:
-        guard(i6, f"{chunk} < {ksl}")
-        i6 += "        "
-    emit(f'{i6}for s in T.unroll({snl}):')
-    emit(f'{i6}    for v in T.vectorized({vec}):')
-    emit(f'{i6}        xv[s * {vec} + v] = hs[(s * {planner.X_GROUPS} + {xg}) * {xstride} + '
-         f'{chunk} * {vec} + v]')
-    emit(f'{i6}for q in T.unroll({rl}):')
-    emit(f'{i6}    for v in T.vectorized({vec}):')
-    emit(f'{i6}        wq[q * {vec} + v] = {wbuf}[(({chunk} * {rl} + q) * {rg_n} + {rg}) * {vec} '
-         '+ v]')
-    emit(f'{i6}for q in T.unroll({rl}):')
-    emit(f'{i6}    for s in T.unroll({snl}):')
-    emit(f'{i6}        for v in T.unroll({vec}):')
-    emit(f'{i6}            pacc[q * {snl} + s] = pacc[q * {snl} + s] + '
-         f'T.Cast("float32", wq[q * {vec} + v]) * xv[s * {vec} + v]')
-    # the warps' sums where x was: [Wn, SN, 8*RL + 1]
-    emit(f'{i5}T.tvm_storage_sync("shared.dyn")')
-    emit(f'{i5}for q in T.unroll({rl}):')
-    emit(f'{i5}    for s in T.unroll({snl}):')
-    emit(f'{i5}        hs[(warp * {sn} + s * {planner.X_GROUPS} + {xg}) * {rp} + {rg} * {rl} + q] '
-         f'= pacc[q * {snl} + s]')
-    emit(f'{i5}T.tvm_storage_sync("shared.dyn")')
-    outs = r_ * sn
-    o = _block_loop(emit, i5, outs, threads, unroll=True)
-    n, row = f"({o} // {r_})", f"({o} % {r_})"
-    mm = f"(m0 * {sn} + {n})"
-    j = f"({blk} * {u_} + {row} % {u_})"
-    out = f"{row} // {u_} * {h} + {j}"
-    cond = f"{j} < {h} and {mm} < {rows}" + (f" and {o} < {outs}" if outs % threads else "")
-    guard(i5 + "    ", cond)
-    i7 = i5 + "            "
-    target = f"xp[{mm} // {n_}, {nb}{mm} % {n_}, {out}]"
-    start = f'T.Cast("float32", b_ih[{out}])'
-    if p.input_slab:  # later slabs add to what the earlier ones wrote
-        start = f"T.if_then_else(sl == 0, {start}, {target})"
-    emit(f'{i7}xs[0] = {start}')
-    emit(f'{i7}for w in T.unroll({wn}):')
-    emit(f'{i7}    xs[0] = xs[0] + hs[(w * {sn} + {n}) * {rp} + {row}]')
-    emit(f'{i7}{target} = xs[0]')
-    # the next group's rows go where these sums were; the time loop reads xp
-    emit(f'{i5}T.tvm_storage_sync("shared.dyn")')
+
+    A group's product over one width of K chunks (:attr:`Plan.input_width`: all of them, a
+    slab through W_hh's shared memory, or a slab of the overlapped projection): stage the SN
+    rows' columns in shared memory (float32, zero past C and past T*N, rows padded by 16 bytes
+    so the 4 x groups' loads hit different banks); warp w multiplies its range of the chunks,
+    lane (x group xg, row group rg) rows r = rg*RL + q of W_ih by rows m = 4*s + xg of x into
+    its accumulators. Then the warps' sums go through shared memory ([Wn, SN, 8*RL + 1],
+    padded: a stride of SN floats made 16-way bank conflicts, 1.7x slower on an H200), and
+    thread i adds them up for outputs (n, r) = divmod(i, R) and writes xp[t, n, g*H + j] =
+    sum + b_ih[g*H + j] (in slabs through W_hh's shared memory, later slabs add to it)."""
+
+    def __init__(self, emit, guard, cell, hidden: int, batch: int, p: Plan, input_size: int,
+                 blk: str, nb: str):
+        self.emit, self.guard, self.p, self.blk, self.nb = emit, guard, p, blk, nb
+        self.g_count, self.h, self.n_, self.c = cell.gates, hidden, batch, input_size
+        self.rl = planner.fused_row_split(p, cell.gates)
+        self.r_ = cell.gates * p.units
+        self.snl = p.input_rows // planner.X_GROUPS
+        self.ksl = p.input_width
+        self.wbuf = "wsm" if p.input_slab else "wis"
+        self.xstride = self.ksl * p.vec + 4
+        # overlapped, x's slab has its own buffer (h is staged meanwhile), filled by
+        # asynchronous copies where C keeps 16-byte vectors aligned
+        self.xbuf = "xsl" if p.input_steps else "hs"
+        self.copies = bool(p.input_steps) and input_size % p.vec == 0
+        self.cw = -(-self.ksl // p.warps)  # K chunks a warp
+        self.rows = f"T_len * {batch}"
+        self.rg = f"(lane % {planner.ROW_GROUPS})"
+        self.xg = f"(lane // {planner.ROW_GROUPS})"
+
+    def copy_w_ih(self, ind: str, first: str = "") -> None:
+        """W_ih's rows (the slab's, from chunk ``first``) into shared memory."""
+        p, emit, kc, rl, rg_n = self.p, self.emit, self.p.input_chunks, self.rl, planner.ROW_GROUPS
+        chunks = p.input_slab or kc
+        vec, total = p.vec, chunks * rl * rg_n * p.vec
+        e = _block_loop(emit, ind, total // vec, p.threads)
+        emit(f'{ind}    for v in T.vectorized({vec}):')
+        self.guard(ind + "        ", f'{e} * {vec} < {total}')
+        cidx = f"{first}{e} // {rl * rg_n}"
+        if kc % chunks:  # the last slab's chunks past KC are zero
+            value = (f'T.if_then_else({cidx} < {kc}, wi[{self.blk}, T.min({cidx}, {kc - 1}), '
+                     f'{e} // {rg_n} % {rl}, {e} % {rg_n}, v], T.Cast(wi.dtype, 0))')
+        else:
+            value = f'wi[{self.blk}, {cidx}, {e} // {rg_n} % {rl}, {e} % {rg_n}, v]'
+        emit(f'{ind}                {self.wbuf}[{e} * {vec} + v] = {value}')
+
+    def stage_x(self, ind: str, m0: str, sl: str | None) -> None:
+        """Stage the SN rows of group ``m0`` (columns of slab ``sl``; None: from 0): 16-byte
+        vectors where C keeps them aligned, else one element each; asynchronous copies where
+        :attr:`copies` (complete after :meth:`wait`)."""
+        if self.copies:
+            self.copy_x(ind, m0, sl)
+            return
+        p, emit, c, vec = self.p, self.emit, self.c, self.p.vec
+        step = vec if c % vec == 0 else 1
+        width = self.ksl * vec // step
+        slots = p.input_rows * width
+        e = _block_loop(emit, ind, slots, p.threads, unroll=True)
+        r, k = f"{e} // {width}", f"{e} % {width} * {step}"
+        col = f"{sl} * {self.ksl * vec} + {k}" if sl is not None else k
+        m = f"{m0} * {p.input_rows} + {r}"
+        inner = ind + "    "
+        if slots % p.threads:
+            self.guard(inner, f"{e} < {slots}")
+            inner += "        "
+        emit(f'{inner}with T.If({col} < {c} and {m} < {self.rows}):')
+        emit(f'{inner}    with T.Then():')
+        emit(f'{inner}        for v in T.vectorized({step}):')
+        emit(f'{inner}            {self.xbuf}[{r} * {self.xstride} + {k} + v] = T.Cast('
+             f'"float32", x[({m}) // {self.n_}, {self.nb}({m}) % {self.n_}, {col} + v])')
+        emit(f'{inner}    with T.Else():')
+        emit(f'{inner}        for v in T.vectorized({step}):')
+        emit(f'{inner}            {self.xbuf}[{r} * {self.xstride} + {k} + v] = T.float32(0)')
+
+    def copy_x(self, ind: str, m0: str, sl: str) -> None:
+        """Start the copies of slab ``sl`` of group ``m0``'s rows of x into xsl."""
+        p, emit, c, vec = self.p, self.emit, self.c, self.p.vec
+        slots = p.input_rows * self.ksl
+        e = _block_loop(emit, ind, slots, p.threads, unroll=True)
+        r, k = f"{e} // {self.ksl}", f"{e} % {self.ksl} * {vec}"
+        col, m = f"{sl} * {self.ksl * vec} + {k}", f"{m0} * {p.input_rows} + {r}"
+        inner = ind + "    "
+        if slots % p.threads:
+            self.guard(inner, f"{e} < {slots}")
+            inner += "        "
+        row = f"T.min({m}, {self.rows} - 1)"
+        source = (f"x[{row} // {self.n_}, {self.nb}{row} % {self.n_}, "
+                  f"T.min({col}, {c - vec})]")
+        emit(f'{inner}T.cuda.func_call("rnncc_cp_async", T.address_of(xsl[{r} * '
+             f'{self.xstride} + {k}]), T.address_of({source}), T.if_then_else({col} < {c} and '
+             f'{m} < {self.rows}, 16, 0), source_code=CP_ASYNC)')
+
+    def wait(self, ind: str) -> None:
+        """The thread's copies of x are complete (a block barrier must follow)."""
+        if self.copies:
+            self.emit(f'{ind}T.cuda.func_call("rnncc_cp_async_wait", source_code=CP_WAIT)')
+
+    def zero(self, ind: str) -> None:
+        """The lane's accumulators start from zero."""
+        self.emit(f'{ind}for a in T.unroll({self.rl * self.snl}):')
+        self.emit(f'{ind}    pacc[a] = T.float32(0)')
+
+    def products(self, ind: str, sl: str | None) -> None:
+        """Add the warp's chunks of the staged columns to the lane's accumulators (W_ih's
+        chunks from chunk ``sl`` * width of the resident rows, or those of the slab)."""
+        p, emit, vec, rl, snl = self.p, self.emit, self.p.vec, self.rl, self.snl
+        kc, ksl, cw = p.input_chunks, self.ksl, self.cw
+        unroll = max(d for d in range(1, min(FUSED_UNROLL, cw) + 1) if cw % d == 0)
+        emit(f'{ind}for co in range({cw // unroll}):')
+        emit(f'{ind}    for cu in T.unroll({unroll}):')
+        i6 = ind + "        "
+        chunk = f"(warp * {cw} + co * {unroll} + cu)"
+        wchunk = f"({sl} * {ksl} + {chunk})" if sl is not None else chunk
+        bounds = [f"{chunk} < {ksl}"] if ksl % p.warps else []
+        if sl is not None and ksl * p.input_steps > kc:
+            bounds.append(f"{wchunk} < {kc}")
+        if bounds:
+            self.guard(i6, " and ".join(bounds))
+            i6 += "        "
+        emit(f'{i6}for s in T.unroll({snl}):')
+        emit(f'{i6}    for v in T.vectorized({vec}):')
+        emit(f'{i6}        xv[s * {vec} + v] = {self.xbuf}[(s * {planner.X_GROUPS} + '
+             f'{self.xg}) * {self.xstride} + {chunk} * {vec} + v]')
+        emit(f'{i6}for q in T.unroll({rl}):')
+        emit(f'{i6}    for v in T.vectorized({vec}):')
+        emit(f'{i6}        wq[q * {vec} + v] = {self.wbuf}[(({wchunk} * {rl} + q) * '
+             f'{planner.ROW_GROUPS} + {self.rg}) * {vec} + v]')
+        emit(f'{i6}for q in T.unroll({rl}):')
+        emit(f'{i6}    for s in T.unroll({snl}):')
+        emit(f'{i6}        for v in T.unroll({vec}):')
+        emit(f'{i6}            pacc[q * {snl} + s] = pacc[q * {snl} + s] + '
+             f'T.Cast("float32", wq[q * {vec} + v]) * xv[s * {vec} + v]')
+
+    def write(self, ind: str, m0: str, first: str | None = None) -> None:
+        """The warps' sums where x was, then xp of group ``m0``: b_ih plus the sums (where
+        ``first``, TVMScript of a condition, holds, if given; else xp plus the sums)."""
+        p, emit, rl, snl, sn, r_ = self.p, self.emit, self.rl, self.snl, self.p.input_rows, self.r_
+        rp = rl * planner.ROW_GROUPS + 1  # a row of the warps' sums, padded against conflicts
+        emit(f'{ind}for q in T.unroll({rl}):')
+        emit(f'{ind}    for s in T.unroll({snl}):')
+        emit(f'{ind}        hs[(warp * {sn} + s * {planner.X_GROUPS} + {self.xg}) * {rp} + '
+             f'{self.rg} * {rl} + q] = pacc[q * {snl} + s]')
+        emit(f'{ind}T.tvm_storage_sync("shared.dyn")')
+        outs = r_ * sn
+        o = _block_loop(emit, ind, outs, p.threads, unroll=True)
+        n, row = f"({o} // {r_})", f"({o} % {r_})"
+        mm = f"({m0} * {sn} + {n})"
+        j = f"({self.blk} * {p.units} + {row} % {p.units})"
+        out = f"{row} // {p.units} * {self.h} + {j}"
+        cond = f"{j} < {self.h} and {mm} < {self.rows}" + (
+            f" and {o} < {outs}" if outs % p.threads else "")
+        self.guard(ind + "    ", cond)
+        i7 = ind + "            "
+        target = f"xp[{mm} // {self.n_}, {self.nb}{mm} % {self.n_}, {out}]"
+        start = f'T.Cast("float32", b_ih[{out}])'
+        if first is not None:
+            start = f"T.if_then_else({first}, {start}, {target})"
+        emit(f'{i7}xs[0] = {start}')
+        emit(f'{i7}for w in T.unroll({p.warps}):')
+        emit(f'{i7}    xs[0] = xs[0] + hs[(w * {sn} + {n}) * {rp} + {row}]')
+        emit(f'{i7}{target} = xs[0]')
+
+    def before_loop(self, ind: str) -> None:
+        """All groups (slab by slab of W_ih through W_hh's shared memory, where it goes
+        there), or, overlapped, group 0 only."""
+        p, emit, sync = self.p, self.emit, 'T.tvm_storage_sync("shared.dyn")'
+        if p.input_steps:
+            self.copy_w_ih(ind)
+            self.zero(ind)
+            emit(f'{ind}for sl in range({p.input_steps}):')
+            self.stage_x(ind + "    ", "T.int64(0)", "sl")
+            self.wait(ind + "    ")
+            emit(f'{ind}    {sync}')
+            self.products(ind + "    ", "sl")
+            emit(f'{ind}    {sync}')  # the next slab's x, or the sums, go where this was
+            self.finish(ind, "T.int64(0)")
+            return
+        # the slab's W_ih rows into shared memory (the first group's barrier orders them; the
+        # last group's barrier keeps the next slab from overwriting rows still read)
+        sl = None
+        if p.input_slab:
+            emit(f'{ind}for sl in range({-(-p.input_chunks // self.ksl)}):')
+            ind += "    "
+            sl = "sl"
+        self.copy_w_ih(ind, f"sl * {self.ksl} + " if sl else "")
+        emit(f'{ind}for m0 in range(({self.rows} + {p.input_rows - 1}) // {p.input_rows}):')
+        i5 = ind + "    "
+        self.stage_x(i5, "m0", sl)
+        emit(f'{i5}{sync}')
+        self.zero(i5)
+        self.products(i5, None)
+        emit(f'{i5}{sync}')
+        self.write(i5, "m0", "sl == 0" if sl else None)
+        # the next group's rows go where these sums were; the time loop reads xp
+        emit(f'{i5}{sync}')
+
+    def finish(self, ind: str, m0: str) -> None:
+        """Write group ``m0``'s xp from the accumulators, which start again from zero."""
+        self.write(ind, m0)
+        self.emit(f'{ind}T.tvm_storage_sync("shared.dyn")')
+        self.zero(ind)
+
+    def has_slab(self) -> str:
+        """TVMScript of: step t has a slab (group t // S + 1 has steps)."""
+        s = self.p.input_steps
+        return f"(t // {s} + 1) * {s} < T_len"
+
+    def start_copies(self, ind: str) -> None:
+        """Overlapped, at the start of step t: the copies of its slab's x (if asynchronous)."""
+        if self.copies:
+            s = self.p.input_steps
+            self.guard(ind, self.has_slab())
+            self.copy_x(ind + "        ", f"(t // {s} + 1)", f"t % {s}")
+
+    def in_loop(self, ind: str) -> None:
+        """Overlapped, in step t, after a block barrier that follows :meth:`wait`: slab t % S
+        of group t // S + 1 (if it has steps), and after its last slab that group's xp. The
+        staging of h_{t+1} comes after a block barrier."""
+        emit, s = self.emit, self.p.input_steps
+        group = f"(t // {s} + 1)"
+        self.guard(ind, self.has_slab())
+        i5 = ind + "        "
+        if not self.copies:
+            self.stage_x(i5, group, f"t % {s}")
+            emit(f'{i5}T.tvm_storage_sync("shared.dyn")')
+        self.products(i5, f"t % {s}")
+        self.guard(i5, f"t % {s} == {s - 1}")
+        emit(f'{i5}        T.tvm_storage_sync("shared.dyn")')
+        self.finish(i5 + "        ", group)
 
 
 def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
@@ -670,6 +831,8 @@ def kernel(cell, hidden: int, batch: int, p: Plan, name: str = "persistent",
     text = source(cell, hidden, batch, p, name, dtype, chunk, input_size)
     with ops.lowered_with(FAST_FUNCTIONS):
         return prim_func_from_text(text, apply_cell=apply_cell, BARRIER=BARRIER_SOURCE,
+                                   ARRIVE=ARRIVE_SOURCE, CP_ASYNC=CP_ASYNC_SOURCE,
+                                   CP_WAIT=CP_WAIT_SOURCE,
                                    SHFL=SHFL_SOURCE, LDCG=LDCG_SOURCE,
                                    GRID_LOAD_SRC=GRID_LOAD_SOURCE,
                                    GRID_STORE_SRC=GRID_STORE_SOURCE,

@@ -22,6 +22,16 @@ every group of x (that slab's columns) adds its products to xp. (Reading W_ih fr
 memory every group instead was slower than the separate GEMM: H200, LSTM 1536.) With batch
 groups a block computes its own group's rows of x.
 
+Overlapped (:func:`overlap_input`, ``input_steps`` S > 0): the projection runs inside the time
+loop, where the block would otherwise wait on the others. A group is S steps (SN = S*N rows of
+x), and its K chunks are cut into S slabs. Step t copies slab t % S of group t // S + 1's
+rows of x into shared memory of its own (``cp.async``, while the step runs); between
+publishing h_t (the tagged stores, or its arrival at the counter barrier) and waiting for the
+other blocks' h_t, the block adds that slab's products to the lane's accumulators (which stay
+in registers from slab to slab), and after the last slab writes the group's xp, read from
+step (t // S + 1) * S on. Only group 0 is computed before the loop. W_ih's rows stay in
+shared memory for the whole run. float32 only.
+
 Batch groups (``batch_groups`` NG, a divisor of N): the grid is NG groups of B/NG blocks, and
 group g runs the batch rows n = g*N/NG .. (g+1)*N/NG - 1 as a grid of its own would at batch
 N/NG: the same packed weights (block b holds those of block b % (B/NG)), h exchanged and
@@ -114,6 +124,7 @@ class Plan:
     input_rows: int = 0  # SN, rows of x a group of the fused input projection; 0: not fused
     input_chunks: int = 0  # KC, 16-byte chunks of a row of W_ih (fused input projection)
     input_slab: int = 0  # KSL, chunks of W_ih a slab through W_hh's shared memory; 0: resident
+    input_steps: int = 0  # S, steps a group of the overlapped input projection; 0: not
     batch_groups: int = 1  # NG, groups of blocks a batch slice each (see "Batch groups")
     mma: bool = False  # products on tensor cores (see "Tensor cores")
 
@@ -136,6 +147,14 @@ class Plan:
     def fused(self) -> bool:
         """The block computes its own input projections (see "Fused input projection")."""
         return self.input_rows > 0
+
+    @property
+    def input_width(self) -> int:
+        """K chunks of W_ih a group's product takes at once: a slab of the overlapped
+        projection, one through W_hh's shared memory, or all of them."""
+        if self.input_steps:
+            return -(-self.input_chunks // self.input_steps)
+        return self.input_slab or self.input_chunks
 
     @property
     def threads(self) -> int:
@@ -269,6 +288,52 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
         return None
     return replace(p, input_rows=found[0], input_chunks=in_chunks, input_slab=slab,
                    smem_bytes=found[1])
+
+
+#: Rows of x a group of the overlapped input projection aims at (S*N): more rows give each
+#: load from shared memory more products (the slab's products are bound by those loads) but
+#: keep more accumulators in registers for the whole run. H200, GRU 1024 N=4, us/step, before
+#: the loop 3.33; overlapped, S = 2 / 4 / 8: 3.65 / 3.41 / 3.06.
+OVERLAP_ROWS = 32
+
+
+def overlap_steps(batch: int) -> int:
+    """S for a group of the batch's ``batch`` rows: SN = S*N a multiple of the lanes' x
+    groups, the largest not over :data:`OVERLAP_ROWS`, else the smallest over it."""
+    fits = [s for s in range(1, OVERLAP_ROWS + 1) if s * batch % X_GROUPS == 0
+            and s * batch <= OVERLAP_ROWS]
+    return max(fits) if fits else X_GROUPS // math.gcd(batch, X_GROUPS)
+
+
+def overlap_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
+                  steps: int | None = None) -> Plan | None:
+    """``p`` (float32) with its input projection fused and overlapped (see "Overlapped"), S =
+    ``steps`` steps a group (default :func:`overlap_steps`; S*N a multiple of 4): W_ih's rows
+    resident in shared memory next to W_hh's chunks, h's staging and a slab of x, the
+    accumulators kept in registers from slab to slab. None where shared memory or the
+    registers do not hold them, or the plan streams weights."""
+    local = batch // p.batch_groups
+    steps = steps or overlap_steps(local)
+    if p.vec != 4 or p.global_chunks or steps * local % X_GROUPS:
+        return None
+    rl = fused_row_split(p, gates)
+    sn = steps * local
+    in_chunks = -(-input_size // p.vec)
+    width = -(-in_chunks // steps)
+    staged = max(_staging_bytes(local, p.chunks, p.vec, p.warps, p.rows_per_warp),
+                 4 * sn * p.warps * (rl * ROW_GROUPS + 1))  # h, or the warps' sums
+    smem = (p.smem_chunks * p.chunk_bytes + in_chunks * rl * ROW_GROUPS * 16 + staged
+            + 4 * sn * (width * p.vec + 4))  # and x's slab
+    # the accumulators stay live through the step; x's and W_ih's values of a chunk take
+    # the place of the products' sums and h's values
+    regs = (p.reg_estimate + rl * sn // X_GROUPS
+            + max(0, (sn // X_GROUPS + rl) * p.vec - _next_pow2(p.rows_per_warp * local)
+                  - local * p.vec))
+    limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // p.threads) - p.reg_margin
+    if smem > gpu.smem_per_block or regs > limit:
+        return None
+    return replace(p, input_rows=sn, input_chunks=in_chunks, input_slab=0, input_steps=steps,
+                   smem_bytes=smem, reg_estimate=regs)
 
 
 #: Tensor-core products: a warp's rows (the mma's N) and the most batch rows a group (its M
