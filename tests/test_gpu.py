@@ -235,15 +235,17 @@ def test_fused_input_projection_matches_reference_and_repeats_exactly(cell, inpu
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, knobs", [
-    ("gru", 1024, 1024, 4, None), ("lstm", 1001, 257, 3, {"input_steps": 4, "sync": "tagged"}),
+    ("gru", 1024, 1024, 4, None), ("lstm", 1024, 1024, 4, None),
+    ("lstm", 1001, 257, 3, {"input_steps": 4, "sync": "tagged"}),
     ("rnn_tanh", 33, 64, 1, {"input_steps": 8, "sync": "grid"}),
     ("gru", 100, 129, 2, {"input_steps": 4, "sync": "barrier", "batch_groups": 2}),
     ("gru", 1028, 1024, 4, {"input_steps": 5}),
     ("rnn_relu", 7, 3, 4, {"input_steps": 1, "batch_groups": 1})])
 def test_overlapped_input_projection_matches_reference_and_repeats_exactly(
         cell, input_size, hidden, batch, knobs, rng):
-    """The fused input projection overlapped with the time loop (by default for GRU 1024
-    N=4, eight steps a group; forced with ``input_steps``): every synchronisation variant, x copied
+    """The fused input projection overlapped with the time loop (by default at C = 1024, N =
+    4: eight steps a group; LSTM with a chunk of W_hh in shared memory; forced with
+    ``input_steps``): every synchronisation variant, x copied
     asynchronously (C % 4 == 0) or staged one element a load (odd C), slabs of K that pass
     C, groups of steps that pass T (T = 1, 37, 100), batch groups, one step a group."""
     module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", tuning="off",

@@ -503,21 +503,32 @@ def test_overlapped_input_plans_that_do_not_fit():
 
 
 def test_input_steps_knob():
-    """Overlapped where it fits when neither input knob is given (GRU 1024 N=4);
-    ``input_steps=0`` keeps the projection before the loop, ``input_rows=0`` the separate
-    GEMM; a forced S that does not fit is unfit, saying why; both knobs are refused."""
+    """Overlapped where it fits when neither input knob is given (C = 1024, N = 2-4), W_hh's
+    chunks moved to shared memory for its registers where needed (LSTM N=4: one) unless
+    ``reg_margin`` is given; at N = 1 before the loop. ``input_steps=0`` keeps the projection
+    before the loop, ``input_rows=0`` the separate GEMM; a forced S that does not fit is
+    unfit, saying why; both knobs are refused."""
     from rnncc import cells
     from rnncc.compiler import driver
     from rnncc.spec import Problem
 
-    gru = Problem(cells.get("gru"), 1024, 1024, 4, "float32")
-    assert driver.plan_with_knobs(gru, H100, {}, 24).input_steps == 8
-    assert driver.plan_with_knobs(gru, H100, {"input_steps": 4}, 24).input_steps == 4
-    before = driver.plan_with_knobs(gru, H100, {"input_steps": 0}, 24)
+    def planned(cell, batch, knobs=None):
+        return driver.plan_with_knobs(Problem(cells.get(cell), 1024, 1024, batch, "float32"),
+                                      H100, knobs or {}, 24)
+
+    gru = planned("gru", 4)
+    assert (gru.input_steps, gru.input_rows, gru.smem_chunks, gru.reg_margin) == (8, 32, 0, 24)
+    assert planned("gru", 4, {"input_steps": 4}).input_steps == 4
+    before = planned("gru", 4, {"input_steps": 0})
     assert before.input_steps == 0 and before.fused
-    assert not driver.plan_with_knobs(gru, H100, {"input_rows": 0}, 24).fused
-    lstm = Problem(cells.get("lstm"), 1024, 1024, 4, "float32")  # registers: before the loop
-    assert driver.plan_with_knobs(lstm, H100, {}, 24).input_steps == 0
+    assert not planned("gru", 4, {"input_rows": 0}).fused
+    lstm = planned("lstm", 4)
+    assert (lstm.input_steps, lstm.smem_chunks, lstm.reg_margin) == (8, 1, 24 + 24)
+    assert planned("lstm", 4, {"input_steps": 0}).smem_chunks == 0
+    assert planned("lstm", 2).input_steps == 16 and planned("gru", 3).input_steps == 8
+    assert planned("lstm", 1).input_steps == planned("gru", 1).input_steps == 0
+    with pytest.raises(Unfit, match=r"input_steps=8, but"):  # no room made with reg_margin
+        planned("lstm", 4, {"input_steps": 8, "reg_margin": 24})
     one = Problem(cells.get("gru"), 1024, 1024, 1, "float32")
     with pytest.raises(Unfit, match=r"input_steps=3, but .* this plan has N=1$"):
         driver.plan_with_knobs(one, H100, {"input_steps": 3}, 24)

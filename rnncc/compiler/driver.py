@@ -90,11 +90,25 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         except persistent.Unfit:
             if i == len(tries) - 1:
                 raise
-    found = dataclasses.replace(found, **{k: knobs[k] for k in ("sync", "unroll") if k in knobs})
+    fixed = {k: knobs[k] for k in ("sync", "unroll") if k in knobs}
+    found = dataclasses.replace(found, **fixed)
+
+    def overlapped(steps=None):  # W_hh's chunks moved to shared memory to make room
+        for more in OVERLAP_ROOM if "reg_margin" not in knobs else (0,):
+            try:
+                base = found if not more else dataclasses.replace(
+                    attempt(found.reg_margin + more), **fixed)
+            except persistent.Unfit:
+                return None
+            fused = persistent.overlap_input(base, problem.gates, problem.input_size,
+                                             problem.batch, gpu, steps)
+            if fused is not None:
+                return fused
+        return None
+
     rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
     if steps:  # forced overlapped
-        fused = persistent.overlap_input(found, problem.gates, problem.input_size,
-                                         problem.batch, gpu, steps)
+        fused = overlapped(steps)
         if fused is None:
             raise persistent.Unfit(
                 f"input_steps={steps}, but the overlapped input projection needs S*N (N a batch "
@@ -105,9 +119,9 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         found = fused
     elif rows != 0 and (rows is not None or fuses_input(problem)):
         fused = None
-        if rows is None and steps is None:  # overlapped where it fits
-            fused = persistent.overlap_input(found, problem.gates, problem.input_size,
-                                             problem.batch, gpu)
+        if rows is None and steps is None and \
+                problem.batch // found.batch_groups >= OVERLAP_MIN_BATCH:
+            fused = overlapped()  # where it fits
         if fused is None:
             fused = persistent.fuse_input(found, problem.gates, problem.input_size,
                                           problem.batch, gpu, rows)
@@ -143,6 +157,13 @@ FUSE_MAX_BATCH = 4
 #: (H200: LSTM 1536 N=1 3.99 -> 3.59 us/step; N=4 6.99 -> 7.20, GRU 1024 N=4 in 2 batch groups
 #: 3.38 -> 3.44).
 FUSE_SLAB_MAX_BATCH = 1
+#: ... and overlapped with the time loop (:func:`rnncc.schedules.persistent.overlap_input`)
+#: where it fits at N >= OVERLAP_MIN_BATCH (a batch group's rows), W_hh's chunks moved to
+#: shared memory OVERLAP_ROOM registers at a time to make room (H200, us/step, before the
+#: loop / overlapped: GRU 1024 N=4 3.33 / 3.06, LSTM 1024 N=4 3.61 / 3.30 with one chunk of
+#: W_hh moved; GRU 1024 N=1 2.06 / 2.61: at N = 1 the step leaves less time to fill).
+OVERLAP_MIN_BATCH = 2
+OVERLAP_ROOM = (0, 24, 48)
 
 
 def fuses_input(problem: Problem) -> bool:

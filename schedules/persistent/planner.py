@@ -292,8 +292,9 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
 
 #: Rows of x a group of the overlapped input projection aims at (S*N): more rows give each
 #: load from shared memory more products (the slab's products are bound by those loads) but
-#: keep more accumulators in registers for the whole run. H200, GRU 1024 N=4, us/step, before
-#: the loop 3.33; overlapped, S = 2 / 4 / 8: 3.65 / 3.41 / 3.06.
+#: keep more accumulators in registers for the whole run. H200, us/step, before the loop /
+#: overlapped: GRU 1024 N=4 3.33 / S = 2, 4, 8: 3.65, 3.41, 3.06; LSTM 1024 N=4 3.61 / S = 4
+#: 3.60 (all W_hh in registers), S = 8 3.30 (one chunk of W_hh in shared memory, to make room).
 OVERLAP_ROWS = 32
 
 
@@ -310,7 +311,8 @@ def overlap_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     """``p`` (float32) with its input projection fused and overlapped (see "Overlapped"), S =
     ``steps`` steps a group (default :func:`overlap_steps`; S*N a multiple of 4): W_ih's rows
     resident in shared memory next to W_hh's chunks, h's staging and a slab of x, the
-    accumulators kept in registers from slab to slab. None where shared memory or the
+    accumulators kept in registers from slab to slab, in the registers the plan keeps free
+    (its ``reg_margin``: plan with a larger one to make room). None where shared memory or the
     registers do not hold them, or the plan streams weights."""
     local = batch // p.batch_groups
     steps = steps or overlap_steps(local)
@@ -329,8 +331,8 @@ def overlap_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     regs = (p.reg_estimate + rl * sn // X_GROUPS
             + max(0, (sn // X_GROUPS + rl) * p.vec - _next_pow2(p.rows_per_warp * local)
                   - local * p.vec))
-    limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // p.threads) - p.reg_margin
-    if smem > gpu.smem_per_block or regs > limit:
+    if smem > gpu.smem_per_block or regs > min(gpu.max_regs_per_thread,
+                                               gpu.regs_per_sm // p.threads):
         return None
     return replace(p, input_rows=sn, input_chunks=in_chunks, input_slab=0, input_steps=steps,
                    smem_bytes=smem, reg_estimate=regs)
