@@ -119,8 +119,7 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
         found = fused
     elif rows != 0 and (rows is not None or fuses_input(problem)):
         fused = None
-        if rows is None and steps is None and \
-                problem.batch // found.batch_groups >= OVERLAP_MIN_BATCH:
+        if rows is None and steps is None:
             fused = overlapped()  # where it fits
         if fused is None:
             fused = persistent.fuse_input(found, problem.gates, problem.input_size,
@@ -158,11 +157,10 @@ FUSE_MAX_BATCH = 4
 #: 3.38 -> 3.44).
 FUSE_SLAB_MAX_BATCH = 1
 #: ... and overlapped with the time loop (:func:`rnncc.schedules.persistent.overlap_input`)
-#: where it fits at N >= OVERLAP_MIN_BATCH (a batch group's rows), W_hh's chunks moved to
-#: shared memory OVERLAP_ROOM registers at a time to make room (H200, us/step, before the
-#: loop / overlapped: GRU 1024 N=4 3.33 / 3.06, LSTM 1024 N=4 3.61 / 3.30 with one chunk of
-#: W_hh moved; GRU 1024 N=1 2.06 / 2.61: at N = 1 the step leaves less time to fill).
-OVERLAP_MIN_BATCH = 2
+#: where it fits, W_hh's chunks moved to shared memory OVERLAP_ROOM registers at a time to
+#: make room (H200, us/step, before the loop / overlapped: GRU 1024 N=4 3.33 / 3.06, LSTM
+#: 1024 N=4 3.61 / 3.30 with one chunk of W_hh moved, GRU 1024 N=1 2.02 / 1.86 and LSTM 1024
+#: N=1 2.08 / 1.95 with the counter barrier).
 OVERLAP_ROOM = (0, 24, 48)
 
 

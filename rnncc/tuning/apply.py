@@ -3,7 +3,9 @@
 An exact log (same device and configuration) gives the persistent knobs and the MetaSchedule
 records of the components it tuned. Without one, the log of the nearest hidden size for the
 same device, cell, dtype and batch gives its persistent knobs only (a starting point: the
-planner re-checks them for this size; component records are per shape and never carry over).
+planner re-checks them for this size; component records are per shape and never carry over),
+less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, and how, is
+the planner's to decide at each size.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from . import log as logs
 from .device import cpu_key, local_gpu
+
+#: Knobs a nearby size's log does not pass on (forced at a size where they do not fit, they
+#: would leave the module without its persistent kernel).
+SIZE_KNOBS = ("input_rows", "input_steps")
 
 
 @dataclass
@@ -69,9 +75,10 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
             near = logs.read(path, other)
         except logs.LogError:
             continue
-        return Applied(knobs=near.knobs, info={
+        knobs = {k: v for k, v in near.knobs.items() if k not in SIZE_KNOBS}
+        return Applied(knobs=knobs, info={
             "log": path, "match": "nearby", "device": device,
-            "applied": {"knobs": near.knobs, "components": []}})
+            "applied": {"knobs": knobs, "components": []}})
     return Applied(info={"log": None, "reason": f"no tuning log for {logs.describe(key)}"})
 
 
