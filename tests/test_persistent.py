@@ -94,10 +94,9 @@ def test_fewer_multiprocessors_mean_unfit():
         plan(4, 1024, 1, "float32", small)
 
 
-@pytest.mark.parametrize("limit", [160, 0])
-def test_driver_builds_each_plan_that_spills_once(monkeypatch, limit):
-    """After a spill the driver keeps more registers free until the plan changes (never
-    building the same chunks twice), and after five plans that spill falls back, saying so."""
+def _fake_builds(monkeypatch, spills):
+    """The driver's builds recorded, not run: the plans it built, in order; ``spills(plan)``
+    says whether ptxas would have reported spills."""
     from types import SimpleNamespace
 
     from rnncc.compiler import driver
@@ -110,7 +109,17 @@ def test_driver_builds_each_plan_that_spills_once(monkeypatch, limit):
 
     monkeypatch.setattr(driver, "_build", build)
     monkeypatch.setattr(driver, "_persistent_spills",
-                        lambda m: ["kernel"] if m.plan.reg_estimate > limit else [])
+                        lambda m: ["kernel"] if spills(m.plan) else [])
+    return built
+
+
+@pytest.mark.parametrize("limit", [160, 0])
+def test_driver_builds_each_plan_that_spills_once(monkeypatch, limit):
+    """After a spill the driver keeps more registers free until the plan changes (never
+    building the same chunks twice), and after five plans that spill falls back, saying so."""
+    from rnncc.compiler import driver
+
+    built = _fake_builds(monkeypatch, lambda plan: plan.reg_estimate > limit)
     module = driver.compile_module("gru", 64, 2816, 1, dtype="float16", target="cuda",
                                    tuning="off")
     tried = [dataclasses.replace(p, reg_margin=0) for p in built if p is not None]
@@ -541,19 +550,9 @@ def test_input_steps_knob():
 
 
 def test_overlapped_plan_that_spills_is_built_before_the_loop(monkeypatch):
-    from types import SimpleNamespace
-
     from rnncc.compiler import driver
 
-    built = []
-
-    def build(problem, opts, tspec, plan, why, notes, applied):
-        built.append(plan)
-        return SimpleNamespace(plan=plan, why=why, notes=list(notes))
-
-    monkeypatch.setattr(driver, "_build", build)
-    monkeypatch.setattr(driver, "_persistent_spills",
-                        lambda m: ["kernel"] if m.plan.input_steps else [])
+    built = _fake_builds(monkeypatch, lambda plan: plan.input_steps)
     module = driver.compile_module("gru", 1024, 1024, 4, target="cuda", tuning="off")
     assert [p.input_steps for p in built] == [8, 0]
     assert module.plan.fused and module.plan.input_rows > 0

@@ -113,7 +113,8 @@ def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: 
             raise persistent.Unfit(
                 f"input_steps={steps}, but the overlapped input projection needs S*N (N a batch "
                 f"group) a multiple of {persistent.planner.X_GROUPS}, no streamed chunks, and "
-                "W_ih's rows, its accumulators and x's slabs held on-chip next to W_hh; this "
+                "W_ih's rows, its accumulators and x's slabs held on-chip next to W_hh (whose "
+                "chunks move to shared memory to make room, unless reg_margin is given); this "
                 f"plan has N={problem.batch // found.batch_groups}"
                 f"{', streamed chunks' if found.global_chunks else ''}")
         found = fused

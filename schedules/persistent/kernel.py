@@ -593,7 +593,7 @@ class _InputProjection:
     def __init__(self, emit, guard, cell, hidden: int, batch: int, p: Plan, input_size: int,
                  blk: str, nb: str):
         self.emit, self.guard, self.p, self.blk, self.nb = emit, guard, p, blk, nb
-        self.g_count, self.h, self.n_, self.c = cell.gates, hidden, batch, input_size
+        self.h, self.n_, self.c = hidden, batch, input_size
         self.rl = planner.fused_row_split(p, cell.gates)
         self.r_ = cell.gates * p.units
         self.snl = p.input_rows // planner.X_GROUPS
@@ -632,18 +632,9 @@ class _InputProjection:
         if self.copies:
             self.copy_x(ind, m0, sl)
             return
-        p, emit, c, vec = self.p, self.emit, self.c, self.p.vec
-        step = vec if c % vec == 0 else 1
-        width = self.ksl * vec // step
-        slots = p.input_rows * width
-        e = _block_loop(emit, ind, slots, p.threads, unroll=True)
-        r, k = f"{e} // {width}", f"{e} % {width} * {step}"
-        col = f"{sl} * {self.ksl * vec} + {k}" if sl is not None else k
-        m = f"{m0} * {p.input_rows} + {r}"
-        inner = ind + "    "
-        if slots % p.threads:
-            self.guard(inner, f"{e} < {slots}")
-            inner += "        "
+        emit, c = self.emit, self.c
+        step = self.p.vec if c % self.p.vec == 0 else 1
+        inner, r, k, col, m = self._x_slots(ind, m0, sl, step)
         emit(f'{inner}with T.If({col} < {c} and {m} < {self.rows}):')
         emit(f'{inner}    with T.Then():')
         emit(f'{inner}        for v in T.vectorized({step}):')
@@ -653,23 +644,32 @@ class _InputProjection:
         emit(f'{inner}        for v in T.vectorized({step}):')
         emit(f'{inner}            {self.xbuf}[{r} * {self.xstride} + {k} + v] = T.float32(0)')
 
-    def copy_x(self, ind: str, m0: str, sl: str) -> None:
-        """Start the copies of slab ``sl`` of group ``m0``'s rows of x into xsl."""
-        p, emit, c, vec = self.p, self.emit, self.c, self.p.vec
-        slots = p.input_rows * self.ksl
-        e = _block_loop(emit, ind, slots, p.threads, unroll=True)
-        r, k = f"{e} // {self.ksl}", f"{e} % {self.ksl} * {vec}"
-        col, m = f"{sl} * {self.ksl * vec} + {k}", f"{m0} * {p.input_rows} + {r}"
+    def _x_slots(self, ind: str, m0: str, sl: str | None, step: int):
+        """Emit the loop over the SN rows of group ``m0`` by the slab's columns, ``step``
+        elements a thread's item; (indent of its body, row r, column k in the slab, column of
+        x, row m of x)."""
+        p, vec = self.p, self.p.vec
+        width = self.ksl * vec // step
+        slots = p.input_rows * width
+        e = _block_loop(self.emit, ind, slots, p.threads, unroll=True)
+        r, k = f"{e} // {width}", f"{e} % {width} * {step}"
+        col = f"{sl} * {self.ksl * vec} + {k}" if sl is not None else k
         inner = ind + "    "
         if slots % p.threads:
             self.guard(inner, f"{e} < {slots}")
             inner += "        "
+        return inner, r, k, col, f"{m0} * {p.input_rows} + {r}"
+
+    def copy_x(self, ind: str, m0: str, sl: str) -> None:
+        """Start the copies of slab ``sl`` of group ``m0``'s rows of x into xsl."""
+        c, vec = self.c, self.p.vec
+        inner, r, k, col, m = self._x_slots(ind, m0, sl, vec)
         row = f"T.min({m}, {self.rows} - 1)"
         source = (f"x[{row} // {self.n_}, {self.nb}{row} % {self.n_}, "
                   f"T.min({col}, {c - vec})]")
-        emit(f'{inner}T.cuda.func_call("rnncc_cp_async", T.address_of(xsl[{r} * '
-             f'{self.xstride} + {k}]), T.address_of({source}), T.if_then_else({col} < {c} and '
-             f'{m} < {self.rows}, 16, 0), source_code=CP_ASYNC)')
+        self.emit(f'{inner}T.cuda.func_call("rnncc_cp_async", T.address_of(xsl[{r} * '
+                  f'{self.xstride} + {k}]), T.address_of({source}), T.if_then_else({col} < {c} '
+                  f'and {m} < {self.rows}, 16, 0), source_code=CP_ASYNC)')
 
     def wait(self, ind: str) -> None:
         """The thread's copies of x are complete (a block barrier must follow)."""
