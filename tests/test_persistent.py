@@ -594,38 +594,40 @@ def test_batch_group_errors():
         rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"batch_groups": 3})
 
 
-def test_batch_groups_kernel_source():
+def test_batch_groups_kernel():
     """Block bx: the weights of block bx % (B/NG), batch rows from bx // (B/NG) * N/NG; the
     counter barrier counts the blocks of its group."""
-    from rnncc.schedules.persistent.kernel import source
+    from rnncc.schedules.persistent.kernel import kernel
 
     lstm = rnncc.cells.get("lstm")
     p = plan(4, 256, 4, "float32", H100, states=2, batch_groups=2)
     bg = p.group_blocks
-    text = source(lstm, 256, 4, p)
+    text = kernel(lstm, 256, 4, p).script()
     assert f'T.thread_binding({p.blocks}, thread="blockIdx.x")' in text
-    assert f"= w[(bx % {bg}), warp, i, q, lane, v]" in text
-    assert f"hw[t % 2, bx // {bg} * 2 + T.min(" in text
-    assert f"y[t, bx // {bg} * 2 + (0 * {p.threads} + tx) // {p.units}, " in text
-    text = source(lstm, 256, 4, dataclasses.replace(p, sync="barrier"))
-    assert 'cnt = T.match_buffer(cnt_h, (2,), "uint32")' in text
-    assert f"T.address_of(cnt[bx // {bg}]), T.Cast(\"uint32\", (t + 1) * {bg})" in text
+    assert f"= w[bx % {bg}, tx // 32, i, q, tx % 32, v]" in text
+    assert f"hw[t % T.int64(2), bx // {bg} * 2 + T.min(" in text
+    assert f"y[t, bx // {bg} * 2 + tx // {p.units}, " in text
+    text = kernel(lstm, 256, 4, dataclasses.replace(p, sync="barrier")).script()
+    assert 'cnt: T.Buffer((2,), "uint32")' in text
+    assert f"T.address_of(cnt[bx // {bg}]), T.Cast(\"uint32\", (t + T.int64(1)) * T.int64({bg}))" \
+        in text
     fused = fuse_input(p, 4, 64, 4, H100)  # each group projects its own rows of x
-    text = source(lstm, 256, 4, fused, input_size=64)
-    assert f"x[(m0 * {fused.input_rows} + " in text and f"bx // {bg} * 2 + (m0 * " in text
-    assert f"wi[(bx % {bg}), " in text
+    text = kernel(lstm, 256, 4, fused, input_size=64).script()
+    assert f"x[(m0 * T.int64({fused.input_rows}) + " in text
+    assert f"T.Cast(\"int64\", bx // {bg} * 2) + (m0 * T.int64({fused.input_rows}) + " in text
+    assert f"wi[bx % {bg}, " in text
 
 
 def test_unroll_knob_unrolls_the_shared_memory_chunks():
-    from rnncc.schedules.persistent.kernel import source
+    from rnncc.schedules.persistent.kernel import kernel
 
     p = plan(4, 1536, 4, "float32", H100, states=2)
     ks = p.smem_chunks
     assert ks > 1
     lstm = rnncc.cells.get("lstm")
-    assert "for si in T.unroll(1):" in source(lstm, 1536, 4, p)
-    assert f"for si in T.unroll({ks}):" in source(lstm, 1536, 4,
-                                                  dataclasses.replace(p, unroll=ks))
+    assert "for si in T.unroll(1):" in kernel(lstm, 1536, 4, p).script()
+    assert f"for si in T.unroll({ks}):" in kernel(lstm, 1536, 4,
+                                                  dataclasses.replace(p, unroll=ks)).script()
 
 
 def test_knob_candidates_follow_the_driver():
@@ -670,7 +672,7 @@ def test_fast_forms_take_float32_only():
     from tvm import tirx
 
     from rnncc.cells import ops
-    from rnncc.schedules.persistent.kernel import FAST_FUNCTIONS
+    from rnncc.schedules.persistent.stages.cell import FAST_FUNCTIONS
 
     with ops.lowered_with(FAST_FUNCTIONS):
         assert "__fdividef" in str(ops.sigmoid(tirx.Var("x", "float32")))

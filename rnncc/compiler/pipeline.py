@@ -19,16 +19,13 @@ NAME = "rnncc"
 COOPERATIVE = "tirx.use_cooperative_launch"
 DYN_SHARED = "tirx.use_dyn_shared_memory"
 MIN_BLOCKS = "tirx.launch_bounds_min_blocks_per_sm"
-#: rnncc's device functions that wait on other blocks (rnncc.schedules.persistent.kernel):
-#: every device function whose name starts with "rnncc_grid_" makes a kernel cooperative.
-FLAG_ARRIVE = "rnncc_grid_arrive"
-FLAG_BARRIER = "rnncc_grid_barrier"
-GRID_LOAD = "rnncc_grid_load"
-GRID_STORE = "rnncc_grid_store"
-GRID_WAIT = "rnncc_grid_wait"
 
 
 def _uses_grid_barrier(func) -> bool:
+    """Whether ``func`` calls TVM's grid sync or one of rnncc's device functions that wait on
+    other blocks (:data:`rnncc.schedules.persistent.device.COOPERATIVE_PREFIX`)."""
+    from ..schedules.persistent.device import COOPERATIVE_PREFIX
+
     grid_sync = tvm.ir.Op.get("tirx.cuda.grid_sync")
     func_call = tvm.ir.Op.get("tirx.cuda.func_call")
     found = []
@@ -37,7 +34,7 @@ def _uses_grid_barrier(func) -> bool:
         if call.op.same_as(grid_sync):
             found.append(call)
         elif (call.op.same_as(func_call) and call.args
-              and str(call.args[0].value).startswith("rnncc_grid_")):
+              and str(call.args[0].value).startswith(COOPERATIVE_PREFIX)):
             found.append(call)
 
     tvm_ffi.structural_walk(func.body, (tvm.ir.Call, visit))

@@ -277,7 +277,7 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
 def pack_fused_input(gates: int, hidden: int, depth: int, shape: tuple, plan,
                      dtype: str) -> tirx.PrimFunc:
     """W_ih [G*H, C] into a fused input projection's layout ``shape`` [B, KC, RL, 8, VEC]
-    (:func:`rnncc.schedules.persistent.kernel.input_weight_shape`): block b, chunk c, row q,
+    (:func:`rnncc.schedules.persistent.buffers.input_weight_shape`): block b, chunk c, row q,
     row group rg, element v holds W_ih[g*H + j, c*VEC + v] with r = rg*RL + q, g = r // U and
     j = b*U + r % U (zero outside)."""
     w = te.placeholder((i64(gates * hidden), i64(depth)), dtype, "w")

@@ -222,7 +222,8 @@ class _Builder:
                                               epilogue, views), sig)
 
     def persistent_entry(self, plan):
-        from ..schedules.persistent import kernel
+        from ..schedules.persistent import buffers, kernel
+        from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
         p = self.p
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
@@ -230,7 +231,7 @@ class _Builder:
                   comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
         w_ih_shape = None
         if plan.fused:  # W_ih packed for the kernel too (planner: "Fused input projection")
-            w_ih_shape = kernel.input_weight_shape(p.cell, plan)
+            w_ih_shape = buffers.input_weight_shape(plan, g)
             self.pack("persistent_pack_w_ih", "ih", c,
                       comp.pack_fused_input(g, h, c, w_ih_shape, plan, p.dtype),
                       "persistent_pack_w_ih")
@@ -246,7 +247,7 @@ class _Builder:
         sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, n, h), "workspace", "uint64")
-            init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, kernel.EMPTY_TAG),
+            init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, EMPTY_TAG),
                                   "elementwise")
             sync_stage = Stage("init_tagged", init, [Region(s0[0], (0, ALL, ALL)),
                                                      Region(sync, (ALL, ALL, ALL))], 1)

@@ -2,7 +2,8 @@
 
 ``planner`` decides from the cell, the sizes, the dtype and the GPU whether the weights fit in
 the registers and shared memory of one block a multiprocessor, and picks the grid and the
-split; ``kernel`` generates the cooperative kernel that loops over time. The input projection
+split; ``kernel`` composes the cooperative kernel that loops over time from the stages in
+``stages``. The input projection
 of all steps runs first, as one GEMM (the non-persistent schedule's stage), or inside the
 kernel: before its time loop, or overlapped with it (planner: "Fused input projection").
 """

@@ -1,0 +1,150 @@
+"""The persistent kernel's buffers: its parameters, and what it keeps on-chip.
+
+Both are declared while the kernel's TVMScript is parsed (:mod:`.kernel` calls
+:func:`parameters` and :func:`on_chip`), from the plan alone: a buffer exists only where the
+plan needs it (None otherwise). Register arrays (scope ``local``) are indexed only by unrolled
+loop indices, so they stay in registers; the ``shared.dyn`` buffers share the block's dynamic
+shared memory.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+
+from . import planner
+from .planner import Plan
+from .spec import KernelSpec
+from .stages import exchange
+
+
+def input_weight_shape(p: Plan, gates: int) -> tuple:
+    """Shape of W_ih packed for a fused input projection: [B, KC, RL, 8, VEC], block b, chunk c,
+    row q of the lane's RL, row group rg, element v holding W_ih[g*H + j, c*VEC + v] with
+    r = rg*RL + q, g = r // U and j = b*U + r % U (zero outside)."""
+    rl = planner.fused_row_split(p, gates)
+    return (p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
+
+
+def parameters(spec: KernelSpec) -> SimpleNamespace:
+    """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
+    projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
+    (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read
+    otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], y [T,N,H], one [2,N,H]
+    float32 ping-pong buffer a state (h first), then the tagged h [2,N,H] uint64, or the
+    barrier counters [NG] uint32, one a batch group. T is the symbolic length ``T_len``."""
+    p, dt, n, gh = spec.plan, spec.dtype, spec.batch, spec.gate_rows
+    names = ["x", "wi", "bi", "w", "b", "xp"] if p.fused else ["xp", "w", "b"]
+    names += ["y"] + [f"s{k}" for k in range(spec.states)] + ["hw" if spec.tagged else "cnt"]
+    handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
+    t_len = tirx.Var("T_len", "int64")
+    out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, hw=None, cnt=None)
+
+    def match(name: str, handle: str, shape, dtype: str):
+        buffer = T.match_buffer(handles[handle], shape, dtype)
+        IRBuilder.name(name, buffer)
+        setattr(out, name, buffer)
+        return buffer
+
+    if p.fused:
+        match("x", "x", (t_len, n, spec.input_size), dt)
+        match("wi", "wi", input_weight_shape(p, spec.gates), dt)
+        match("b_ih", "bi", (gh,), dt)
+    if spec.chunk == 1:
+        match("xp", "xp", (t_len, n, gh), "float32")
+    else:
+        match("xp", "xp", ((t_len + (spec.chunk - 1)) // spec.chunk, spec.chunk, n, gh),
+              "float32")
+    match("w", "w", (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
+    match("b_hh", "b", (gh,), dt)
+    match("y", "y", (t_len, n, spec.hidden), dt)
+    out.s = [match(f"s{k}", f"s{k}", (2, n, spec.hidden), "float32")
+             for k in range(spec.states)]
+    if spec.tagged:
+        match("hw", "hw", (2, n, spec.hidden), "uint64")
+    else:
+        match("cnt", "cnt", (p.batch_groups,), "uint32")
+    return out
+
+
+def on_chip(spec: KernelSpec) -> SimpleNamespace:
+    """Allocate the block's registers and shared memory, in the root block:
+
+    - ``wreg``: the weight chunks held in registers; ``wsm``: those in shared memory;
+    - ``acc`` (a lane's sums) and ``hv`` (its chunk of h, every batch row) for the CUDA-core
+      products, or for tensor cores ``af`` / ``wb`` (the mma's A and B fragments), ``dacc``
+      (the chains' sums) and ``hs16`` (h staged in float16 fragment order);
+    - ``wv``: one chunk of a row of weights; ``gi``, ``bh``, ``st``: the thread's pairs'
+      input projections, b_hh and states; ``tv``: tagged words in flight;
+    - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
+      (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
+      overlapped);
+    - ``hs``: h_{t-1} for the products, then the gate sums (and the fused projection's rows of
+      x and its warps' sums).
+    """
+    p, dt, n = spec.plan, spec.dtype, spec.local_batch
+    rw, vec, g = p.rows_per_warp, p.vec, spec.gates
+    out = SimpleNamespace()
+
+    def alloc(name, size, dtype, scope="local"):
+        buffer = T.sblock_alloc_buffer((size,), dtype, scope=scope)
+        IRBuilder.name(name, buffer)
+        setattr(out, name, buffer)
+
+    names = ("wreg", "af", "wb", "dacc", "hs16", "acc", "hv", "tv", "wsm", "pacc", "xv", "wq",
+             "xs", "wis", "xsl")
+    for name in names:
+        setattr(out, name, None)
+    if p.reg_chunks:
+        alloc("wreg", p.reg_chunks * rw * vec, dt)
+    if p.mma:
+        alloc("af", 8, "float16")
+        alloc("wb", 4, dt)
+        alloc("dacc", 4 * planner.MMA_CHAINS, "float32")
+        alloc("hs16", planner.MMA_ROWS * spec.width, "float16", "shared.dyn")
+    else:
+        alloc("acc", spec.accumulators, "float32")
+        alloc("hv", n * vec, "float32")
+    alloc("wv", vec, dt)
+    for name, per in (("gi", g), ("bh", g), ("st", spec.states)):
+        alloc(name, p.items * per, "float32")
+    if spec.tagged:
+        alloc("tv", exchange.WAIT_BATCH, "uint64")
+    if p.smem_chunks:
+        alloc("wsm", p.warps * p.smem_chunks * rw * 32 * vec, dt, "shared.dyn")
+    fused_floats = _fused(spec, alloc) if p.fused else 0
+    staged = 0 if p.mma else n * spec.width  # with tensor cores, h goes to hs16 instead
+    alloc("hs", max(staged, p.warps * rw * n, fused_floats), "float32", "shared.dyn")
+    return out
+
+
+def _fused(spec: KernelSpec, alloc) -> int:
+    """Allocate the fused input projection's buffers; the floats it needs of ``hs``."""
+    p, vec = spec.plan, spec.plan.vec
+    rl, sn = planner.fused_row_split(p, spec.gates), p.input_rows
+    snl = sn // planner.X_GROUPS
+    alloc("pacc", rl * snl, "float32")
+    alloc("xv", snl * vec, "float32")
+    alloc("wq", rl * vec, spec.dtype)
+    alloc("xs", 1, "float32")
+    if not p.input_slab:  # else W_ih goes through wsm
+        alloc("wis", p.input_chunks * rl * planner.ROW_GROUPS * vec, spec.dtype, "shared.dyn")
+    sums = sn * p.warps * (rl * planner.ROW_GROUPS + 1)
+    if p.input_steps:  # x's slabs in a buffer of their own
+        alloc("xsl", sn * (p.input_width * vec + 4), "float32", "shared.dyn")
+        return sums
+    return max(sn * (p.input_width * vec + 4), sums)
+
+
+def projection(params: SimpleNamespace, chips: SimpleNamespace) -> SimpleNamespace:
+    """The fused input projection's buffers: x, W_ih (``wi``, packed; ``w_ih`` its rows in
+    shared memory: ``wis``, or ``wsm`` in slabs), b_ih, xp; x's staged rows (``x_staged``:
+    ``xsl`` overlapped, else ``hs``), the warps' sums (``hs``) and its registers."""
+    return SimpleNamespace(
+        x=params.x, wi=params.wi, b_ih=params.b_ih, xp=params.xp, hs=chips.hs,
+        w_ih=chips.wis if chips.wis is not None else chips.wsm, xsl=chips.xsl,
+        x_staged=chips.xsl if chips.xsl is not None else chips.hs, pacc=chips.pacc,
+        xv=chips.xv, wq=chips.wq, xs=chips.xs)

@@ -1,0 +1,168 @@
+"""The persistent kernel's CUDA device functions (inline PTX and intrinsics TVM does not emit),
+and the calls that stages make to them.
+
+TVM emits a device function's source once for each name called (``T.cuda.func_call`` with
+``source_code``). Every function that waits on another block starts with
+:data:`COOPERATIVE_PREFIX`: rnncc's TIR pipeline (:mod:`rnncc.compiler.pipeline`) launches a
+kernel that calls one cooperatively, so that all its blocks are resident. Every wait is bounded
+(:data:`WAIT_LIMIT_CYCLES`): past it the kernel traps, and a fault shows up as a failed launch
+with an error, never as a hang.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+#: Names of the device functions that wait on other blocks (or publish for them) start so.
+COOPERATIVE_PREFIX = "rnncc_grid_"
+ARRIVE = COOPERATIVE_PREFIX + "arrive"
+BARRIER = COOPERATIVE_PREFIX + "barrier"
+GRID_LOAD = COOPERATIVE_PREFIX + "load"
+GRID_STORE = COOPERATIVE_PREFIX + "store"
+GRID_WAIT = COOPERATIVE_PREFIX + "wait"
+
+#: GPU clock cycles a block waits on another before it gives up (__trap: the launch fails with
+#: an error instead of hanging; a healthy step waits microseconds).
+WAIT_LIMIT_CYCLES = 1 << 34
+
+
+def _acquire_load(name: str, ctype: str, bits: int, ordering: bool) -> str:
+    """A device function ``name(address)``: an acquire load at GPU scope (``ld.acquire.gpu``:
+    on sm_90 a strong load followed by an L1 invalidation). ``ordering``: the compiler may not
+    move other memory accesses across it (a barrier's wait, whose loads of h come after); a
+    tagged word carries its data, so its loads need no such clobber."""
+    reg = "r" if bits == 32 else "l"
+    clobber = ' : "memory"' if ordering else ""
+    return (f"__device__ __forceinline__ {ctype} {name}(const {ctype}* address) {{\n"
+            f"  {ctype} value;\n"
+            f'  asm volatile("ld.acquire.gpu.global.u{bits} %0, [%1];" : "={reg}"(value) : '
+            f'"l"(address){clobber});\n'
+            "  return value;\n}\n")
+
+
+# The counter barrier, in two halves that thread 0 calls: the arrival, after a block barrier
+# (so the block's stores of h_t are ordered before it), releases (they are visible before its
+# count); the wait acquires, as cooperative groups' grid sync does on sm_70+; the block then
+# waits for its thread 0 at the kernel's next block barrier. Between the two the block may
+# work on what needs no other block (the overlapped input projection).
+# A full fence (``__threadfence``) before a plain atomic and after the wait cost up to 0.3 us
+# a step more (H200, 64-128 blocks).
+ARRIVE_SOURCE = f"""
+__device__ __forceinline__ void {ARRIVE}(unsigned int* counter) {{
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+}}
+"""
+BARRIER_SOURCE = "\n" + _acquire_load("rnncc_acquire_u32", "unsigned int", 32, True) + f"""\
+__device__ __forceinline__ void {BARRIER}(unsigned int* counter, unsigned int target) {{
+  long long start = clock64();
+  while (rnncc_acquire_u32(counter) < target) {{
+    if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
+  }}
+}}
+"""
+
+SHFL_SOURCE = """
+__device__ __forceinline__ float rnncc_shfl_xor(float value, int mask) {
+  return __shfl_xor_sync(0xffffffffu, value, mask);
+}
+"""
+
+GRID_STORE_SOURCE = f"""
+__device__ __forceinline__ void {GRID_STORE}(uint64_t* address, uint64_t value) {{
+  *((volatile uint64_t*)address) = value;
+}}
+"""
+
+#: The tagged exchange's loads are acquire loads (:func:`_acquire_load`). Plain volatile loads
+#: (``ld.volatile``, strong at system scope) were measured to deadlock about once in 10 to 100
+#: runs of 37 steps (float16 tanh and relu RNNs, H=33, N=7, 9 blocks on an H200: a block waited
+#: on a word whose tag never came, and the wait limit trapped); with acquire loads 600 such
+#: runs passed.
+GRID_LOAD_SOURCE = _acquire_load(GRID_LOAD, "uint64_t", 64, False)
+
+# TVM emits a device function's source once a called name, so the wait (a separate call) has
+# its own copy of the load under a private name.
+GRID_WAIT_SOURCE = _acquire_load("rnncc_acquire_u64", "uint64_t", 64, False) + f"""
+__device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t step) {{
+  uint64_t value = rnncc_acquire_u64(address);
+  long long start = clock64();
+  while ((value >> 32) != step) {{
+    if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
+    value = rnncc_acquire_u64(address);
+  }}
+  return value;
+}}
+"""
+
+LDCG_SOURCE = """
+__device__ __forceinline__ float rnncc_ldcg(const float* address) {
+  return __ldcg(address);
+}
+"""
+
+# An asynchronous copy of 16 bytes from global to shared memory (``cp.async``, sm_80+): zeros
+# where ``bytes`` is 0 (then nothing is read). The overlapped input projection copies the next
+# slab's x while the step runs, so its slab does not wait on memory.
+CP_ASYNC_SOURCE = """
+__device__ __forceinline__ void rnncc_cp_async(float* shared, const float* global, int bytes) {
+  unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(global),
+               "r"(bytes) : "memory");
+}
+"""
+CP_WAIT_SOURCE = """
+__device__ __forceinline__ void rnncc_cp_async_wait() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+"""
+
+
+def arrive(counter):
+    """Count this block in at the barrier ``counter`` (a release: call it from one thread,
+    after a block barrier that follows the block's stores)."""
+    return T.cuda.func_call(ARRIVE, counter, source_code=ARRIVE_SOURCE)
+
+
+def wait_count(counter, target):
+    """Wait until the barrier ``counter`` reaches ``target`` (an acquire)."""
+    return T.cuda.func_call(BARRIER, counter, target, source_code=BARRIER_SOURCE)
+
+
+def load_tagged(address):
+    """An acquire load of the tagged word at ``address`` (uint64: the step's tag above the
+    value's bits)."""
+    return T.cuda.func_call(GRID_LOAD, address, source_code=GRID_LOAD_SOURCE,
+                            return_type="uint64")
+
+
+def wait_tagged(address, step):
+    """The tagged word at ``address`` once its tag is ``step`` (uint64)."""
+    return T.cuda.func_call(GRID_WAIT, address, step, source_code=GRID_WAIT_SOURCE,
+                            return_type="uint64")
+
+
+def store_tagged(address, word):
+    """Store the tagged word ``word`` at ``address`` (one 8-byte store: data and tag)."""
+    return T.cuda.func_call(GRID_STORE, address, word, source_code=GRID_STORE_SOURCE)
+
+
+def load_past_l1(address):
+    """A float32 load from L2 (``ld.global.cg``): what another block stored before a barrier."""
+    return T.cuda.func_call("rnncc_ldcg", address, source_code=LDCG_SOURCE,
+                            return_type="float32")
+
+
+def shfl_xor(value, mask):
+    """``value`` of the lane whose index differs from this lane's by the bits of ``mask``."""
+    return T.cuda.func_call("rnncc_shfl_xor", value, mask, source_code=SHFL_SOURCE,
+                            return_type="float32")
+
+
+def copy_async(shared, source, size):
+    """Start copying 16 bytes from ``source`` to ``shared`` (zeros where ``size`` is 0)."""
+    return T.cuda.func_call("rnncc_cp_async", shared, source, size, source_code=CP_ASYNC_SOURCE)
+
+
+def wait_copies():
+    """This thread's asynchronous copies are complete (a block barrier must follow)."""
+    return T.cuda.func_call("rnncc_cp_async_wait", source_code=CP_WAIT_SOURCE)

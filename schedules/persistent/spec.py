@@ -1,0 +1,106 @@
+"""What the persistent kernel's stages see: the plan and the layer it was made for.
+
+The planner decides (:mod:`.planner`); a :class:`KernelSpec` carries its plan with the layer's
+sizes and derives the index arithmetic that several stages share: which block's weights a block
+holds, which batch rows it runs, and which (unit, batch) pairs a thread applies the cell to.
+Letters as in the planner: B blocks (all batch groups), U units a block, Wn warps, RW rows a
+warp, VEC elements a 16-byte chunk, KI chunks of K, IT pairs a thread, NG batch groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .planner import Plan
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One persistent kernel: ``plan`` for a layer of ``gates`` G and ``states`` (h first),
+    ``hidden`` H, ``batch`` N (all batch groups together). ``dtype`` is the storage dtype of
+    the weights, the biases and y (products, sums, the cell and the states are float32);
+    ``chunk`` S > 1: the input projections come in chunks of S steps, [ceil(T/S), S, N, G*H];
+    ``input_size`` C, which a fused input projection needs."""
+
+    plan: Plan
+    gates: int
+    states: int
+    hidden: int
+    batch: int
+    dtype: str = "float32"
+    chunk: int = 1
+    input_size: int = 0
+
+    def __post_init__(self):
+        p = self.plan
+        if p.fused and (self.chunk != 1 or self.input_size < 1
+                        or (p.input_slab and not p.smem_chunks)):
+            raise ValueError(
+                f"a fused input projection needs chunk 1, an input size and, in slabs, shared "
+                f"memory for W_hh, got chunk {self.chunk}, input size {self.input_size} and "
+                f"{p.smem_chunks} chunks of W_hh in shared memory")
+
+    @property
+    def local_batch(self) -> int:
+        """N/NG: the batch rows of one batch group."""
+        return self.batch // self.plan.batch_groups
+
+    @property
+    def width(self) -> int:
+        """KP = KI*32*VEC: a row of h as staged, K padded to whole chunks."""
+        return self.plan.chunks * 32 * self.plan.vec
+
+    @property
+    def gate_rows(self) -> int:
+        """G*H: the rows of W_hh, and the width of a row of input projections."""
+        return self.gates * self.hidden
+
+    @property
+    def accumulators(self) -> int:
+        """A lane's sums of the CUDA-core products, RW*N rounded up to a power of two."""
+        return 1 << max(0, math.ceil(math.log2(self.plan.rows_per_warp * self.local_batch)))
+
+    @property
+    def tagged(self) -> bool:
+        """h travels between blocks as tagged words (planner: ``sync="tagged"``)."""
+        return self.plan.sync == "tagged"
+
+    def weights_of(self, bx):
+        """The block whose packed weights block ``bx`` holds (its place in its batch group)."""
+        return bx if self.plan.batch_groups == 1 else bx % self.plan.group_blocks
+
+    def batch_row(self, bx, n):
+        """Row of the whole batch that block ``bx``'s batch row ``n`` is."""
+        if self.plan.batch_groups == 1:
+            return n
+        return bx // self.plan.group_blocks * self.local_batch + n
+
+    def pair(self, it: int, bx, tx):
+        """(valid, n, j) of thread ``tx``'s pair ``it`` of block ``bx``: batch row n (of the
+        group) and hidden unit j, valid where the pair exists."""
+        p = self.plan
+        e = it * p.threads + tx
+        j = self.weights_of(bx) * p.units + e % p.units
+        valid = tirx.And(e < p.units * self.local_batch, j < self.hidden)
+        return valid, e // p.units, j
+
+    def group_of(self, bx):
+        """The batch group of block ``bx`` (its barrier counter)."""
+        return 0 if self.plan.batch_groups == 1 else bx // self.plan.group_blocks
+
+    def spread(self, count: int, unroll: bool = False):
+        """A loop over ``count`` items spread over the block's threads (item e * threads + tx
+        of iteration e), unrolled when ``unroll`` and at most 32 a thread."""
+        per = -(-count // self.plan.threads)
+        return T.unroll(per) if unroll and per <= 32 else T.serial(0, per)
+
+    @property
+    def smem_unroll(self) -> int:
+        """Shared-memory weight chunks an iteration of their loop: the plan's ``unroll``
+        rounded down to a divisor of KS."""
+        ks = self.plan.smem_chunks
+        return max(d for d in range(1, min(self.plan.unroll, ks) + 1) if ks % d == 0) if ks else 1

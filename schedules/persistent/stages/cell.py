@@ -1,0 +1,111 @@
+"""Stage: the cell, on the (unit, batch) pairs of a thread (planner: "Work split").
+
+Thread ``tx`` of block ``bx`` applies the cell to its IT pairs (``KernelSpec.pair``): it
+keeps their b_hh and states in registers (``bh``, ``st``) for the whole sequence, prefetches
+their input projections (``gi``) at the start of each step, and, once the gate sums are in
+``hs``, computes the new states, writes y and hands h_t to the exchange. Python loops over the
+pairs, gates and states, so every index into the register arrays is a constant.
+
+The cell builds sigmoid and exp with the GPU's exponential and division (:data:`FAST_FUNCTIONS`).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from rnncc.cells import ops
+
+
+def _fast_exp(x):
+    """e ** x by the GPU's exponential unit (``__expf``: CUDA gives at most 2 + |1.16 x| ulp),
+    for float32; None (TVM's ``expf``) otherwise."""
+    if ops.dtype_of(x) != "float32":
+        return None
+    return tirx.call_pure_extern("float32", "__expf", x)
+
+
+def _fast_sigmoid(x):
+    """1 / (1 + e ** -x) with :func:`_fast_exp` and ``__fdividef`` (2 ulp; 0 once the
+    denominator passes 2 ** 126, where the exact quotient is below float32's normal range)."""
+    if ops.dtype_of(x) != "float32":
+        return None
+    one = tirx.const(1.0, "float32")
+    return tirx.call_pure_extern("float32", "__fdividef", one, one + _fast_exp(tirx.const(
+        0.0, "float32") - x))
+
+
+#: The cell's point-wise functions as the kernel builds them: the per-step cell sits on the
+#: critical path of every step, and IEEE ``expf`` with an IEEE division cost about twice the
+#: cycles (measured on an H200: 800 -> 410 cycles a step for an LSTM cell), for errors far below
+#: the float32 tolerance of the outputs. ``tanh`` keeps CUDA's accurate ``tanhf``: its fast form
+#: (``tanh.approx.f32``, 2 ** -11 relative) gave output errors of 5e-6, too near the 1e-5 bound.
+FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
+
+
+def _store(buffer, value, *indices):
+    T.buffer_store(buffer, value, list(indices))
+
+
+def _each_pair(spec, bx, tx, body):
+    """``body(it, n, j)`` under the guard of every pair of thread ``tx`` of block ``bx``."""
+    for it in range(spec.plan.items):
+        valid, n, j = spec.pair(it, bx, tx)
+        with T.If(valid):
+            with T.Then():
+                body(it, n, j)
+
+
+def load_constants(spec, b_hh, s, bh, st, bx, tx):
+    """The pairs' b_hh and initial states (``s``: the states' buffers) into registers, once."""
+    g_count, states = spec.gates, spec.states
+
+    def body(it, n, j):
+        for g in range(g_count):
+            _store(bh, T.Cast("float32", b_hh[g * spec.hidden + j]), it * g_count + g)
+        for k in range(states):
+            _store(st, s[k][0, spec.batch_row(bx, n), j], it * states + k)
+    _each_pair(spec, bx, tx, body)
+
+
+def prefetch(spec, xp, gi, t, bx, tx):
+    """Step t's input projections of the pairs (xp in chunks of S steps where S > 1)."""
+    step = (t,) if spec.chunk == 1 else (t // spec.chunk, t % spec.chunk)
+
+    def body(it, n, j):
+        for g in range(spec.gates):
+            _store(gi, xp[(*step, spec.batch_row(bx, n), g * spec.hidden + j)],
+                   it * spec.gates + g)
+    _each_pair(spec, bx, tx, body)
+
+
+def apply(spec, cell, y, hs, gi, bh, st, publish, t, bx, tx):
+    """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
+    in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
+    ``publish(h_t, row, j)`` (the exchange); the states stay in registers."""
+    g_count, states, units = spec.gates, spec.states, spec.plan.units
+
+    def body(it, n, j):
+        u = j - spec.weights_of(bx) * units
+        gates_i = [gi[it * g_count + g] for g in range(g_count)]
+        gates_h = [hs[(g * units + u) * spec.local_batch + n] + bh[it * g_count + g]
+                   for g in range(g_count)]
+        with ops.lowered_with(FAST_FUNCTIONS):
+            new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
+        row = spec.batch_row(bx, n)
+        _store(y, T.Cast(spec.dtype, new[0]), t, row, j)
+        publish(new[0], row, j)
+        for k in range(states):
+            _store(st, new[k], it * states + k)
+    _each_pair(spec, bx, tx, body)
+
+
+def store_final_states(spec, s, st, t_len, bx, tx):
+    """The final states other than h (h_T is where the last step published it)."""
+    if spec.states == 1:
+        return
+
+    def body(it, n, j):
+        for k in range(1, spec.states):
+            _store(s[k], st[it * spec.states + k], t_len % 2, spec.batch_row(bx, n), j)
+    _each_pair(spec, bx, tx, body)

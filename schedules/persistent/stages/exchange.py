@@ -1,0 +1,134 @@
+"""Stage: the exchange of h between blocks, and the barrier that orders it.
+
+Each step a block needs every block's h_{t-1} [N, H] (all of its batch group's), staged in
+shared memory as the product stage wants it (its ``store_h``). Three variants (the plan's
+``sync``):
+
+- ``"tagged"``: h travels as 8-byte words, the value and the step that wrote it. A thread
+  issues :data:`WAIT_BATCH` acquire loads, then re-reads only the words whose tag is not yet
+  the step's: no separate barrier, and a step costs about one L2 round trip of communication
+  (data and flag in one store, as NCCL's low-latency protocol does).
+- ``"barrier"``: rnncc's counter barrier, one counter a batch group: after a block barrier
+  (every h_t stored), thread 0 arrives (a release) and waits for the group's count (an
+  acquire); h is plain float32, read past L1 after it.
+- ``"grid"``: cooperative groups' grid sync (the whole grid), then as ``"barrier"``.
+
+Between arriving and waiting the block may work on what needs no other block (the overlapped
+input projection): ``arrive`` and ``wait``; with nothing between, ``arrive_and_wait``. Block
+barriers are TVM storage syncs, which TVM's barrier insertion counts (with ``T.cuda.cta_sync``,
+opaque to it, it added barriers of its own: 8 a step where 4 are needed).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .. import device
+
+#: Tag of the slot that holds no step yet (steps count from 0 and stay below it).
+EMPTY_TAG = 0x7FFFFFFF
+#: Words of h a thread loads before it waits on their tags.
+WAIT_BATCH = 8
+
+
+def _wait_batches(total: int, threads: int) -> int:
+    """Batches of :data:`WAIT_BATCH` words a thread loads of ``total``."""
+    per_thread = -(-total // threads)
+    return -(-per_thread // WAIT_BATCH)
+
+
+@T.macro
+def _stage_tagged(spec, hw, tv, store, t, bx, tx):
+    """h_{t-1} from the tagged words: loads first, then waits where a tag is behind."""
+    h, kp, n_, threads = T.meta_var((spec.hidden, spec.width, spec.local_batch,
+                                     spec.plan.threads))
+    total = T.meta_var(n_ * kp)
+    for bi in range(_wait_batches(total, threads)):
+        for i in T.unroll(WAIT_BATCH):
+            e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
+            tv[i] = T.if_then_else(
+                e < total and e % kp < h, device.load_tagged(T.address_of(hw[
+                    t % 2, spec.batch_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)])),
+                T.shift_left(T.Cast("uint64", t), T.uint64(32)))
+        for i in T.unroll(WAIT_BATCH):
+            e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
+            if T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t):
+                tv[i] = device.wait_tagged(T.address_of(hw[
+                    t % 2, spec.batch_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)]),
+                    T.Cast("uint64", t))
+            if e < total:
+                store(e, T.reinterpret("float32", T.Cast("uint32", T.bitwise_and(
+                    tv[i], T.uint64(0xFFFFFFFF)))))
+
+
+@T.macro
+def _stage_plain(spec, s0, store, t, bx, tx):
+    """h_{t-1} as the other blocks stored it before the barrier, read past L1."""
+    h, kp, threads = T.meta_var((spec.hidden, spec.width, spec.plan.threads))
+    total = T.meta_var(spec.local_batch * kp)
+    for e in spec.spread(total):
+        if e * threads + tx < total:
+            store(e * threads + tx, T.if_then_else(
+                (e * threads + tx) % kp < h, device.load_past_l1(T.address_of(s0[
+                    t % 2, spec.batch_row(bx, (e * threads + tx) // kp),
+                    T.min((e * threads + tx) % kp, h - 1)])), T.float32(0)))
+
+
+@T.macro
+def stage_h(spec, s0, hw, tv, store, t, bx, tx):
+    """Stage h_{t-1}: ``store(e, value)`` for element e = n*KP + k (zero past H)."""
+    if spec.tagged:
+        _stage_tagged(spec, hw, tv, store, t, bx, tx)
+    else:
+        _stage_plain(spec, s0, store, t, bx, tx)
+
+
+@T.macro
+def publish(spec, s0, hw, t, value, row, j):
+    """h_t of unit j, batch row ``row``: into the states' buffer (the final state, and what the
+    barrier variants read), and, tagged, as the word of step t + 1."""
+    s0[(t + 1) % 2, row, j] = value
+    if spec.tagged:
+        device.store_tagged(T.address_of(hw[(t + 1) % 2, row, j]), T.bitwise_or(
+            T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)),
+            T.Cast("uint64", T.reinterpret("uint32", value))))
+
+
+@T.macro
+def arrive(spec, cnt, bx, tx):
+    """After the cell: a block barrier (the cell has read the sums, every h_t is stored), then,
+    with the counter barrier, thread 0's arrival."""
+    T.tvm_storage_sync("shared.dyn")
+    if spec.plan.sync == "barrier":
+        if tx == 0:
+            device.arrive(T.address_of(cnt[spec.group_of(bx)]))
+
+
+@T.macro
+def wait(spec, cnt, t, bx, tx):
+    """Every block of the group has h_t out: the tagged exchange waits in the next step's
+    staging (a block barrier here only); the barriers wait, then the block for thread 0."""
+    if spec.plan.sync == "tagged":
+        T.tvm_storage_sync("shared.dyn")
+    elif spec.plan.sync == "grid":
+        T.cuda.grid_sync()
+    else:
+        if tx == 0:
+            device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
+                              T.Cast("uint32", (t + 1) * spec.plan.group_blocks))
+        T.tvm_storage_sync("shared.dyn")
+
+
+@T.macro
+def arrive_and_wait(spec, cnt, t, bx, tx):
+    """:func:`arrive` then :func:`wait` with nothing between (thread 0 of the counter barrier
+    arrives and waits under one branch)."""
+    if spec.plan.sync == "barrier":
+        T.tvm_storage_sync("shared.dyn")
+        if tx == 0:
+            device.arrive(T.address_of(cnt[spec.group_of(bx)]))
+            device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
+                              T.Cast("uint32", (t + 1) * spec.plan.group_blocks))
+        T.tvm_storage_sync("shared.dyn")
+    else:
+        wait(spec, cnt, t, bx, tx)
