@@ -415,18 +415,18 @@ def test_mma_knob():
     """``mma``: None (where tensor cores apply), True (or the plan is unfit, saying why) or
     False; anything else is refused."""
     from rnncc import cells
-    from rnncc.compiler import driver
+    from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
     with pytest.raises(ConfigError, match="mma must be true or false, got 'yes'"):
-        driver.check_knobs({"mma": "yes"})
+        knobs.check_knobs({"mma": "yes"})
     lstm = Problem(cells.get("lstm"), 2048, 2048, 4, "float16")
-    assert driver.plan_with_knobs(lstm, H100, {}, 24).mma
-    assert not driver.plan_with_knobs(lstm, H100, {"mma": False}, 24).mma
+    assert knobs.plan_for(lstm, H100, {}, 24).mma
+    assert not knobs.plan_for(lstm, H100, {"mma": False}, 24).mma
     fp32 = Problem(cells.get("lstm"), 32, 1024, 1, "float32")
     with pytest.raises(Unfit, match=r"mma=True, but .* this plan has float32, 5 rows a warp, "
                                     r"1 batch row\(s\) a group, 8 chunk\(s\) of K$"):
-        driver.plan_with_knobs(fp32, H100, {"mma": True}, 24)
+        knobs.plan_for(fp32, H100, {"mma": True}, 24)
 
 
 @pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [
@@ -519,12 +519,12 @@ def test_input_steps_knob():
     before the loop, ``input_rows=0`` the separate GEMM; a forced S that does not fit is
     unfit, saying why; both knobs are refused."""
     from rnncc import cells
-    from rnncc.compiler import driver
+    from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
-    def planned(cell, batch, knobs=None):
-        return driver.plan_with_knobs(Problem(cells.get(cell), 1024, 1024, batch, "float32"),
-                                      H100, knobs or {}, 24)
+    def planned(cell, batch, given=None):
+        return knobs.plan_for(Problem(cells.get(cell), 1024, 1024, batch, "float32"), H100,
+                              given or {}, 24)
 
     gru = planned("gru", 4)
     assert (gru.input_steps, gru.input_rows, gru.smem_chunks, gru.reg_margin) == (8, 32, 0, 24)
@@ -541,12 +541,12 @@ def test_input_steps_knob():
         planned("lstm", 4, {"input_steps": 8, "reg_margin": 24})
     one = Problem(cells.get("gru"), 1024, 1024, 1, "float32")
     with pytest.raises(Unfit, match=r"input_steps=3, but .* this plan has N=1$"):
-        driver.plan_with_knobs(one, H100, {"input_steps": 3}, 24)
+        knobs.plan_for(one, H100, {"input_steps": 3}, 24)
     with pytest.raises(ConfigError, match=r"input_rows=8 and input_steps=4: give input_rows"):
-        driver.check_knobs({"input_rows": 8, "input_steps": 4})
+        knobs.check_knobs({"input_rows": 8, "input_steps": 4})
     with pytest.raises(ConfigError, match="input_steps must be an integer from 0 to 4096"):
-        driver.check_knobs({"input_steps": -1})
-    assert driver.check_knobs({"input_rows": 8, "input_steps": 0})
+        knobs.check_knobs({"input_steps": -1})
+    assert knobs.check_knobs({"input_rows": 8, "input_steps": 0})
 
 
 def test_overlapped_plan_that_spills_is_built_before_the_loop(monkeypatch):

@@ -48,130 +48,6 @@ def _options(options: dict) -> Options:
     return Options(**options)
 
 
-#: The persistent kernel's knobs (what ``rnncc tune`` searches): the synchronisation variant,
-#: a cap on the grid (so more hidden units a block), the warps a block, the registers kept
-#: free under the limit (more moves weight chunks from registers to shared memory), the
-#: unrolling of the loop over the weight chunks in shared memory, the rows of x a group of
-#: the fused input projection before the time loop (0: the input projection is a separate
-#: GEMM), the steps a group of the fused input projection overlapped with the time loop (0:
-#: not overlapped), the batch groups (a divisor of N: the grid split into that many groups, a
-#: slice of the batch each), and the products on tensor cores.
-KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
-         "batch_groups", "mma")
-SYNCS = ("tagged", "barrier", "grid")
-WARPS = (4, 8, 16)
-
-
-def plan_with_knobs(problem: Problem, gpu, knobs: dict, reg_margin: int, tight: bool = True):
-    """The persistent plan of ``problem`` on ``gpu`` (a planner GPU) under ``knobs``, or
-    :class:`Unfit`. A configuration that does not fit on-chip with ``reg_margin`` registers
-    kept free is planned again with none (``tight``, unless the knobs fix reg_margin; ptxas
-    then says whether it spills: :func:`compile_module` falls back if it does), then as a
-    streaming plan (the weights that do not fit read from L2 every step). Shared with
-    ``rnncc tune``."""
-    from ..schedules import persistent
-
-    def attempt(margin, stream=False):
-        return persistent.plan(problem.gates, problem.hidden_size, problem.batch,
-                               problem.dtype, gpu, len(problem.cell.states),
-                               max_blocks=knobs.get("max_blocks"), reg_margin=margin,
-                               warps=knobs.get("warps"), stream=stream, batch_groups=groups)
-
-    groups = knobs.get("batch_groups")  # None: the planner's choice
-    tries = [(reg_margin, False)]
-    if tight and "reg_margin" not in knobs and reg_margin > 0:
-        tries.append((0, False))
-    if groups in (None, 1):  # batch groups keep the weights on-chip
-        tries.append((reg_margin, True))
-    for i, (margin, stream) in enumerate(tries):
-        try:
-            found = attempt(margin, stream)
-            break
-        except persistent.Unfit:
-            if i == len(tries) - 1:
-                raise
-    fixed = {k: knobs[k] for k in ("sync", "unroll") if k in knobs}
-    found = dataclasses.replace(found, **fixed)
-
-    def overlapped(steps=None):  # W_hh's chunks moved to shared memory to make room
-        for more in OVERLAP_ROOM if "reg_margin" not in knobs else (0,):
-            try:
-                base = found if not more else dataclasses.replace(
-                    attempt(found.reg_margin + more), **fixed)
-            except persistent.Unfit:
-                return None
-            fused = persistent.overlap_input(base, problem.gates, problem.input_size,
-                                             problem.batch, gpu, steps)
-            if fused is not None:
-                return fused
-        return None
-
-    rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
-    if steps:  # forced overlapped
-        fused = overlapped(steps)
-        if fused is None:
-            raise persistent.Unfit(
-                f"input_steps={steps}, but the overlapped input projection needs S*N (N a batch "
-                f"group) a multiple of {persistent.planner.X_GROUPS}, no streamed chunks, and "
-                "W_ih's rows, its accumulators and x's slabs held on-chip next to W_hh (whose "
-                "chunks move to shared memory to make room, unless reg_margin is given); this "
-                f"plan has N={problem.batch // found.batch_groups}"
-                f"{', streamed chunks' if found.global_chunks else ''}")
-        found = fused
-    elif rows != 0 and (rows is not None or fuses_input(problem)):
-        fused = None
-        if rows is None and steps is None:
-            fused = overlapped()  # where it fits
-        if fused is None:
-            fused = persistent.fuse_input(found, problem.gates, problem.input_size,
-                                          problem.batch, gpu, rows)
-            if fused is not None and rows is None and fused.input_slab \
-                    and problem.batch > FUSE_SLAB_MAX_BATCH:
-                fused = None
-        found = fused or found
-    mma = knobs.get("mma")  # None: tensor cores wherever they apply
-    if mma is False:
-        return found
-    tensor = persistent.tensor_cores(found, problem.dtype, problem.batch, gpu)
-    if tensor is None and mma:
-        planner = persistent.planner
-        raise persistent.Unfit(
-            f"mma=True, but tensor-core products need float16, {planner.MMA_ROWS} rows a warp, at "
-            f"most {planner.MMA_MAX_BATCH} batch rows a group, at least {planner.MMA_MIN_CHUNKS} "
-            f"chunks of K, no fused input projection and no streamed chunks; this plan has "
-            f"{problem.dtype}, {found.rows_per_warp} rows a warp, "
-            f"{problem.batch // found.batch_groups} batch row(s) a group, {found.chunks} "
-            f"chunk(s) of K{', a fused input projection' if found.fused else ''}"
-            f"{', streamed chunks' if found.global_chunks else ''}")
-    return tensor or found
-
-
-#: The persistent kernel computes its input projections itself by default (float32, where
-#: shared memory holds W_ih or slabs of it) at C >= FUSE_MIN_INPUT and N <= FUSE_MAX_BATCH:
-#: measured faster there than the separate GEMM (H200: LSTM 1024 N=1 2.43 -> 2.19 us/step,
-#: N=4 3.94 -> 3.75), slower at C = 256-512 and at N = 8 (docs/benchmarks.md); the
-#: ``input_rows`` knob decides elsewhere.
-FUSE_MIN_INPUT = 1024
-FUSE_MAX_BATCH = 4
-#: ... and, where W_ih goes through W_hh's shared memory in slabs, at N <= FUSE_SLAB_MAX_BATCH
-#: (H200: LSTM 1536 N=1 3.99 -> 3.59 us/step; N=4 6.99 -> 7.20, GRU 1024 N=4 in 2 batch groups
-#: 3.38 -> 3.44).
-FUSE_SLAB_MAX_BATCH = 1
-#: ... and overlapped with the time loop (:func:`rnncc.schedules.persistent.overlap_input`)
-#: where it fits, W_hh's chunks moved to shared memory OVERLAP_ROOM registers at a time to
-#: make room (H200, us/step, before the loop / overlapped: GRU 1024 N=4 3.33 / 3.06, LSTM
-#: 1024 N=4 3.61 / 3.30 with one chunk of W_hh moved, GRU 1024 N=1 2.02 / 1.86 and LSTM 1024
-#: N=1 2.08 / 1.95 with the counter barrier).
-OVERLAP_ROOM = (0, 24, 48)
-
-
-def fuses_input(problem: Problem) -> bool:
-    """Whether the persistent kernel computes its input projections itself by default
-    (:func:`rnncc.schedules.persistent.fuse_input`)."""
-    return (problem.dtype == "float32" and problem.input_size >= FUSE_MIN_INPUT
-            and problem.batch <= FUSE_MAX_BATCH)
-
-
 def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
                      knobs, tight=True):
     """(plan or None, why not) for the persistent kernel."""
@@ -190,36 +66,11 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
-        return plan_with_knobs(problem, gpu, knobs, reg_margin, tight), gpu
+        return persistent.knobs.plan_for(problem, gpu, knobs, reg_margin, tight), gpu
     except persistent.Unfit as err:
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
         return None, str(err)
-
-
-def check_knobs(knobs) -> dict:
-    """``knobs`` as a dict, or a ConfigError naming the wrong one and what is allowed."""
-    knobs = dict(knobs or {})
-    unknown = sorted(set(knobs) - set(KNOBS))
-    if unknown:
-        raise ConfigError(f"unknown persistent knob(s) {unknown}; allowed: {list(KNOBS)}")
-    if knobs.get("sync", "tagged") not in SYNCS:
-        raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
-    if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
-        raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
-    if not isinstance(knobs.get("mma", False), bool):
-        raise ConfigError(f"mma must be true or false, got {knobs['mma']!r}")
-    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
-                      ("input_steps", 0), ("batch_groups", 1)):
-        value = knobs.get(name, low)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
-            raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")
-    if knobs.get("input_steps") and knobs.get("input_rows") is not None:
-        raise ConfigError(f"input_rows={knobs['input_rows']} and input_steps="
-                          f"{knobs['input_steps']}: give input_rows (the fused input projection "
-                          "before the time loop, 0: the separate GEMM) or input_steps (fused and "
-                          "overlapped with the time loop), not both")
-    return knobs
 
 
 def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
@@ -232,13 +83,18 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     what you call is what :meth:`Module.export` writes and :func:`rnncc.load` reads. ``sms``:
     plan the persistent kernel for a GPU with that many multiprocessors (default: the
     architecture's usual part, e.g. 132 for sm_90). ``knobs``: overrides of the persistent
-    planner's choices (see :data:`KNOBS`), over those of a tuning log.
+    planner's choices (see :data:`rnncc.schedules.persistent.knobs.KNOBS`), over those of a
+    tuning log.
 
     Tuning logs (:mod:`rnncc.tuning`): ``gpu`` names the GPU kind the module is for ("h100",
     "h200"; default: this machine's GPU, if it has one), whose logs apply; ``tuning`` is "auto"
     (the matching log, if any), "off", or the path of one log directory. The metadata's
     "tuning" entry names the log used and what it applied.
     """
+    from ..schedules.persistent.knobs import check_knobs
+    from ..schedules.persistent.planner import REG_MARGIN
+    from ..tuning import apply
+
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
@@ -249,8 +105,6 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                           f"{[d for d in range(1, batch + 1) if batch % d == 0]}")
     if not isinstance(tuning, str):
         raise ConfigError(f"tuning must be 'auto', 'off' or a log directory, got {tuning!r}")
-    from ..schedules.persistent.planner import REG_MARGIN
-    from ..tuning import apply
 
     applied = apply.for_compile(problem, tspec, gpu, tuning)
     knobs = {**applied.knobs, **knobs}

@@ -1,4 +1,4 @@
-"""A search over the persistent kernel's knobs (:data:`rnncc.compiler.driver.KNOBS`).
+"""A search over the persistent kernel's knobs (:data:`rnncc.schedules.persistent.knobs.KNOBS`).
 
 Candidates are the planner's default, a starting point (a nearby configuration's tuned knobs),
 each synchronisation variant, each number of batch groups, smaller grids, other block sizes,
@@ -31,13 +31,13 @@ MEASURE_TIMEOUT = 40.0
 
 def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     """Knob sets to try, the default ({}) first and ``start`` second, one a distinct plan."""
-    from ..compiler.driver import SYNCS, WARPS, plan_with_knobs
     from ..schedules import persistent
+    from ..schedules.persistent.knobs import SYNCS, WARPS, plan_for
     from ..schedules.persistent.planner import REG_MARGIN
 
     def plan_of(knobs):
         try:  # as rnncc compile plans it
-            return plan_with_knobs(problem, gpu, knobs, knobs.get("reg_margin", REG_MARGIN))
+            return plan_for(problem, gpu, knobs, knobs.get("reg_margin", REG_MARGIN))
         except persistent.Unfit:
             return None
 

@@ -172,8 +172,8 @@ def read(path: str, expect: LogKey | None = None) -> TuningLog:
         _need(config, field, kind, path)
     knobs = _need(record, "knobs", dict, path)
     _need(record, "components", list, path)
-    from ..compiler.driver import check_knobs
     from ..errors import ConfigError
+    from ..schedules.persistent.knobs import check_knobs
 
     try:
         check_knobs(knobs)

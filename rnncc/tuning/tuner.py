@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from . import log as logs
@@ -19,6 +20,28 @@ DEFAULT_TRIALS = 64
 def default_work_dir(key: logs.LogKey) -> str:
     base = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     return os.path.join(base, "rnncc", "tune", key.device, key.name)
+
+
+@dataclass
+class _Session:
+    """One tuning run: what it tunes, where, and until when."""
+
+    problem: object
+    tspec: object
+    key: logs.LogKey
+    device_name: str
+    sms: int | None
+    work_dir: str
+    steps: int
+    deadline: float
+    progress: object
+
+    def compiled(self, **kw):
+        from ..compiler.driver import compile_module
+
+        p, t = self.problem, self.tspec
+        return compile_module(p.cell, p.input_size, p.hidden_size, p.batch, dtype=p.dtype,
+                              target=t.kind, arch=t.arch, cpu=t.cpu, sms=self.sms, **kw)
 
 
 def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
@@ -36,15 +59,41 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
     tuned module is kept only where it beats the default: a log never makes a module slower
     than its untuned schedule, as measured here.
     """
-    from ..compiler.driver import _options, _persistent_plan, compile_module, resolve_cell
-    from ..schedules.persistent.planner import REG_MARGIN
+    start = time.monotonic()
+    if trials < 0 or time_budget <= 0 or steps < 1:
+        raise ConfigError("trials must be >= 0, time budget > 0 and steps >= 1")
+    session = _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu,
+                       work_dir, steps, start + time_budget, progress)
+    progress(f"tuning {logs.describe(session.key)} ({session.device_name}); budget "
+             f"{time_budget:.0f} s, work directory {session.work_dir}")
+    default = session.compiled(tuning="off")
+    default_ms, cudnn_ms = _time(default, steps, session.tspec, cudnn=True)
+    progress(f"default: {default.metadata['schedule']['kind']} schedule, "
+             f"{default_ms * 1e3 / steps:.2f} us/step")
+    found = _search(session, trials, rpc)
+    tuned_ms = _keep_if_faster(session, found, default_ms)
+    summary = {
+        "default_ms": default_ms, "tuned_ms": tuned_ms, "cudnn_ms": cudnn_ms, "steps": steps,
+        "schedule": default.metadata["schedule"]["kind"],
+    }
+    path = _write_log(session, found, summary, log_dir, start, bool(rpc))
+    summary.update(log=path, knobs=found.knobs, components=found.kept_components,
+                   speedup=default_ms / tuned_ms, seconds=time.monotonic() - start)
+    progress(f"done in {summary['seconds']:.0f} s: default {default_ms * 1e3 / steps:.2f} "
+             f"us/step, tuned {tuned_ms * 1e3 / steps:.2f} us/step "
+             f"({summary['speedup']:.2f}x)"
+             + (f", cuDNN {cudnn_ms * 1e3 / steps:.2f} us/step" if cudnn_ms else "")
+             + f"; log {path}")
+    return summary
+
+
+def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, work_dir, steps,
+             deadline, progress) -> _Session:
+    """The problem and the device it is tuned on (CUDA: this machine's GPU, or an error)."""
+    from ..compiler.driver import resolve_cell
     from ..spec import Problem
     from ..target import TargetSpec
 
-    start = time.monotonic()
-    deadline = start + time_budget
-    if trials < 0 or time_budget <= 0 or steps < 1:
-        raise ConfigError("trials must be >= 0, time budget > 0 and steps >= 1")
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
     tspec = TargetSpec(target, arch, cpu)
     if tspec.kind == "cuda":
@@ -58,79 +107,101 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
     key = logs.LogKey(device, problem.cell.name, input_size, hidden_size, batch, dtype)
     work_dir = work_dir or default_work_dir(key)
     os.makedirs(work_dir, exist_ok=True)
-    common = dict(dtype=dtype, target=tspec.kind, arch=tspec.arch, cpu=tspec.cpu, sms=sms)
+    return _Session(problem, tspec, key, device_name, sms, work_dir, steps, deadline, progress)
 
-    def compiled(**kw):
-        return compile_module(problem.cell, input_size, hidden_size, batch, **common, **kw)
 
-    progress(f"tuning {logs.describe(key)} ({device_name}); budget {time_budget:.0f} s, "
-             f"work directory {work_dir}")
-    default = compiled(tuning="off")
-    default_ms, cudnn_ms = _time(default, steps, tspec, cudnn=True)
-    progress(f"default: {default.metadata['schedule']['kind']} schedule, "
-             f"{default_ms * 1e3 / steps:.2f} us/step")
+@dataclass
+class _Found:
+    """What a search found: persistent knobs, or MetaSchedule's components and database."""
 
-    plan, gpu = _persistent_plan(problem, _options({}), tspec, sms, REG_MARGIN, {})
-    knobs, components, search, database = {}, [], {}, None
+    knobs: dict = field(default_factory=dict)
+    components: list = field(default_factory=list)
+    search: dict = field(default_factory=dict)
+    pruned: str | None = None
+
+    @property
+    def kept_components(self) -> list:
+        return self.components if self.pruned else []
+
+
+def _search(session: _Session, trials: int, rpc: str | None) -> _Found:
+    """The persistent kernel's knobs where it has a plan, else MetaSchedule on the static
+    components."""
+    from ..compiler.driver import _options, _persistent_plan
+    from ..schedules.persistent.planner import REG_MARGIN
+
+    plan, gpu = _persistent_plan(session.problem, _options({}), session.tspec, session.sms,
+                                 REG_MARGIN, {})
     if plan is not None:
-        from .knob_search import search as knob_search
+        return _search_knobs(session, gpu)
+    return _tune_components(session, trials, rpc)
 
-        near = for_compile(problem, tspec, device, "auto")
-        start_knobs = near.knobs if near.info.get("match") == "nearby" else {}
-        spec = {**key.config(), "cell": _cell_ref(problem.cell), "arch": tspec.arch,
-                "sms": sms}
-        results = knob_search(problem, spec, gpu, os.path.join(work_dir, "persistent"), steps,
-                              deadline, start_knobs, progress)
-        valid = [r for r in results if r["ms"] is not None]
-        search = {"persistent_candidates": len(results),
-                  "rejected": {json_key(r["knobs"]): r["why"] for r in results
-                               if r["ms"] is None}}
-        if valid:
-            knobs = min(valid, key=lambda r: r["ms"])["knobs"]
-    else:
-        lowered = _lowered(problem, tspec)
-        funcs = meta.tunable(lowered)
-        if funcs and trials > 0:
-            database = meta.tune(funcs, tspec.tvm_target(), os.path.join(work_dir, "ms"),
-                                 trials, deadline, rpc, progress)
-            search = {"meta_schedule_trials": len(database), "tasks": sorted(funcs)}
-            components = sorted(funcs)
-        elif not funcs:
-            progress("no component with static shapes to tune")
-    pruned = None
-    if database is not None and len(database):
-        pruned = meta.prune(database, os.path.join(work_dir, "pruned"))
-    tuned_ms = default_ms
-    if knobs or pruned:
-        record = {"knobs": knobs, "components": components}
-        trial_log = logs.write(os.path.join(work_dir, "candidate"), key, record, pruned)
-        tuned = compiled(tuning=trial_log)
-        tuned_ms, _ = _time(tuned, steps, tspec)
-        if tuned_ms >= default_ms:
-            progress(f"tuned {tuned_ms * 1e3 / steps:.2f} us/step is not faster than the "
-                     "default: the log keeps the default schedule")
-            knobs, components, pruned, tuned_ms = {}, [], None, default_ms
-    summary = {
-        "default_ms": default_ms, "tuned_ms": tuned_ms, "cudnn_ms": cudnn_ms, "steps": steps,
-        "schedule": default.metadata["schedule"]["kind"],
-    }
+
+def _search_knobs(session: _Session, gpu) -> _Found:
+    """Knob search from the planner's default and a nearby configuration's tuned knobs; the
+    fastest candidate that passed its check."""
+    from .knob_search import search as knob_search
+
+    problem, tspec = session.problem, session.tspec
+    near = for_compile(problem, tspec, session.key.device, "auto")
+    start_knobs = near.knobs if near.info.get("match") == "nearby" else {}
+    spec = {**session.key.config(), "cell": _cell_ref(problem.cell), "arch": tspec.arch,
+            "sms": session.sms}
+    results = knob_search(problem, spec, gpu, os.path.join(session.work_dir, "persistent"),
+                          session.steps, session.deadline, start_knobs, session.progress)
+    valid = [r for r in results if r["ms"] is not None]
+    search = {"persistent_candidates": len(results),
+              "rejected": {json_key(r["knobs"]): r["why"] for r in results if r["ms"] is None}}
+    return _Found(knobs=min(valid, key=lambda r: r["ms"])["knobs"] if valid else {},
+                  search=search)
+
+
+def _tune_components(session: _Session, trials: int, rpc: str | None) -> _Found:
+    """MetaSchedule on the components with static shapes (``trials`` in all), its database
+    pruned to the best record of each."""
+    funcs = meta.tunable(_lowered(session.problem, session.tspec))
+    if not funcs:
+        session.progress("no component with static shapes to tune")
+        return _Found()
+    if trials == 0:
+        return _Found()
+    database = meta.tune(funcs, session.tspec.tvm_target(),
+                         os.path.join(session.work_dir, "ms"), trials, session.deadline, rpc,
+                         session.progress)
+    pruned = meta.prune(database, os.path.join(session.work_dir, "pruned")) if len(
+        database) else None
+    return _Found(components=sorted(funcs), pruned=pruned,
+                  search={"meta_schedule_trials": len(database), "tasks": sorted(funcs)})
+
+
+def _keep_if_faster(session: _Session, found: _Found, default_ms: float) -> float:
+    """Time the module the found log gives; keep it only if faster than the default (else
+    ``found`` is emptied). The ms a call that the log stands for."""
+    if not (found.knobs or found.pruned):
+        return default_ms
+    record = {"knobs": found.knobs, "components": found.components}
+    trial_log = logs.write(os.path.join(session.work_dir, "candidate"), session.key, record,
+                           found.pruned)
+    tuned_ms, _ = _time(session.compiled(tuning=trial_log), session.steps, session.tspec)
+    if tuned_ms < default_ms:
+        return tuned_ms
+    session.progress(f"tuned {tuned_ms * 1e3 / session.steps:.2f} us/step is not faster than "
+                     "the default: the log keeps the default schedule")
+    found.knobs, found.components, found.pruned = {}, [], None
+    return default_ms
+
+
+def _write_log(session: _Session, found: _Found, summary: dict, log_dir: str, start: float,
+               rpc: bool) -> str:
     record = {
-        "device_name": device_name,
-        "config": {"target": tspec.as_dict()},
-        "knobs": knobs, "components": components if pruned else [],
+        "device_name": session.device_name,
+        "config": {"target": session.tspec.as_dict()},
+        "knobs": found.knobs, "components": found.kept_components,
         "measured": summary,
-        "search": {**search, "seconds": round(time.monotonic() - start, 1), "rpc": bool(rpc)},
+        "search": {**found.search, "seconds": round(time.monotonic() - start, 1), "rpc": rpc},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    path = logs.write(log_dir, key, record, pruned)
-    summary.update(log=path, knobs=knobs, components=record["components"],
-                   speedup=default_ms / tuned_ms, seconds=time.monotonic() - start)
-    progress(f"done in {summary['seconds']:.0f} s: default {default_ms * 1e3 / steps:.2f} "
-             f"us/step, tuned {tuned_ms * 1e3 / steps:.2f} us/step "
-             f"({summary['speedup']:.2f}x)"
-             + (f", cuDNN {cudnn_ms * 1e3 / steps:.2f} us/step" if cudnn_ms else "")
-             + f"; log {path}")
-    return summary
+    return logs.write(log_dir, session.key, record, found.pruned)
 
 
 def json_key(knobs: dict) -> str:

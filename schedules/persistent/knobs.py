@@ -1,0 +1,200 @@
+"""The persistent plan of a layer under tuning knobs: the planner's decisions, in order.
+
+:func:`plan_for` is what ``rnncc compile`` plans and ``rnncc tune`` searches over; it decides,
+one named step after another:
+
+1. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
+   with none (ptxas then says whether it spills), else streamed in part from L2;
+2. the knobs that only set a field (sync, unroll);
+3. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
+   by default, fused before the time loop, or the separate GEMM;
+4. the products on tensor cores (:func:`products`) where they apply, unless the knobs say no.
+
+Pure arithmetic on the planner's :class:`~.planner.Plan`; no TVM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rnncc.errors import ConfigError
+
+from . import planner
+from .planner import Plan, Unfit
+
+#: The persistent kernel's knobs (what ``rnncc tune`` searches): the synchronisation variant,
+#: a cap on the grid (so more hidden units a block), the warps a block, the registers kept
+#: free under the limit (more moves weight chunks from registers to shared memory), the
+#: unrolling of the loop over the weight chunks in shared memory, the rows of x a group of
+#: the fused input projection before the time loop (0: the input projection is a separate
+#: GEMM), the steps a group of the fused input projection overlapped with the time loop (0:
+#: not overlapped), the batch groups (a divisor of N: the grid split into that many groups, a
+#: slice of the batch each), and the products on tensor cores.
+KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
+         "batch_groups", "mma")
+SYNCS = ("tagged", "barrier", "grid")
+WARPS = (4, 8, 16)
+
+#: The persistent kernel computes its input projections itself by default (float32, where
+#: shared memory holds W_ih or slabs of it) at C >= FUSE_MIN_INPUT and N <= FUSE_MAX_BATCH:
+#: measured faster there than the separate GEMM (H200: LSTM 1024 N=1 2.43 -> 2.19 us/step,
+#: N=4 3.94 -> 3.75), slower at C = 256-512 and at N = 8 (docs/benchmarks.md); the
+#: ``input_rows`` knob decides elsewhere.
+FUSE_MIN_INPUT = 1024
+FUSE_MAX_BATCH = 4
+#: ... and, where W_ih goes through W_hh's shared memory in slabs, at N <= FUSE_SLAB_MAX_BATCH
+#: (H200: LSTM 1536 N=1 3.99 -> 3.59 us/step; N=4 6.99 -> 7.20, GRU 1024 N=4 in 2 batch groups
+#: 3.38 -> 3.44).
+FUSE_SLAB_MAX_BATCH = 1
+#: ... and overlapped with the time loop (:func:`.planner.overlap_input`) where it fits,
+#: W_hh's chunks moved to shared memory OVERLAP_ROOM registers at a time to make room (H200,
+#: us/step, before the loop / overlapped: GRU 1024 N=4 3.33 / 3.06, LSTM 1024 N=4 3.61 / 3.30
+#: with one chunk of W_hh moved, GRU 1024 N=1 2.02 / 1.86 and LSTM 1024 N=1 2.08 / 1.95 with
+#: the counter barrier).
+OVERLAP_ROOM = (0, 24, 48)
+
+
+def check_knobs(knobs) -> dict:
+    """``knobs`` as a dict, or a ConfigError naming the wrong one and what is allowed."""
+    knobs = dict(knobs or {})
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise ConfigError(f"unknown persistent knob(s) {unknown}; allowed: {list(KNOBS)}")
+    if knobs.get("sync", "tagged") not in SYNCS:
+        raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
+    if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
+        raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
+    if not isinstance(knobs.get("mma", False), bool):
+        raise ConfigError(f"mma must be true or false, got {knobs['mma']!r}")
+    for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
+                      ("input_steps", 0), ("batch_groups", 1)):
+        value = knobs.get(name, low)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
+            raise ConfigError(f"{name} must be an integer from {low} to 4096, got {value!r}")
+    if knobs.get("input_steps") and knobs.get("input_rows") is not None:
+        raise ConfigError(f"input_rows={knobs['input_rows']} and input_steps="
+                          f"{knobs['input_steps']}: give input_rows (the fused input projection "
+                          "before the time loop, 0: the separate GEMM) or input_steps (fused and "
+                          "overlapped with the time loop), not both")
+    return knobs
+
+
+def fuses_input(problem) -> bool:
+    """Whether the persistent kernel computes its input projections itself by default
+    (:func:`.planner.fuse_input`)."""
+    return (problem.dtype == "float32" and problem.input_size >= FUSE_MIN_INPUT
+            and problem.batch <= FUSE_MAX_BATCH)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A layer (an :class:`rnncc.spec.Problem`) to plan on ``gpu`` under ``knobs``."""
+
+    problem: object
+    gpu: planner.GPU
+    knobs: dict
+
+    def weights(self, margin: int, stream: bool = False) -> Plan:
+        """The planner's plan with ``margin`` registers kept free (``stream``: in part from
+        L2), the knobs' fixed fields set."""
+        p, k = self.problem, self.knobs
+        found = planner.plan(p.gates, p.hidden_size, p.batch, p.dtype, self.gpu,
+                             len(p.cell.states), max_blocks=k.get("max_blocks"),
+                             reg_margin=margin, warps=k.get("warps"), stream=stream,
+                             batch_groups=k.get("batch_groups"))
+        return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
+
+
+def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
+             tight: bool = True) -> Plan:
+    """The persistent plan of ``problem`` on ``gpu`` (a planner GPU) under ``knobs``, or
+    :class:`~.planner.Unfit` saying why there is none (see the module docstring for the
+    order of the decisions). ``tight``: a configuration that does not fit with ``reg_margin``
+    registers kept free may be planned with none."""
+    request = _Request(problem, gpu, knobs)
+    found = weights_on_chip(request, reg_margin, tight)
+    found = input_projection(request, found)
+    return products(request, found)
+
+
+def weights_on_chip(request: _Request, reg_margin: int, tight: bool) -> Plan:
+    """With ``reg_margin`` registers kept free; else (``tight``, unless the knobs fix
+    reg_margin) with none, where ptxas then says whether it spills (the driver falls back if
+    it does); else streaming, the weights that do not fit read from L2 every step (not with
+    batch groups, which keep the weights on-chip)."""
+    tries = [(reg_margin, False)]
+    if tight and "reg_margin" not in request.knobs and reg_margin > 0:
+        tries.append((0, False))
+    if request.knobs.get("batch_groups") in (None, 1):
+        tries.append((reg_margin, True))
+    for margin, stream in tries[:-1]:
+        try:
+            return request.weights(margin, stream)
+        except Unfit:
+            pass
+    return request.weights(*tries[-1])
+
+
+def input_projection(request: _Request, found: Plan) -> Plan:
+    """Forced overlapped (``input_steps``); else, by default where :func:`fuses_input` (or
+    forced with ``input_rows`` > 0): overlapped where it fits, else fused before the time loop
+    (in slabs only at small batches); else the separate GEMM."""
+    problem, knobs = request.problem, request.knobs
+    rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
+    if steps:
+        overlapped = _overlapped(request, found, steps)
+        if overlapped is None:
+            raise Unfit(
+                f"input_steps={steps}, but the overlapped input projection needs S*N (N a batch "
+                f"group) a multiple of {planner.X_GROUPS}, no streamed chunks, and W_ih's rows, "
+                "its accumulators and x's slabs held on-chip next to W_hh (whose chunks move to "
+                "shared memory to make room, unless reg_margin is given); this plan has "
+                f"N={problem.batch // found.batch_groups}"
+                f"{', streamed chunks' if found.global_chunks else ''}")
+        return overlapped
+    if rows == 0 or (rows is None and not fuses_input(problem)):
+        return found
+    fused = _overlapped(request, found) if rows is None and steps is None else None
+    if fused is None:
+        fused = planner.fuse_input(found, problem.gates, problem.input_size, problem.batch,
+                                   request.gpu, rows)
+        if (fused is not None and rows is None and fused.input_slab
+                and problem.batch > FUSE_SLAB_MAX_BATCH):
+            fused = None
+    return fused or found
+
+
+def _overlapped(request: _Request, found: Plan, steps: int | None = None) -> Plan | None:
+    """``found`` with its input projection overlapped (``steps`` a group, or the planner's),
+    W_hh's chunks moved to shared memory :data:`OVERLAP_ROOM` registers at a time to make room
+    for the accumulators (unless the knobs fix reg_margin); None where it does not fit."""
+    problem = request.problem
+    for more in OVERLAP_ROOM if "reg_margin" not in request.knobs else (0,):
+        try:
+            base = request.weights(found.reg_margin + more) if more else found
+        except Unfit:
+            return None
+        overlapped = planner.overlap_input(base, problem.gates, problem.input_size,
+                                           problem.batch, request.gpu, steps)
+        if overlapped is not None:
+            return overlapped
+    return None
+
+
+def products(request: _Request, found: Plan) -> Plan:
+    """On tensor cores wherever they apply (:func:`.planner.tensor_cores`), unless ``mma`` is
+    False; ``mma=True`` where they do not apply is an Unfit naming every condition."""
+    mma, problem = request.knobs.get("mma"), request.problem
+    if mma is False:
+        return found
+    tensor = planner.tensor_cores(found, problem.dtype, problem.batch, request.gpu)
+    if tensor is None and mma:
+        raise Unfit(
+            f"mma=True, but tensor-core products need float16, {planner.MMA_ROWS} rows a warp, "
+            f"at most {planner.MMA_MAX_BATCH} batch rows a group, at least "
+            f"{planner.MMA_MIN_CHUNKS} chunks of K, no fused input projection and no streamed "
+            f"chunks; this plan has {problem.dtype}, {found.rows_per_warp} rows a warp, "
+            f"{problem.batch // found.batch_groups} batch row(s) a group, {found.chunks} "
+            f"chunk(s) of K{', a fused input projection' if found.fused else ''}"
+            f"{', streamed chunks' if found.global_chunks else ''}")
+    return tensor or found
