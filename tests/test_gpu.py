@@ -176,6 +176,16 @@ def test_persistent_and_sequence_entries_agree(rng):
     np.testing.assert_allclose(y_p, y_s, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"sync": "barrier", "batch_groups": 1}])
+def test_persistent_user_cell_whose_new_state_reads_the_previous_h(knobs, rng):
+    """tests/data/coupled.py: c' reads the previous h, which the kernel's registers hold until
+    h_t replaces it (c' read h_t before the kernel bound it first)."""
+    module = rnncc.compile(os.path.join(ROOT, "tests", "data", "coupled.py"), 5, 33, 3,
+                           target="cuda", knobs=knobs, persistent="on", tuning="off")
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng, entry="persistent")
+
+
 @pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu"])
 def test_tagged_exchange_survives_many_runs(cell, rng):
     """With plain volatile loads of the tagged words this plan (9 blocks of 128 threads, h

@@ -11,7 +11,9 @@ The cell builds sigmoid and exp with the GPU's exponential and division (:data:`
 
 from __future__ import annotations
 
+import tvm_ffi
 from tvm import tirx
+from tvm.ir.expr import TensorLoad
 from tvm.script import tirx as T
 
 from rnncc.cells import ops
@@ -45,6 +47,20 @@ FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
 
 def _store(buffer, value, *indices):
     T.buffer_store(buffer, value, list(indices))
+
+
+def _reads(expr, buffer, index: int) -> bool:
+    """Whether ``expr`` loads ``buffer[index]``."""
+    found = []
+
+    def visit(load):
+        if load.source.same_as(buffer) and all(
+                isinstance(i, tirx.IntImm) for i in load.indices) and int(
+                load.indices[0]) == index:
+            found.append(load)
+
+    tvm_ffi.structural_walk(expr, (TensorLoad, visit))
+    return bool(found)
 
 
 def _each_pair(spec, bx, tx, body):
@@ -92,6 +108,10 @@ def apply(spec, cell, y, hs, gi, bh, st, publish, t, bx, tx):
                    for g in range(g_count)]
         with ops.lowered_with(FAST_FUNCTIONS):
             new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
+        # the states are stored in order: a new state that reads a previous one stored before
+        # it (a user's c' from h) is bound first, as it reads the previous value
+        new = [T.Bind(v) if any(_reads(v, st, it * states + j) for j in range(k)) else v
+               for k, v in enumerate(new)]
         row = spec.batch_row(bx, n)
         _store(y, T.Cast(spec.dtype, new[0]), t, row, j)
         publish(new[0], row, j)

@@ -1,0 +1,335 @@
+"""A NumPy interpreter of the persistent kernel's TIR, for testing its stages without a GPU.
+
+Every thread of every block runs at once, in lockstep: each statement reads for all threads,
+then writes (as a warp executes an instruction), and a condition masks the threads it does not
+hold for. It knows the TIR the kernel's stages build (as parsed, before TVM lowers it): loops
+(serial, unrolled and vectorized loops run in order), thread bindings, conditions, buffer loads
+and stores, integer, float and bit arithmetic, and the CUDA device functions and intrinsics the
+kernel calls: shuffles within a warp, acquire loads and waits of tagged words (a wait whose tag
+never comes is an error, not a hang), the counter barrier (an error where it would wait
+forever), asynchronous copies (done at once), ``mma.sync`` m16n8k16 (row.col, f16 x f16 + f32),
+and the GPU's fast exponential and division. Block barriers are no-ops: in lockstep every store
+is seen at once, so this checks the arithmetic and the layouts, not the synchronisation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm_ffi
+from tvm import tirx
+
+_INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
+
+
+class Deadlock(AssertionError):
+    """The kernel would wait forever (a tag that never comes, a count never reached)."""
+
+
+class _Pointer:
+    def __init__(self, buffer, flat):
+        self.buffer, self.flat = buffer, flat
+
+
+def _dtype(node) -> str:
+    return str(node.ty.dtype)
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return np.dtype("bool" if str(dtype) == "bool" else str(dtype))
+
+
+def _scope(buffer) -> str:
+    return str(buffer.ty.storage_scope) or "global"
+
+
+class Simulator:
+    """Runs PrimFunc ``func`` once. ``args``: NumPy arrays for its buffer parameters, by
+    buffer name (updated in place); symbolic sizes are bound from their shapes. On-chip
+    buffers live in :attr:`chip` by name: [lanes, size] for registers (``local``), [blocks,
+    size] for shared memory; ``preset`` gives some of them starting values (broadcast)."""
+
+    def __init__(self, func, args: dict, preset: dict | None = None):
+        self.func, self.env, self.store = func, {}, {}
+        self.blocks, self.threads = self._grid(func.body)
+        self.lanes = self.blocks * self.threads
+        self.lane = np.arange(self.lanes)
+        self.chip = {}
+        for buffer in func.params:
+            for dim, size in zip(buffer.ty.shape, args[buffer.name].shape):
+                if isinstance(dim, tirx.Var):
+                    self.env[dim] = int(size)
+        for buffer in func.params:
+            array = args[buffer.name]
+            for dim, size in zip(buffer.ty.shape, array.shape):
+                assert int(self._expr(dim)) == size, (buffer.name, buffer.ty.shape, array.shape)
+            assert array.dtype == _np_dtype(buffer.ty.dtype), (buffer.name, array.dtype)
+            self.store[buffer] = ("global", array.reshape(-1))
+        self.preset = preset or {}
+
+    def run(self):
+        self.mask = np.ones(self.lanes, bool)
+        self._stmt(self.func.body, self.mask)
+        return self
+
+    # -- the grid and the buffers ------------------------------------------------------------
+
+    @staticmethod
+    def _grid(body):
+        extents = {}
+
+        def visit(node):
+            if isinstance(node, tirx.For) and node.thread_binding is not None:
+                extents[str(node.thread_binding.thread_tag)] = int(node.extent)
+
+        tvm_ffi.structural_walk(body, (tirx.For, visit))
+        return extents.get("blockIdx.x", 1), extents.get("threadIdx.x", 1)
+
+    def _allocate(self, buffer):
+        size = int(np.prod([int(d) for d in buffer.ty.shape]))
+        rows = self.lanes if _scope(buffer) == "local" else self.blocks
+        array = np.zeros((rows, size), _np_dtype(buffer.ty.dtype))
+        if buffer.name in self.preset:
+            array[...] = self.preset[buffer.name]
+        self.chip[buffer.name] = array
+        self.store[buffer] = (_scope(buffer), array)
+
+    def _load(self, buffer, flat):
+        """Element ``flat`` of ``buffer`` for every thread the current mask holds (an index
+        out of the buffer is an error there; the other threads read element 0)."""
+        scope, array = self.store[buffer]
+        flat = np.broadcast_to(np.asarray(flat, np.int64), (self.lanes,))
+        size = array.shape[-1]
+        bad = self.mask & ((flat < 0) | (flat >= size))
+        if bad.any():
+            lane = int(np.argmax(bad))
+            raise IndexError(f"thread {lane % self.threads} of block {lane // self.threads} reads "
+                             f"{buffer.name}[{flat[lane]}], past its {size} elements")
+        flat = np.where(self.mask, flat, 0)
+        if scope == "global":
+            return array[flat]
+        row = self.lane if scope == "local" else self.lane // self.threads
+        return array[row, flat]
+
+    def _write(self, buffer, flat, value, mask):
+        scope, array = self.store[buffer]
+        flat = np.broadcast_to(np.asarray(flat, np.int64), (self.lanes,))[mask]
+        if flat.size and (flat.min() < 0 or flat.max() >= array.shape[-1]):
+            raise IndexError(f"a thread writes {buffer.name}[{flat.min()}..{flat.max()}], past "
+                             f"its {array.shape[-1]} elements")
+        value = np.broadcast_to(np.asarray(value).astype(array.dtype), (self.lanes,))[mask]
+        if scope == "global":
+            array[flat] = value
+        else:
+            row = self.lane if scope == "local" else self.lane // self.threads
+            array[row[mask], flat] = value
+
+    def _flat_index(self, buffer, indices):
+        flat = 0
+        for dim, index in zip(buffer.ty.shape, indices):
+            flat = flat * int(self._expr(dim)) + index
+        return flat
+
+    # -- statements ----------------------------------------------------------------------------
+
+    def _stmt(self, node, mask):
+        if not mask.any():
+            return
+        self.mask = mask
+        kind = type(node).__name__
+        if kind == "SeqStmt":
+            for s in node.seq:
+                self._stmt(s, mask)
+        elif kind == "SBlockRealize":
+            self._stmt(node.block, mask)
+        elif kind == "SBlock":
+            for buffer in node.alloc_buffers:
+                self._allocate(buffer)
+            self._stmt(node.body, mask)
+        elif kind == "For":
+            self._for(node, mask)
+        elif kind == "IfThenElse":
+            cond = np.broadcast_to(np.asarray(self._expr(node.condition), bool), (self.lanes,))
+            self._stmt(node.then_case, mask & cond)
+            if node.else_case is not None:
+                self._stmt(node.else_case, mask & ~cond)
+            self.mask = mask
+        elif kind in ("BufferStore", "TensorStore"):
+            flat = self._flat_index(node.buffer, [self._expr(i) for i in node.indices])
+            self._write(node.buffer, flat, self._expr(node.value), mask)
+        elif kind == "Bind":
+            self.env[node.var] = self._expr(node.value)
+        elif kind == "Evaluate":
+            self._call(node.value, mask)
+        else:
+            raise NotImplementedError(f"statement {kind}")
+
+    def _for(self, node, mask):
+        if node.thread_binding is not None:
+            tag = str(node.thread_binding.thread_tag)
+            self.env[node.loop_var] = (self.lane // self.threads if tag == "blockIdx.x"
+                                       else self.lane % self.threads)
+            self._stmt(node.body, mask)
+            return
+        start, extent = self._expr(node.min), self._expr(node.extent)
+        assert np.ndim(start) == 0 and np.ndim(extent) == 0, "loop bounds differ by thread"
+        for i in range(int(start), int(start) + int(extent)):
+            self.env[node.loop_var] = i
+            self._stmt(node.body, mask)
+        self.mask = mask
+
+    # -- expressions ---------------------------------------------------------------------------
+
+    _BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Min": np.minimum,
+               "Max": np.maximum, "EQ": np.equal, "NE": np.not_equal, "LT": np.less,
+               "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal,
+               "And": np.logical_and, "Or": np.logical_or, "FloorDiv": np.floor_divide,
+               "FloorMod": np.mod, "BitwiseAnd": np.bitwise_and, "BitwiseOr": np.bitwise_or,
+               "LShift": np.left_shift, "RShift": np.right_shift}
+
+    def _expr(self, node):
+        kind = type(node).__name__
+        if kind == "IntImm":
+            return _np_dtype(_dtype(node)).type(node.value)
+        if kind == "FloatImm":
+            return _np_dtype(_dtype(node)).type(node.value)
+        if kind == "Var":
+            return self.env[node]
+        if kind in ("BufferLoad", "TensorLoad"):
+            return self._load(node.source, self._flat_index(node.source,
+                                                       [self._expr(i) for i in node.indices]))
+        if kind in self._BINARY:
+            return self._BINARY[kind](self._expr(node.a), self._expr(node.b))
+        if kind == "Div":
+            return np.divide(self._expr(node.a), self._expr(node.b))
+        if kind == "Not":
+            return np.logical_not(self._expr(node.a))
+        if kind == "Cast":
+            return np.asarray(self._expr(node.value)).astype(_np_dtype(_dtype(node)))[()]
+        if kind == "Select":
+            return np.where(self._expr(node.condition), self._expr(node.true_value),
+                            self._expr(node.false_value))
+        if kind == "Call":
+            return self._call(node, None)
+        raise NotImplementedError(f"expression {kind}: {node}")
+
+    def _call(self, node, mask):
+        op = node.op.name
+        args = node.args
+        if op in ("tirx.tvm_storage_sync", "tirx.cuda.grid_sync"):
+            return None
+        if op == "prim.if_then_else" or op == "tirx.if_then_else":
+            return self._select(args)
+        if op == "tirx.bitwise_and":
+            return np.bitwise_and(self._expr(args[0]), self._expr(args[1]))
+        if op == "tirx.bitwise_or":
+            return np.bitwise_or(self._expr(args[0]), self._expr(args[1]))
+        if op == "tirx.shift_left":
+            return np.left_shift(self._expr(args[0]), self._expr(args[1]))
+        if op == "tirx.shift_right":
+            return np.right_shift(self._expr(args[0]), self._expr(args[1]))
+        if op == "tirx.reinterpret":
+            value = np.asarray(self._expr(args[0]))
+            return value.view(_np_dtype(_dtype(node)))[()]
+        if op == "tirx.address_of":
+            load = args[0]
+            return _Pointer(load.source, self._flat_index(
+                load.source, [self._expr(i) for i in load.indices]))
+        if op == "tirx.tanh":
+            return np.tanh(self._expr(args[0]))
+        if op == "tirx.exp":
+            return np.exp(self._expr(args[0]))
+        if op == "tirx.sigmoid":
+            return 1 / (1 + np.exp(-self._expr(args[0])))
+        if op == "tirx.call_pure_extern":
+            return self._extern(str(args[0].value), [self._expr(a) for a in args[1:]])
+        if op == "tirx.cuda.func_call":
+            return self._device(str(args[0].value), args[1:-1], mask)
+        if op == "tirx.ptx_legacy.mma":
+            return self._mma(args)
+        raise NotImplementedError(f"call {op}")
+
+    def _select(self, args):
+        """``if_then_else``: each branch evaluated only for the threads that take it."""
+        outer = self.mask
+        cond = np.broadcast_to(np.asarray(self._expr(args[0]), bool), (self.lanes,))
+        self.mask = outer & cond
+        yes = self._expr(args[1]) if self.mask.any() else None
+        self.mask = outer & ~cond
+        no = self._expr(args[2]) if self.mask.any() else None
+        self.mask = outer
+        if yes is None or no is None:
+            return no if yes is None else yes
+        return np.where(cond, yes, no)
+
+    @staticmethod
+    def _extern(name, values):
+        if name == "__expf":
+            return np.exp(values[0]).astype(np.float32)
+        if name == "__fdividef":
+            return (values[0] / values[1]).astype(np.float32)
+        raise NotImplementedError(f"extern {name}")
+
+    # -- device functions ----------------------------------------------------------------------
+
+    def _device(self, name, args, mask):
+        values = [self._expr(a) for a in args]
+        if name in ("rnncc_ldcg", "rnncc_grid_load"):
+            return self._load(values[0].buffer, values[0].flat)
+        if name == "rnncc_grid_wait":
+            word = self._load(values[0].buffer, values[0].flat)
+            if np.any((word >> np.uint64(32)) != values[1]):
+                raise Deadlock(f"a tagged word's tag is not step {values[1]}")
+            return word
+        if name == "rnncc_grid_store":
+            self._write(values[0].buffer, values[0].flat, values[1], mask)
+            return None
+        if name == "rnncc_grid_arrive":
+            _, counter = self.store[values[0].buffer]
+            flat = np.broadcast_to(values[0].flat, (self.lanes,))[mask]
+            np.add.at(counter, flat, np.uint32(1))
+            return None
+        if name == "rnncc_grid_barrier":
+            count = self._load(values[0].buffer, values[0].flat)
+            if np.any((count < values[1])[mask]):
+                raise Deadlock(f"the barrier's count {count[mask].min()} stays under "
+                               f"{np.asarray(values[1]).max()}")
+            return None
+        if name == "rnncc_shfl_xor":
+            value = np.broadcast_to(np.asarray(values[0]), (self.lanes,))
+            return value[self.lane ^ int(values[1])]
+        if name == "rnncc_cp_async":
+            dst, src, size = values
+            flat = np.broadcast_to(np.asarray(src.flat, np.int64), (self.lanes,))
+            for v in range(4):  # 16 bytes of float32
+                value = np.where(np.asarray(size) > 0, self._load(src.buffer, flat + v), 0)
+                self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
+            return None
+        if name == "rnncc_cp_async_wait":
+            return None
+        raise NotImplementedError(f"device function {name}")
+
+    def _mma(self, args):
+        """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 on every warp: lane l (group g =
+        l // 4, t = l % 4) holds A[g + 8*(i//2 % 2)][2t + i % 2 + 8*(i // 4)] in a_i, B[2t + i %
+        2 + 8*(i // 2)][g] in b_i, and C, D[g + 8*(i // 2)][2t + i % 2] in c_i."""
+        a = self.store[args[6].args[0]][1][:, int(args[7]):].astype(np.float32)
+        b = self.store[args[8].args[0]][1][:, int(args[9]):].astype(np.float32)
+        _, c_all = self.store[args[10].args[0]]
+        off = int(self._expr(args[11]))
+        c = c_all[:, off:off + 4]
+        warps = self.lanes // 32
+        g, t = (np.arange(32) // 4), (np.arange(32) % 4)
+        big_a = np.zeros((warps, 16, 16), np.float32)
+        big_b = np.zeros((warps, 16, 8), np.float32)
+        big_c = np.zeros((warps, 16, 8), np.float32)
+        a, b, c = (x.reshape(warps, 32, -1) for x in (a, b, c))
+        for i in range(8):
+            big_a[:, g + 8 * (i // 2 % 2), 2 * t + i % 2 + 8 * (i // 4)] = a[:, :, i]
+        for i in range(4):
+            big_b[:, 2 * t + i % 2 + 8 * (i // 2), g] = b[:, :, i]
+            big_c[:, g + 8 * (i // 2), 2 * t + i % 2] = c[:, :, i]
+        d = big_a @ big_b + big_c
+        for i in range(4):
+            c[:, :, i] = d[:, g + 8 * (i // 2), 2 * t + i % 2]
+        c_all[:, off:off + 4] = c.reshape(self.lanes, 4)
+        return None
