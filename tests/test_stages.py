@@ -4,10 +4,13 @@ kernels so run against the float64 reference, for every variant of the plan."""
 
 import dataclasses
 import os
+from functools import partial
 
 import numpy as np
 import pytest
 import tvm
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 import rnncc
 from conftest import random_weights
@@ -16,8 +19,18 @@ from rnncc import reference
 from rnncc.lowering import components as comp
 from rnncc.schedules.persistent import buffers, fuse_input, gpu_for_arch, overlap_input, planner
 from rnncc.schedules.persistent.kernel import kernel
+from rnncc.schedules.persistent.spec import KernelSpec
+from rnncc.schedules.persistent.stages import cell as cell_stage
+from rnncc.schedules.persistent.stages import (
+    cuda_cores,
+    exchange,
+    input_projection,
+    reduction,
+    tensor_cores,
+    weights,
+)
 from rnncc.schedules.persistent.stages.exchange import EMPTY_TAG
-from tir_sim import Simulator
+from tir_sim import Deadlock, Simulator
 
 H100 = gpu_for_arch("sm_90")
 
@@ -176,3 +189,360 @@ def test_kernel_of_a_cell_whose_new_state_reads_the_previous_h(rng):
                                                  "coupled.py"))
     p = crafted(3, 40, 3, "float32", 5, 2)
     check_kernel(cell.name, p, 6, 40, 3, "float32", rng)
+
+
+# -- one stage at a time --------------------------------------------------------------------
+
+def run_stage(spec, body, args, preset=None, extra=None):
+    """Run ``body(g, b, bx, tx, out)`` for every thread of every block of ``spec``'s plan on
+    the interpreter: the stage calls it makes see the kernel's parameters ``g`` (arrays in
+    ``args``, by name) and on-chip buffers ``b`` (``preset`` gives some starting values);
+    ``extra`` declares further float32 parameters by name and shape (``out``, arrays in
+    ``args`` too). The Simulator, whose ``chip`` holds the on-chip buffers after the run."""
+    extra = extra or {}
+
+    @T.prim_func(s_tir=True)
+    def stage():
+        g = T.meta_var(buffers.parameters(spec))
+        out = T.meta_var(_declare(extra))
+        with T.sblock("root"):
+            b = T.meta_var(buffers.on_chip(spec))
+            for bx in T.thread_binding(spec.plan.blocks, thread="blockIdx.x"):
+                for tx in T.thread_binding(spec.plan.threads, thread="threadIdx.x"):
+                    body(g, b, bx, tx, out)
+
+    return Simulator(stage, args, preset).run()
+
+
+def _declare(extra):
+    out = {}
+    for name, shape in extra.items():
+        out[name] = T.match_buffer(T.arg(name, T.handle()), shape, "float32")
+        IRBuilder.name(name, out[name])
+    return out
+
+
+def kernel_args(spec, steps):
+    """NaN-filled arrays for every parameter of the kernel of ``spec``."""
+    p, n, h, gh = spec.plan, spec.batch, spec.hidden, spec.gate_rows
+    args = {"w": np.full((p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec),
+                         np.nan, spec.dtype),
+            "b_hh": np.full(gh, np.nan, spec.dtype), "y": np.full((steps, n, h), np.nan,
+                                                                  spec.dtype)}
+    if p.fused:
+        args.update(x=np.full((steps, n, spec.input_size), np.nan, spec.dtype),
+                    wi=np.full(buffers.input_weight_shape(p, spec.gates), np.nan, spec.dtype),
+                    b_ih=np.full(gh, np.nan, spec.dtype),
+                    xp=np.full((steps, n, gh), np.nan, np.float32))
+    else:
+        args["xp"] = np.full((steps, n, gh), np.nan, np.float32)
+    for k in range(spec.states):
+        args[f"s{k}"] = np.full((2, n, h), np.nan, np.float32)
+    if spec.tagged:
+        args["hw"] = np.zeros((2, n, h), np.uint64)
+    else:
+        args["cnt"] = np.zeros(p.batch_groups, np.uint32)
+    return args
+
+
+def packed_w_hh(spec, w_hh):
+    p = spec.plan
+    out = np.zeros((p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), spec.dtype)
+    return _llvm(comp.pack_persistent(spec.gates, spec.hidden, p, spec.dtype), w_hh, out)[1]
+
+
+def block_rows(spec, w_hh, b):
+    """The rows of W_hh that block ``b`` holds, [Wn*RW, H]: row r is W_hh[g*H + j] with g =
+    r // U and j = b*U + r % U (zero outside)."""
+    p = spec.plan
+    out = np.zeros((p.warps * p.rows_per_warp, spec.hidden), np.float64)
+    for r in range(min(spec.gates * p.units, len(out))):
+        j = b % p.group_blocks * p.units + r % p.units
+        if j < spec.hidden:
+            out[r] = w_hh[r // p.units * spec.hidden + j]
+    return out
+
+
+def staged_h(spec, h):
+    """h [N, H] as staged for the CUDA-core products, each block its group's rows:
+    [blocks, N/NG * KP]."""
+    p, n = spec.plan, spec.local_batch
+    out = np.zeros((p.blocks, n, spec.width), np.float32)
+    for b in range(p.blocks):
+        group = b // p.group_blocks
+        out[b, :, :spec.hidden] = h[group * n:(group + 1) * n]
+    return out.reshape(p.blocks, -1)
+
+
+@T.macro
+def _record(spec, out, wv, bx, tx, i, read):
+    for q in T.unroll(spec.plan.rows_per_warp):
+        read(q)
+        for v in T.vectorized(spec.plan.vec):
+            out[bx, tx, i, q, v] = T.Cast("float32", wv[v])
+
+
+PLACEMENTS = {
+    "registers, shared, global": lambda: crafted(3, 300, 2, "float32", 40, 4, (1, 1, 1)),
+    "shared, unrolled by 3": lambda: crafted(1, 300, 1, "float32", 40, 4, (0, 3, 0), unroll=3),
+    "registers, batch groups": lambda: crafted(4, 64, 4, "float32", 8, 4, groups=2),
+    "float16, shared": lambda: crafted(4, 300, 3, "float16", 4, 2, (1, 1, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_weights_stage_puts_every_chunk_where_its_readers_look(name, rng):
+    """``load`` then ``each_chunk``: the chunk (i, row q) that lane l of warp w reads is
+    W_hh's packed [block, w, i, q, l], from registers, shared memory or global memory alike;
+    block b holds block b % (B/NG)'s."""
+    p = PLACEMENTS[name]()
+    spec = KernelSpec(p, 4, 1, p.units * p.blocks // p.batch_groups, 4, "float32"
+                      if p.vec == 4 else "float16")
+    args = kernel_args(spec, 1)
+    args["w"] = rng.standard_normal(args["w"].shape).astype(spec.dtype)
+    args["out"] = np.full((p.blocks, p.threads, p.chunks, p.rows_per_warp, p.vec), np.nan,
+                          np.float32)
+
+    def body(g, b, bx, tx, out):
+        warp, lane, blk = tx // 32, tx % 32, spec.weights_of(bx)
+        weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
+        weights.each_chunk(spec, partial(_record, spec, out["out"], b.wv, bx, tx), b.wv,
+                           b.wreg, b.wsm, g.w, blk, warp, lane)
+
+    run_stage(spec, body, args, extra={"out": args["out"].shape})
+    tx = np.arange(p.threads)
+    for bx in range(p.blocks):
+        expect = args["w"][bx % p.group_blocks][tx // 32, :, :, tx % 32]  # [T, KI, RW, VEC]
+        np.testing.assert_array_equal(args["out"][bx], expect.astype(np.float32))
+
+
+PRODUCTS = {  # gates, batch, plan
+    "15 sums a lane, padded to 16": (3, 3, lambda: crafted(3, 300, 3, "float32", 40, 4,
+                                                           (1, 1, 1))),
+    "one sum a lane": (1, 1, lambda: crafted(1, 40, 1, "float32", 4, 4)),
+    "32 sums a lane, batch groups": (4, 16, lambda: crafted(4, 64, 16, "float32", 8, 4,
+                                                            groups=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(PRODUCTS))
+def test_cuda_core_products_and_reduction(name, rng):
+    """``cuda_cores.chunk`` over every chunk, the butterfly over the lanes and the sums into
+    shared memory: hs[w*RW + q, n] is row w*RW + q of the block's W_hh rows by h[n]."""
+    g, n, make = PRODUCTS[name]
+    p = make()
+    h = p.units * p.blocks // p.batch_groups
+    spec = KernelSpec(p, g, 1, h, n, "float32")
+    w_hh = rng.standard_normal((g * h, h)).astype(np.float32)
+    hv = rng.standard_normal((n, h)).astype(np.float32)
+    args = kernel_args(spec, 1)
+    args["w"] = packed_w_hh(spec, w_hh)
+
+    def body(gl, b, bx, tx, out):
+        warp, lane, blk = tx // 32, tx % 32, spec.weights_of(bx)
+        weights.load(spec, gl.w, b.wreg, b.wsm, blk, warp, lane, tx)
+        cuda_cores.zero(spec, b.acc)
+        weights.each_chunk(spec, partial(cuda_cores.chunk, spec, b.hs, b.hv, b.wv, b.acc, lane),
+                           b.wv, b.wreg, b.wsm, gl.w, blk, warp, lane)
+        reduction.butterfly(spec, b.acc, lane)
+        reduction.store_sums(spec, b.hs, b.acc, warp, lane)
+
+    sim = run_stage(spec, body, args, preset={"hs": staged_h(spec, hv)})
+    _check_sums(spec, sim.chip["hs"], w_hh, hv, rtol=1e-5)
+
+
+def _check_sums(spec, hs, w_hh, hv, rtol):
+    """Each block's gate sums in ``hs`` [Wn*RW, N/NG] against its W_hh rows by h."""
+    p, n = spec.plan, spec.local_batch
+    rows = p.warps * p.rows_per_warp
+    for b in range(p.blocks):
+        group = b // p.group_blocks
+        expect = block_rows(spec, w_hh, b) @ hv[group * n:(group + 1) * n].astype(np.float64).T
+        got = hs[b, :rows * n].reshape(rows, n)
+        np.testing.assert_allclose(got, expect, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("batch, groups", [(3, 1), (16, 2)])
+def test_tensor_core_products(batch, groups, rng):
+    """h staged in float16 fragments (``tensor_cores.store_h`` through the exchange's
+    staging), then ``chunk`` as mma.sync over every chunk (registers and shared memory) and
+    the chains' sums into shared memory: the block's W_hh rows by h rounded to float16."""
+    p = crafted(4, 300, batch, "float16", 4, 2, (1, 1, 0), groups=groups, mma=True,
+                sync="barrier")
+    spec = KernelSpec(p, 4, 1, 300, batch, "float16")
+    w_hh = rng.standard_normal((4 * 300, 300)).astype(np.float16)
+    hv = rng.standard_normal((batch, 300)).astype(np.float32)
+    args = kernel_args(spec, 1)
+    args["w"] = packed_w_hh(spec, w_hh)
+    args["s0"][0] = hv
+
+    def body(g, b, bx, tx, out):
+        warp, lane, blk = tx // 32, tx % 32, spec.weights_of(bx)
+        weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
+        tensor_cores.prepare(spec, b.hs16, b.af, tx)
+        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(tensor_cores.store_h, spec, b.hs16),
+                         0, bx, tx)
+        tensor_cores.zero(spec, b.dacc)
+        weights.each_chunk(spec, partial(tensor_cores.chunk, spec, b.hs16, b.af, b.wb, b.wv,
+                                         b.dacc, lane), b.wv, b.wreg, b.wsm, g.w, blk, warp,
+                           lane)
+        tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
+
+    sim = run_stage(spec, body, args)
+    _check_sums(spec, sim.chip["hs"], w_hh.astype(np.float32), hv.astype(np.float16), 1e-4)
+
+
+@pytest.mark.parametrize("sync", ["tagged", "barrier"])
+def test_exchange_stages_h_as_published(sync, rng):
+    """Step 3 stages h_2 (slot 1): from the tagged words of step 3, or the states' buffer
+    read past L1; zeros past H; each block its batch group's rows."""
+    p = crafted(3, 40, 6, "float32", 5, 2, groups=2, sync=sync)
+    spec = KernelSpec(p, 3, 1, 40, 6, "float32")
+    hv = rng.standard_normal((6, 40)).astype(np.float32)
+    args = kernel_args(spec, 1)
+    if sync == "tagged":
+        args["hw"][1] = (np.uint64(3) << np.uint64(32)) | hv.view(np.uint32).astype(np.uint64)
+    else:
+        args["s0"][1] = hv
+
+    def body(g, b, bx, tx, out):
+        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(cuda_cores.store_h, spec, b.hs), 3,
+                         bx, tx)
+
+    sim = run_stage(spec, body, args)
+    staged = staged_h(spec, hv)
+    np.testing.assert_array_equal(sim.chip["hs"][:, :staged.shape[1]], staged)
+    if sync == "tagged":  # a word of another step is waited on, never taken
+        args["hw"][1, 4, 7] = np.uint64(2) << np.uint64(32)
+        with pytest.raises(Deadlock, match="tag is not step 3"):
+            run_stage(spec, body, args)
+
+
+@pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
+def test_exchange_publishes_h_and_counts_arrivals(sync):
+    """``publish``: h_t into slot (t+1) % 2 of the states' buffer and, tagged, as the word of
+    step t + 1; the counter barrier counts every block of a group once a step (a wait for a
+    count never reached is a deadlock)."""
+    p = crafted(3, 40, 4, "float32", 5, 2, groups=2, sync=sync)
+    spec = KernelSpec(p, 3, 1, 40, 4, "float32")
+    args = kernel_args(spec, 1)
+
+    def body(g, b, bx, tx, out):
+        valid, n, j = spec.pair(0, bx, tx)
+        with T.If(valid):
+            with T.Then():
+                exchange.publish(spec, g.s[0], g.hw, 4, T.Cast("float32", j) + T.float32(0.5),
+                                 spec.batch_row(bx, n), j)
+        exchange.arrive_and_wait(spec, g.cnt, 0, bx, tx)
+
+    run_stage(spec, body, args)
+    expect = np.broadcast_to(np.arange(40, dtype=np.float32) + 0.5, (4, 40))
+    np.testing.assert_array_equal(args["s0"][1], expect)
+    if sync == "tagged":
+        words = (np.uint64(5) << np.uint64(32)) | expect.view(np.uint32).astype(np.uint64)
+        np.testing.assert_array_equal(args["hw"][1], words)
+    elif sync == "barrier":  # step 0: every block of each group arrived once
+        np.testing.assert_array_equal(args["cnt"], [p.group_blocks] * 2)
+        with pytest.raises(Deadlock, match="stays under"):  # step 1's wait, with no arrival
+            run_stage(spec, lambda g, b, bx, tx, out: exchange.wait(spec, g.cnt, 1, bx, tx),
+                      args)
+
+
+def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
+    """The cell stage on one step: constants and initial states in, the step's input
+    projections prefetched, the gate sums preset where the products leave them; y, h_1
+    published and the final states, against the cell's float64 reference."""
+    g, s_count = cell.gates, len(cell.states)
+    p = crafted(g, hidden, batch, dtype, 5, 2)
+    spec = KernelSpec(p, g, s_count, hidden, batch, dtype)
+    args = kernel_args(spec, 1)
+    xp = rng.standard_normal((batch, g * hidden)).astype(np.float32)
+    b_hh = rng.standard_normal(g * hidden).astype(dtype)
+    states = [rng.standard_normal((batch, hidden)).astype(np.float32) for _ in cell.states]
+    gh = rng.standard_normal((batch, g * hidden)).astype(np.float32)  # W_hh h, without b_hh
+    args.update(xp=xp[None], b_hh=b_hh)
+    for k, value in enumerate(states):
+        args[f"s{k}"][0] = value
+    sums = np.zeros((p.blocks, p.warps * p.rows_per_warp * batch), np.float32)
+    for b in range(p.blocks):  # hs: row g*U + u, batch row n
+        for r in range(g * p.units):
+            j = b * p.units + r % p.units
+            if j < hidden:
+                sums[b, r * batch:(r + 1) * batch] = gh[:, r // p.units * hidden + j]
+
+    def body(gl, b, bx, tx, out):
+        cell_stage.load_constants(spec, gl.b_hh, gl.s, b.bh, b.st, bx, tx)
+        cell_stage.prefetch(spec, gl.xp, b.gi, 0, bx, tx)
+        cell_stage.apply(spec, cell, gl.y, b.hs, b.gi, b.bh, b.st,
+                         partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, bx, tx)
+        cell_stage.store_final_states(spec, gl.s, b.st, 1, bx, tx)
+
+    run_stage(spec, body, args, preset={"hs": sums})
+    parts = [slice(i * hidden, (i + 1) * hidden) for i in range(g)]
+    gh64 = gh.astype(np.float64) + b_hh.astype(np.float64)
+    expect = cell.reference([xp[:, s].astype(np.float64) for s in parts],
+                            [gh64[:, s] for s in parts], [v.astype(np.float64) for v in states])
+    tol = TOL[dtype]
+    assert reference.relative_error(args["y"][0], expect[0]) < tol
+    for k, value in enumerate(expect):
+        assert reference.relative_error(args[f"s{k}"][1], value) < tol
+    word = args["hw"][1]
+    assert (word >> np.uint64(32) == 1).all()  # h_1 published as the word of step 1
+    np.testing.assert_array_equal((word & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(
+        np.float32), args["s0"][1])
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cell_stage_of_every_cell(cell, dtype, rng):
+    _cell_stage_run(rnncc.cells.get(cell), rng, dtype=dtype)
+
+
+def test_cell_stage_binds_a_new_state_that_reads_a_previous_one(rng):
+    (cell,) = rnncc.cells.load_file(os.path.join(os.path.dirname(__file__), "data",
+                                                 "coupled.py"))
+    _cell_stage_run(cell, rng)
+
+
+PROJECTIONS = {
+    "resident, odd C": lambda: _fused(crafted(3, 33, 2, "float32", 5, 2), 3, 37, 2, 8),
+    "slabs through W_hh's shared memory": lambda: _fused(
+        crafted(3, 33, 2, "float32", 5, 2, (0, 1, 0)), 3, 200, 2, None, SMALL_SMEM),
+    "batch groups": lambda: _fused(crafted(4, 40, 6, "float32", 5, 2, groups=3), 4, 33, 6, 8),
+    "overlapped, copies": lambda: _overlapped(crafted(4, 33, 2, "float32", 5, 2), 4, 64, 2, 2),
+    "overlapped, staged": lambda: _overlapped(crafted(3, 40, 4, "float32", 5, 2), 3, 37, 4, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(PROJECTIONS))
+@pytest.mark.parametrize("steps", [1, 7])
+def test_input_projection_stage(name, steps, rng):
+    """Before the loop, and overlapped each step's slab: xp = x W_ih^T + b_ih for every step
+    and batch row, groups of rows of x that pass T*N included."""
+    p = PROJECTIONS[name]()
+    g = {"resident, odd C": 3, "slabs through W_hh's shared memory": 3,
+         "overlapped, staged": 3}.get(name, 4)
+    c = {"resident, odd C": 37, "slabs through W_hh's shared memory": 200, "batch groups": 33,
+         "overlapped, copies": 64, "overlapped, staged": 37}[name]
+    hidden, batch = (40, 6) if name == "batch groups" else (40, 4) if "staged" in name else (33, 2)
+    spec = KernelSpec(p, g, 1, hidden, batch, "float32", input_size=c)
+    args = kernel_args(spec, steps)
+    w_ih = rng.standard_normal((g * hidden, c)).astype(np.float32)
+    args["x"] = rng.standard_normal((steps, batch, c)).astype(np.float32)
+    args["b_ih"] = rng.standard_normal(g * hidden).astype(np.float32)
+    shape = buffers.input_weight_shape(p, g)
+    args["wi"] = _llvm(comp.pack_fused_input(g, hidden, c, shape, p, "float32"), w_ih,
+                       np.zeros(shape, np.float32))[1]
+
+    def body(gl, b, bx, tx, out):
+        io, warp, lane = buffers.projection(gl, b), tx // 32, tx % 32
+        input_projection.before_loop(spec, io, gl.T_len, warp, lane, bx, tx)
+        if p.input_steps:
+            with T.serial(0, gl.T_len) as t:
+                input_projection.start_copies(spec, io, t, gl.T_len, bx, tx)
+                input_projection.wait_copies(spec)
+                input_projection.in_loop(spec, io, t, gl.T_len, warp, lane, bx, tx)
+
+    run_stage(spec, body, args)
+    expect = args["x"].astype(np.float64) @ w_ih.T.astype(np.float64) + args["b_ih"]
+    np.testing.assert_allclose(args["xp"], expect, rtol=1e-5, atol=1e-5)

@@ -46,7 +46,8 @@ class Simulator:
     """Runs PrimFunc ``func`` once. ``args``: NumPy arrays for its buffer parameters, by
     buffer name (updated in place); symbolic sizes are bound from their shapes. On-chip
     buffers live in :attr:`chip` by name: [lanes, size] for registers (``local``), [blocks,
-    size] for shared memory; ``preset`` gives some of them starting values (broadcast)."""
+    size] for shared memory; ``preset`` gives some of them starting values, by name: their
+    first elements, for every thread or block (a row) or each (an array of rows)."""
 
     def __init__(self, func, args: dict, preset: dict | None = None):
         self.func, self.env, self.store = func, {}, {}
@@ -88,8 +89,9 @@ class Simulator:
         size = int(np.prod([int(d) for d in buffer.ty.shape]))
         rows = self.lanes if _scope(buffer) == "local" else self.blocks
         array = np.zeros((rows, size), _np_dtype(buffer.ty.dtype))
-        if buffer.name in self.preset:
-            array[...] = self.preset[buffer.name]
+        if buffer.name in self.preset:  # its first elements
+            value = np.asarray(self.preset[buffer.name])
+            array[..., :value.shape[-1]] = value
         self.chip[buffer.name] = array
         self.store[buffer] = (_scope(buffer), array)
 
