@@ -39,6 +39,8 @@ def _add_problem_args(p):
     p.add_argument("--persistent", choices=("auto", "on", "off"), default="auto",
                    help="the persistent-weight CUDA kernel: where it fits (auto), required (on), "
                         "or never (off)")
+    p.add_argument("--lengths", action="store_true",
+                   help="the module takes each sample's length at run time (1 to T)")
 
 
 def _add_tuning_args(p):
@@ -113,7 +115,8 @@ def _problem_kwargs(args) -> dict:
                 dtype=args.dtype, target=args.target, arch=args.arch,
                 cpu=getattr(args, "cpu", None), input_gemm=args.input_gemm,
                 gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise,
-                persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args))
+                persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args),
+                lengths=getattr(args, "lengths", False))
 
 
 def _check_writable(path: str) -> None:
@@ -156,7 +159,8 @@ def _summary(meta: dict) -> str:
     persistent kernel)."""
     schedule = meta["schedule"]
     head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} N={meta['batch']} "
-            f"{meta['dtype']} {meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
+            f"{meta['dtype']}{' with lengths' if meta.get('lengths') else ''} "
+            f"{meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
     persistent = schedule.get("persistent", {})
     if schedule["kind"] == "persistent":
         plan = persistent["plan"]

@@ -49,19 +49,19 @@ __all__ = [
 def compile(cell, input_size: int, hidden_size: int, batch: int,  # noqa: A001
             dtype: str = "float32", target: str = "cuda", arch: str | None = None,
             cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
-            gpu: str | None = None, tuning: str = "auto", **options):
+            gpu: str | None = None, tuning: str = "auto", lengths: bool = False, **options):
     """Compile one recurrent layer into a :class:`Module`.
 
     ``cell`` is a registered cell name, a :class:`rnncc.cells.Cell`, or the path of a cell
     file. ``options`` are :class:`rnncc.spec.Options` fields (cuDNN's optimisations, each on by
-    default). A matching tuning log applies unless ``tuning="off"``. See
-    :func:`rnncc.compiler.compile_module`.
+    default). A matching tuning log applies unless ``tuning="off"``. ``lengths=True``: the
+    module takes each sample's length at run time. See :func:`rnncc.compiler.compile_module`.
     """
     from .compiler import compile_module
 
     return compile_module(cell, input_size, hidden_size, batch, dtype=dtype, target=target,
                           arch=arch, cpu=cpu, sms=sms, knobs=knobs, gpu=gpu, tuning=tuning,
-                          **options)
+                          lengths=lengths, **options)
 
 
 def load(path: str):

@@ -7,12 +7,14 @@ import numpy as np
 from .cells import Cell
 
 
-def run(cell: Cell, x, weights: dict, initial: dict | None = None):
+def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None):
     """Run ``cell`` over ``x`` [T, N, C] in float64.
 
     ``weights`` has ``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0`` and
     ``bias_hh_l0`` [G*H]; ``initial`` maps state names to [1, N, H] arrays (zeros if absent).
-    Returns ``(y [T, N, H], {state: [1, N, H]})``.
+    ``lengths`` [N]: sample n runs its first lengths[n] steps only (its final states are those
+    of its own last step, its outputs past it zero). Returns ``(y [T, N, H], {state: [1, N,
+    H]})``.
     """
     x = np.asarray(x, np.float64)
     w_ih = np.asarray(weights["weight_ih_l0"], np.float64)
@@ -24,14 +26,17 @@ def run(cell: Cell, x, weights: dict, initial: dict | None = None):
     initial = initial or {}
     state = [np.asarray(initial[s], np.float64).reshape(batch, hidden) if s in initial
              else np.zeros((batch, hidden)) for s in cell.states]
+    active = (np.ones((steps, batch), bool) if lengths is None
+              else np.arange(steps)[:, None] < np.asarray(lengths)[None, :])
     ys = np.empty((steps, batch, hidden))
     for t in range(steps):
         gi = x[t] @ w_ih.T + b_ih
         gh = state[0] @ w_hh.T + b_hh
         split = [slice(g * hidden, (g + 1) * hidden) for g in range(cell.gates)]
-        state = [np.asarray(v, np.float64) for v in
-                 cell.reference([gi[:, s] for s in split], [gh[:, s] for s in split], state)]
-        ys[t] = state[0]
+        new = cell.reference([gi[:, s] for s in split], [gh[:, s] for s in split], state)
+        state = [np.where(active[t][:, None], np.asarray(v, np.float64), old)
+                 for v, old in zip(new, state)]
+        ys[t] = np.where(active[t][:, None], state[0], 0.0)
     return ys, {s: v.reshape(1, batch, hidden) for s, v in zip(cell.states, state)}
 
 

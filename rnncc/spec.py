@@ -19,7 +19,9 @@ def _positive(name: str, value) -> int:
 class Problem:
     """One recurrent layer: a cell, C input features, H hidden units, batch N, a dtype.
 
-    The sequence length T is not part of it: a module takes any T at run time.
+    The sequence length T is not part of it: a module takes any T at run time. ``lengths``:
+    the module also takes each sample's length (1 to T): a sample's states stop at its own
+    last step, and its outputs past it are zero.
     """
 
     cell: Cell
@@ -27,6 +29,7 @@ class Problem:
     hidden_size: int
     batch: int
     dtype: str = "float32"
+    lengths: bool = False
 
     def __post_init__(self):
         if not isinstance(self.cell, Cell):
@@ -35,6 +38,8 @@ class Problem:
         _positive("hidden_size", self.hidden_size)
         _positive("batch", self.batch)
         check_dtype(self.dtype)
+        if not isinstance(self.lengths, bool):
+            raise ConfigError(f"lengths must be True or False, got {self.lengths!r}")
 
     @property
     def gates(self) -> int:
@@ -42,7 +47,7 @@ class Problem:
 
     def describe(self) -> str:
         return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
-                f"{self.dtype}")
+                f"{self.dtype}" + (" with lengths" if self.lengths else ""))
 
 
 @dataclass(frozen=True)

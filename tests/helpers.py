@@ -19,9 +19,11 @@ def compiled(cell, input_size, hidden_size, batch, target="llvm", **options):
     return rnncc.compile(cell, input_size, hidden_size, batch, target=target, **options)
 
 
-def check_against_reference(module, rng, steps, with_initial, to_array=np.asarray):
+def check_against_reference(module, rng, steps, with_initial, to_array=np.asarray,
+                            lengths=False):
     """Run ``module`` on fresh random inputs (rounded to its dtype), return the worst
-    relative error against the float64 reference over y and every final state."""
+    relative error against the float64 reference over y and every final state. ``lengths``:
+    random lengths of the samples (the first 1 step, the last all T)."""
     from conftest import random_weights
 
     cell = rnncc.cells.get(module.cell)
@@ -31,10 +33,15 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
     x = rng.standard_normal((steps, n, c)).astype(dt)
     initial = ({s: rng.standard_normal((1, n, h)).astype(dt) for s in cell.states}
                if with_initial else {})
-    ref_y, ref_states = reference.run(cell, x, weights, initial)
+    ln = None
+    if lengths:
+        ln = rng.integers(1, steps + 1, n)
+        ln[0], ln[-1] = 1, steps
+    ref_y, ref_states = reference.run(cell, x, weights, initial, ln)
+    extra = {} if ln is None else {"lengths": to_array(ln)}
     y, finals = module(to_array(x.astype(dt)), {k: to_array(v.astype(dt)) for k, v in
                                                  weights.items()},
-                       **{f"{s}0": to_array(v.astype(dt)) for s, v in initial.items()})
+                       **{f"{s}0": to_array(v.astype(dt)) for s, v in initial.items()}, **extra)
     finals = finals if isinstance(finals, tuple) else (finals,)
     errors = [reference.relative_error(np.asarray(_host(y)), ref_y)]
     errors += [reference.relative_error(np.asarray(_host(f)), ref_states[s])
@@ -42,11 +49,11 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
     return max(errors)
 
 
-def check_across_steps(module, rng):
+def check_across_steps(module, rng, lengths=False):
     """Assert ``module`` within TOL of float64 on fresh inputs at T = 1 and 100 (with initial
-    states) and 37 (without)."""
+    states) and 37 (without); ``lengths``: random lengths of the samples."""
     for steps, initial in ((1, True), (37, False), (100, True)):
-        err = check_against_reference(module, rng, steps, initial)
+        err = check_against_reference(module, rng, steps, initial, lengths=lengths)
         assert err < TOL[module.dtype], f"T={steps}: relative error {err:.3e}"
 
 

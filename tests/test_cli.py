@@ -56,6 +56,18 @@ def test_compile_float16_and_bench_it(capsys, tmp_path):
     assert code == 0 and json.loads(out)["rnncc"] > 0
 
 
+def test_compile_with_lengths(capsys, tmp_path):
+    path = str(tmp_path / "gru_lengths.so")
+    code, out, err = run(capsys, "compile", "gru", "-C", "3", "-H", "4", "-N", "2", "--lengths",
+                         "--target", "llvm", "-o", path)
+    assert code == 0, err
+    assert "compiled gru C=3 H=4 N=2 float32 with lengths llvm" in out
+    meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
+    assert meta["lengths"] is True
+    code, out, _ = run(capsys, "bench", path, "--steps", "3", "--repeat", "2", "--json")
+    assert code == 0 and json.loads(out)["rnncc"] > 0
+
+
 def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     path = str(tmp_path / "mgu.so")
     code, out, err = run(capsys, "compile", os.path.join(DATA, "mgu.py"), "-C", "3", "-H", "4",

@@ -345,3 +345,48 @@ def test_sgemm_matches_reference(cell, input_size, hidden, batch, rng):
     for steps, initial in ((1, True), (37, False), (100, True)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [
+    ("lstm", 32, 257, 7, "float32", {"sync": "tagged"}, "on"),
+    ("gru", 1024, 1024, 4, "float32", None, "on"),  # overlapped input projection
+    ("lstm", 33, 1000, 7, "float16", {"warps": 4, "mma": True, "sync": "barrier"}, "on"),
+    ("rnn_tanh", 16, 64, 40, "float32", {"batch_groups": 4, "sync": "grid"}, "on"),
+    ("lstm", 24, 64, 5, "float32", None, "off"),
+    ("gru", 24, 64, 5, "float16", None, "off")])
+def test_lengths_match_reference(cell, input_size, hidden, batch, dtype, knobs, persistent, rng):
+    """Samples of their own lengths (the first 1 step, the last all T): persistent (each
+    exchange, tensor cores, the overlapped projection, batch groups) and not."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
+                           knobs=knobs, persistent=persistent, tuning="off", lengths=True)
+    assert module.metadata["schedule"]["kind"] == ("persistent" if persistent == "on"
+                                                   else "sequence")
+    check_across_steps(module, rng, lengths=True)
+
+
+def test_lengths_on_the_device_and_in_a_cuda_graph(torch, rng):
+    """torch lengths on the GPU: no copy to the host is needed to run (the check is skipped
+    while a CUDA graph is captured), and the replay follows new lengths in place."""
+    module = rnncc.compile("lstm", 16, 64, 3, target="cuda", lengths=True, tuning="off")
+    w = {k: torch.tensor(v, dtype=torch.float32, device="cuda")
+         for k, v in random_weights(rng, 4, 16, 64).items()}
+    packed = module.pack(w)
+    x = torch.randn(9, 3, 16, device="cuda")
+    lengths = torch.tensor([9, 4, 1], device="cuda")
+    expect = module(x, packed, lengths=lengths)[0].clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        module(x, packed, lengths=lengths)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, _ = module(x, packed, lengths=lengths)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, expect)
+    lengths.copy_(torch.tensor([2, 9, 5]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, module(x, packed, lengths=lengths)[0])
+    assert not y[2:, 0].any() and not y[5:, 2].any()
+    with pytest.raises(InputError, match="lengths is on cpu, but this call runs on cuda:0"):
+        module(x, packed, lengths=torch.tensor([1, 2, 3]))

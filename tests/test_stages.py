@@ -57,9 +57,10 @@ def _llvm(func, *arrays):
     return [t.numpy() for t in tensors]
 
 
-def simulate(cell, p, x, weights, initial, dtype, chunk=1):
+def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None):
     """y and the final states of the persistent kernel of plan ``p`` on ``x`` [T, N, C], run
-    on the interpreter with rnncc's own packings (built for this CPU)."""
+    on the interpreter with rnncc's own packings (built for this CPU); ``lengths``: the
+    kernel takes the samples' lengths."""
     steps, n, c = x.shape
     g, h = cell.gates, weights["weight_hh_l0"].shape[1]
     w_hh = weights["weight_hh_l0"].astype(dtype)
@@ -90,12 +91,18 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1):
                            np.zeros((2, n, h), np.uint64))[1]
     else:
         args["cnt"] = np.zeros(p.batch_groups, np.uint32)
-    func = kernel(cell, h, n, p, dtype=dtype, chunk=chunk, input_size=c if p.fused else 0)
+    if lengths is not None:
+        args["lengths"] = np.asarray(lengths, np.int32)
+    func = kernel(cell, h, n, p, dtype=dtype, chunk=chunk, input_size=c if p.fused else 0,
+                  lengths=lengths is not None)
     Simulator(func, args).run()
     return args["y"], {s: args[f"s{k}"][steps % 2][None] for k, s in enumerate(cell.states)}
 
 
-def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 5), chunk=1):
+def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 5), chunk=1,
+                 lengths=False):
+    """The kernel of plan ``p`` against float64 at each T of ``steps``, with initial states;
+    ``lengths``: random lengths (one sample of 1 step, one of all T)."""
     cell = rnncc.cells.get(cell_name)
     for t in steps:
         weights = {k: v.astype(dtype) for k, v in
@@ -103,8 +110,12 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
         x = rng.standard_normal((t, batch, input_size)).astype(dtype)
         initial = {s: rng.standard_normal((1, batch, hidden)).astype(dtype)
                    for s in cell.states}
-        y, finals = simulate(cell, p, x, weights, initial, dtype, chunk)
-        ref_y, ref_states = reference.run(cell, x, weights, initial)
+        ln = None
+        if lengths:
+            ln = rng.integers(1, t + 1, batch)
+            ln[0], ln[-1] = 1, t
+        y, finals = simulate(cell, p, x, weights, initial, dtype, chunk, ln)
+        ref_y, ref_states = reference.run(cell, x, weights, initial, ln)
         errors = [reference.relative_error(y, ref_y)] + [
             reference.relative_error(finals[s], ref_states[s]) for s in cell.states]
         assert max(errors) < TOL[dtype], f"T={t}: relative errors {errors}"
@@ -170,6 +181,16 @@ def test_kernel_variant_matches_reference(name, rng):
     if name == "fused in slabs":
         assert p.input_slab > 0
     check_kernel(cell, p, input_size, hidden, batch, dtype, rng, chunk=chunk)
+
+
+@pytest.mark.parametrize("name", ["tagged, chunks of steps", "barrier, K in registers, shared "
+                                  "and global memory", "batch groups", "tensor cores",
+                                  "fused, odd C", "overlapped, staged x, barrier"])
+def test_kernel_with_lengths_matches_reference(name, rng):
+    """Samples of their own lengths: each pair keeps its states past its sample's length,
+    publishes them, and writes zero to y (T = 1 and 5, lengths 1 to T)."""
+    cell, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
+    check_kernel(cell, p, input_size, hidden, batch, dtype, rng, chunk=chunk, lengths=True)
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())
@@ -471,9 +492,9 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
                 sums[b, r * batch:(r + 1) * batch] = gh[:, r // p.units * hidden + j]
 
     def body(gl, b, bx, tx, out):
-        cell_stage.load_constants(spec, gl.b_hh, gl.s, b.bh, b.st, bx, tx)
+        cell_stage.load_constants(spec, gl.b_hh, gl.s, gl.lengths, b.bh, b.st, b.ln, bx, tx)
         cell_stage.prefetch(spec, gl.xp, b.gi, 0, bx, tx)
-        cell_stage.apply(spec, cell, gl.y, b.hs, b.gi, b.bh, b.st,
+        cell_stage.apply(spec, cell, gl.y, b.hs, b.gi, b.bh, b.st, b.ln,
                          partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, bx, tx)
         cell_stage.store_final_states(spec, gl.s, b.st, 1, bx, tx)
 

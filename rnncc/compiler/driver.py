@@ -76,7 +76,8 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
 def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    dtype: str = "float32", target: str = "cuda", arch: str | None = None,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
-                   gpu: str | None = None, tuning: str = "auto", **options) -> Module:
+                   gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
+                   **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
@@ -89,13 +90,14 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     Tuning logs (:mod:`rnncc.tuning`): ``gpu`` names the GPU kind the module is for ("h100",
     "h200"; default: this machine's GPU, if it has one), whose logs apply; ``tuning`` is "auto"
     (the matching log, if any), "off", or the path of one log directory. The metadata's
-    "tuning" entry names the log used and what it applied.
+    "tuning" entry names the log used and what it applied. ``lengths``: the module takes each
+    sample's length at run time (see :class:`rnncc.spec.Problem`).
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
-    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
+    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths)
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)
@@ -205,6 +207,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
         "hidden_size": problem.hidden_size,
         "batch": problem.batch,
         "dtype": problem.dtype,
+        "lengths": problem.lengths,
         "target": tspec.as_dict(),
         "schedule": {
             "kind": "persistent" if plan is not None else "sequence",

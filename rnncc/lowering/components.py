@@ -140,15 +140,17 @@ def chunks(t_len, chunk: int):
 
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
-              fused: bool) -> tirx.PrimFunc:
+              fused: bool, masked: bool = False) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
     [N, G*H]; "per_gate", ``gi0 .. gi{G-1}`` then ``gh0 .. gh{G-1}``, each [N, H]. Then the
-    previous states, each [N, H]. Outputs: ``y`` [N, H] (the new h), then the new states, each
-    [N, H]. ``y`` is in ``dtype``; the projections and the states are workspaces in the
-    accumulation dtype. ``fused``: one kernel for the whole step; otherwise one kernel an
-    operation (the unfused baseline).
+    previous states, each [N, H]; ``masked``: then ``active`` [N] int32, nonzero where the step
+    is within the sample's length. Outputs: ``y`` [N, H] (the new h; zero where not active),
+    then the new states, each [N, H] (the previous ones where not active). ``y`` is in
+    ``dtype``; the projections and the states are workspaces in the accumulation dtype.
+    ``fused``: one kernel for the whole step; otherwise one kernel an operation (the unfused
+    baseline).
     """
     acc = accum_dtype(dtype)
     g_count = cell.gates
@@ -175,6 +177,15 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             return ghs[g][n, j]
 
     states = [te.placeholder((n_, h_), acc, f"{s}_prev") for s in cell.states]
+    active = te.placeholder((n_,), "int32", "active") if masked else None
+
+    def frozen(n, j, values):
+        """y zero and the states kept where the step is past the sample's length."""
+        if active is None:
+            return values
+        live = active[n] != 0
+        return ([tvm.tirx.if_then_else(live, values[0], tirx.const(0, dtype))]
+                + [tvm.tirx.if_then_else(live, v, s[n, j]) for v, s in zip(values[1:], states)])
 
     if fused:
         def body(n, j):
@@ -182,7 +193,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                                 [read_h(g, n, j) for g in range(g_count)],
                                 [s[n, j] for s in states])
             _check_scalars(cell, new)
-            return [_cast(new[0], dtype)] + [_cast(v, acc) for v in new]
+            return frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new])
 
         outs = te.compute((n_, h_), body, name="cell")
     else:
@@ -199,9 +210,16 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                 f"cell {cell.name!r}: step must compute every state from its inputs with "
                 "rnncc.cells.ops and arithmetic operators to be staged"
             )
-        outs = [_elementwise(new[0].tensor, dtype, "y")]
-        outs += [_elementwise(v.tensor, acc, f"{s}_new") for s, v in zip(cell.states, new)]
-    return te.create_prim_func([*inputs, *states, *outs])
+        if masked:  # one kernel writes y and the states, each where the step is active
+            staged = [new[0].tensor] + [v.tensor for v in new]
+            outs = te.compute((n_, h_), lambda n, j: frozen(n, j, [
+                _cast(staged[0][n, j], dtype)] + [_cast(v[n, j], acc) for v in staged[1:]]),
+                name="out")
+        else:
+            outs = [_elementwise(new[0].tensor, dtype, "y")]
+            outs += [_elementwise(v.tensor, acc, f"{s}_new") for s, v in zip(cell.states, new)]
+    extra = [active] if masked else []
+    return te.create_prim_func([*inputs, *states, *extra, *outs])
 
 
 def _elementwise(x: te.Tensor, dtype: str, name: str) -> te.Tensor:
@@ -215,6 +233,16 @@ def _check_scalars(cell: Cell, values) -> None:
                 f"cell {cell.name!r}: step must return floating-point expressions, got "
                 f"{type(value).__name__} {value!r}"
             )
+
+
+def activity(batch: int, t_len) -> tirx.PrimFunc:
+    """``active[t, n]`` = 1 where step t is within sample n's length (``lengths`` [N] int32),
+    else 0, for the T = ``t_len`` steps of a call."""
+    lengths = te.placeholder((i64(batch),), "int32", "lengths")
+    active = te.compute((t_len, i64(batch)), lambda t, n: tvm.tirx.if_then_else(
+        t < lengths[n].astype("int64"), tirx.const(1, "int32"), tirx.const(0, "int32")),
+        name="active")
+    return te.create_prim_func([lengths, active])
 
 
 def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str) -> tirx.PrimFunc:

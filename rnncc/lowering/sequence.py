@@ -114,7 +114,8 @@ class _Builder:
         self.add(name, standalone_function(name, _rename_params(func, [src, dst])), sig)
 
     def io(self, sig, t_len, w_hh_shape, w_ih_shape=None):
-        """The parameters both forward functions start with."""
+        """The parameters both forward functions start with (``lengths`` [N] int32, the
+        samples' lengths, where the problem takes them, else None)."""
         p, layout = self.p, self.layout
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         x = self.param(sig, "x", (t_len, n, c), "input")
@@ -123,9 +124,10 @@ class _Builder:
         b_ih = self.param(sig, "b_ih", (g * h,), "input")
         b_hh = self.param(sig, "b_hh", (g * h,), "input")
         s0 = [self.param(sig, f"{s}0", (1, n, h), "input") for s in p.cell.states]
+        lengths = self.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
         y = self.param(sig, "y", (t_len, n, h), "output")
         sn = [self.param(sig, f"{s}_n", (1, n, h), "output") for s in p.cell.states]
-        return x, w_ih, w_hh, b_ih, b_hh, s0, y, sn
+        return x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn
 
     def states_copy(self, key, src, dst):
         p = self.p
@@ -171,8 +173,8 @@ class _Builder:
         self.pack("pack_w_hh", "hh", h, layout)
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
         sig = []
-        x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len,
-                                                       layout.weight_shape(g, h, h))
+        x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(sig, t_len,
+                                                                layout.weight_shape(g, h, h))
         if options.input_gemm:
             xp_shape = (g, t_len, n, h) if per_gate else layout.projections_shape(t_len, n, g, h)
         else:
@@ -184,6 +186,12 @@ class _Builder:
 
         prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
                                      [Region(s, (0, ALL, ALL)) for s in sw])]
+        active = []
+        if lengths is not None:  # active[t, n]: step t within sample n's length
+            active = [self.param(sig, "active", (t_len, n), "workspace", "int32")]
+            func = self.scheduled("activity", comp.activity(n, t_len), "elementwise")
+            prologue.append(Stage("activity", func, [Region(lengths, (ALL,)),
+                                                     Region(active[0], (ALL, ALL))], 1))
         steps, views = [], []
         if options.input_gemm:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
@@ -205,19 +213,22 @@ class _Builder:
             lambda i: Region(hp, (i, ALL, ALL)), Region(hp, (ALL, ALL)))
         step_func = self.scheduled(
             "cell_step",
-            comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise),
+            comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
+                           masked=bool(active)),
             "elementwise")
         steps.append(Stage(
             "cell_step", step_func,
             gi + ([Region(hp, (i, ALL, ALL)) for i in range(g)] if per_gate
                   else [Region(hp, (ALL, ALL))])
             + [Region(s, (slot, ALL, ALL)) for s in sw]
+            + [Region(a, (t, ALL)) for a in active]
             + [Region(y, (t, ALL, ALL))] + [Region(s, (nxt, ALL, ALL)) for s in sw],
             1 + len(sw)))
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
                                      [Region(s, (0, ALL, ALL)) for s in sn])]
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, hp, *sw]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *([lengths] if active else []), y, *sn, xp,
+                  hp, *sw, *active]
         self.add("forward", sequence_function("forward", params, prologue, t, t_len, steps,
                                               epilogue, views), sig)
 
@@ -238,7 +249,7 @@ class _Builder:
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, s0, y, sn = self.io(sig, t_len, w_shape, w_ih_shape)
+        x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(sig, t_len, w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         chunk = 1 if plan.fused else self.layout.chunk
         xp_shape = (t_len, n, g * h) if plan.fused else self.layout.projections_shape(
@@ -269,8 +280,11 @@ class _Builder:
             prologue += self.projections("input_gemm", x_region, lead, c, w_ih, b_ih, None,
                                          xp_region)
             inputs = [xp_whole, *recurrent]
+        if lengths is not None:
+            inputs.append(Region(lengths, (ALL,)))
         prologue.append(sync_stage)
-        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c)
+        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c,
+                               lengths=lengths is not None)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}" + (
             "+input" if plan.fused else "")
         outputs = [Region(y, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
@@ -280,7 +294,8 @@ class _Builder:
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
                                      [Region(s, (0, ALL, ALL)) for s in sn])]
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, y, *sn, xp, *sw, sync]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *([lengths] if lengths is not None else []), y,
+                  *sn, xp, *sw, sync]
         self.add("persistent_forward", sequence_function(
             "persistent_forward", params, prologue, None, None, [], epilogue, views), sig)
 

@@ -2,8 +2,11 @@
 
     y, (h_n, c_n) = m(x, weights, h0=None, c0=None)   # cells with states h and c (LSTM)
     y, h_n = m(x, weights, h0=None)                    # cells with one state (GRU, RNN)
+    y, h_n = m(x, weights, lengths=lengths)            # a module compiled with lengths=True
 
-x is [T, N, C], y [T, N, H], states [1, N, H]; ``weights`` is a mapping with PyTorch's names
+x is [T, N, C], y [T, N, H], states [1, N, H]; ``lengths`` [N] (1 to T) stops each sample at
+its own length (final states of its own last step, y zero past it); ``weights`` is a mapping
+with PyTorch's names
 (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H];
 a ``state_dict()`` works as it is, and so does the torch module itself), or the result of
 :meth:`Module.pack`, which lays the weights out for the kernels once and keeps them on the
@@ -84,6 +87,11 @@ class Module:
     @property
     def dtype(self) -> str:
         return self.metadata["dtype"]
+
+    @property
+    def takes_lengths(self) -> bool:
+        """Whether the module takes the samples' lengths (compiled with ``lengths=True``)."""
+        return bool(self.metadata.get("lengths"))
 
     @property
     def target(self) -> str:
@@ -223,8 +231,11 @@ class Module:
                 keep.append(arr)
         return PackedWeights(self, family, entry, tensors, keep)
 
-    def __call__(self, x, weights, h0=None, c0=None, **initial):
+    def __call__(self, x, weights, h0=None, c0=None, lengths=None, **initial):
         states = self.states
+        if lengths is not None and not self.takes_lengths:
+            raise InputError(f"this module ({self._key}) takes no lengths; compile it with "
+                             "lengths=True (rnncc compile --lengths)")
         given = {"h0": h0, "c0": c0, **initial}
         for key, value in given.items():
             if value is not None and (not key.endswith("0") or key[:-1] not in states):
@@ -265,6 +276,8 @@ class Module:
             name, kind = p["name"], p["kind"]
             if name == "x":
                 args.append(x_t)
+            elif name == "lengths":
+                args.append(_lengths(lengths, steps, self.batch, family))
             elif name in packed.tensors:
                 args.append(packed.tensors[name])
             elif kind == "input":  # an initial state
@@ -286,6 +299,46 @@ class Module:
         y = family.result(results["y"])
         finals = tuple(family.result(results[f"{s}_n"]) for s in states)
         return (y, finals[0]) if len(finals) == 1 else (y, finals)
+
+
+def _lengths(value, steps: int, batch: int, family: Family):
+    """The samples' lengths as an int32 tensor on the call's device (all ``steps`` where
+    ``value`` is None), each checked to be 1 to T (a device tensor is read for the check,
+    except while a CUDA graph is being captured)."""
+    import numpy as np
+
+    if value is None:
+        return to_tensor("lengths", np.full(batch, steps, np.int32), [batch], "int32", family)
+    if isinstance(value, (list, tuple)):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise InputError(f"lengths must be integers, got dtype {value.dtype}")
+        _check_lengths(value.shape, int(value.min(initial=1)), int(value.max(initial=1)),
+                       steps, batch)
+        return to_tensor("lengths", np.ascontiguousarray(value, np.int32), [batch], "int32",
+                         family)
+    if family.name == "torch" and type(value).__module__.startswith("torch"):
+        import torch
+
+        if value.is_floating_point() or value.is_complex():
+            raise InputError(f"lengths must be integers, got {value.dtype}")
+        if value.device != torch.device(family.describe_device()):
+            raise InputError(f"lengths is on {value.device}, but this call runs on "
+                             f"{family.describe_device()} (where x is)")
+        if value.dim() == 1 and value.numel() and not (
+                value.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _check_lengths(tuple(value.shape), int(value.min()), int(value.max()), steps, batch)
+        value = value.to(torch.int32).contiguous()
+    return to_tensor("lengths", value, [batch], "int32", family)
+
+
+def _check_lengths(shape, low: int, high: int, steps: int, batch: int) -> None:
+    if tuple(shape) != (batch,):
+        raise InputError(f"lengths has shape {list(shape)}, expected [{batch}] (one a sample)")
+    if low < 1 or high > steps:
+        raise InputError(f"lengths must be from 1 to T = {steps} (the steps of x), got values "
+                         f"from {low} to {high}")
 
 
 def load_module(path: str) -> Module:

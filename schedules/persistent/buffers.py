@@ -33,15 +33,18 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
     projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
     (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read
-    otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], y [T,N,H], one [2,N,H]
-    float32 ping-pong buffer a state (h first), then the tagged h [2,N,H] uint64, or the
-    barrier counters [NG] uint32, one a batch group. T is the symbolic length ``T_len``."""
+    otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (with lengths: the
+    samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h
+    first), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
+    group. T is the symbolic length ``T_len``."""
     p, dt, n, gh = spec.plan, spec.dtype, spec.batch, spec.gate_rows
     names = ["x", "wi", "bi", "w", "b", "xp"] if p.fused else ["xp", "w", "b"]
+    names += ["len"] if spec.lengths else []
     names += ["y"] + [f"s{k}" for k in range(spec.states)] + ["hw" if spec.tagged else "cnt"]
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
-    out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, hw=None, cnt=None)
+    out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, lengths=None, hw=None,
+                          cnt=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -60,6 +63,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
               "float32")
     match("w", "w", (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
     match("b_hh", "b", (gh,), dt)
+    if spec.lengths:
+        match("lengths", "len", (n,), "int32")
     match("y", "y", (t_len, n, spec.hidden), dt)
     out.s = [match(f"s{k}", f"s{k}", (2, n, spec.hidden), "float32")
              for k in range(spec.states)]
@@ -78,7 +83,8 @@ def on_chip(spec: KernelSpec) -> SimpleNamespace:
       products, or for tensor cores ``af`` / ``wb`` (the mma's A and B fragments), ``dacc``
       (the chains' sums) and ``hs16`` (h staged in float16 fragment order);
     - ``wv``: one chunk of a row of weights; ``gi``, ``bh``, ``st``: the thread's pairs'
-      input projections, b_hh and states; ``tv``: tagged words in flight;
+      input projections, b_hh and states (``ln``: their samples' lengths); ``tv``: tagged
+      words in flight;
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -94,8 +100,8 @@ def on_chip(spec: KernelSpec) -> SimpleNamespace:
         IRBuilder.name(name, buffer)
         setattr(out, name, buffer)
 
-    names = ("wreg", "af", "wb", "dacc", "hs16", "acc", "hv", "tv", "wsm", "pacc", "xv", "wq",
-             "xs", "wis", "xsl")
+    names = ("wreg", "af", "wb", "dacc", "hs16", "acc", "hv", "ln", "tv", "wsm", "pacc", "xv",
+             "wq", "xs", "wis", "xsl")
     for name in names:
         setattr(out, name, None)
     if p.reg_chunks:
@@ -111,6 +117,8 @@ def on_chip(spec: KernelSpec) -> SimpleNamespace:
     alloc("wv", vec, dt)
     for name, per in (("gi", g), ("bh", g), ("st", spec.states)):
         alloc(name, p.items * per, "float32")
+    if spec.lengths:
+        alloc("ln", p.items, "int32")
     if spec.tagged:
         alloc("tv", exchange.WAIT_BATCH, "uint64")
     if p.smem_chunks:

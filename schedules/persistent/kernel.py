@@ -62,14 +62,14 @@ def gate_sums(spec, b, w, blk, warp, lane):
 
 
 def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", chunk: int = 1,
-           input_size: int = 0):
+           input_size: int = 0, lengths: bool = False):
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
     PrimFunc named "persistent" whose parameters :func:`.buffers.parameters` lists. ``dtype``:
     the storage dtype of the weights, the biases and y; ``chunk`` S > 1: the input projections
     come in chunks of S steps; ``input_size`` C: for a fused input projection; ``batch``: N,
-    all batch groups together."""
+    all batch groups together; ``lengths``: the samples' lengths are a parameter."""
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
-                      input_size)
+                      input_size, lengths)
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -88,7 +88,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                     weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
                     if p.mma:
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
-                    cell_stage.load_constants(spec, g.b_hh, g.s, b.bh, b.st, bx, tx)
+                    cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
+                                              bx, tx)
                     for t in range(g.T_len):
                         cell_stage.prefetch(spec, g.xp, b.gi, t, bx, tx)
                         if p.input_steps > 0:
@@ -97,7 +98,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                                          partial(products.store_h, spec, staged), t, bx, tx)
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
-                        cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, partial(
+                        cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
                             exchange.publish, spec, g.s[0], g.hw, t), t, bx, tx)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)

@@ -24,7 +24,8 @@ class KernelSpec:
     ``hidden`` H, ``batch`` N (all batch groups together). ``dtype`` is the storage dtype of
     the weights, the biases and y (products, sums, the cell and the states are float32);
     ``chunk`` S > 1: the input projections come in chunks of S steps, [ceil(T/S), S, N, G*H];
-    ``input_size`` C, which a fused input projection needs."""
+    ``input_size`` C, which a fused input projection needs; ``lengths``: the kernel takes each
+    sample's length and stops its states there (outputs past it zero)."""
 
     plan: Plan
     gates: int
@@ -34,6 +35,7 @@ class KernelSpec:
     dtype: str = "float32"
     chunk: int = 1
     input_size: int = 0
+    lengths: bool = False
 
     def __post_init__(self):
         p = self.plan

@@ -72,8 +72,9 @@ def _each_pair(spec, bx, tx, body):
                 body(it, n, j)
 
 
-def load_constants(spec, b_hh, s, bh, st, bx, tx):
-    """The pairs' b_hh and initial states (``s``: the states' buffers) into registers, once."""
+def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx):
+    """The pairs' b_hh, initial states (``s``: the states' buffers) and, where the kernel
+    takes them, their samples' lengths into registers, once."""
     g_count, states = spec.gates, spec.states
 
     def body(it, n, j):
@@ -81,6 +82,8 @@ def load_constants(spec, b_hh, s, bh, st, bx, tx):
             _store(bh, T.Cast("float32", b_hh[g * spec.hidden + j]), it * g_count + g)
         for k in range(states):
             _store(st, s[k][0, spec.batch_row(bx, n), j], it * states + k)
+        if spec.lengths:
+            _store(ln, lengths[spec.batch_row(bx, n)], it)
     _each_pair(spec, bx, tx, body)
 
 
@@ -95,10 +98,12 @@ def prefetch(spec, xp, gi, t, bx, tx):
     _each_pair(spec, bx, tx, body)
 
 
-def apply(spec, cell, y, hs, gi, bh, st, publish, t, bx, tx):
+def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, bx, tx):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
-    ``publish(h_t, row, j)`` (the exchange); the states stay in registers."""
+    ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
+    (``ln``), past its sample's length a pair keeps its states (and publishes them) and writes
+    zero to y."""
     g_count, states, units = spec.gates, spec.states, spec.plan.units
 
     def body(it, n, j):
@@ -108,12 +113,16 @@ def apply(spec, cell, y, hs, gi, bh, st, publish, t, bx, tx):
                    for g in range(g_count)]
         with ops.lowered_with(FAST_FUNCTIONS):
             new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
+        live = t < T.Cast("int64", ln[it]) if spec.lengths else None
+        if live is not None:
+            new = [T.if_then_else(live, v, st[it * states + k]) for k, v in enumerate(new)]
         # the states are stored in order: a new state that reads a previous one stored before
         # it (a user's c' from h) is bound first, as it reads the previous value
         new = [T.Bind(v) if any(_reads(v, st, it * states + j) for j in range(k)) else v
                for k, v in enumerate(new)]
         row = spec.batch_row(bx, n)
-        _store(y, T.Cast(spec.dtype, new[0]), t, row, j)
+        out = new[0] if live is None else T.if_then_else(live, new[0], T.float32(0))
+        _store(y, T.Cast(spec.dtype, out), t, row, j)
         publish(new[0], row, j)
         for k in range(states):
             _store(st, new[k], it * states + k)

@@ -1,0 +1,81 @@
+"""Samples of their own lengths in one batch (modules compiled with ``lengths=True``): each
+sample's final states are those of its own last step and its outputs past it are zero."""
+
+import numpy as np
+import pytest
+
+import rnncc
+from conftest import has_nvcc, random_weights
+from helpers import TOL_F32, check_across_steps, check_against_reference, compiled
+from rnncc import reference
+from rnncc.errors import ConfigError, InputError
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("options", [{}, {"fuse_pointwise": False}, {"gate_gemm": False}])
+def test_lengths_match_reference(cell, options, rng):
+    module = compiled(cell, 5, 9, 4, "llvm", lengths=True, **options)
+    assert module.takes_lengths and module.metadata["lengths"]
+    check_across_steps(module, rng, lengths=True)
+
+
+def test_no_lengths_means_every_step(rng):
+    """lengths=None runs all T steps, as a module without lengths does."""
+    module = compiled("lstm", 5, 9, 3, "llvm", lengths=True)
+    assert check_against_reference(module, rng, 11, True) < TOL_F32
+
+
+def test_lengths_from_torch_and_lists(rng):
+    torch = pytest.importorskip("torch")
+    module = compiled("gru", 4, 6, 3, "llvm", lengths=True)
+    w = {k: v.astype("float32") for k, v in random_weights(rng, 3, 4, 6).items()}
+    x = rng.standard_normal((5, 3, 4)).astype("float32")
+    ref_y, ref_h = reference.run(rnncc.cells.get("gru"), x, w, lengths=[5, 2, 1])
+    for lengths in ([5, 2, 1], np.array([5, 2, 1], np.int64), torch.tensor([5, 2, 1])):
+        y, h = module(x if not isinstance(lengths, torch.Tensor) else torch.tensor(x), w,
+                      lengths=lengths)
+        y, h = np.asarray(y), np.asarray(h)
+        assert reference.relative_error(y, ref_y) < TOL_F32
+        assert reference.relative_error(h, ref_h["h"]) < TOL_F32
+        assert not y[2:, 2].any() and not y[5:, 0].any()  # zero past each length
+
+
+@pytest.mark.parametrize("lengths, match", [
+    ([0, 2, 3], r"lengths must be from 1 to T = 4 \(the steps of x\), got values from 0 to 3"),
+    ([1, 5, 3], r"from 1 to T = 4 .* got values from 1 to 5"),
+    ([1, 2], r"lengths has shape \[2\], expected \[3\]"),
+    ([1.0, 2.0, 3.0], "lengths must be integers, got dtype float64"),
+])
+def test_bad_lengths_are_refused(lengths, match, rng):
+    module = compiled("rnn_tanh", 2, 3, 3, "llvm", lengths=True)
+    w = random_weights(rng, 1, 2, 3, "float32")
+    with pytest.raises(InputError, match=match):
+        module(np.zeros((4, 3, 2), "float32"), w, lengths=lengths)
+
+
+def test_lengths_need_a_module_that_takes_them(rng):
+    module = compiled("rnn_tanh", 2, 3, 3, "llvm")
+    with pytest.raises(InputError, match="takes no lengths; compile it with lengths=True"):
+        module(np.zeros((4, 3, 2), "float32"), random_weights(rng, 1, 2, 3, "float32"),
+               lengths=[1, 2, 3])
+    with pytest.raises(ConfigError, match="lengths must be True or False"):
+        rnncc.compile("lstm", 2, 3, 1, target="llvm", lengths="yes")
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [("lstm", 32, 1024, 3),
+                                                             ("gru", 1024, 1024, 4)])
+def test_cuda_module_with_lengths_builds(cell, input_size, hidden, batch):
+    """Both entries take the lengths; the persistent kernel keeps each pair's length in a
+    register (no load a step) and builds without spills."""
+    from rnncc.compiler.cuda_binary import cooperative_kernels
+
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", lengths=True,
+                           tuning="off")
+    functions = module.metadata["functions"]
+    for entry in ("forward", "persistent_forward"):
+        assert {"name": "lengths", "shape": [batch], "dtype": "int32", "kind": "input"} in (
+            functions[entry])
+    (name,) = cooperative_kernels(module.source("cuda"))
+    report = module.metadata["ptxas"][name]
+    assert report["spill_stores"] == report["stack"] == 0
