@@ -37,6 +37,7 @@ __all__ = [
     "Module",
     "PackedWeights",
     "cells",
+    "nn",
     "RnnccError",
     "ConfigError",
     "InputError",
@@ -76,8 +77,8 @@ def __getattr__(name):
         from .runtime import module
 
         return getattr(module, name)
-    if name == "cells":
+    if name in ("cells", "nn"):  # rnncc.nn needs PyTorch: imported on first use
         import importlib
 
-        return importlib.import_module(".cells", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'rnncc' has no attribute {name!r}")

@@ -390,3 +390,57 @@ def test_lengths_on_the_device_and_in_a_cuda_graph(torch, rng):
     assert not y[2:, 0].any() and not y[5:, 2].any()
     with pytest.raises(InputError, match="lengths is on cpu, but this call runs on cuda:0"):
         module(x, packed, lengths=torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("kind, layers, bidirectional, batch_first, packed", [
+    ("LSTM", 1, False, False, False), ("LSTM", 3, True, True, True),
+    ("GRU", 2, True, False, True), ("RNN", 4, False, True, False)])
+def test_nn_matches_torch_on_the_gpu(torch, kind, layers, bidirectional, batch_first, packed,
+                                     rng):
+    """rnncc.nn on CUDA against torch's float64 on the CPU and cuDNN (TF32 off) with the same
+    weights: stacked layers, both directions, batch-first, packed sequences of their own
+    lengths (unsorted, one of 1 step, one of all T), odd sizes, the persistent kernel."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    theirs = getattr(torch.nn, kind)(33, 257, num_layers=layers, bidirectional=bidirectional,
+                                     batch_first=batch_first)
+    ours = rnncc.nn.from_torch(theirs).cuda()
+    x = torch.randn(7, 37, 33) if batch_first else torch.randn(37, 7, 33)
+    lengths = torch.tensor(rng.integers(1, 38, 7))
+    lengths[0], lengths[-1] = 37, 1
+    pack = torch.nn.utils.rnn.pack_padded_sequence
+
+    def run(module, data, device, dtype):
+        data = data.to(device, dtype)
+        if packed:
+            data = pack(data, lengths, batch_first=batch_first, enforce_sorted=False)
+        with torch.no_grad():
+            out, finals = module.to(device, dtype)(data)
+        out = out.data if packed else out
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        return [t.double().cpu().numpy() for t in (out, *finals)]
+
+    mine = run(ours, x, "cuda", torch.float32)
+    for expect in (run(theirs, x, "cpu", torch.float64),
+                   run(theirs, x, "cuda", torch.float32)):
+        for a, b in zip(mine, expect):
+            assert reference.relative_error(a, b) < TOL_F32
+
+
+def test_nn_in_a_cuda_graph(torch):
+    """A 2-layer bidirectional GRU captured in a CUDA graph after a warm-up call: replays
+    follow new inputs in place."""
+    net = rnncc.nn.GRU(16, 64, num_layers=2, bidirectional=True).cuda()
+    x = torch.randn(20, 3, 16, device="cuda")
+    with torch.no_grad():
+        net(x)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            net(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y, h = net(x)
+        x.copy_(torch.randn(20, 3, 16))
+        graph.replay()
+        torch.cuda.synchronize()
+        expect, expect_h = net(x)
+    assert torch.equal(y, expect) and torch.equal(h, expect_h)

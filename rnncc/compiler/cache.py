@@ -1,0 +1,129 @@
+"""Modules compiled on first use and kept on disk: a second process, or a restart, loads them.
+
+A module is keyed by everything that changes its code: the cell (a built-in cell by name, a
+cell file by its contents), the sizes, dtype, lengths, target and architecture, the GPU it
+is compiled on (its tuning logs apply), the compile options, and the rnncc and TVM versions.
+The cache lives in ``$RNNCC_CACHE_DIR`` (default ``~/.cache/rnncc/modules``); files are
+written whole and then renamed into place, so concurrent processes see a module or none, and
+a file that does not load (damaged, or from another TVM build) is compiled again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+
+from .._version import __version__
+from ..errors import ModuleFileError
+
+ENV = "RNNCC_CACHE_DIR"
+#: A compile that takes longer than this many seconds is reported on stderr.
+SLOW_SECONDS = 2.0
+
+_loaded: dict = {}
+_told: set = set()
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return os.environ.get(ENV) or os.path.join(base, "rnncc", "modules")
+
+
+def _cell_identity(cell) -> str | None:
+    """What identifies the cell's code: a built-in cell's name, a cell file's contents, or
+    the source of its functions; None where none can be read (then nothing goes to disk)."""
+    from .. import cells
+
+    if cell.source:
+        with open(cell.source, "rb") as f:
+            return f"{cell.name}:{hashlib.sha256(f.read()).hexdigest()}"
+    if cell.step.__module__.startswith(cells.__name__ + ".") and cells.get(cell.name) is cell:
+        return cell.name  # built in: its code is rnncc's version's
+    try:
+        code = inspect.getsource(cell.step) + inspect.getsource(cell.reference)
+    except (OSError, TypeError):
+        return None
+    return f"{cell.name}:{cell.gates}:{cell.states}:{hashlib.sha256(code.encode()).hexdigest()}"
+
+
+def _key(cell_id: str, config: dict) -> str:
+    import tvm
+
+    text = json.dumps({"cell": cell_id, **config, "rnncc": __version__,
+                       "tvm": tvm.__version__}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
+             target: str = "cuda", arch: str | None = None, lengths: bool = False,
+             **options):
+    """The :class:`rnncc.Module` for this configuration: from this process's memory, the disk
+    cache, or compiled now (and then cached). ``options`` go to
+    :func:`rnncc.compiler.compile_module`."""
+    from ..runtime.module import load_module
+    from ..tuning.device import local_gpu
+    from .driver import compile_module, resolve_cell
+
+    cell = resolve_cell(cell)
+    gpu = local_gpu() if target == "cuda" else None
+    config = {"input_size": input_size, "hidden_size": hidden_size, "batch": batch,
+              "dtype": dtype, "target": target, "arch": arch, "lengths": lengths,
+              "gpu": gpu[1] if gpu else None, "options": options}
+    cell_id = _cell_identity(cell)
+    key = None if cell_id is None else _key(cell_id, config)
+    memo = (id(cell), json.dumps(config, sort_keys=True)) if key is None else key
+    if memo in _loaded:
+        return _loaded[memo]
+    path = None if key is None else os.path.join(
+        cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_{dtype}_{target}_"
+                     f"{key}.so")
+    module = None
+    if path is not None and os.path.isfile(path):
+        try:
+            module = load_module(path)
+        except (ModuleFileError, OSError):
+            module = None  # damaged or foreign: compiled again below
+    if module is None:
+        start = time.monotonic()
+        module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
+                                target=target, arch=arch, lengths=lengths, **options)
+        seconds = time.monotonic() - start
+        if path is not None:
+            _store(module, path)
+        if seconds > SLOW_SECONDS:
+            _tell("slow", f"rnncc: compiled {module.metadata['cell']} C={input_size} "
+                  f"H={hidden_size} N={batch} {dtype} for {target} in {seconds:.0f} s (first "
+                  f"use of these sizes; kept in {cache_dir()} for later runs)")
+    _loaded[memo] = module
+    return module
+
+
+def _store(module, path: str) -> None:
+    """Write ``module`` to ``path`` whole, then rename it into place (a cache that cannot be
+    written is skipped, with a note)."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            module.export(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, ModuleFileError) as err:
+        _tell("unwritable", f"rnncc: cannot keep compiled modules in {folder} ({err}); set "
+              f"{ENV} to a writable folder")
+
+
+def _tell(kind: str, message: str) -> None:
+    """Say ``message`` on stderr, the first time of its ``kind`` only."""
+    if kind not in _told:
+        _told.add(kind)
+        print(message, file=sys.stderr)

@@ -1,0 +1,286 @@
+"""``torch.nn.LSTM`` / ``GRU`` / ``RNN`` as rnncc modules, and the same for any cell.
+
+Constructors, parameter names and shapes (``weight_ih_l{k}[_reverse]`` [G*H, C or D*H],
+``weight_hh_l{k}[_reverse]`` [G*H, H], ``bias_ih_l{k}[_reverse]``, ``bias_hh_l{k}[_reverse]``
+[G*H]; gates in torch's order), initialisation (uniform in +-1/sqrt(H)), ``state_dict`` and
+``forward`` are torch's: input [T, N, C] (``batch_first``: [N, T, C]; unbatched: [T, C]) or a
+``PackedSequence``, ``hx`` optional ([L*D, N, H] a state; a tuple for cells with several states,
+in the cell's order: LSTM's (h, c)), outputs (y [T, N, D*H], h_n or the tuple of final states)
+of the same shapes and kinds (a ``PackedSequence`` in gives one out). rnncc adds ``lengths``
+([N], 1 to T) for padded input of samples of their own lengths.
+
+The network runs on compiled layer modules (:mod:`.network`); they compile on first use for a
+device, dtype and sizes and are kept on disk. Gradients are not computed yet (training is its
+own issue): a call that would need them says so once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from ..errors import ConfigError, InputError
+from .network import Layout, Network
+
+DTYPES = (torch.float32, torch.float16)
+
+
+class Recurrent(torch.nn.Module):
+    """A multi-layer, optionally bidirectional network of ``cell`` (a registered cell's name,
+    an :class:`rnncc.cells.Cell`, or a cell file's path), as ``torch.nn.LSTM`` is of LSTM
+    cells. Arguments as torch's; ``proj_size`` is not supported yet."""
+
+    def __init__(self, cell, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None):
+        super().__init__()
+        from ..compiler.driver import resolve_cell
+
+        for name, value, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
+                                 ("num_layers", num_layers, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not (
+                0 <= dropout <= 1):
+            raise ConfigError(f"dropout must be a number from 0 to 1, got {dropout!r}")
+        if proj_size:
+            raise ConfigError(f"proj_size={proj_size}: projections (LSTMP) are not supported "
+                              "yet; use proj_size=0")
+        self.cell = resolve_cell(cell)
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
+            bidirectional)
+        self.dropout, self.proj_size = float(dropout), 0
+        self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
+                              2 if bidirectional else 1)
+        self._networks: dict = {}
+        self._warned = False
+        rows = self.cell.gates * hidden_size
+        kw = {"device": device, "dtype": dtype}
+        for layer in range(num_layers):
+            for suffix in self._suffixes():
+                width = self._layout.layer_input(layer)
+                self.register_parameter(f"weight_ih_l{layer}{suffix}",
+                                        torch.nn.Parameter(torch.empty(rows, width, **kw)))
+                self.register_parameter(f"weight_hh_l{layer}{suffix}",
+                                        torch.nn.Parameter(torch.empty(rows, hidden_size, **kw)))
+                if self.bias:
+                    for which in ("ih", "hh"):
+                        self.register_parameter(f"bias_{which}_l{layer}{suffix}",
+                                                torch.nn.Parameter(torch.empty(rows, **kw)))
+        self.reset_parameters()
+
+    def _suffixes(self):
+        return ("", "_reverse") if self.bidirectional else ("",)
+
+    def reset_parameters(self) -> None:
+        """Every weight and bias uniform in [-1/sqrt(H), 1/sqrt(H)], as torch does."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        for p in self.parameters():
+            torch.nn.init.uniform_(p, -bound, bound)
+
+    def extra_repr(self) -> str:
+        s = f"{self.cell.name}, {self.input_size}, {self.hidden_size}"
+        if self.num_layers != 1:
+            s += f", num_layers={self.num_layers}"
+        for name, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
+                              ("bidirectional", False)):
+            if getattr(self, name) != default:
+                s += f", {name}={getattr(self, name)}"
+        return s
+
+    def _layer_weights(self, layer: int, direction: int) -> dict:
+        suffix = self._suffixes()[direction]
+        names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+        return {f"{name}_l0": getattr(self, f"{name}_l{layer}{suffix}") for name in names}
+
+    def forward(self, input, hx=None, lengths=None):  # noqa: A002 - torch's name
+        packed = isinstance(input, PackedSequence)
+        if packed:
+            if lengths is not None:
+                raise InputError("lengths come with the PackedSequence; pass lengths only "
+                                 "with a padded tensor")
+            x, lengths = pad_packed_sequence(input)
+            lengths = lengths.to(x.device)
+            unbatched = False
+        else:
+            x, unbatched = self._check_input(input)
+            if lengths is not None:
+                lengths = self._check_lengths(lengths, x)
+        self._check_grad(x)
+        states = self._initial_states(hx, x, unbatched)
+        y, finals = self._network(x).run(x, states, lengths, self._layer_weights,
+                                         self._between)
+        return self._outputs(y, finals, input if packed else None, unbatched)
+
+    # -- the parts of forward ----------------------------------------------------------------
+
+    def _check_input(self, x):
+        """(x time major [T, N, C], whether it came unbatched)."""
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"input must be a torch.Tensor or a PackedSequence, got "
+                             f"{type(x).__name__}")
+        if x.dim() not in (2, 3):
+            layout = "[N, T, C]" if self.batch_first else "[T, N, C]"
+            raise InputError(f"input must be 3-D ({layout}) or 2-D ([T, C], unbatched), got "
+                             f"shape {list(x.shape)}")
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x[:, None]
+        elif self.batch_first:
+            x = x.transpose(0, 1)
+        if x.shape[2] != self.input_size:
+            raise InputError(f"input has {x.shape[2]} features (its last dimension), but this "
+                             f"module's input_size is {self.input_size}")
+        if x.shape[0] < 1 or x.shape[1] < 1:
+            raise InputError(f"input has {x.shape[0]} steps and batch {x.shape[1]}; both must "
+                             "be at least 1")
+        return x, unbatched
+
+    def _check_lengths(self, lengths, x):
+        if not isinstance(lengths, torch.Tensor):
+            lengths = torch.as_tensor(lengths)
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex:
+            raise InputError(f"lengths must be integers, got {lengths.dtype}")
+        if tuple(lengths.shape) != (x.shape[1],):
+            raise InputError(f"lengths has shape {list(lengths.shape)}, expected "
+                             f"[{x.shape[1]}] (one a sample)")
+        if lengths.device.type == "cpu" and x.device.type != "cpu":
+            lengths = lengths.to(x.device)
+        if lengths.device != x.device:
+            raise InputError(f"lengths is on {lengths.device}, but input is on {x.device}")
+        return lengths
+
+    def _check_grad(self, x) -> None:
+        needs = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if needs and not self._warned:
+            self._warned = True
+            warnings.warn("rnncc.nn computes no gradients yet (training is not supported): its "
+                          "outputs do not require grad. Call it under torch.no_grad() or "
+                          "torch.inference_mode() to say that none is needed", stacklevel=3)
+
+    def _initial_states(self, hx, x, unbatched):
+        """The initial states, a list of [L*D, N, H] (zeros where hx is None), checked."""
+        count, names = len(self.cell.states), self.cell.states
+        shape = (self.num_layers * self._layout.directions, x.shape[1], self.hidden_size)
+        if hx is None:
+            return [x.new_zeros(shape) for _ in range(count)]
+        given = hx if isinstance(hx, (tuple, list)) else (hx,)
+        if len(given) != count:
+            raise InputError(f"hx must be {'a tuple of ' if count > 1 else ''}{count} "
+                             f"tensor{'s' if count > 1 else ''} ({', '.join(names)}), got "
+                             f"{len(given)}")
+        out = []
+        for name, h in zip(names, given):
+            if not isinstance(h, torch.Tensor):
+                raise InputError(f"hx's {name} must be a torch.Tensor, got {type(h).__name__}")
+            h = h[:, None] if unbatched and h.dim() == 2 else h
+            if tuple(h.shape) != shape:
+                want = [shape[0], shape[2]] if unbatched else list(shape)
+                got = list(h.shape[:1]) + list(h.shape[2:]) if unbatched else list(h.shape)
+                raise InputError(f"hx's {name} has shape {got}, expected {want}")
+            if h.device != x.device or h.dtype != x.dtype:
+                raise InputError(f"hx's {name} is {h.dtype} on {h.device}, but input is "
+                                 f"{x.dtype} on {x.device}")
+            out.append(h)
+        return out
+
+    def _network(self, x) -> Network:
+        dtype = next(self.parameters()).dtype
+        if dtype not in DTYPES:
+            raise InputError(f"rnncc runs float32 or float16 parameters, got {dtype}; convert "
+                             "with .float() or .half()")
+        if x.dtype != dtype:
+            raise InputError(f"input is {x.dtype}, but the parameters are {dtype}")
+        device = next(self.parameters()).device
+        if x.device != device:
+            raise InputError(f"input is on {x.device}, but the parameters are on {device}")
+        key = (x.device.type, x.device.index)
+        if key not in self._networks:
+            if x.device.type == "cuda":
+                major, minor = torch.cuda.get_device_capability(x.device)
+                target, arch = "cuda", f"sm_{major}{minor}"
+            elif x.device.type == "cpu":
+                target, arch = "llvm", None
+            else:
+                raise InputError(f"rnncc runs on cpu or cuda devices, not {x.device}")
+            self._networks[key] = Network(self._layout, target, arch)
+        return self._networks[key]
+
+    def _between(self, y):
+        """Dropout on a layer's output before the next layer (training mode only)."""
+        if self.dropout and self.training:
+            return torch.nn.functional.dropout(y, self.dropout, training=True)
+        return y
+
+    def _outputs(self, y, finals, packed_input, unbatched):
+        if packed_input is not None:
+            y = _repacked(y, packed_input)
+        elif unbatched:
+            y, finals = y[:, 0], [f[:, 0] for f in finals]
+        elif self.batch_first:
+            y = y.transpose(0, 1)
+        return y, (finals[0] if len(finals) == 1 else tuple(finals))
+
+
+def _repacked(y, like: PackedSequence) -> PackedSequence:
+    """y [T, N, F] (the samples in their original order) as a PackedSequence laid out as
+    ``like``: step by step, the samples sorted by length."""
+    order = y[:, like.sorted_indices] if like.sorted_indices is not None else y
+    batch_sizes = like.batch_sizes.to(y.device)
+    live = torch.arange(y.shape[1], device=y.device)[None, :] < batch_sizes[:, None]
+    return PackedSequence(order[live], like.batch_sizes, like.sorted_indices,
+                          like.unsorted_indices)
+
+
+class LSTM(Recurrent):
+    """``torch.nn.LSTM``: gates i, f, g, o; states (h, c)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__("lstm", *args, **kwargs)
+
+
+class GRU(Recurrent):
+    """``torch.nn.GRU``: gates r, z, n (the reset gate applied after the matrix product)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__("gru", *args, **kwargs)
+
+
+class RNN(Recurrent):
+    """``torch.nn.RNN``: ``nonlinearity`` "tanh" or "relu"."""
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 nonlinearity: str = "tanh", *args, **kwargs):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ConfigError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
+        self.nonlinearity = nonlinearity
+        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, *args,
+                         **kwargs)
+
+
+def from_torch(module) -> Recurrent:
+    """The rnncc module for a ``torch.nn.LSTM``, ``GRU`` or ``RNN``: the same configuration
+    (``batch_first`` included), device, dtype and weights."""
+    kinds = {torch.nn.LSTM: LSTM, torch.nn.GRU: GRU, torch.nn.RNN: RNN}
+    kind = kinds.get(type(module))
+    if kind is None:
+        raise ConfigError(f"from_torch takes a torch.nn.LSTM, GRU or RNN, got "
+                          f"{type(module).__name__}")
+    if getattr(module, "proj_size", 0):
+        raise ConfigError(f"proj_size={module.proj_size}: projections (LSTMP) are not "
+                          "supported yet")
+    first = next(module.parameters())
+    kw = dict(num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first,
+              dropout=module.dropout, bidirectional=module.bidirectional,
+              device=first.device, dtype=first.dtype)
+    if kind is RNN:
+        kw["nonlinearity"] = module.nonlinearity
+    ours = kind(module.input_size, module.hidden_size, **kw)
+    ours.load_state_dict(module.state_dict())
+    ours.train(module.training)
+    return ours
