@@ -14,6 +14,7 @@ worker processes, into the on-disk cache the timed modules then load from.
 import argparse
 import datetime
 import json
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -117,7 +118,8 @@ def main():
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
     jobs = [job + (arch,) for job in _layer_jobs()]
-    with ProcessPoolExecutor(args.jobs) as pool:
+    spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
+    with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         list(pool.map(_compile, jobs))
     rows = []
     for kind, hidden, layers, bidirectional in NETWORKS:
