@@ -20,7 +20,7 @@ import math
 import warnings
 
 import torch
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import ConfigError, InputError
 from .network import Layout, Network
@@ -103,8 +103,7 @@ class Recurrent(torch.nn.Module):
             if lengths is not None:
                 raise InputError("lengths come with the PackedSequence; pass lengths only "
                                  "with a padded tensor")
-            x, lengths = pad_packed_sequence(input)
-            lengths = lengths.to(x.device)
+            x, lengths, sorted_lengths = _unpacked(input)
             unbatched = False
         else:
             x, unbatched = self._check_input(input)
@@ -114,7 +113,9 @@ class Recurrent(torch.nn.Module):
         states = self._initial_states(hx, x, unbatched)
         y, finals = self._network(x).run(x, states, lengths, self._layer_weights,
                                          self._between)
-        return self._outputs(y, finals, input if packed else None, unbatched)
+        if packed:
+            return _repacked(y, input, sorted_lengths), _finals(finals)
+        return self._outputs(y, finals, unbatched)
 
     # -- the parts of forward ----------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class Recurrent(torch.nn.Module):
             raise InputError(f"lengths has shape {list(lengths.shape)}, expected "
                              f"[{x.shape[1]}] (one a sample)")
         if lengths.device.type == "cpu" and x.device.type != "cpu":
-            lengths = lengths.to(x.device)
+            lengths = _to_device(lengths, x.device)
         if lengths.device != x.device:
             raise InputError(f"lengths is on {lengths.device}, but input is on {x.device}")
         return lengths
@@ -217,24 +218,43 @@ class Recurrent(torch.nn.Module):
             return torch.nn.functional.dropout(y, self.dropout, training=True)
         return y
 
-    def _outputs(self, y, finals, packed_input, unbatched):
-        if packed_input is not None:
-            y = _repacked(y, packed_input)
-        elif unbatched:
+    def _outputs(self, y, finals, unbatched):
+        if unbatched:
             y, finals = y[:, 0], [f[:, 0] for f in finals]
         elif self.batch_first:
             y = y.transpose(0, 1)
-        return y, (finals[0] if len(finals) == 1 else tuple(finals))
+        return y, _finals(finals)
 
 
-def _repacked(y, like: PackedSequence) -> PackedSequence:
+def _finals(finals):
+    return finals[0] if len(finals) == 1 else tuple(finals)
+
+
+def _to_device(host, device):
+    """A CPU tensor copied to ``device`` from pinned memory (allowed in a CUDA graph capture;
+    a plain copy from pageable memory is not)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def _unpacked(seq: PackedSequence):
+    """(x [T, N, C] in the samples' original order, their lengths on x's device, the lengths
+    in sorted order on the CPU) of a PackedSequence, with device operations only (as torch's
+    pad_packed_sequence, without its copy of the indices to the host)."""
+    padded, lengths = torch._VF._pad_packed_sequence(seq.data, seq.batch_sizes, False, 0.0,
+                                                    seq.batch_sizes.size(0))
+    on_device = _to_device(lengths, padded.device)
+    if seq.unsorted_indices is not None:
+        padded = padded.index_select(1, seq.unsorted_indices)
+        on_device = on_device.index_select(0, seq.unsorted_indices)
+    return padded, on_device, lengths
+
+
+def _repacked(y, like: PackedSequence, sorted_lengths) -> PackedSequence:
     """y [T, N, F] (the samples in their original order) as a PackedSequence laid out as
-    ``like``: step by step, the samples sorted by length."""
-    order = y[:, like.sorted_indices] if like.sorted_indices is not None else y
-    batch_sizes = like.batch_sizes.to(y.device)
-    live = torch.arange(y.shape[1], device=y.device)[None, :] < batch_sizes[:, None]
-    return PackedSequence(order[live], like.batch_sizes, like.sorted_indices,
-                          like.unsorted_indices)
+    ``like``: step by step, the samples sorted by length (``sorted_lengths``, on the CPU)."""
+    order = y.index_select(1, like.sorted_indices) if like.sorted_indices is not None else y
+    data, _ = torch._VF._pack_padded_sequence(order, sorted_lengths, False)
+    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
 
 
 class LSTM(Recurrent):
