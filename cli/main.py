@@ -270,6 +270,22 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # e.g. `rnncc cells | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        print("rnncc: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("rnncc: error: out of memory", file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 - the one path for anything else: no traceback
+        if os.environ.get("RNNCC_DEBUG"):
+            raise
+        text = str(err).strip().splitlines()
+        if "bad_alloc" in str(err):
+            print("rnncc: error: out of memory", file=sys.stderr)
+            return 1
+        print(f"rnncc: internal error: {type(err).__name__}: {text[-1] if text else ''} "
+              "(RNNCC_DEBUG=1 shows the traceback; please report it)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
         import torch
     except ImportError as err:
         raise ConfigError("timing a CUDA module needs PyTorch (for CUDA graphs)") from err
+    if not torch.cuda.is_available():
+        raise ConfigError("timing a CUDA module needs a GPU that PyTorch can use; this PyTorch "
+                          f"({torch.__version__}) sees none")
     from .cells import registry
 
     torch.backends.cudnn.allow_tf32 = False

@@ -54,7 +54,7 @@ class Network:
 
         lay = self.layout
         finals = [[None] * (lay.layers * lay.directions) for _ in states]
-        layer_input = x
+        layer_input, states = x.detach(), [s.detach() for s in states]  # no gradients yet
         for layer in range(lay.layers):
             outs = []
             for d in range(lay.directions):

@@ -2,9 +2,10 @@
 
 NumPy arrays are host data: they are copied to the module's device. DLPack tensors (PyTorch,
 CuPy, TVM, ...) are used in place, without a copy, so they must already be on the device the
-call runs on and C-contiguous. TVM's generated code assumes 64-byte aligned data: a tensor that
-is not (a view at an offset, or ``torch.from_numpy`` of a small array) is copied, with a
-warning.
+call runs on and C-contiguous. A PyTorch tensor with its negative or conjugate bit set (a lazy
+``-x`` view) is resolved into a copy first: DLPack does not carry those bits. TVM's generated
+code assumes 64-byte aligned data: a tensor that is not (a view at an offset, or
+``torch.from_numpy`` of a small array) is copied, with a warning.
 Results come back as the kind of array ``x`` was: NumPy for NumPy, a torch.Tensor for a
 torch.Tensor, a CuPy array for a CuPy array, a TVM tensor otherwise.
 """
@@ -146,6 +147,16 @@ def check_shape(name: str, shape, expected) -> None:
                          f"{_shape_str(['T' if e is None else e for e in expected])}")
 
 
+def _resolved(value):
+    """A PyTorch tensor with its lazy negative or conjugate bit applied (a copy); anything
+    else as it is."""
+    for bit, resolve in (("is_neg", "resolve_neg"), ("is_conj", "resolve_conj")):
+        check = getattr(value, bit, None)
+        if callable(check) and check():
+            value = getattr(value, resolve)()
+    return value
+
+
 def to_tensor(name: str, value, expected, dtype: str, family: Family):
     """``value`` as a TVM tensor on the family's device, after checking it.
 
@@ -169,6 +180,7 @@ def to_tensor(name: str, value, expected, dtype: str, family: Family):
     if (kind, index) != (family.device_kind, family.device_index):
         raise InputError(f"{name} is on {_describe_device(kind, index)}, but this call runs on "
                          f"{family.describe_device()} (where x is); put all tensors on one device")
+    value = _resolved(value)
     try:
         tensor = value if isinstance(value, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(value)
     except Exception as err:  # noqa: BLE001 - reported with the argument's name

@@ -28,15 +28,31 @@ def c_source(sections: dict[str, bytes]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_sections(path: str) -> dict[str, bytes]:
-    """The rnncc sections of an ELF shared library (name to payload, without the final NUL)."""
+#: Metadata every module file has (what loading, calling and inspecting a module read).
+REQUIRED = ("cell", "states", "gates", "input_size", "hidden_size", "batch", "dtype", "target",
+            "schedule", "functions")
+
+
+def read_sections(path: str, shown: str | None = None) -> dict[str, bytes]:
+    """The rnncc sections of an ELF shared library (name to payload, without the final NUL);
+    ModuleFileError for a file that is not one, or is damaged (errors name ``shown``, the
+    caller's name of the file, where given)."""
+    shown = shown or path
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as err:
-        raise ModuleFileError(f"cannot read module file {path!r}: {err.strerror}") from err
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ModuleFileError(f"{path!r} is not a 64-bit little-endian ELF shared library")
+        raise ModuleFileError(f"cannot read module file {shown!r}: {err.strerror}") from err
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ModuleFileError(f"{shown!r} is not a 64-bit little-endian ELF shared library")
+    try:
+        return _sections(data)
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError) as err:
+        raise ModuleFileError(f"{shown!r} is a damaged ELF file (truncated or not a module: "
+                              f"{type(err).__name__})") from err
+
+
+def _sections(data: bytes) -> dict[str, bytes]:
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     headers = []
@@ -53,19 +69,26 @@ def read_sections(path: str) -> dict[str, bytes]:
     return out
 
 
-def read_metadata(path: str) -> dict:
-    """The module's metadata, or ModuleFileError if the file is not an rnncc module."""
-    sections = read_sections(path)
+def read_metadata(path: str, shown: str | None = None) -> dict:
+    """The module's metadata, or ModuleFileError if the file is not an rnncc module (errors
+    name ``shown``, the caller's name of the file, where given)."""
+    shown = shown or path
+    sections = read_sections(path, shown)
     if META not in sections:
-        raise ModuleFileError(f"{path!r} is a shared library but not an rnncc module "
+        raise ModuleFileError(f"{shown!r} is a shared library but not an rnncc module "
                               "(no .rnncc_meta section)")
     try:
         meta = json.loads(sections[META].decode())
     except ValueError as err:
-        raise ModuleFileError(f"{path!r}: corrupt rnncc metadata ({err})") from err
-    if meta.get("format") != FORMAT:
-        raise ModuleFileError(f"{path!r}: metadata format {meta.get('format')!r}, this rnncc "
-                              f"reads format {FORMAT}")
+        raise ModuleFileError(f"{shown!r}: corrupt rnncc metadata ({err})") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ModuleFileError(f"{shown!r}: metadata format {found!r}, this rnncc reads format "
+                              f"{FORMAT}")
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        raise ModuleFileError(f"{shown!r}: its rnncc metadata lacks {', '.join(missing)} (a "
+                              "damaged module)")
     return meta
 
 

@@ -53,8 +53,10 @@ class Module:
 
     poison = False
 
-    def __init__(self, path: str, metadata: dict, *, owned_dir: str | None = None):
+    def __init__(self, path: str, metadata: dict, *, owned_dir: str | None = None,
+                 shown: str | None = None):
         self.path = path
+        self.shown = shown or path  # the file as the caller named it (errors say that)
         self.metadata = metadata
         self._lib = None
         self._entries: dict = {}
@@ -109,24 +111,33 @@ class Module:
         section = {"cuda": md.CUDA, "tir": md.TIR}.get(which)
         if section is None:
             raise ValueError(f"source() takes 'cuda' or 'tir', got {which!r}")
-        sections = md.read_sections(self.path)
+        sections = md.read_sections(self.path, self.shown)
         if section not in sections:
             raise ModuleFileError(f"this {self.target} module has no {which} source")
         return sections[section].decode()
 
     def export(self, path: str) -> str:
-        """Write the module to ``path`` (one shared library, metadata included)."""
+        """Write the module to ``path`` (one shared library, metadata included): whole, then
+        renamed into place, so that a reader, or another writer, never sees half of one."""
         path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        tmp = None
         try:
-            shutil.copyfile(self.path, path)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rnncc_export_", suffix=".so")
+            os.close(fd)
+            shutil.copyfile(self.path, tmp)
+            os.replace(tmp, path)
         except OSError as err:
             raise ModuleFileError(f"cannot write {path!r}: {err.strerror}") from err
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
         return path
 
     # -- running -------------------------------------------------------------------------
     def _library(self):
         if self._lib is None:
-            self._lib = tvm_runtime.load_library(self.path, self.target)
+            self._lib = tvm_runtime.load_library(self.path, self.target, self.shown)
         return self._lib
 
     def _signature(self, function: str):
@@ -159,6 +170,11 @@ class Module:
         if isinstance(weights, PackedWeights):
             return weights
         if hasattr(weights, "state_dict") and callable(weights.state_dict):
+            if getattr(weights, "batch_first", False):
+                raise InputError(f"weights is a {type(weights).__name__} with "
+                                 "batch_first=True, but this module takes x as [T, N, C]: pass "
+                                 "its state_dict() and x.transpose(0, 1), or use "
+                                 "rnncc.nn.from_torch for the whole module")
             weights = weights.state_dict()
         if not hasattr(weights, "keys"):
             raise InputError(f"weights must be a mapping with {', '.join(WEIGHTS)} (a PyTorch "
@@ -231,6 +247,22 @@ class Module:
                 keep.append(arr)
         return PackedWeights(self, family, entry, tensors, keep)
 
+    _said_no_grad = False
+
+    def _check_grad(self, x, given) -> None:
+        """Say, once, that a call whose input or initial states require grad gets none (rnncc
+        computes no gradients yet)."""
+        if self._said_no_grad or family_of(x, self.device_kind).name != "torch":
+            return
+        import torch
+
+        if torch.is_grad_enabled() and any(getattr(v, "requires_grad", False)
+                                           for v in (x, *given.values())):
+            self._said_no_grad = True
+            warnings.warn("rnncc modules compute no gradients yet: the results do not require "
+                          "grad and have no grad_fn (training is not supported); call under "
+                          "torch.no_grad() to say that none is needed", stacklevel=3)
+
     def __call__(self, x, weights, h0=None, c0=None, lengths=None, **initial):
         states = self.states
         if lengths is not None and not self.takes_lengths:
@@ -254,6 +286,7 @@ class Module:
                                  f"{family.describe_device()}")
         else:
             packed = self._pack(self._weights_mapping(weights), family, entry)
+        self._check_grad(x, given)
         forward = self._function(entry, "forward")
         sig = self._signature(forward)
         shapes = {p["name"]: p["shape"] for p in sig}
@@ -342,13 +375,22 @@ def _check_lengths(shape, low: int, high: int, steps: int, batch: int) -> None:
 
 
 def load_module(path: str) -> Module:
-    """A module from its file (see :func:`rnncc.load`)."""
+    """A module from its file (see :func:`rnncc.load`). The file is copied first, and the
+    metadata and the library both come from the copy: the caller may overwrite or delete the
+    file while the module is in use, and a file replaced meanwhile gives one module or the
+    other, never a mix."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModuleFileError(f"module file {path!r} does not exist")
-    meta = md.read_metadata(path)
-    # Keep a private copy, so the caller may overwrite or delete the file while it is in use.
     tmp = tempfile.mkdtemp(prefix="rnncc_module_")
     local = os.path.join(tmp, os.path.basename(path))
-    shutil.copyfile(path, local)
-    return Module(local, meta, owned_dir=tmp)
+    try:
+        try:
+            shutil.copyfile(path, local)
+        except OSError as err:
+            raise ModuleFileError(f"cannot read module file {path!r}: {err.strerror}") from err
+        meta = md.read_metadata(local, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Module(local, meta, owned_dir=tmp, shown=path)

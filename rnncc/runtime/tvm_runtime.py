@@ -48,8 +48,10 @@ def cuda_available(device_id: int = 0) -> bool:
         return False
 
 
-def load_library(path: str, kind: str):
-    """Load a module library with TVM's runtime; ``kind`` is "cuda" or "llvm"."""
+def load_library(path: str, kind: str, shown: str | None = None):
+    """Load a module library with TVM's runtime; ``kind`` is "cuda" or "llvm" (errors name
+    ``shown``, the caller's name of the file, where given)."""
+    shown = shown or path
     import tvm
 
     if kind == "cuda":
@@ -59,12 +61,12 @@ def load_library(path: str, kind: str):
             pass
         if not cuda_available(0):
             raise ModuleFileError(
-                f"{path!r} is a CUDA module and this machine has no usable CUDA device; "
+                f"{shown!r} is a CUDA module and this machine has no usable CUDA device; "
                 "load it on a GPU machine (rnncc inspect reads it anywhere)")
     try:
         return tvm.runtime.load_module(path)
     except Exception as err:  # noqa: BLE001 - surfaced as a module-file error
-        raise ModuleFileError(f"TVM could not load {path!r}: {str(err).splitlines()[-1]}") from err
+        raise ModuleFileError(f"TVM could not load {shown!r}: {str(err).splitlines()[-1]}") from err
 
 
 def persistent_unfit(plan: dict, target: dict, index: int) -> str | None:

@@ -62,6 +62,7 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
     start = time.monotonic()
     if trials < 0 or time_budget <= 0 or steps < 1:
         raise ConfigError("trials must be >= 0, time budget > 0 and steps >= 1")
+    _check_before_measuring(log_dir, rpc)
     session = _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu,
                        work_dir, steps, start + time_budget, progress)
     progress(f"tuning {logs.describe(session.key)} ({session.device_name}); budget "
@@ -85,6 +86,22 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
              + (f", cuDNN {cudnn_ms * 1e3 / steps:.2f} us/step" if cudnn_ms else "")
              + f"; log {path}")
     return summary
+
+
+def _check_before_measuring(log_dir: str, rpc: str | None) -> None:
+    """Refuse, before any time is spent, a log folder that cannot be written and an ``rpc``
+    that is not HOST:PORT:KEY."""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot write tuning logs under {log_dir!r}: {err.strerror}") from err
+    if not os.access(log_dir, os.W_OK):
+        raise ConfigError(f"cannot write tuning logs under {log_dir!r}: permission denied")
+    if rpc is not None:
+        parts = rpc.rsplit(":", 2)
+        if len(parts) != 3 or not (parts[0] and parts[1].isdigit() and parts[2]):
+            raise ConfigError(f"--rpc must be HOST:PORT:KEY (e.g. 127.0.0.1:9190:h200), got "
+                              f"{rpc!r}")
 
 
 def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, work_dir, steps,

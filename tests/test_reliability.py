@@ -1,0 +1,181 @@
+"""Inputs that used to give a silently wrong result, files written and read while others
+write them, damaged module files, and the command line's one error path."""
+
+import glob
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+
+import rnncc
+from helpers import compiled
+from rnncc.cli.main import main
+from rnncc.errors import ConfigError, InputError, ModuleFileError
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def test_negative_bit_tensors_are_resolved(rng):
+    """``x._neg_view()`` is -x to torch; DLPack drops the bit, which gave the output of +x."""
+    torch = _torch()
+    module = compiled("gru", 3, 4, 2, "llvm")
+    net = torch.nn.GRU(3, 4)
+    x = torch.randn(5, 2, 3)
+    with torch.no_grad():
+        expect, _ = module(-x, net)
+        y, _ = module(x._neg_view(), net)  # is -x
+        weights = {k: v.detach() for k, v in net.state_dict().items()}
+        weights["weight_hh_l0"] = (-weights["weight_hh_l0"])._neg_view()  # is +weight_hh
+        again, _ = module(-x, weights)
+    assert torch.equal(y, expect) and torch.equal(again, expect)
+
+
+def test_batch_first_torch_module_as_weights_is_refused():
+    """Its flag would be ignored: with T == N a batch-first input gave wrong outputs."""
+    torch = _torch()
+    module = compiled("gru", 3, 4, 2, "llvm")
+    with pytest.raises(InputError, match="with batch_first=True, but this module takes x as "
+                                         r"\[T, N, C\]"):
+        module(torch.randn(2, 2, 3), torch.nn.GRU(3, 4, batch_first=True))
+
+
+def test_a_call_that_would_need_gradients_says_it_gets_none():
+    torch = _torch()
+    module = rnncc.compile("rnn_tanh", 3, 4, 2, target="llvm")
+    net = torch.nn.RNN(3, 4)
+    x = torch.randn(2, 2, 3, requires_grad=True)
+    with pytest.warns(UserWarning, match="compute no gradients yet"):
+        y, _ = module(x, net)
+    assert y.grad_fn is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module(x, net)  # said once a module
+        with torch.no_grad():
+            rnncc.compile("rnn_tanh", 3, 4, 2, target="llvm")(x, net)
+
+
+def test_export_while_others_export_and_load(tmp_path):
+    """Two writers exporting different modules to one path and a reader loading it: every
+    load gets one whole module (a plain copy gave half of one, and 'not an ELF')."""
+    modules = [compiled("gru", 3, 4, 2, "llvm"), compiled("lstm", 5, 6, 1, "llvm")]
+    path = str(tmp_path / "shared.so")
+    modules[0].export(path)
+    errors, loads = [], []
+
+    def write(module):
+        for _ in range(25):
+            module.export(path)
+
+    def read():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(loads) < 60:
+            try:
+                m = rnncc.load(path)
+                loads.append((m.cell, m.input_size))
+            except Exception as err:  # noqa: BLE001 - collected, asserted below
+                errors.append(err)
+
+    threads = [threading.Thread(target=write, args=(m,)) for m in modules]
+    threads.append(threading.Thread(target=read))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and loads
+    assert set(loads) <= {("gru", 3), ("lstm", 5)}
+    assert not glob.glob(str(tmp_path / ".rnncc_export_*"))  # no temporary file left
+
+
+def _damaged(tmp_path, how):
+    good = compiled("gru", 3, 4, 2, "llvm").path
+    data = open(good, "rb").read()
+    if how == "truncated":
+        data = data[:len(data) // 3]
+    elif how == "header only":
+        data = data[:80]
+    elif how == "section table":
+        data = data[:0x28] + (len(data) - 8).to_bytes(8, "little") + data[0x30:]
+    path = tmp_path / f"{how.replace(' ', '_')}.so"
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "header only", "section table"])
+def test_damaged_module_files_are_one_clear_error(how, tmp_path, capsys):
+    path = _damaged(tmp_path, how)
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "rnncc_module_*")))
+    with pytest.raises(ModuleFileError, match=repr(path).replace("\\", "\\\\")):
+        rnncc.load(path)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "rnncc_module_*"))) == before
+    for command in (["inspect", path], ["bench", path, "--steps", "2"]):
+        code = main(command)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("rnncc: error: ") and err.count("\n") == 1
+        assert "Traceback" not in err
+
+
+def test_metadata_without_its_fields_is_refused(monkeypatch):
+    """A module whose metadata lacks a field gave KeyError: 'cell' from rnncc inspect."""
+    import json
+
+    from rnncc.runtime import metadata as md
+
+    meta = md.read_metadata(compiled("gru", 3, 4, 2, "llvm").path)
+    del meta["cell"], meta["functions"]
+    monkeypatch.setattr(md, "read_sections", lambda path, shown=None: {
+        md.META: json.dumps(meta).encode()})
+    with pytest.raises(ModuleFileError, match="'odd.so': its rnncc metadata lacks cell, "
+                                              "functions"):
+        md.read_metadata("odd.so")
+
+
+def test_cli_has_one_error_path(capsys, monkeypatch):
+    """Whatever goes wrong inside a command is one line on stderr, never a traceback."""
+    import rnncc.cli.main as cli
+
+    def broken(args):
+        raise ValueError("something unexpected\nsecond line")
+
+    monkeypatch.setattr(cli, "_cmd_cells", broken)
+    code = main(["cells"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1
+    assert err.startswith("rnncc: internal error: ValueError: second line")
+    monkeypatch.setenv("RNNCC_DEBUG", "1")
+    with pytest.raises(ValueError):
+        main(["cells"])
+
+
+def test_bench_of_a_cuda_module_without_a_gpu_for_torch(monkeypatch):
+    torch = _torch()
+    from rnncc import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs a GPU that PyTorch can use"):
+        bench.time_gpu(object(), 10)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--log-dir", "/proc/rnncc_cannot"], "cannot write tuning logs under '/proc/rnncc_cannot'"),
+    (["--rpc", "garbage"], "--rpc must be HOST:PORT:KEY"),
+])
+def test_tune_refuses_bad_destinations_before_measuring(extra, match, capsys, tmp_path,
+                                                        monkeypatch):
+    """Refused before anything compiles or is timed (the log folder was found unwritable
+    after the whole budget, the tracker address after the default's timing run)."""
+    from rnncc.compiler import driver
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled before the refusal")
+
+    monkeypatch.setattr(driver, "compile_module", refuse)
+    code = main(["tune", "rnn_tanh", "-C", "2", "-H", "3", "-N", "1", "--target", "llvm",
+                 "--work-dir", str(tmp_path), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err
