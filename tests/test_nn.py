@@ -261,3 +261,17 @@ def test_from_torch_takes_only_recurrent_modules():
         rnncc.nn.from_torch(torch.nn.Linear(2, 3))
     with pytest.raises(ConfigError, match="proj_size=2"):
         rnncc.nn.from_torch(torch.nn.LSTM(3, 4, proj_size=2))
+
+
+@pytest.mark.parametrize("lengths", [False, True])
+def test_torch_compile_takes_the_network_whole(lengths, rng):
+    """``torch.compile(..., fullgraph=True)``: no graph break (the network is one custom op,
+    ``torch.ops.rnncc.network``, with its shapes), results equal to eager."""
+    net = rnncc.nn.LSTM(4, 5, num_layers=2, bidirectional=True)
+    x = torch.randn(6, 3, 4)
+    extra = {"lengths": _lengths(rng, 3, 6)} if lengths else {}
+    with torch.no_grad():
+        eager = net(x, **extra)
+        compiled = torch.compile(net, fullgraph=True)(x, **extra)
+    assert torch.equal(compiled[0], eager[0])
+    assert all(torch.equal(a, b) for a, b in zip(compiled[1], eager[1]))

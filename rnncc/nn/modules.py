@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import ConfigError, InputError
+from . import op
 from .network import Layout, Network
 
 DTYPES = (torch.float32, torch.float16)
@@ -58,6 +59,7 @@ class Recurrent(torch.nn.Module):
                               2 if bidirectional else 1)
         self._networks: dict = {}
         self._warned = False
+        self._key = op.register(self)
         rows = self.cell.gates * hidden_size
         kw = {"device": device, "dtype": dtype}
         for layer in range(num_layers):
@@ -92,10 +94,27 @@ class Recurrent(torch.nn.Module):
                 s += f", {name}={getattr(self, name)}"
         return s
 
-    def _layer_weights(self, layer: int, direction: int) -> dict:
-        suffix = self._suffixes()[direction]
+    def _weight_names(self):
+        """The parameters' names in order: layer by layer, direction by direction."""
         names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
-        return {f"{name}_l0": getattr(self, f"{name}_l{layer}{suffix}") for name in names}
+        return [f"{name}_l{layer}{suffix}" for layer in range(self.num_layers)
+                for suffix in self._suffixes() for name in names]
+
+    def _layer_weights(self, layer: int, direction: int, weights=None) -> dict:
+        """The torch-named weights of one layer module (``weights``: the parameters, as
+        :meth:`_weight_names` orders them; default the module's own)."""
+        names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+        start = (layer * self._layout.directions + direction) * len(names)
+        own = weights is None
+        values = [getattr(self, n) for n in self._weight_names()] if own else weights
+        return {f"{name}_l0": values[start + i] for i, name in enumerate(names)}
+
+    def _run(self, x, states, lengths, weights, training):
+        """The network on ``x`` [T, N, C]: y and the list of final states (the op's body)."""
+        between = self._between if training else None
+        return self._network(x).run(x, states, lengths,
+                                    lambda layer, d: self._layer_weights(layer, d, weights),
+                                    between)
 
     def forward(self, input, hx=None, lengths=None):  # noqa: A002 - torch's name
         packed = isinstance(input, PackedSequence)
@@ -109,10 +128,12 @@ class Recurrent(torch.nn.Module):
             x, unbatched = self._check_input(input)
             if lengths is not None:
                 lengths = self._check_lengths(lengths, x)
-        self._check_grad(x)
-        states = self._initial_states(hx, x, unbatched)
-        y, finals = self._network(x).run(x, states, lengths, self._layer_weights,
-                                         self._between)
+        if not torch.compiler.is_compiling():
+            self._check_grad(x)
+        states = [s.detach() for s in self._initial_states(hx, x, unbatched)]
+        weights = [getattr(self, n).detach() for n in self._weight_names()]  # no gradients yet
+        y, *finals = op.network(self._key, x.detach(), states, lengths, weights,
+                                self.training)
         if packed:
             return _repacked(y, input, sorted_lengths), _finals(finals)
         return self._outputs(y, finals, unbatched)
@@ -213,8 +234,8 @@ class Recurrent(torch.nn.Module):
         return self._networks[key]
 
     def _between(self, y):
-        """Dropout on a layer's output before the next layer (training mode only)."""
-        if self.dropout and self.training:
+        """Dropout on a layer's output before the next layer (in training mode)."""
+        if self.dropout:
             return torch.nn.functional.dropout(y, self.dropout, training=True)
         return y
 
