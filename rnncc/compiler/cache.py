@@ -15,7 +15,6 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import time
 
 from .._version import __version__
@@ -104,19 +103,12 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
 
 
 def _store(module, path: str) -> None:
-    """Write ``module`` to ``path`` whole, then rename it into place (a cache that cannot be
-    written is skipped, with a note)."""
+    """Write ``module`` to ``path`` (``Module.export`` writes whole, then renames into place);
+    a cache that cannot be written is skipped, with a note."""
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            module.export(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        module.export(path)
     except (OSError, ModuleFileError) as err:
         _tell("unwritable", f"rnncc: cannot keep compiled modules in {folder} ({err}); set "
               f"{ENV} to a writable folder")

@@ -227,8 +227,8 @@ class _Builder:
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
                                      [Region(s, (0, ALL, ALL)) for s in sn])]
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *([lengths] if active else []), y, *sn, xp,
-                  hp, *sw, *active]
+        given = [lengths] if lengths is not None else []
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw, *active]
         self.add("forward", sequence_function("forward", params, prologue, t, t_len, steps,
                                               epilogue, views), sig)
 
@@ -294,8 +294,8 @@ class _Builder:
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
                                      [Region(s, (0, ALL, ALL)) for s in sn])]
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *([lengths] if lengths is not None else []), y,
-                  *sn, xp, *sw, sync]
+        given = [lengths] if lengths is not None else []
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, *sw, sync]
         self.add("persistent_forward", sequence_function(
             "persistent_forward", params, prologue, None, None, [], epilogue, views), sig)
 

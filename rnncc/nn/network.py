@@ -43,6 +43,7 @@ class Network:
     def __init__(self, layout: Layout, target: str, arch: str | None):
         self.layout, self.target, self.arch = layout, target, arch
         self._packed: dict = {}
+        self._modules: dict = {}
 
     def run(self, x, states, lengths, weights, between=None):
         """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of the network on
@@ -54,7 +55,7 @@ class Network:
 
         lay = self.layout
         finals = [[None] * (lay.layers * lay.directions) for _ in states]
-        layer_input, states = x.detach(), [s.detach() for s in states]  # no gradients yet
+        layer_input = x
         for layer in range(lay.layers):
             outs = []
             for d in range(lay.directions):
@@ -74,14 +75,10 @@ class Network:
         """One layer, one direction: y [T, N, H] and its final states ([N, H] each)."""
         import torch
 
-        from ..compiler import cache
-
         steps, n, _ = x.shape
         rows = bucket(n)
-        module = cache.compiled(self.layout.cell, self.layout.layer_input(layer),
-                                self.layout.hidden_size, rows, dtype=_dtype_name(x.dtype),
-                                target=self.target, arch=self.arch,
-                                lengths=lengths is not None)
+        module = self._module(self.layout.layer_input(layer), rows, _dtype_name(x.dtype),
+                              lengths is not None)
         if rows != n:
             x = torch.cat([x, x.new_zeros(steps, rows - n, x.shape[2])], dim=1)
             states = [torch.cat([s, s.new_zeros(rows - n, s.shape[1])]) for s in states]
@@ -93,6 +90,18 @@ class Network:
                            lengths=None if lengths is None else _aligned(lengths), **initial)
         finals = finals if isinstance(finals, tuple) else (finals,)
         return y[:, :n], [f[0, :n] for f in finals]
+
+    def _module(self, width: int, rows: int, dtype: str, lengths: bool):
+        """The layer module of input width ``width`` for ``rows`` batch rows, looked up in the
+        compile cache once (the cache hashes cell files and asks for the GPU)."""
+        from ..compiler import cache
+
+        key = (width, rows, dtype, lengths)
+        if key not in self._modules:
+            self._modules[key] = cache.compiled(
+                self.layout.cell, width, self.layout.hidden_size, rows, dtype=dtype,
+                target=self.target, arch=self.arch, lengths=lengths)
+        return self._modules[key]
 
     def _weights(self, layer, direction, module, weights):
         """The layer's weights packed for ``module``, packed again when one changes (a new

@@ -249,10 +249,10 @@ class Module:
 
     _said_no_grad = False
 
-    def _check_grad(self, x, given) -> None:
+    def _check_grad(self, family: Family, x, given) -> None:
         """Say, once, that a call whose input or initial states require grad gets none (rnncc
         computes no gradients yet)."""
-        if self._said_no_grad or family_of(x, self.device_kind).name != "torch":
+        if self._said_no_grad or family.name != "torch":
             return
         import torch
 
@@ -286,7 +286,7 @@ class Module:
                                  f"{family.describe_device()}")
         else:
             packed = self._pack(self._weights_mapping(weights), family, entry)
-        self._check_grad(x, given)
+        self._check_grad(family, x, given)
         forward = self._function(entry, "forward")
         sig = self._signature(forward)
         shapes = {p["name"]: p["shape"] for p in sig}
