@@ -41,6 +41,8 @@ def _add_problem_args(p):
                         "or never (off)")
     p.add_argument("--lengths", action="store_true",
                    help="the module takes each sample's length at run time (1 to T)")
+    p.add_argument("--bidirectional", action="store_true",
+                   help="a bidirectional layer: both directions in one module (y [T, N, 2*H])")
 
 
 def _add_tuning_args(p):
@@ -116,7 +118,8 @@ def _problem_kwargs(args) -> dict:
                 cpu=getattr(args, "cpu", None), input_gemm=args.input_gemm,
                 gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise,
                 persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args),
-                lengths=getattr(args, "lengths", False))
+                lengths=getattr(args, "lengths", False),
+                directions=2 if getattr(args, "bidirectional", False) else 1)
 
 
 def _check_writable(path: str) -> None:
@@ -159,7 +162,8 @@ def _summary(meta: dict) -> str:
     persistent kernel)."""
     schedule = meta["schedule"]
     head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} N={meta['batch']} "
-            f"{meta['dtype']}{' with lengths' if meta.get('lengths') else ''} "
+            f"{meta['dtype']}{' bidirectional' if meta.get('directions', 1) == 2 else ''}"
+            f"{' with lengths' if meta.get('lengths') else ''} "
             f"{meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
     persistent = schedule.get("persistent", {})
     if schedule["kind"] == "persistent":

@@ -48,3 +48,33 @@ def relative_error(out, ref) -> float:
         return float("inf")
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def reverse_steps(x, lengths=None):
+    """Each sample's steps of ``x`` [T, N, F] reversed within its length (``x[len - 1 - t, n]``
+    for t < len; the steps past it stay where they are)."""
+    x = np.asarray(x)
+    steps, batch = x.shape[:2]
+    lengths = np.full(batch, steps) if lengths is None else np.asarray(lengths)
+    t = np.arange(steps)[:, None]
+    index = np.where(t < lengths[None, :], lengths[None, :] - 1 - t, t)
+    return x[index, np.arange(batch)[None, :]]
+
+
+def run_bidirectional(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None):
+    """A bidirectional layer in float64, as torch's ``bidirectional=True``: ``weights`` as for
+    :func:`run` and the same names with ``_reverse``; ``initial`` maps state names to [2, N, H]
+    (the forward direction first). The reverse direction runs each sample's steps backwards
+    from its own last one. Returns ``(y [T, N, 2*H], {state: [2, N, H]})``."""
+    initial = initial or {}
+    ys, finals = [], []
+    for d, suffix in enumerate(("", "_reverse")):
+        own = {name: weights[name + suffix] for name in
+               ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")}
+        start = {s: np.asarray(v)[d:d + 1] for s, v in initial.items()}
+        seq = x if d == 0 else reverse_steps(x, lengths)
+        y, states = run(cell, seq, own, start, lengths)
+        ys.append(y if d == 0 else reverse_steps(y, lengths))
+        finals.append(states)
+    return np.concatenate(ys, axis=2), {s: np.concatenate([f[s] for f in finals])
+                                        for s in cell.states}

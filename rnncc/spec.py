@@ -21,7 +21,10 @@ class Problem:
 
     The sequence length T is not part of it: a module takes any T at run time. ``lengths``:
     the module also takes each sample's length (1 to T): a sample's states stop at its own
-    last step, and its outputs past it are zero.
+    last step, and its outputs past it are zero. ``directions`` D = 2: a bidirectional layer,
+    the second direction running each sample's steps in reverse (from its own last step), as
+    torch's ``bidirectional=True`` does; y is [T, N, D*H] (the forward direction's H first)
+    and each state [D, N, H].
     """
 
     cell: Cell
@@ -30,6 +33,7 @@ class Problem:
     batch: int
     dtype: str = "float32"
     lengths: bool = False
+    directions: int = 1
 
     def __post_init__(self):
         if not isinstance(self.cell, Cell):
@@ -40,6 +44,9 @@ class Problem:
         check_dtype(self.dtype)
         if not isinstance(self.lengths, bool):
             raise ConfigError(f"lengths must be True or False, got {self.lengths!r}")
+        if isinstance(self.directions, bool) or self.directions not in (1, 2):
+            raise ConfigError(f"directions must be 1 or 2 (bidirectional), got "
+                              f"{self.directions!r}")
 
     @property
     def gates(self) -> int:
@@ -47,7 +54,8 @@ class Problem:
 
     def describe(self) -> str:
         return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
-                f"{self.dtype}" + (" with lengths" if self.lengths else ""))
+                f"{self.dtype}" + (" bidirectional" if self.directions == 2 else "")
+                + (" with lengths" if self.lengths else ""))
 
 
 @dataclass(frozen=True)

@@ -23,21 +23,26 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
                             lengths=False):
     """Run ``module`` on fresh random inputs (rounded to its dtype), return the worst
     relative error against the float64 reference over y and every final state. ``lengths``:
-    random lengths of the samples (the first 1 step, the last all T)."""
+    random lengths of the samples (the first 1 step, the last all T). A bidirectional module
+    gets both directions' weights and states."""
     from conftest import random_weights
 
     cell = rnncc.cells.get(module.cell)
-    h, n, c = module.hidden_size, module.batch, module.input_size
+    h, n, c, dirs = module.hidden_size, module.batch, module.input_size, module.directions
     dt = module.dtype
-    weights = {k: v.astype(dt) for k, v in random_weights(rng, cell.gates, c, h).items()}
+    weights = {}
+    for suffix in ("", "_reverse")[:dirs]:
+        weights.update({k + suffix: v.astype(dt) for k, v in
+                        random_weights(rng, cell.gates, c, h).items()})
     x = rng.standard_normal((steps, n, c)).astype(dt)
-    initial = ({s: rng.standard_normal((1, n, h)).astype(dt) for s in cell.states}
+    initial = ({s: rng.standard_normal((dirs, n, h)).astype(dt) for s in cell.states}
                if with_initial else {})
     ln = None
     if lengths:
         ln = rng.integers(1, steps + 1, n)
         ln[0], ln[-1] = 1, steps
-    ref_y, ref_states = reference.run(cell, x, weights, initial, ln)
+    run = reference.run if dirs == 1 else reference.run_bidirectional
+    ref_y, ref_states = run(cell, x, weights, initial, ln)
     extra = {} if ln is None else {"lengths": to_array(ln)}
     y, finals = module(to_array(x.astype(dt)), {k: to_array(v.astype(dt)) for k, v in
                                                  weights.items()},
@@ -65,8 +70,11 @@ def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True, entry=No
     from conftest import random_weights
 
     dt = module.dtype
-    w = {k: v.astype(dt) for k, v in random_weights(
-        rng, rnncc.cells.get(module.cell).gates, module.input_size, module.hidden_size).items()}
+    w = {}
+    for suffix in ("", "_reverse")[:module.directions]:
+        w.update({k + suffix: v.astype(dt) for k, v in random_weights(
+            rng, rnncc.cells.get(module.cell).gates, module.input_size,
+            module.hidden_size).items()})
     x = rng.standard_normal((steps, module.batch, module.input_size)).astype(dt)
     weights = module.pack(w) if pack else w
     if entry is not None:

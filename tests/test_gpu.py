@@ -364,6 +364,30 @@ def test_lengths_match_reference(cell, input_size, hidden, batch, dtype, knobs, 
     check_across_steps(module, rng, lengths=True)
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [
+    ("lstm", 512, 512, 1, "float32", None, "on"),
+    ("gru", 33, 257, 7, "float32", {"sync": "barrier"}, "on"),
+    ("rnn_tanh", 16, 64, 40, "float32", {"batch_groups": 4, "sync": "grid"}, "on"),
+    ("gru", 512, 512, 4, "float32", None, "on"),  # batch groups by default
+    ("lstm", 1024, 1024, 4, "float16", {"mma": True}, "on"),
+    ("lstm", 1024, 1024, 2, "float32", None, "on"),
+    ("lstm", 24, 64, 5, "float16", None, "off")])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_bidirectional_matches_reference(cell, input_size, hidden, batch, dtype, knobs,
+                                         persistent, lengths, rng):
+    """Both directions in one persistent launch (each exchange, batch groups, tensor cores)
+    and in the non-persistent schedule; the reverse direction from each sample's own last
+    step; every run bit for bit the first."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
+                           knobs=knobs, persistent=persistent, tuning="off", lengths=lengths,
+                           directions=2)
+    assert module.metadata["schedule"]["kind"] == ("persistent" if persistent == "on"
+                                                   else "sequence")
+    check_across_steps(module, rng, lengths=lengths)
+    if not lengths:
+        check_repeats_exactly(module, rng, repeats=10)
+
+
 def test_lengths_on_the_device_and_in_a_cuda_graph(torch, rng):
     """torch lengths on the GPU: no copy to the host is needed to run (the check is skipped
     while a CUDA graph is captured), and the replay follows new lengths in place."""

@@ -680,3 +680,29 @@ def test_fast_forms_take_float32_only():
     with pytest.raises(KeyError, match="no point-wise functions"):
         with ops.lowered_with({"softplus": abs}):
             pass
+
+
+@pytest.mark.parametrize("cell, hidden, batch", [("lstm", 512, 1), ("gru", 512, 4),
+                                                 ("lstm", 1024, 2), ("rnn_tanh", 64, 40)])
+def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
+    """Two directions: each direction's grid planned on half the multiprocessors (with its
+    batch groups), the grid twice that, no fused input projection even where one direction
+    would fuse it, and streaming refused."""
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    gates = rnncc.cells.get(cell).gates
+    both = knobs.plan_for(Problem(rnncc.cells.get(cell), hidden, hidden, batch, directions=2),
+                          H100, {}, 24)
+    half = dataclasses.replace(H100, sms=H100.sms // 2)
+    one = plan(gates, hidden, batch, "float32", half, len(rnncc.cells.get(cell).states),
+               batch_groups=None)
+    assert both.directions == 2 and not both.fused
+    assert (both.blocks, both.batch_groups, both.units) == (2 * one.blocks, one.batch_groups,
+                                                             one.units)
+    assert both.group_blocks == one.group_blocks and both.blocks <= H100.sms
+    with pytest.raises(Unfit, match="a streaming plan runs one direction"):
+        plan(gates, hidden, batch, "float32", H100, stream=True, directions=2)
+    with pytest.raises(Unfit, match="input projections are one GEMM before the launch"):
+        knobs.plan_for(Problem(rnncc.cells.get(cell), hidden, hidden, batch, directions=2),
+                       H100, {"input_rows": 8}, 24)

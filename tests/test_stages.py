@@ -44,7 +44,7 @@ def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, **f
     kr, ks, kg = split or (chunks, 0, 0)
     assert kr + ks + kg == chunks
     return planner.Plan(
-        blocks=-(-hidden // units) * groups, units=units, warps=warps,
+        blocks=-(-hidden // units) * groups * fields.get("directions", 1), units=units, warps=warps,
         rows_per_warp=-(-gates * units // warps), vec=vec, chunks=chunks, reg_chunks=kr,
         smem_chunks=ks, global_chunks=kg, items=-(-units * (batch // groups) // (32 * warps)),
         reg_estimate=0, smem_bytes=0, batch_groups=groups, **fields)
@@ -60,14 +60,17 @@ def _llvm(func, *arrays):
 def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None):
     """y and the final states of the persistent kernel of plan ``p`` on ``x`` [T, N, C], run
     on the interpreter with rnncc's own packings (built for this CPU); ``lengths``: the
-    kernel takes the samples' lengths."""
+    kernel takes the samples' lengths. With two directions (``p.directions``), ``weights``
+    has the ``_reverse`` ones too, initial states are [2, N, H] and y [T, N, 2*H]."""
     steps, n, c = x.shape
-    g, h = cell.gates, weights["weight_hh_l0"].shape[1]
-    w_hh = weights["weight_hh_l0"].astype(dtype)
-    packed = np.zeros((p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dtype)
-    args = {"w": _llvm(comp.pack_persistent(g, h, p, dtype), w_hh, packed)[1],
-            "b_hh": weights["bias_hh_l0"].astype(dtype),
-            "y": np.full((steps, n, h), np.nan, dtype)}
+    g, h, dirs = cell.gates, weights["weight_hh_l0"].shape[1], p.directions
+    suffixes = ("", "_reverse")[:dirs]
+    shape = (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec)
+    packing = comp.pack_persistent(g, h, p, dtype)
+    args = {"w": np.concatenate([_llvm(packing, weights["weight_hh_l0" + d].astype(dtype),
+                                       np.zeros(shape, dtype))[1] for d in suffixes]),
+            "b_hh": np.concatenate([weights["bias_hh_l0" + d].astype(dtype) for d in suffixes]),
+            "y": np.full((steps, n, dirs * h), np.nan, dtype)}
     if p.fused:
         shape = buffers.input_weight_shape(p, g)
         w_ih = weights["weight_ih_l0"].astype(dtype)
@@ -76,27 +79,29 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None):
         args.update(x=x.astype(dtype), b_ih=weights["bias_ih_l0"].astype(dtype),
                     xp=np.full((steps, n, g * h), np.nan, np.float32))
     else:
-        xp = (x.astype(dtype).astype(np.float32) @ weights["weight_ih_l0"].astype(dtype).astype(
-            np.float32).T + weights["bias_ih_l0"].astype(dtype).astype(np.float32))
-        padded = np.zeros((-(-steps // chunk) * chunk, n, g * h), np.float32)
+        xp = np.concatenate([x.astype(dtype).astype(np.float32) @ weights[
+            "weight_ih_l0" + d].astype(dtype).astype(np.float32).T + weights[
+            "bias_ih_l0" + d].astype(dtype).astype(np.float32) for d in suffixes], axis=2)
+        padded = np.zeros((-(-steps // chunk) * chunk, n, dirs * g * h), np.float32)
         padded[:steps] = xp
-        args["xp"] = padded if chunk == 1 else padded.reshape(-1, chunk, n, g * h)
+        args["xp"] = padded if chunk == 1 else padded.reshape(-1, chunk, n, dirs * g * h)
     for k, name in enumerate(cell.states):
-        s = np.full((2, n, h), np.nan, np.float32)
-        s[0] = initial[name][0].astype(dtype)
+        s = np.full((2, dirs * n, h), np.nan, np.float32)
+        s[0] = initial[name].reshape(dirs * n, h).astype(dtype)
         args[f"s{k}"] = s
     if p.sync == "tagged":
-        h0 = initial[cell.states[0]][0].astype(np.float32)
-        args["hw"] = _llvm(comp.init_tagged(n, h, "float32", EMPTY_TAG), h0,
-                           np.zeros((2, n, h), np.uint64))[1]
+        h0 = initial[cell.states[0]].reshape(dirs * n, h).astype(np.float32)
+        args["hw"] = _llvm(comp.init_tagged(dirs * n, h, "float32", EMPTY_TAG), h0,
+                           np.zeros((2, dirs * n, h), np.uint64))[1]
     else:
-        args["cnt"] = np.zeros(p.batch_groups, np.uint32)
+        args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
     if lengths is not None:
         args["lengths"] = np.asarray(lengths, np.int32)
     func = kernel(cell, h, n, p, dtype=dtype, chunk=chunk, input_size=c if p.fused else 0,
                   lengths=lengths is not None)
     Simulator(func, args).run()
-    return args["y"], {s: args[f"s{k}"][steps % 2][None] for k, s in enumerate(cell.states)}
+    return args["y"], {s: args[f"s{k}"][steps % 2].reshape(dirs, n, h)
+                       for k, s in enumerate(cell.states)}
 
 
 def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 5), chunk=1,
@@ -104,18 +109,22 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
     """The kernel of plan ``p`` against float64 at each T of ``steps``, with initial states;
     ``lengths``: random lengths (one sample of 1 step, one of all T)."""
     cell = rnncc.cells.get(cell_name)
+    dirs = p.directions
     for t in steps:
-        weights = {k: v.astype(dtype) for k, v in
-                   random_weights(rng, cell.gates, input_size, hidden).items()}
+        weights = {}
+        for suffix in ("", "_reverse")[:dirs]:
+            weights.update({k + suffix: v.astype(dtype) for k, v in
+                            random_weights(rng, cell.gates, input_size, hidden).items()})
         x = rng.standard_normal((t, batch, input_size)).astype(dtype)
-        initial = {s: rng.standard_normal((1, batch, hidden)).astype(dtype)
+        initial = {s: rng.standard_normal((dirs, batch, hidden)).astype(dtype)
                    for s in cell.states}
         ln = None
         if lengths:
             ln = rng.integers(1, t + 1, batch)
             ln[0], ln[-1] = 1, t
         y, finals = simulate(cell, p, x, weights, initial, dtype, chunk, ln)
-        ref_y, ref_states = reference.run(cell, x, weights, initial, ln)
+        run = reference.run if dirs == 1 else reference.run_bidirectional
+        ref_y, ref_states = run(cell, x, weights, initial, ln)
         errors = [reference.relative_error(y, ref_y)] + [
             reference.relative_error(finals[s], ref_states[s]) for s in cell.states]
         assert max(errors) < TOL[dtype], f"T={t}: relative errors {errors}"
@@ -169,6 +178,13 @@ KERNELS = {
         crafted(3, 40, 4, "float32", 5, 2, sync="barrier"), 3, 37, 4, 3), 1),
     "overlapped, grid": lambda: ("rnn_relu", 16, 33, 4, "float32", _overlapped(
         crafted(1, 33, 4, "float32", 9, 1, sync="grid"), 1, 16, 4, 1), 1),
+    "bidirectional, tagged, chunks of steps": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
+        4, 33, 3, "float32", H100, 2, directions=2), 4),
+    "bidirectional, barrier, batch groups, K in three places": lambda: (
+        "gru", 7, 300, 4, "float32", crafted(3, 300, 4, "float32", 40, 4, (1, 1, 1), groups=2,
+                                             sync="barrier", directions=2), 1),
+    "bidirectional, tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(
+        4, 64, 3, "float16", 2, 1, mma=True, directions=2), 1),
 }
 
 
@@ -185,7 +201,9 @@ def test_kernel_variant_matches_reference(name, rng):
 
 @pytest.mark.parametrize("name", ["tagged, chunks of steps", "barrier, K in registers, shared "
                                   "and global memory", "batch groups", "tensor cores",
-                                  "fused, odd C", "overlapped, staged x, barrier"])
+                                  "fused, odd C", "overlapped, staged x, barrier",
+                                  "bidirectional, tagged, chunks of steps",
+                                  "bidirectional, barrier, batch groups, K in three places"])
 def test_kernel_with_lengths_matches_reference(name, rng):
     """Samples of their own lengths: each pair keeps its states past its sample's length,
     publishes them, and writes zero to y (T = 1 and 5, lengths 1 to T)."""
@@ -493,9 +511,9 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
 
     def body(gl, b, bx, tx, out):
         cell_stage.load_constants(spec, gl.b_hh, gl.s, gl.lengths, b.bh, b.st, b.ln, bx, tx)
-        cell_stage.prefetch(spec, gl.xp, b.gi, 0, bx, tx)
+        cell_stage.prefetch(spec, gl.xp, b.gi, b.ln, 0, 1, bx, tx)
         cell_stage.apply(spec, cell, gl.y, b.hs, b.gi, b.bh, b.st, b.ln,
-                         partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, bx, tx)
+                         partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, 1, bx, tx)
         cell_stage.store_final_states(spec, gl.s, b.st, 1, bx, tx)
 
     run_stage(spec, body, args, preset={"hs": sums})

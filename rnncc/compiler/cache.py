@@ -60,7 +60,7 @@ def _key(cell_id: str, config: dict) -> str:
 
 def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
              target: str = "cuda", arch: str | None = None, lengths: bool = False,
-             **options):
+             directions: int = 1, **options):
     """The :class:`rnncc.Module` for this configuration: from this process's memory, the disk
     cache, or compiled now (and then cached). ``options`` go to
     :func:`rnncc.compiler.compile_module`."""
@@ -72,6 +72,7 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     gpu = local_gpu() if target == "cuda" else None
     config = {"input_size": input_size, "hidden_size": hidden_size, "batch": batch,
               "dtype": dtype, "target": target, "arch": arch, "lengths": lengths,
+              "directions": directions,
               "gpu": gpu[1] if gpu else None, "options": options}
     cell_id = _cell_identity(cell)
     key = None if cell_id is None else _key(cell_id, config)
@@ -79,8 +80,8 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     if memo in _loaded:
         return _loaded[memo]
     path = None if key is None else os.path.join(
-        cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_{dtype}_{target}_"
-                     f"{key}.so")
+        cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_d{directions}_{dtype}_"
+                     f"{target}_{key}.so")
     module = None
     if path is not None and os.path.isfile(path):
         try:
@@ -90,7 +91,8 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     if module is None:
         start = time.monotonic()
         module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
-                                target=target, arch=arch, lengths=lengths, **options)
+                                target=target, arch=arch, lengths=lengths,
+                                directions=directions, **options)
         seconds = time.monotonic() - start
         if path is not None:
             _store(module, path)

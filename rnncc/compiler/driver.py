@@ -77,7 +77,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    dtype: str = "float32", target: str = "cuda", arch: str | None = None,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
                    gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
-                   **options) -> Module:
+                   directions: int = 1, **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
@@ -91,13 +91,15 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     "h200"; default: this machine's GPU, if it has one), whose logs apply; ``tuning`` is "auto"
     (the matching log, if any), "off", or the path of one log directory. The metadata's
     "tuning" entry names the log used and what it applied. ``lengths``: the module takes each
-    sample's length at run time (see :class:`rnncc.spec.Problem`).
+    sample's length at run time; ``directions=2``: a bidirectional layer (see
+    :class:`rnncc.spec.Problem`).
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
-    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths)
+    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths,
+                      directions)
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)
@@ -208,6 +210,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
         "batch": problem.batch,
         "dtype": problem.dtype,
         "lengths": problem.lengths,
+        "directions": problem.directions,
         "target": tspec.as_dict(),
         "schedule": {
             "kind": "persistent" if plan is not None else "sequence",

@@ -271,6 +271,37 @@ def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str) -> 
     return te.create_prim_func([w, packed])
 
 
+def reverse_steps(batch: int, width: int, dtype: str, t_len, lengths: bool) -> tirx.PrimFunc:
+    """Each sample's steps reversed: ``out[t, n] = a[len[n] - 1 - t, n]`` for t < len[n] and
+    ``a[t, n]`` past it (``lengths`` [N] int32, else len = T), a and out [T, N, F] (F =
+    ``width``). Its own inverse: the reverse direction of a bidirectional layer runs on it."""
+    a = te.placeholder((t_len, i64(batch), i64(width)), dtype, "a")
+    given = te.placeholder((i64(batch),), "int32", "lengths") if lengths else None
+
+    def value(t, n, f):
+        length = given[n].astype("int64") if lengths else t_len
+        return a[tvm.tirx.if_then_else(t < length, length - 1 - t, t), n, f]
+
+    out = te.compute((t_len, i64(batch), i64(width)), value, name="reversed")
+    return te.create_prim_func([a, *([given] if lengths else []), out])
+
+
+def concat(count: int, width: int, dtype: str) -> tirx.PrimFunc:
+    """``count`` vectors [W] one after another in one [count*W] (the directions' biases)."""
+    ins = [te.placeholder((i64(width),), dtype, f"in{i}") for i in range(count)]
+    out = te.compute((i64(count * width),), lambda e: _pick(ins, e, width), name="concat")
+    return te.create_prim_func([*ins, out])
+
+
+def _pick(ins, e, width):
+    """ins[e // W][e % W], as a chain of selects (each index clamped into its vector)."""
+    value = ins[-1][tvm.tirx.max(e - (len(ins) - 1) * width, i64(0))]
+    for i in range(len(ins) - 2, -1, -1):
+        value = tvm.tirx.if_then_else(e < (i + 1) * width, ins[i][tvm.tirx.min(
+            tvm.tirx.max(e - i * width, i64(0)), i64(width - 1))], value)
+    return value
+
+
 def zero_counter(count: int = 1) -> tirx.PrimFunc:
     """``count`` uint32 counters set to 0 (the persistent kernel's barrier, one a batch
     group)."""

@@ -25,7 +25,7 @@ slot (t+1) % 2), so a cell may read any previous state while writing the new one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import tvm
 import tvm_ffi
@@ -100,144 +100,237 @@ class _Builder:
         self.lowered.signatures[name] = sig
 
     def pack(self, name, which, k, layout_or_func, rule_key=None):
+        """The entry that packs a [G*H, K] weight (with two directions, ``_reverse``'s too,
+        stacked along the packed shape's first dimension)."""
         p = self.p
         g, h = p.gates, p.hidden_size
-        sig = []
-        src = self.param(sig, f"weight_{which}_l0", (g * h, k), "input")
         if isinstance(layout_or_func, Layout):
             func = comp.pack_weight(g, h, k, layout_or_func, p.dtype)
         else:
             func = layout_or_func
-        dst_shape = tuple(int(d) for d in func.params[1].shape)
-        dst = self.param(sig, f"w_{which}", dst_shape, "output")
+        shape = tuple(int(d) for d in func.params[1].shape)
         func = self.scheduled(rule_key or name, func, "elementwise")
-        self.add(name, standalone_function(name, _rename_params(func, [src, dst])), sig)
+        sig = []
+        srcs = [self.param(sig, f"weight_{which}_l0{_SUFFIX[d]}", (g * h, k), "input")
+                for d in range(p.directions)]
+        dst = self.param(sig, f"w_{which}", (p.directions * shape[0], *shape[1:]), "output")
+        if p.directions == 1:
+            self.add(name, standalone_function(name, _rename_params(func, [*srcs, dst])), sig)
+            return
+        stages = [Stage(f"{name}{_SUFFIX[d]}", func, [Region(src, (ALL, ALL)), Region(
+            dst, (slice(d * shape[0], (d + 1) * shape[0]),) + (ALL,) * (len(shape) - 1))], 1)
+            for d, src in enumerate(srcs)]
+        self.add(name, sequence_function(name, [*srcs, dst], stages, None, None, []), sig)
+
+    def pack_biases(self):
+        """With two directions, the entry that puts both directions' biases side by side:
+        b_ih and b_hh [D*G*H]."""
+        p = self.p
+        gh = p.gates * p.hidden_size
+        func = self.scheduled("pack_biases", comp.concat(p.directions, gh, p.dtype),
+                              "elementwise")
+        sig = []
+        srcs = {which: [self.param(sig, f"bias_{which}_l0{_SUFFIX[d]}", (gh,), "input")
+                        for d in range(p.directions)] for which in ("ih", "hh")}
+        dsts = {which: self.param(sig, f"b_{which}", (p.directions * gh,), "output")
+                for which in ("ih", "hh")}
+        stages = [Stage(f"pack_b_{which}", func, [Region(b, (ALL,)) for b in srcs[which]]
+                        + [Region(dsts[which], (ALL,))], 1) for which in ("ih", "hh")]
+        self.add("pack_biases", sequence_function(
+            "pack_biases", [*srcs["ih"], *srcs["hh"], dsts["ih"], dsts["hh"]], stages, None,
+            None, []), sig)
 
     def io(self, sig, t_len, w_hh_shape, w_ih_shape=None):
         """The parameters both forward functions start with (``lengths`` [N] int32, the
-        samples' lengths, where the problem takes them, else None)."""
+        samples' lengths, where the problem takes them, else None). With D directions: the
+        weights stacked along their first dimension, the biases [D*G*H], the states [D, N, H]
+        and y [T, N, D*H]."""
         p, layout = self.p, self.layout
-        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        n, c, h, g, d = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
+
+        def stacked(shape):
+            return (d * shape[0], *shape[1:])
+
         x = self.param(sig, "x", (t_len, n, c), "input")
-        w_ih = self.param(sig, "w_ih", w_ih_shape or layout.weight_shape(g, h, c), "input")
-        w_hh = self.param(sig, "w_hh", w_hh_shape, "input")
-        b_ih = self.param(sig, "b_ih", (g * h,), "input")
-        b_hh = self.param(sig, "b_hh", (g * h,), "input")
-        s0 = [self.param(sig, f"{s}0", (1, n, h), "input") for s in p.cell.states]
+        w_ih = self.param(sig, "w_ih", stacked(w_ih_shape or layout.weight_shape(g, h, c)),
+                          "input")
+        w_hh = self.param(sig, "w_hh", stacked(w_hh_shape), "input")
+        b_ih = self.param(sig, "b_ih", (d * g * h,), "input")
+        b_hh = self.param(sig, "b_hh", (d * g * h,), "input")
+        s0 = [self.param(sig, f"{s}0", (d, n, h), "input") for s in p.cell.states]
         lengths = self.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
-        y = self.param(sig, "y", (t_len, n, h), "output")
-        sn = [self.param(sig, f"{s}_n", (1, n, h), "output") for s in p.cell.states]
+        y = self.param(sig, "y", (t_len, n, d * h), "output")
+        sn = [self.param(sig, f"{s}_n", (d, n, h), "output") for s in p.cell.states]
         return x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn
 
-    def states_copy(self, key, src, dst):
+    def states_copy(self, key, src, dst, name=None):
         p = self.p
         func = self.scheduled(key, comp.copy(len(src), p.batch, p.hidden_size,
                                              src[0].buffer.dtype, dst[0].buffer.dtype),
                               "elementwise")
-        return Stage(key, func, src + dst, len(dst))
+        return Stage(name or key, func, src + dst, len(dst))
 
-    def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole):
-        """One GEMM over all gates, or one a gate (gate_gemm off)."""
+    def reversed_steps(self, name, src, dst, lengths):
+        """A stage: each sample's steps of ``src`` reversed into ``dst`` (regions [T, N, F])."""
+        p = self.p
+        t_len, width = src.buffer.shape[0], src.kept()[-1][0]
+        func = self.scheduled(f"reverse_{name}", comp.reverse_steps(
+            p.batch, int(width), src.buffer.dtype, t_len, lengths is not None), "elementwise")
+        given = [Region(lengths, (ALL,))] if lengths is not None else []
+        return Stage(f"reverse_{name}", func, [src, *given, dst], 1)
+
+    def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole, d=None):
+        """One GEMM over all gates, or one a gate (gate_gemm off), of direction ``d``'s
+        weights (their part of the stacked ``w`` and ``b``), or of all directions' at once
+        (``d`` None)."""
         p, layout = self.p, self.layout
         g, h = p.gates, p.hidden_size
         a_dtype = a_region.buffer.dtype
+        count = p.directions if d is None else 1
+        first = 0 if d is None else d
         if layout.gates == "combined":
+            rows = int(w.shape[0]) // p.directions
             chunk = layout.chunk if len(lead) == 2 else 1  # chunks of the steps of x
             func = self.scheduled(
-                name, comp.gemm(lead, k, g * h, layout.weights, p.dtype, a_dtype, chunk), "gemm")
-            return [Stage(name, func, [a_region, Region(w, (ALL,) * len(w.shape)),
-                                       Region(b, (ALL,)), out_whole], 1)]
+                name, comp.gemm(lead, k, count * g * h, layout.weights, p.dtype, a_dtype, chunk),
+                "gemm")
+            w_part = Region(w, (slice(first * rows, (first + count) * rows), ALL))
+            b_part = Region(b, (slice(first * g * h, (first + count) * g * h),))
+            return [Stage(name, func, [a_region, w_part, b_part, out_whole], 1)]
         func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype, a_dtype),
                               "gemm")
         return [Stage(f"{name}_g{i}", func,
-                      [a_region, Region(w, (i, ALL, ALL)),
-                       Region(b, (slice(i * h, (i + 1) * h),)), out_of_gate(i)], 1)
+                      [a_region, Region(w, (first * g + i, ALL, ALL)),
+                       Region(b, (slice((first * g + i) * h, (first * g + i + 1) * h),)),
+                       out_of_gate(i)], 1)
                 for i in range(g)]
 
-    def input_operands(self, x, xp):
+    def input_operands(self, x, xp, flat=True):
         """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of
-        all steps: x and xp whole, or, with flat rows, [T*N, C] and [T*N, G*H] views of them."""
+        all steps: x and xp whole, or, with flat rows (where ``flat``), [T*N, C] and
+        [T*N, G*H] views of them."""
         t_len, n = x.shape[0], self.p.batch
-        if not self.layout.flat_rows:
+        if not (flat and self.layout.flat_rows):
             return (Region(x, (ALL,) * 3), (t_len, n), Region(xp, (ALL,) * len(xp.shape)), [])
         x_rows, xp_rows = (tirx.decl_buffer((t_len * i64(n), b.shape[-1]), b.dtype,
                                             f"{b.name}_rows") for b in (x, xp))
-        return (Region(x_rows, (ALL, ALL)), (tirx.Var("M", "int64"),),
-                Region(xp_rows, (ALL, ALL)), [(x_rows, x), (xp_rows, xp)])
+        return (Region(x_rows, (ALL,) * 2), (tirx.Var("M", "int64"),),
+                Region(xp_rows, (ALL,) * 2), [(x_rows, x), (xp_rows, xp)])
 
     def sequence_entry(self):
+        """The non-persistent entry. With two directions, the reverse one runs the same steps
+        on each sample's steps reversed (x reversed first, its y reversed back into y's
+        second half at the end); the workspaces have a leading direction dimension."""
         p, options, layout = self.p, self.options, self.layout
-        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         per_gate = layout.gates == "per_gate"
         self.pack("pack_w_ih", "ih", c, layout)
         self.pack("pack_w_hh", "hh", h, layout)
+        if dirs > 1:
+            self.pack_biases()
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
         sig = []
         x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(sig, t_len,
                                                                 layout.weight_shape(g, h, h))
+
+        def per_direction(shape):
+            return shape if dirs == 1 else (dirs, *shape)
+
+        def at(d, index):
+            return index if dirs == 1 else (d, *index)
+
         if options.input_gemm:
             xp_shape = (g, t_len, n, h) if per_gate else layout.projections_shape(t_len, n, g, h)
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
-        xp = self.param(sig, "xp", xp_shape, "workspace", acc)
-        hp = self.param(sig, "hp", (g, n, h) if per_gate else (n, g * h), "workspace", acc)
-        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
+        xp = self.param(sig, "xp", per_direction(xp_shape), "workspace", acc)
+        hp = self.param(sig, "hp", per_direction((g, n, h) if per_gate else (n, g * h)),
+                        "workspace", acc)
+        sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
+              for s in p.cell.states]
+        x_rev = y_rev = None
+        if dirs > 1:
+            x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
+            y_rev = self.param(sig, "y_reversed", (t_len, n, h), "workspace")
 
-        prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
-                                     [Region(s, (0, ALL, ALL)) for s in sw])]
+        prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
+                                     [Region(s, at(d, (0, ALL, ALL))) for s in sw],
+                                     f"init_states{_SUFFIX[d]}") for d in range(dirs)]
         active = []
         if lengths is not None:  # active[t, n]: step t within sample n's length
             active = [self.param(sig, "active", (t_len, n), "workspace", "int32")]
             func = self.scheduled("activity", comp.activity(n, t_len), "elementwise")
             prologue.append(Stage("activity", func, [Region(lengths, (ALL,)),
                                                      Region(active[0], (ALL, ALL))], 1))
+        if x_rev is not None:
+            prologue.append(self.reversed_steps("x", Region(x, (ALL,) * 3),
+                                                Region(x_rev, (ALL,) * 3), lengths))
         steps, views = [], []
-        if options.input_gemm:
-            x_region, lead, xp_region, views = self.input_operands(x, xp)
-            prologue += self.projections(
-                "input_gemm", x_region, lead, c, w_ih, b_ih,
-                lambda i: Region(xp, (i, ALL, ALL, ALL)), xp_region)
-            gi = ([Region(xp, (i, t, ALL, ALL)) for i in range(g)] if per_gate
-                  else [Region(xp, layout.projections_at(t))])
-        else:
-            steps += self.projections(
-                "input_gemm", Region(x, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
-                lambda i: Region(xp, (i, ALL, ALL)), Region(xp, (ALL, ALL)))
-            gi = ([Region(xp, (i, ALL, ALL)) for i in range(g)] if per_gate
-                  else [Region(xp, (ALL, ALL))])
         slot = tirx.floormod(t, i64(2))
         nxt = tirx.floormod(t + i64(1), i64(2))
-        steps += self.projections(
-            "recurrent_gemm", Region(sw[0], (slot, ALL, ALL)), (n,), h, w_hh, b_hh,
-            lambda i: Region(hp, (i, ALL, ALL)), Region(hp, (ALL, ALL)))
-        step_func = self.scheduled(
-            "cell_step",
-            comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
-                           masked=bool(active)),
-            "elementwise")
-        steps.append(Stage(
-            "cell_step", step_func,
-            gi + ([Region(hp, (i, ALL, ALL)) for i in range(g)] if per_gate
-                  else [Region(hp, (ALL, ALL))])
-            + [Region(s, (slot, ALL, ALL)) for s in sw]
-            + [Region(a, (t, ALL)) for a in active]
-            + [Region(y, (t, ALL, ALL))] + [Region(s, (nxt, ALL, ALL)) for s in sw],
-            1 + len(sw)))
+        for d in range(dirs):
+            xs, suffix = (x, "") if d == 0 else (x_rev, _SUFFIX[d])
+            if options.input_gemm:
+                x_region, lead, xp_region, more = self.input_operands(xs, xp, flat=dirs == 1)
+                views += more
+                if dirs > 1:
+                    xp_region = Region(xp, at(d, (ALL,) * len(xp_shape)))
+                prologue += _named(self.projections(
+                    "input_gemm", x_region, lead, c, w_ih, b_ih,
+                    lambda i, d=d: Region(xp, at(d, (i, ALL, ALL, ALL))), xp_region, d), suffix)
+                gi = ([Region(xp, at(d, (i, t, ALL, ALL))) for i in range(g)] if per_gate
+                      else [Region(xp, at(d, layout.projections_at(t)))])
+            else:
+                steps += _named(self.projections(
+                    "input_gemm", Region(xs, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
+                    lambda i, d=d: Region(xp, at(d, (i, ALL, ALL))),
+                    Region(xp, at(d, (ALL, ALL))), d), suffix)
+                gi = ([Region(xp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
+                      else [Region(xp, at(d, (ALL, ALL)))])
+            steps += _named(self.projections(
+                "recurrent_gemm", Region(sw[0], at(d, (slot, ALL, ALL))), (n,), h, w_hh, b_hh,
+                lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))), Region(hp, at(d, (ALL, ALL))),
+                d), suffix)
+            step_func = self.scheduled(
+                "cell_step",
+                comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
+                               masked=bool(active)),
+                "elementwise")
+            out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, h)))
+                   if d == 0 else Region(y_rev, (t, ALL, ALL)))
+            steps.append(Stage(
+                f"cell_step{suffix}", step_func,
+                gi + ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
+                      else [Region(hp, at(d, (ALL, ALL)))])
+                + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
+                + [Region(a, (t, ALL)) for a in active]
+                + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw],
+                1 + len(sw)))
         final = tirx.floormod(t_len, i64(2))
-        epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
-                                     [Region(s, (0, ALL, ALL)) for s in sn])]
+        epilogue = [self.states_copy("final_states", [Region(s, at(d, (final, ALL, ALL)))
+                                                      for s in sw],
+                                     [Region(s, (d, ALL, ALL)) for s in sn],
+                                     f"final_states{_SUFFIX[d]}") for d in range(dirs)]
+        if y_rev is not None:
+            epilogue.append(self.reversed_steps("y", Region(y_rev, (ALL,) * 3),
+                                                Region(y, (ALL, ALL, slice(h, 2 * h))), lengths))
         given = [lengths] if lengths is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw, *active]
+        reversed_ = [x_rev, y_rev] if x_rev is not None else []
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw, *reversed_,
+                  *active]
         self.add("forward", sequence_function("forward", params, prologue, t, t_len, steps,
                                               epilogue, views), sig)
 
     def persistent_entry(self, plan):
+        """The persistent entry: the input GEMM of all steps (both directions' at once), then
+        the kernel. With two directions the states and the tagged h are [2, D*N, H] (direction
+        d's sample n at row d*N + n) and the kernel runs the reverse direction backwards."""
         from ..schedules.persistent import buffers, kernel
         from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
         p = self.p
-        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         self.pack("persistent_pack_w_hh", "hh", h,
                   comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
         w_ih_shape = None
@@ -253,22 +346,29 @@ class _Builder:
         acc = accum_dtype(p.dtype)
         chunk = 1 if plan.fused else self.layout.chunk
         xp_shape = (t_len, n, g * h) if plan.fused else self.layout.projections_shape(
-            t_len, n, g, h)
+            t_len, n, dirs * g, h)
         xp = self.param(sig, "xp", xp_shape, "workspace", acc)
-        sw = [self.param(sig, f"{s}_ws", (2, n, h), "workspace", acc) for s in p.cell.states]
+        rows = dirs * n
+        sw = [self.param(sig, f"{s}_ws", (2, rows, h), "workspace", acc) for s in p.cell.states]
+
+        def of(d):  # direction d's rows of the states
+            return slice(d * n, (d + 1) * n) if dirs > 1 else ALL
+
         if plan.sync == "tagged":
-            sync = self.param(sig, "h_tagged", (2, n, h), "workspace", "uint64")
+            sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, EMPTY_TAG),
                                   "elementwise")
-            sync_stage = Stage("init_tagged", init, [Region(s0[0], (0, ALL, ALL)),
-                                                     Region(sync, (ALL, ALL, ALL))], 1)
+            sync_stages = [Stage(f"init_tagged{_SUFFIX[d]}", init, [
+                Region(s0[0], (d, ALL, ALL)), Region(sync, (ALL, of(d), ALL))], 1)
+                for d in range(dirs)]
         else:
-            sync = self.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
-            zero = self.scheduled("zero_counter", comp.zero_counter(plan.batch_groups),
-                                  "elementwise")
-            sync_stage = Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)
-        prologue = [self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0],
-                                     [Region(s, (0, ALL, ALL)) for s in sw])]
+            counters = dirs * plan.batch_groups
+            sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
+            zero = self.scheduled("zero_counter", comp.zero_counter(counters), "elementwise")
+            sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
+        prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
+                                     [Region(s, (0, of(d), ALL)) for s in sw],
+                                     f"init_states{_SUFFIX[d]}") for d in range(dirs)]
         views = []
         recurrent = [Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,))]
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
@@ -277,12 +377,12 @@ class _Builder:
                       *recurrent, xp_whole]
         else:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
-            prologue += self.projections("input_gemm", x_region, lead, c, w_ih, b_ih, None,
-                                         xp_region)
+            prologue += self.projections("persistent_input_gemm" if dirs > 1 else "input_gemm",
+                                         x_region, lead, c, w_ih, b_ih, None, xp_region)
             inputs = [xp_whole, *recurrent]
         if lengths is not None:
             inputs.append(Region(lengths, (ALL,)))
-        prologue.append(sync_stage)
+        prologue += sync_stages
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c,
                                lengths=lengths is not None)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}" + (
@@ -292,12 +392,22 @@ class _Builder:
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
         final = tirx.floormod(t_len, i64(2))
-        epilogue = [self.states_copy("final_states", [Region(s, (final, ALL, ALL)) for s in sw],
-                                     [Region(s, (0, ALL, ALL)) for s in sn])]
+        epilogue = [self.states_copy("final_states", [Region(s, (final, of(d), ALL)) for s in sw],
+                                     [Region(s, (d, ALL, ALL)) for s in sn],
+                                     f"final_states{_SUFFIX[d]}") for d in range(dirs)]
         given = [lengths] if lengths is not None else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, *sw, sync]
         self.add("persistent_forward", sequence_function(
             "persistent_forward", params, prologue, None, None, [], epilogue, views), sig)
+
+
+#: Suffix of direction d's weights (torch's names) and stages.
+_SUFFIX = ("", "_reverse")
+
+
+def _named(stages: list, suffix: str) -> list:
+    """``stages`` with ``suffix`` on their names (the reverse direction's)."""
+    return [replace(stage, name=stage.name + suffix) for stage in stages]
 
 
 def build(problem: Problem, options: Options, target, persistent_plan=None,

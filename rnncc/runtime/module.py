@@ -4,13 +4,14 @@
     y, h_n = m(x, weights, h0=None)                    # cells with one state (GRU, RNN)
     y, h_n = m(x, weights, lengths=lengths)            # a module compiled with lengths=True
 
-x is [T, N, C], y [T, N, H], states [1, N, H]; ``lengths`` [N] (1 to T) stops each sample at
-its own length (final states of its own last step, y zero past it); ``weights`` is a mapping
-with PyTorch's names
-(``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H];
-a ``state_dict()`` works as it is, and so does the torch module itself), or the result of
-:meth:`Module.pack`, which lays the weights out for the kernels once and keeps them on the
-device.
+x is [T, N, C], y [T, N, D*H], states [D, N, H] (D = 2 directions for a bidirectional module,
+else 1); ``lengths`` [N] (1 to T) stops each sample at its own length (final states of its own
+last step, y zero past it; the reverse direction starts at it); ``weights`` is a mapping with
+PyTorch's names (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``,
+``bias_hh_l0`` [G*H], and the same with ``_reverse`` for a bidirectional module; a
+``state_dict()`` of a one-layer torch module works as it is, and so does the torch module
+itself), or the result of :meth:`Module.pack`, which lays the weights out for the kernels once
+and keeps them on the device.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from . import tvm_runtime
 from .arrays import Family, family_of, to_tensor
 
 WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+#: The weights of a bidirectional module's reverse direction.
+REVERSE = tuple(f"{name}_reverse" for name in WEIGHTS)
 
 
 class PackedWeights:
@@ -61,7 +64,8 @@ class Module:
         self._lib = None
         self._entries: dict = {}
         self._key = (f"{metadata['cell']} C={metadata['input_size']} H={metadata['hidden_size']} "
-                     f"N={metadata['batch']} {metadata['dtype']} {metadata['target']['kind']}")
+                     f"N={metadata['batch']} {metadata['dtype']} {metadata['target']['kind']}"
+                     + (" bidirectional" if metadata.get("directions", 1) == 2 else ""))
         if owned_dir is not None:  # a freshly compiled module owns its temporary file
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
 
@@ -94,6 +98,16 @@ class Module:
     def takes_lengths(self) -> bool:
         """Whether the module takes the samples' lengths (compiled with ``lengths=True``)."""
         return bool(self.metadata.get("lengths"))
+
+    @property
+    def directions(self) -> int:
+        """D: 2 for a bidirectional module (``directions=2``), else 1."""
+        return int(self.metadata.get("directions", 1))
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """The weights the module takes, by PyTorch's names."""
+        return WEIGHTS + (REVERSE if self.directions == 2 else ())
 
     @property
     def target(self) -> str:
@@ -179,19 +193,25 @@ class Module:
         if not hasattr(weights, "keys"):
             raise InputError(f"weights must be a mapping with {', '.join(WEIGHTS)} (a PyTorch "
                              f"state_dict works) or PackedWeights, got {type(weights).__name__}")
-        keys = set(weights.keys())
-        unexpected = sorted(keys - set(WEIGHTS))
+        keys, names = set(weights.keys()), self.weight_names
+        unexpected = sorted(keys - set(names))
         if unexpected:
-            raise InputError(f"unexpected weights {unexpected}: this module is one "
-                             f"unidirectional layer and takes {', '.join(WEIGHTS)}")
-        missing = [k for k in WEIGHTS[:2] if k not in keys]
-        biases = [k for k in WEIGHTS[2:] if k in keys]
-        if missing:
-            raise InputError(f"missing weight {missing[0]!r}; expected {', '.join(WEIGHTS)}")
-        if len(biases) == 1:
-            other = ({*WEIGHTS[2:]} - {*biases}).pop()
-            raise InputError(f"missing weight {other!r}: pass both biases or neither "
-                             "(neither means zero biases)")
+            what = ("one bidirectional layer" if self.directions == 2
+                    else "one unidirectional layer")
+            raise InputError(f"unexpected weights {unexpected}: this module is {what} and "
+                             f"takes {', '.join(names)}")
+        for group in (WEIGHTS, REVERSE)[:self.directions]:
+            missing = [k for k in group[:2] if k not in keys]
+            biases = [k for k in group[2:] if k in keys]
+            if missing:
+                raise InputError(f"missing weight {missing[0]!r}; expected {', '.join(names)}")
+            if len(biases) == 1:
+                other = ({*group[2:]} - {*biases}).pop()
+                raise InputError(f"missing weight {other!r}: pass both biases or neither "
+                                 "(neither means zero biases)")
+        if self.directions == 2 and ("bias_ih_l0" in keys) != ("bias_ih_l0_reverse" in keys):
+            raise InputError("pass the biases of both directions or of neither (neither means "
+                             "zero biases)")
         return dict(weights)
 
     def pack(self, weights, device: str | None = None, entry: str | None = None
@@ -227,24 +247,40 @@ class Module:
         lib = self._library()
         dtype, gh = self.dtype, self.metadata["gates"] * self.hidden_size
         tensors, keep = {}, []
-        for which in ("ih", "hh"):
-            function = self._function(entry, f"pack_w_{which}")
-            sig = self._signature(function)
-            src = to_tensor(sig[0]["name"], weights[sig[0]["name"]], sig[0]["shape"], dtype,
-                            family)
-            arr, dst = family.empty(sig[1]["shape"], dtype)
+
+        def run(function, ready=None):  # a module function on the weights, into new outputs
+            args = []
+            for p in self._signature(function):
+                name = p["name"]
+                if ready and name in ready:
+                    args.append(ready[name])
+                elif p["kind"] == "input":
+                    args.append(to_tensor(name, weights[name], p["shape"], dtype, family))
+                    keep.append(weights[name])
+                else:
+                    arr, tensors[name] = family.empty(p["shape"], dtype)
+                    args.append(tensors[name])
+                    keep.append(arr)
             with family.stream():
-                lib[function](src, dst)
-            tensors[f"w_{which}"] = dst
-            keep += [arr, src]
+                lib[function](*args)
+
+        for which in ("ih", "hh"):
+            run(self._function(entry, f"pack_w_{which}"))
+        zeros = {}  # biases not given: zero
+        for name in self.weight_names[2:4] + self.weight_names[6:]:
+            if name not in weights:
+                arr, zeros[name] = family.zeros([gh], dtype)
+                keep.append(arr)
+        if self.directions == 2:
+            run("pack_biases", zeros)
+            return PackedWeights(self, family, entry, tensors, keep)
         for which in ("ih", "hh"):
             name = f"bias_{which}_l0"
-            if name in weights:
+            if name in zeros:
+                tensors[f"b_{which}"] = zeros[name]
+            else:
                 tensors[f"b_{which}"] = to_tensor(name, weights[name], [gh], dtype, family)
                 keep.append(weights[name])
-            else:
-                arr, tensors[f"b_{which}"] = family.zeros([gh], dtype)
-                keep.append(arr)
         return PackedWeights(self, family, entry, tensors, keep)
 
     _said_no_grad = False

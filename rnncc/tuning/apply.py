@@ -5,7 +5,8 @@ records of the components it tuned. Without one, the log of the nearest hidden s
 same device, cell, dtype and batch gives its persistent knobs only (a starting point: the
 planner re-checks them for this size; component records are per shape and never carry over),
 less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, and how, is
-the planner's to decide at each size.
+the planner's to decide at each size. A bidirectional layer takes its one direction's log
+the same way: each direction runs that plan, and its input projections are one GEMM.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
         return Applied(info={"log": None, "reason": how})
     key = _key(problem, device)
     exact, others = logs.find(key)
+    if exact is not None and problem.directions > 1:
+        others, exact = [(key, exact), *others], None
     if exact is not None:
         try:
             return _exact(logs.read(exact, key))

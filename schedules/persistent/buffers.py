@@ -36,8 +36,11 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (with lengths: the
     samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h
     first), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
-    group. T is the symbolic length ``T_len``."""
-    p, dt, n, gh = spec.plan, spec.dtype, spec.batch, spec.gate_rows
+    group. T is the symbolic length ``T_len``. With D = 2 directions (planner: "Directions"),
+    both directions side by side: xp [T,N,D*G*H], W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y
+    [T,N,D*H], the states and the tagged h [2,D*N,H], the counters [D*NG]."""
+    p, dt, n = spec.plan, spec.dtype, spec.batch
+    d, gh, rows = spec.directions, spec.directions * spec.gate_rows, spec.state_rows
     names = ["x", "wi", "bi", "w", "b", "xp"] if p.fused else ["xp", "w", "b"]
     names += ["len"] if spec.lengths else []
     names += ["y"] + [f"s{k}" for k in range(spec.states)] + ["hw" if spec.tagged else "cnt"]
@@ -55,23 +58,23 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     if p.fused:
         match("x", "x", (t_len, n, spec.input_size), dt)
         match("wi", "wi", input_weight_shape(p, spec.gates), dt)
-        match("b_ih", "bi", (gh,), dt)
+        match("b_ih", "bi", (spec.gate_rows,), dt)
     if spec.chunk == 1:
         match("xp", "xp", (t_len, n, gh), "float32")
     else:
         match("xp", "xp", ((t_len + (spec.chunk - 1)) // spec.chunk, spec.chunk, n, gh),
               "float32")
-    match("w", "w", (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
+    match("w", "w", (d * p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
     match("b_hh", "b", (gh,), dt)
     if spec.lengths:
         match("lengths", "len", (n,), "int32")
-    match("y", "y", (t_len, n, spec.hidden), dt)
-    out.s = [match(f"s{k}", f"s{k}", (2, n, spec.hidden), "float32")
+    match("y", "y", (t_len, n, d * spec.hidden), dt)
+    out.s = [match(f"s{k}", f"s{k}", (2, rows, spec.hidden), "float32")
              for k in range(spec.states)]
     if spec.tagged:
-        match("hw", "hw", (2, n, spec.hidden), "uint64")
+        match("hw", "hw", (2, rows, spec.hidden), "uint64")
     else:
-        match("cnt", "cnt", (p.batch_groups,), "uint32")
+        match("cnt", "cnt", (d * p.batch_groups,), "uint32")
     return out
 
 

@@ -91,7 +91,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                     cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
                                               bx, tx)
                     for t in range(g.T_len):
-                        cell_stage.prefetch(spec, g.xp, b.gi, t, bx, tx)
+                        cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx)
                         if p.input_steps > 0:
                             input_projection.start_copies(spec, io, t, g.T_len, bx, tx)
                         exchange.stage_h(spec, g.s[0], g.hw, b.tv,
@@ -99,7 +99,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
-                            exchange.publish, spec, g.s[0], g.hw, t), t, bx, tx)
+                            exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

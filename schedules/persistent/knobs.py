@@ -101,7 +101,8 @@ class _Request:
         found = planner.plan(p.gates, p.hidden_size, p.batch, p.dtype, self.gpu,
                              len(p.cell.states), max_blocks=k.get("max_blocks"),
                              reg_margin=margin, warps=k.get("warps"), stream=stream,
-                             batch_groups=k.get("batch_groups"))
+                             batch_groups=k.get("batch_groups"),
+                             directions=p.directions)
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
 
 
@@ -125,7 +126,7 @@ def weights_on_chip(request: _Request, reg_margin: int, tight: bool) -> Plan:
     tries = [(reg_margin, False)]
     if tight and "reg_margin" not in request.knobs and reg_margin > 0:
         tries.append((0, False))
-    if request.knobs.get("batch_groups") in (None, 1):
+    if request.knobs.get("batch_groups") in (None, 1) and request.problem.directions == 1:
         tries.append((reg_margin, True))
     for margin, stream in tries[:-1]:
         try:
@@ -141,6 +142,11 @@ def input_projection(request: _Request, found: Plan) -> Plan:
     (in slabs only at small batches); else the separate GEMM."""
     problem, knobs = request.problem, request.knobs
     rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
+    if problem.directions > 1:
+        if rows or steps:
+            raise Unfit(f"input_rows={rows} input_steps={steps}: a bidirectional layer's "
+                        "input projections are one GEMM before the launch (both 0 or unset)")
+        return found
     if steps:
         overlapped = _overlapped(request, found, steps)
         if overlapped is None:

@@ -56,6 +56,14 @@ sums over k: no per-element conversion of the weights and no reduction over the 
 registers of the CUDA cores' accumulators hold weights instead. h is rounded to float16 for
 the product (as cuDNN's float16 RNNs keep it); the sums, the cell and the states stay float32.
 
+Directions (``directions`` D = 2, a bidirectional layer): the grid is D grids side by side,
+one a direction, each planned as the layer alone would be on a D-th of the multiprocessors
+(with its batch groups): block bx runs direction bx // (B/D) with that direction's weights and
+its own h exchange and barrier; the reverse direction's step t is each sample's step
+len - 1 - t (T - 1 - t without lengths). The two recurrences never wait for each other, so a
+step costs what one direction's does, not two. No fused input projection or streaming (the
+input projections of both directions are one GEMM before the launch).
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -127,11 +135,13 @@ class Plan:
     input_steps: int = 0  # S, steps a group of the overlapped input projection; 0: not
     batch_groups: int = 1  # NG, groups of blocks a batch slice each (see "Batch groups")
     mma: bool = False  # products on tensor cores (see "Tensor cores")
+    directions: int = 1  # D, one grid a direction side by side (see "Directions")
 
     @property
     def group_blocks(self) -> int:
-        """Blocks of one batch group (B / NG): the blocks the weights are packed for."""
-        return self.blocks // self.batch_groups
+        """Blocks of one batch group of one direction (B / (D*NG)): the blocks one direction's
+        weights are packed for."""
+        return self.blocks // (self.batch_groups * self.directions)
 
     @property
     def chunk_bytes(self) -> int:
@@ -394,7 +404,8 @@ WARPS = (8, 16, 4)
 
 def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
-         warps: int | None = None, stream: bool = False, batch_groups: int | None = 1) -> Plan:
+         warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
+         directions: int = 1) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -403,17 +414,19 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     memory (L2), up to half the L2 (see "Streaming" above). ``batch_groups``: NG, a divisor
     of ``batch`` (see "Batch groups"; not with ``stream``), or None: up to :data:`MAX_BATCH`,
     the most groups whose weights fit in registers, else one; past it, the most groups that
-    fit at all."""
+    fit at all. ``directions``: D grids side by side (see "Directions"; not with ``stream``),
+    each of at most ``max_blocks`` blocks."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
+        more = {"directions": directions}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
         if not stream and batch <= MAX_BATCH:
             for groups in divisors:
                 try:
-                    found = plan(*args, batch_groups=groups)
+                    found = plan(*args, batch_groups=groups, **more)
                 except Unfit:
                     continue
                 if found.smem_chunks == 0:
@@ -422,13 +435,17 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
             for groups in divisors:
                 if batch // groups <= MAX_BATCH:
                     try:
-                        return plan(*args, batch_groups=groups)
+                        return plan(*args, batch_groups=groups, **more)
                     except Unfit:
                         continue
             raise Unfit(f"batch {batch} is over the persistent kernel's {MAX_BATCH} (its "
                         "accumulators live in registers), and no split into batch groups of "
                         f"at most {MAX_BATCH} fits on-chip")
-        return plan(*args, stream=stream)
+        return plan(*args, stream=stream, **more)
+    if directions not in (1, 2):
+        raise Unfit(f"directions must be 1 or 2, got {directions}")
+    if stream and directions > 1:
+        raise Unfit("a streaming plan runs one direction")
     if batch_groups < 1 or batch % batch_groups:
         raise Unfit(f"batch_groups must divide batch {batch}, got {batch_groups}")
     if stream and batch_groups > 1:
@@ -437,7 +454,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if local > MAX_BATCH:
         raise Unfit(f"batch {local}{' a group' if batch_groups > 1 else ''} is over the "
                     f"persistent kernel's {MAX_BATCH} (its accumulators live in registers)")
-    cap = min(gpu.sms, max_blocks or gpu.sms) // batch_groups
+    cap = min(gpu.sms // directions, max_blocks or gpu.sms) // batch_groups
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
         for wn in (warps,) if warps else WARPS:
@@ -450,10 +467,12 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.
         return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier",
-                       blocks=best.blocks * batch_groups, batch_groups=batch_groups)
+                       blocks=best.blocks * batch_groups * directions,
+                       batch_groups=batch_groups, directions=directions)
     need = gates * hidden * hidden * elem / max(cap, 1)
     also = f", or than those and half the L2 ({gpu.l2_bytes // 2**21} MiB)" if stream else ""
     groups = f" ({batch_groups} batch groups)" if batch_groups > 1 else ""
+    groups += f" (one of {directions} directions)" if directions > 1 else ""
     raise Unfit(
         f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
         f"of {cap} multiprocessors of {gpu.name}{groups}, more than their registers and shared "

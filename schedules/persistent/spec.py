@@ -39,6 +39,8 @@ class KernelSpec:
 
     def __post_init__(self):
         p = self.plan
+        if p.fused and p.directions > 1:
+            raise ValueError("a fused input projection runs one direction")
         if p.fused and (self.chunk != 1 or self.input_size < 1
                         or (p.input_slab and not p.smem_chunks)):
             raise ValueError(
@@ -71,28 +73,86 @@ class KernelSpec:
         """h travels between blocks as tagged words (planner: ``sync="tagged"``)."""
         return self.plan.sync == "tagged"
 
+    @property
+    def directions(self) -> int:
+        """D: grids side by side, one a direction (planner: "Directions")."""
+        return self.plan.directions
+
+    @property
+    def state_rows(self) -> int:
+        """D*N: rows of the states and of the exchanged h (direction d's sample n at d*N + n)."""
+        return self.directions * self.batch
+
+    def _replica(self, bx):
+        """d*NG + g: block ``bx``'s direction and batch group as one index."""
+        return bx // self.plan.group_blocks
+
+    def direction(self, bx):
+        """The direction block ``bx`` runs (0: forward, 1: reverse)."""
+        return 0 if self.directions == 1 else bx // (self.plan.blocks // self.directions)
+
+    def place(self, bx):
+        """Block ``bx``'s place in its grid (its hidden units are place*U ...)."""
+        replicas = self.plan.batch_groups * self.directions
+        return bx if replicas == 1 else bx % self.plan.group_blocks
+
     def weights_of(self, bx):
-        """The block whose packed weights block ``bx`` holds (its place in its batch group)."""
-        return bx if self.plan.batch_groups == 1 else bx % self.plan.group_blocks
+        """The block of packed weights block ``bx`` holds (its place, in its direction's)."""
+        if self.directions == 1:
+            return self.place(bx)
+        return self.direction(bx) * self.plan.group_blocks + self.place(bx)
 
     def batch_row(self, bx, n):
-        """Row of the whole batch that block ``bx``'s batch row ``n`` is."""
+        """Sample (row of x, y and the input projections) that block ``bx``'s batch row n is."""
         if self.plan.batch_groups == 1:
             return n
-        return bx // self.plan.group_blocks * self.local_batch + n
+        group = self._replica(bx)
+        if self.directions > 1:
+            group = group % self.plan.batch_groups
+        return group * self.local_batch + n
+
+    def state_row(self, bx, n):
+        """Row of the states and of the exchanged h that block ``bx``'s batch row n is."""
+        if self.directions == 1:
+            return self.batch_row(bx, n)
+        return self.direction(bx) * self.batch + self.batch_row(bx, n)
+
+    def gate_column(self, bx, g: int, j):
+        """Column of gate g, unit j in a row of the input projections and in b_hh (both
+        directions' G*H side by side)."""
+        column = g * self.hidden + j
+        return column if self.directions == 1 else self.direction(bx) * self.gate_rows + column
+
+    def output_column(self, bx, j):
+        """Column of unit j in a row of y (both directions' H side by side)."""
+        return j if self.directions == 1 else self.direction(bx) * self.hidden + j
+
+    def step(self, bx, t, t_len, length=None):
+        """The step of the sequence that loop step t is for block ``bx``: t, or in the reverse
+        direction, the sample's len - 1 - t (``length``: its length in a register; T - 1 - t
+        without lengths; t past its length, where nothing is live)."""
+        if self.directions == 1:
+            return t
+        if length is None:
+            back = t_len - 1 - t
+        else:
+            back = T.if_then_else(t < T.Cast("int64", length), T.Cast("int64", length) - 1 - t, t)
+        return T.if_then_else(self.direction(bx) == 1, back, t)
 
     def pair(self, it: int, bx, tx):
         """(valid, n, j) of thread ``tx``'s pair ``it`` of block ``bx``: batch row n (of the
         group) and hidden unit j, valid where the pair exists."""
         p = self.plan
         e = it * p.threads + tx
-        j = self.weights_of(bx) * p.units + e % p.units
+        j = self.place(bx) * p.units + e % p.units
         valid = tirx.And(e < p.units * self.local_batch, j < self.hidden)
         return valid, e // p.units, j
 
     def group_of(self, bx):
-        """The batch group of block ``bx`` (its barrier counter)."""
-        return 0 if self.plan.batch_groups == 1 else bx // self.plan.group_blocks
+        """The barrier counter of block ``bx``: one a batch group of a direction."""
+        if self.plan.batch_groups * self.directions == 1:
+            return 0
+        return self._replica(bx)
 
     def spread(self, count: int, unroll: bool = False):
         """A loop over ``count`` items spread over the block's threads (item e * threads + tx

@@ -79,35 +79,41 @@ def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx):
 
     def body(it, n, j):
         for g in range(g_count):
-            _store(bh, T.Cast("float32", b_hh[g * spec.hidden + j]), it * g_count + g)
+            _store(bh, T.Cast("float32", b_hh[spec.gate_column(bx, g, j)]), it * g_count + g)
         for k in range(states):
-            _store(st, s[k][0, spec.batch_row(bx, n), j], it * states + k)
+            _store(st, s[k][0, spec.state_row(bx, n), j], it * states + k)
         if spec.lengths:
             _store(ln, lengths[spec.batch_row(bx, n)], it)
     _each_pair(spec, bx, tx, body)
 
 
-def prefetch(spec, xp, gi, t, bx, tx):
-    """Step t's input projections of the pairs (xp in chunks of S steps where S > 1)."""
-    step = (t,) if spec.chunk == 1 else (t // spec.chunk, t % spec.chunk)
+def _length(spec, ln, it):
+    return ln[it] if spec.lengths else None
+
+
+def prefetch(spec, xp, gi, ln, t, t_len, bx, tx):
+    """Loop step t's input projections of the pairs (their sequence step: the reverse
+    direction's runs back; xp in chunks of S steps where S > 1)."""
 
     def body(it, n, j):
+        at = spec.step(bx, t, t_len, _length(spec, ln, it))
+        step = (at,) if spec.chunk == 1 else (at // spec.chunk, at % spec.chunk)
         for g in range(spec.gates):
-            _store(gi, xp[(*step, spec.batch_row(bx, n), g * spec.hidden + j)],
+            _store(gi, xp[(*step, spec.batch_row(bx, n), spec.gate_column(bx, g, j))],
                    it * spec.gates + g)
     _each_pair(spec, bx, tx, body)
 
 
-def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, bx, tx):
+def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
     (``ln``), past its sample's length a pair keeps its states (and publishes them) and writes
-    zero to y."""
+    zero to y. y[t] is the pair's sequence step (the reverse direction's runs back)."""
     g_count, states, units = spec.gates, spec.states, spec.plan.units
 
     def body(it, n, j):
-        u = j - spec.weights_of(bx) * units
+        u = j - spec.place(bx) * units
         gates_i = [gi[it * g_count + g] for g in range(g_count)]
         gates_h = [hs[(g * units + u) * spec.local_batch + n] + bh[it * g_count + g]
                    for g in range(g_count)]
@@ -120,10 +126,10 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, bx, tx):
         # it (a user's c' from h) is bound first, as it reads the previous value
         new = [T.Bind(v) if any(_reads(v, st, it * states + j) for j in range(k)) else v
                for k, v in enumerate(new)]
-        row = spec.batch_row(bx, n)
         out = new[0] if live is None else T.if_then_else(live, new[0], T.float32(0))
-        _store(y, T.Cast(spec.dtype, out), t, row, j)
-        publish(new[0], row, j)
+        _store(y, T.Cast(spec.dtype, out), spec.step(bx, t, t_len, _length(spec, ln, it)),
+               spec.batch_row(bx, n), spec.output_column(bx, j))
+        publish(new[0], spec.state_row(bx, n), j)
         for k in range(states):
             _store(st, new[k], it * states + k)
     _each_pair(spec, bx, tx, body)
@@ -136,5 +142,5 @@ def store_final_states(spec, s, st, t_len, bx, tx):
 
     def body(it, n, j):
         for k in range(1, spec.states):
-            _store(s[k], st[it * spec.states + k], t_len % 2, spec.batch_row(bx, n), j)
+            _store(s[k], st[it * spec.states + k], t_len % 2, spec.state_row(bx, n), j)
     _each_pair(spec, bx, tx, body)

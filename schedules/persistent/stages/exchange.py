@@ -48,13 +48,13 @@ def _stage_tagged(spec, hw, tv, store, t, bx, tx):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             tv[i] = T.if_then_else(
                 e < total and e % kp < h, device.load_tagged(T.address_of(hw[
-                    t % 2, spec.batch_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)])),
+                    t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)])),
                 T.shift_left(T.Cast("uint64", t), T.uint64(32)))
         for i in T.unroll(WAIT_BATCH):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             if T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t):
                 tv[i] = device.wait_tagged(T.address_of(hw[
-                    t % 2, spec.batch_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)]),
+                    t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)]),
                     T.Cast("uint64", t))
             if e < total:
                 store(e, T.reinterpret("float32", T.Cast("uint32", T.bitwise_and(
@@ -70,7 +70,7 @@ def _stage_plain(spec, s0, store, t, bx, tx):
         if e * threads + tx < total:
             store(e * threads + tx, T.if_then_else(
                 (e * threads + tx) % kp < h, device.load_past_l1(T.address_of(s0[
-                    t % 2, spec.batch_row(bx, (e * threads + tx) // kp),
+                    t % 2, spec.state_row(bx, (e * threads + tx) // kp),
                     T.min((e * threads + tx) % kp, h - 1)])), T.float32(0)))
 
 

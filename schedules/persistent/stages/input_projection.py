@@ -250,7 +250,7 @@ def _write_output(spec, io, m0, accumulate, t_len, bx, o):
     p, geo, n_ = T.meta_var((spec.plan, geometry(spec), spec.local_batch))
     n, row = T.meta_var((o // geo.rows, o % geo.rows))
     mm = T.meta_var(m0 * p.input_rows + n)
-    j = T.meta_var(spec.weights_of(bx) * p.units + row % p.units)
+    j = T.meta_var(spec.place(bx) * p.units + row % p.units)
     out = T.meta_var(row // p.units * spec.hidden + j)
     io.xs[0] = _output_start(spec, io, mm, out, accumulate, bx)
     for w in T.unroll(p.warps):
@@ -273,7 +273,7 @@ def write(spec, io, m0, accumulate, t_len, warp, lane, bx, tx):
         o = T.meta_var(e * p.threads + tx)
         n, row = T.meta_var((o // geo.rows, o % geo.rows))
         mm = T.meta_var(m0 * p.input_rows + n)
-        j = T.meta_var(spec.weights_of(bx) * p.units + row % p.units)
+        j = T.meta_var(spec.place(bx) * p.units + row % p.units)
         if outs % p.threads != 0:
             if j < spec.hidden and mm < t_len * spec.local_batch and o < outs:
                 _write_output(spec, io, m0, accumulate, t_len, bx, o)
