@@ -26,25 +26,27 @@ CELLS = {"LSTM": "lstm", "GRU": "gru"}
 
 
 def _layer_jobs():
-    """(cell, C, H, batch, lengths) of every layer module the tables use."""
+    """(cell, C, H, batch, lengths, directions) of every layer module the tables use."""
     from rnncc.nn.network import bucket
 
     jobs = set()
     for kind, hidden, layers, bidirectional in NETWORKS:
+        dirs = 2 if bidirectional else 1
         widths = {hidden} | ({hidden * 2} if bidirectional and layers > 1 else set())
         for width in widths:
             for batch in BATCHES:
-                jobs.add((CELLS[kind], width, hidden, bucket(batch), False))
-    jobs |= {("lstm", 512, 512, 64, True), ("lstm", 512, 512, 16, False),
-             ("lstm", 512, 512, 13, False)}
+                jobs.add((CELLS[kind], width, hidden, bucket(batch), False, dirs))
+    jobs |= {("lstm", 512, 512, 64, True, 1), ("lstm", 512, 512, 16, False, 1),
+             ("lstm", 512, 512, 13, False, 1)}
     return sorted(jobs)
 
 
 def _compile(job):
     from rnncc.compiler import cache
 
-    cell, width, hidden, batch, lengths, arch = job
-    cache.compiled(cell, width, hidden, batch, target="cuda", arch=arch, lengths=lengths)
+    cell, width, hidden, batch, lengths, dirs, arch = job
+    cache.compiled(cell, width, hidden, batch, target="cuda", arch=arch, lengths=lengths,
+                   directions=dirs)
     return job
 
 

@@ -450,6 +450,34 @@ def test_nn_matches_torch_on_the_gpu(torch, kind, layers, bidirectional, batch_f
             assert reference.relative_error(a, b) < TOL_F32
 
 
+def test_nn_bidirectional_past_one_launch_runs_each_direction_persistently(torch, rng):
+    """LSTM 512 at batch 64: both directions' batch groups do not fit in one launch, one
+    direction's do; each direction then runs its own persistent module in turn (the reverse
+    one on reversed steps), with packed lengths, against cuDNN and torch's float64."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    theirs = torch.nn.LSTM(512, 512, num_layers=2, bidirectional=True)
+    ours = rnncc.nn.from_torch(theirs).cuda()
+    x = torch.randn(23, 64, 512)
+    lengths = torch.tensor(rng.integers(1, 24, 64))
+    lengths[0], lengths[-1] = 23, 1
+    pack = torch.nn.utils.rnn.pack_padded_sequence
+
+    def run(module, device, dtype):
+        with torch.no_grad():
+            out, finals = module.to(device, dtype)(pack(x.to(device, dtype), lengths,
+                                                        enforce_sorted=False))
+        return [t.double().cpu().numpy() for t in (out.data, *finals)]
+
+    mine = run(ours, "cuda", torch.float32)
+    (network,) = ours._networks.values()
+    modules = set(network._modules.values())
+    assert {m.directions for m in modules} == {1}
+    assert {m.metadata["schedule"]["kind"] for m in modules} == {"persistent"}
+    for expect in (run(theirs, "cpu", torch.float64), run(theirs, "cuda", torch.float32)):
+        for a, b in zip(mine, expect):
+            assert reference.relative_error(a, b) < TOL_F32
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_nn_in_a_cuda_graph(torch, packed):
     """A 2-layer bidirectional GRU captured in a CUDA graph after a warm-up call, on a tensor
