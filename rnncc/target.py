@@ -31,6 +31,10 @@ class TargetSpec:
             object.__setattr__(self, "arch", arch)
         elif self.arch is not None:
             raise ConfigError(f"--arch is for the cuda target, not {self.kind!r}")
+        if self.cpu is not None:
+            if self.kind != "llvm":
+                raise ConfigError(f"--cpu is for the llvm target, not {self.kind!r}")
+            _check_cpu(self.cpu)
 
     @property
     def device_type(self) -> str:
@@ -55,3 +59,15 @@ class TargetSpec:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "arch": self.arch, "cpu": self.cpu}
+
+
+def _check_cpu(cpu: str) -> None:
+    """A ConfigError unless LLVM knows ``cpu`` for this machine's triple (TVM would otherwise
+    print errors and compile for a generic CPU)."""
+    import tvm
+    from tvm.target import codegen
+
+    triple = codegen.llvm_get_system_triple()
+    if not codegen.llvm_is_valid_cpu(cpu, triple):
+        known = sorted(codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm"})))
+        raise ConfigError(f"unknown LLVM CPU {cpu!r} for {triple}; allowed: {', '.join(known)}")

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import rnncc
 from rnncc.cli.main import main
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -68,6 +69,16 @@ def test_compile_with_lengths(capsys, tmp_path):
     assert code == 0 and json.loads(out)["rnncc"] > 0
 
 
+def test_compile_bidirectional(capsys, tmp_path):
+    path = str(tmp_path / "lstm_bi.so")
+    code, out, err = run(capsys, "compile", "lstm", "-C", "3", "-H", "4", "-N", "2",
+                         "--bidirectional", "--lengths", "--target", "llvm", "-o", path)
+    assert code == 0, err
+    assert "compiled lstm C=3 H=4 N=2 float32 bidirectional with lengths llvm" in out
+    module = rnncc.load(path)
+    assert module.directions == 2 and module.weight_names[-1] == "bias_hh_l0_reverse"
+
+
 def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     path = str(tmp_path / "mgu.so")
     code, out, err = run(capsys, "compile", os.path.join(DATA, "mgu.py"), "-C", "3", "-H", "4",
@@ -91,6 +102,10 @@ def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "-o", "/nonexistent/dir/x.so"],
      "cannot write /nonexistent/dir/x.so: directory /nonexistent/dir does not exist"),
     (["compile", "lstm", "-C", "x", "-H", "1", "-N", "1", "-o", "x.so"], "invalid int value"),
+    (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "--target", "llvm", "--cpu",
+      "notacpu", "-o", "x.so"], "unknown LLVM CPU 'notacpu' for "),
+    (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "--cpu", "skylake", "-o", "x.so"],
+     "--cpu is for the llvm target, not 'cuda'"),
     (["compile", "lstm", "-H", "1", "-N", "1", "-o", "x.so"], "required"),
     (["inspect", "/nonexistent.so"], "cannot read module file"),
     (["bench", "lstm", "-C", "3"], "bench of a cell needs --hidden-size, --batch"),
