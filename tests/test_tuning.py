@@ -182,3 +182,33 @@ def test_rpc_tune_on_llvm_writes_a_log_that_compile_applies(tmp_path, monkeypatc
     assert module.metadata["tuning"]["log"] == summary["log"]
     if found.record["components"]:
         assert module.metadata["schedule"]["rules"]["recurrent_gemm"] == "meta_schedule"
+
+
+@pytest.mark.parametrize("knobs", [{"batch_groups": 3}, {"input_steps": 7}, {"mma": True}])
+def test_log_knobs_that_do_not_fit_are_refused(root, knobs):
+    """Knobs of the right type and a wrong value for this configuration would leave the
+    module without its persistent kernel: the log is refused, with a warning, and the module
+    is planned without it."""
+    path = _write(root, knobs=knobs)
+    with pytest.warns(UserWarning, match=f"knobs of tuning log {path} do not fit"):
+        module = rnncc.compile("lstm", 16, 16, 2, gpu="h200")
+    assert module.metadata["schedule"]["kind"] == "persistent"
+    assert module.metadata["tuning"]["log"] is None
+    assert module.metadata["tuning"]["refused"] == path
+
+
+def test_refused_or_damaged_logs_fall_back_to_the_next(root):
+    """A damaged exact log falls back to the nearest good one; a damaged nearby log is
+    skipped with a warning."""
+    exact = _write(root)
+    _edit(exact, format=99)
+    damaged = _write(root, logs.LogKey("h200", "lstm", 16, 17, 2, "float32"))
+    _edit(damaged, format=99)
+    good = _write(root, logs.LogKey("h200", "lstm", 16, 20, 2, "float32"), {"sync": "grid"})
+    with pytest.warns(UserWarning) as said:
+        module = rnncc.compile("lstm", 16, 16, 2, gpu="h200")
+    messages = " ".join(str(w.message) for w in said)
+    assert "compiling without it" in messages and "a nearby size's log skipped" in messages
+    info = module.metadata["tuning"]
+    assert (info["log"], info["match"], info["refused"]) == (good, "nearby", exact)
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"

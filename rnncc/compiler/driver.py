@@ -110,7 +110,8 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     if not isinstance(tuning, str):
         raise ConfigError(f"tuning must be 'auto', 'off' or a log directory, got {tuning!r}")
 
-    applied = apply.for_compile(problem, tspec, gpu, tuning)
+    applied = _fitting(apply.for_compile(problem, tspec, gpu, tuning), problem, opts, tspec,
+                       sms, knobs)
     knobs = {**applied.knobs, **knobs}
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
     for _ in range(12):
@@ -150,6 +151,23 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     if opts.persistent == "on":
         raise BuildError(why)
     return _build(problem, opts, tspec, None, why, notes, applied)
+
+
+def _fitting(applied, problem, opts, tspec, sms, knobs):
+    """``applied``, or nothing of its log where the log's knobs (valid, but for another
+    configuration: batch_groups=3 at batch 1) leave no persistent plan where the
+    configuration has one without them."""
+    from ..schedules.persistent.planner import REG_MARGIN
+    from ..tuning import apply
+
+    if not applied.knobs:
+        return applied
+    opts = dataclasses.replace(opts, persistent="auto")  # asked for or not: compare the two
+    margin = knobs.get("reg_margin", REG_MARGIN)
+    plan, why = _persistent_plan(problem, opts, tspec, sms, margin, {**applied.knobs, **knobs})
+    if plan is not None or _persistent_plan(problem, opts, tspec, sms, margin, knobs)[0] is None:
+        return applied
+    return apply.refuse_knobs(applied, why)
 
 
 def _persistent_spills(module) -> list[str]:

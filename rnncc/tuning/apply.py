@@ -67,22 +67,33 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
     exact, others = logs.find(key)
     if exact is not None and problem.directions > 1:
         others, exact = [(key, exact), *others], None
+    refused = {}
     if exact is not None:
         try:
             return _exact(logs.read(exact, key))
         except logs.LogError as err:
             warnings.warn(f"rnncc: {err}; compiling without it", stacklevel=3)
-            return Applied(info={"log": None, "refused": exact, "reason": str(err)})
+            refused = {"refused": exact, "reason": str(err)}
     for other, path in sorted(others, key=lambda o: _distance(o[0], key)):
         try:
             near = logs.read(path, other)
-        except logs.LogError:
+        except logs.LogError as err:
+            warnings.warn(f"rnncc: {err}; a nearby size's log skipped", stacklevel=3)
             continue
         knobs = {k: v for k, v in near.knobs.items() if k not in SIZE_KNOBS}
         return Applied(knobs=knobs, info={
-            "log": path, "match": "nearby", "device": device,
+            "log": path, "match": "nearby", "device": device, **refused,
             "applied": {"knobs": knobs, "components": []}})
-    return Applied(info={"log": None, "reason": f"no tuning log for {logs.describe(key)}"})
+    return Applied(info={"log": None, **(refused or {
+        "reason": f"no tuning log for {logs.describe(key)}"})})
+
+
+def refuse_knobs(applied: Applied, reason: str) -> Applied:
+    """``applied`` without its log's knobs, which do not fit the configuration (``reason``),
+    nor its records: the metadata names the log as refused."""
+    warnings.warn(f"rnncc: the knobs of tuning log {applied.info['log']} do not fit: "
+                  f"{reason}; compiling without the log", stacklevel=3)
+    return Applied(info={"log": None, "refused": applied.info["log"], "reason": reason})
 
 
 def _exact(found: logs.TuningLog) -> Applied:
