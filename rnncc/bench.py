@@ -26,13 +26,15 @@ def _median_ms(fn, repeat: int) -> float:
 
 
 def random_problem(module, steps: int, seed: int = 0):
-    """x [T, N, C] and PyTorch-named weights, as float64 NumPy arrays (uniform like torch)."""
+    """x [T, N, C] and PyTorch-named weights (both directions' for a bidirectional module), as
+    float64 NumPy arrays (uniform like torch)."""
     rng = np.random.default_rng(seed)
     g, h, c, n = module.metadata["gates"], module.hidden_size, module.input_size, module.batch
     k = 1.0 / np.sqrt(h)
-    weights = {"weight_ih_l0": rng.uniform(-k, k, (g * h, c)),
-               "weight_hh_l0": rng.uniform(-k, k, (g * h, h)),
-               "bias_ih_l0": rng.uniform(-k, k, g * h), "bias_hh_l0": rng.uniform(-k, k, g * h)}
+    shapes = {"weight_ih": (g * h, c), "weight_hh": (g * h, h), "bias_ih": (g * h,),
+              "bias_hh": (g * h,)}
+    weights = {name: rng.uniform(-k, k, shapes[name.split("_l0")[0]])
+               for name in module.weight_names}
     return rng.standard_normal((steps, n, c)), weights
 
 
@@ -69,13 +71,13 @@ def _graph_ms(torch, fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype):
+def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype, bidirectional=False):
     """The torch.nn module equivalent of a cell, on the GPU, or None if the cell has none."""
     if cell_torch is None:
         return None
     cls, kwargs = cell_torch
-    return getattr(torch.nn, cls)(input_size, hidden_size, **kwargs).cuda().to(
-        getattr(torch, dtype))
+    return getattr(torch.nn, cls)(input_size, hidden_size, bidirectional=bidirectional,
+                                  **kwargs).cuda().to(getattr(torch, dtype))
 
 
 def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
@@ -105,7 +107,7 @@ def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
            "entry": packed.entry}
     cell = registry().get(module.cell)
     ref = cudnn_module(torch, cell.torch if cell else None, module.input_size,
-                       module.hidden_size, module.dtype) if cudnn else None
+                       module.hidden_size, module.dtype, module.directions == 2) if cudnn else None
     if ref is not None:
         with torch.no_grad():
             for name, value in weights.items():

@@ -57,26 +57,22 @@ def test_compile_float16_and_bench_it(capsys, tmp_path):
     assert code == 0 and json.loads(out)["rnncc"] > 0
 
 
-def test_compile_with_lengths(capsys, tmp_path):
-    path = str(tmp_path / "gru_lengths.so")
-    code, out, err = run(capsys, "compile", "gru", "-C", "3", "-H", "4", "-N", "2", "--lengths",
+@pytest.mark.parametrize("flags, summary, field, last_weight", [
+    (["--lengths"], "float32 with lengths llvm", ("lengths", True), "bias_hh_l0"),
+    (["--bidirectional", "--lengths"], "float32 bidirectional with lengths llvm",
+     ("directions", 2), "bias_hh_l0_reverse")])
+def test_compile_with_lengths_or_both_directions(capsys, tmp_path, flags, summary, field,
+                                                  last_weight):
+    path = str(tmp_path / "gru.so")
+    code, out, err = run(capsys, "compile", "gru", "-C", "3", "-H", "4", "-N", "2", *flags,
                          "--target", "llvm", "-o", path)
     assert code == 0, err
-    assert "compiled gru C=3 H=4 N=2 float32 with lengths llvm" in out
+    assert f"compiled gru C=3 H=4 N=2 {summary}" in out
     meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
-    assert meta["lengths"] is True
+    assert meta[field[0]] == field[1]
+    assert rnncc.load(path).weight_names[-1] == last_weight
     code, out, _ = run(capsys, "bench", path, "--steps", "3", "--repeat", "2", "--json")
     assert code == 0 and json.loads(out)["rnncc"] > 0
-
-
-def test_compile_bidirectional(capsys, tmp_path):
-    path = str(tmp_path / "lstm_bi.so")
-    code, out, err = run(capsys, "compile", "lstm", "-C", "3", "-H", "4", "-N", "2",
-                         "--bidirectional", "--lengths", "--target", "llvm", "-o", path)
-    assert code == 0, err
-    assert "compiled lstm C=3 H=4 N=2 float32 bidirectional with lengths llvm" in out
-    module = rnncc.load(path)
-    assert module.directions == 2 and module.weight_names[-1] == "bias_hh_l0_reverse"
 
 
 def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):

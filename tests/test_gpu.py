@@ -390,7 +390,8 @@ def test_bidirectional_matches_reference(cell, input_size, hidden, batch, dtype,
 
 def test_lengths_on_the_device_and_in_a_cuda_graph(torch, rng):
     """torch lengths on the GPU: no copy to the host is needed to run (the check is skipped
-    while a CUDA graph is captured), and the replay follows new lengths in place."""
+    while a CUDA graph is captured), and the replay follows new lengths in place; a call
+    without lengths (all T) is captured too."""
     module = rnncc.compile("lstm", 16, 64, 3, target="cuda", lengths=True, tuning="off")
     w = {k: torch.tensor(v, dtype=torch.float32, device="cuda")
          for k, v in random_weights(rng, 4, 16, 64).items()}
@@ -414,6 +415,14 @@ def test_lengths_on_the_device_and_in_a_cuda_graph(torch, rng):
     assert not y[2:, 0].any() and not y[5:, 2].any()
     with pytest.raises(InputError, match="lengths is on cpu, but this call runs on cuda:0"):
         module(x, packed, lengths=torch.tensor([1, 2, 3]))
+    with torch.cuda.stream(stream):  # no lengths: all T, made on the device in the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, _ = module(x, packed)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, module(x, packed, lengths=torch.full_like(lengths, 9))[0])
 
 
 @pytest.mark.parametrize("kind, layers, bidirectional, batch_first, packed", [

@@ -267,8 +267,8 @@ class Module:
         for which in ("ih", "hh"):
             run(self._function(entry, f"pack_w_{which}"))
         zeros = {}  # biases not given: zero
-        for name in self.weight_names[2:4] + self.weight_names[6:]:
-            if name not in weights:
+        for name in self.weight_names:
+            if name.startswith("bias_") and name not in weights:
                 arr, zeros[name] = family.zeros([gh], dtype)
                 keep.append(arr)
         if self.directions == 2:
@@ -372,11 +372,18 @@ class Module:
 
 def _lengths(value, steps: int, batch: int, family: Family):
     """The samples' lengths as an int32 tensor on the call's device (all ``steps`` where
-    ``value`` is None), each checked to be 1 to T (a device tensor is read for the check,
-    except while a CUDA graph is being captured)."""
+    ``value`` is None: made there for torch, so that a CUDA graph may capture the call), each
+    checked to be 1 to T (a device tensor is read for the check, except while a CUDA graph is
+    being captured)."""
     import numpy as np
 
     if value is None:
+        if family.name == "torch":
+            import torch
+
+            value = torch.full((batch,), steps, dtype=torch.int32,
+                               device=family.describe_device())
+            return to_tensor("lengths", value, [batch], "int32", family)
         return to_tensor("lengths", np.full(batch, steps, np.int32), [batch], "int32", family)
     if isinstance(value, (list, tuple)):
         value = np.asarray(value)
