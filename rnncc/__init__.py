@@ -17,6 +17,7 @@ from .errors import (
     BuildError,
     CellError,
     ConfigError,
+    DeviceError,
     InputError,
     ModuleFileError,
     RnnccError,
@@ -44,6 +45,7 @@ __all__ = [
     "CellError",
     "BuildError",
     "ModuleFileError",
+    "DeviceError",
 ]
 
 

@@ -60,6 +60,63 @@ def test_a_call_that_would_need_gradients_says_it_gets_none():
             rnncc.compile("rnn_tanh", 3, 4, 2, target="llvm")(x, net)
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_packed_weights_are_a_copy(bidirectional):
+    """``pack()`` copies every weight: an in-place change of a weight or a bias after it does
+    not reach the packed weights (it reached the biases, which were aliased, and not the
+    matrices); packing again takes the change."""
+    torch = _torch()
+    directions = 2 if bidirectional else 1
+    module = compiled("lstm", 3, 5, 2, "llvm", directions=directions)
+    weights = {k: v.detach().clone() for k, v in
+               torch.nn.LSTM(3, 5, bidirectional=bidirectional).state_dict().items()}
+    x = torch.randn(4, 2, 3)
+    packed = module.pack(weights)
+    expect, _ = module(x, packed)
+    for name in weights:
+        weights[name] += 1.0
+        again, _ = module(x, packed)
+        assert torch.equal(again, expect), f"an in-place change of {name} reached the pack"
+    changed, _ = module(x, module.pack(weights))
+    assert not torch.equal(changed, expect)
+
+
+def test_a_lost_cuda_context_is_one_clear_error(monkeypatch):
+    """A call that fails and leaves the CUDA context lost (a persistent kernel's trapped wait)
+    raises DeviceError saying so, keeps the call's memory (TVM aborts the process freeing
+    memory of a lost context) and the device's packed weights, and later calls on that
+    device say so at once; other errors and other devices are untouched."""
+    from rnncc.runtime import faults
+    from rnncc.runtime.arrays import Family
+
+    kept = []
+    monkeypatch.setattr(faults, "_lost", {})
+    monkeypatch.setattr(faults, "_keep_forever", kept.append)
+    monkeypatch.setattr(faults, "_context_lost", lambda kind, index: index == 0)
+    gpu0, gpu1 = Family("numpy", "cuda", 0), Family("numpy", "cuda", 1)
+
+    class Packed:
+        device = "cuda:0"
+
+    packed = Packed()
+    faults.track(packed)
+    with pytest.raises(InputError), faults.guard(gpu0, "a call"):
+        raise InputError("a bad shape")
+    with pytest.raises(ValueError, match="other device"), faults.guard(gpu1, "a call"):
+        raise ValueError("other device")
+    assert not kept
+    with pytest.raises(rnncc.DeviceError, match=r"a call failed on cuda:0 and the CUDA context "
+                       r"of this process is lost \(unspecified launch failure\).*restart it"):
+        with faults.guard(gpu0, "a call"):
+            raise RuntimeError("unspecified launch failure\nmore")
+    assert isinstance(kept[0], RuntimeError) and kept[1] is packed
+    with pytest.raises(rnncc.DeviceError, match="was lost earlier"):
+        with faults.guard(gpu0, "the next call"):
+            raise AssertionError("not reached")
+    with faults.guard(gpu1, "a call on another GPU"):
+        pass
+
+
 def test_export_while_others_export_and_load(tmp_path):
     """Two writers exporting different modules to one path and a reader loading it: every
     load gets one whole module (a plain copy gave half of one, and 'not an ELF')."""

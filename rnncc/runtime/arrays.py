@@ -13,12 +13,11 @@ torch.Tensor, a CuPy array for a CuPy array, a TVM tensor otherwise.
 from __future__ import annotations
 
 import sys
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, warn
 from . import tvm_runtime
 
 ALIGNMENT = 64
@@ -90,6 +89,22 @@ class Family:
 
         tensor = tvm.runtime.tensor(np.zeros(tuple(shape), dtype), self.device)
         return tensor, tensor
+
+    def copy(self, tensor):
+        """A new array of this family holding a copy of the TVM tensor ``tensor``, made on the
+        caller's stream: (what the caller gets, the tensor the module reads)."""
+        arr, out = self.empty(tensor.shape, str(tensor.dtype))
+        if self.name == "torch":
+            import torch
+
+            arr.copy_(torch.from_dlpack(tensor))
+        elif self.name == "cupy":
+            import cupy
+
+            arr[...] = cupy.from_dlpack(tensor)
+        else:
+            tensor.copyto(out)
+        return arr, out
 
     def result(self, arr):
         return arr.numpy() if self.name == "numpy" else arr
@@ -192,8 +207,8 @@ def to_tensor(name: str, value, expected, dtype: str, family: Family):
         raise InputError(f"{name} is not contiguous (strides {tuple(tensor.strides)}); pass "
                          f"{name}.contiguous()")
     if tensor.data_ptr() % ALIGNMENT:
-        warnings.warn(f"rnncc: {name}'s data is not {ALIGNMENT}-byte aligned (a view at an "
-                      "offset, or torch.from_numpy?); it is copied for this call", stacklevel=3)
+        warn(f"rnncc: {name}'s data is not {ALIGNMENT}-byte aligned (a view at an "
+                      "offset, or torch.from_numpy?); it is copied for this call")
         aligned = tvm.runtime.empty(tuple(tensor.shape), dtype, family.device)
         tensor.copyto(aligned)
         return aligned

@@ -19,12 +19,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 import weakref
 
-from ..errors import InputError, ModuleFileError
+from ..errors import InputError, ModuleFileError, warn
+from . import faults, tvm_runtime
 from . import metadata as md
-from . import tvm_runtime
 from .arrays import Family, family_of, to_tensor
 
 WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
@@ -34,14 +33,16 @@ REVERSE = tuple(f"{name}_reverse" for name in WEIGHTS)
 
 class PackedWeights:
     """Weights laid out for one module's entry ("persistent" or "sequence") on one device
-    (from :meth:`Module.pack`)."""
+    (from :meth:`Module.pack`): a copy, which later in-place changes of the weights it was
+    packed from do not reach (pack them again)."""
 
     def __init__(self, module: Module, family: Family, entry: str, tensors: dict, keep: list):
         self._module_key = module._key
         self.device = family.describe_device()
         self.entry = entry
         self.tensors = tensors
-        self._keep = keep  # the caller's arrays the tensors alias
+        self._keep = keep  # the arrays that own the tensors' memory
+        faults.track(self)
 
     def __repr__(self):
         return f"<rnncc.PackedWeights for {self._module_key} on {self.device}>"
@@ -176,8 +177,8 @@ class Module:
                 if why is None:
                     self._entries[key] = "persistent"
                 else:
-                    warnings.warn(f"rnncc: {why}; this module runs its non-persistent schedule "
-                                  f"on {family.describe_device()}", stacklevel=3)
+                    warn(f"rnncc: {why}; this module runs its non-persistent schedule "
+                                  f"on {family.describe_device()}")
         return self._entries[key]
 
     def _weights_mapping(self, weights) -> dict:
@@ -232,7 +233,8 @@ class Module:
                 raise InputError(f"this module cannot run its persistent kernel on "
                                  f"{family.describe_device()} (see its metadata)")
             chosen = entry
-        return self._pack(weights, family, chosen)
+        with faults.guard(family, f"packing the weights of {self._key}"):
+            return self._pack(weights, family, chosen)
 
     def _family_for(self, first, device: str | None) -> Family:
         family = family_of(first, self.device_kind)
@@ -256,7 +258,6 @@ class Module:
                     args.append(ready[name])
                 elif p["kind"] == "input":
                     args.append(to_tensor(name, weights[name], p["shape"], dtype, family))
-                    keep.append(weights[name])
                 else:
                     arr, tensors[name] = family.empty(p["shape"], dtype)
                     args.append(tensors[name])
@@ -278,9 +279,11 @@ class Module:
             name = f"bias_{which}_l0"
             if name in zeros:
                 tensors[f"b_{which}"] = zeros[name]
-            else:
-                tensors[f"b_{which}"] = to_tensor(name, weights[name], [gh], dtype, family)
-                keep.append(weights[name])
+            else:  # a copy, as the packed matrices are
+                given = to_tensor(name, weights[name], [gh], dtype, family)
+                with family.stream():
+                    arr, tensors[f"b_{which}"] = family.copy(given)
+                keep.append(arr)
         return PackedWeights(self, family, entry, tensors, keep)
 
     _said_no_grad = False
@@ -295,9 +298,9 @@ class Module:
         if torch.is_grad_enabled() and any(getattr(v, "requires_grad", False)
                                            for v in (x, *given.values())):
             self._said_no_grad = True
-            warnings.warn("rnncc modules compute no gradients yet: the results do not require "
+            warn("rnncc modules compute no gradients yet: the results do not require "
                           "grad and have no grad_fn (training is not supported); call under "
-                          "torch.no_grad() to say that none is needed", stacklevel=3)
+                          "torch.no_grad() to say that none is needed")
 
     def __call__(self, x, weights, h0=None, c0=None, lengths=None, **initial):
         states = self.states
@@ -310,6 +313,11 @@ class Module:
                 raise InputError(f"{key} is not an initial state of cell {self.cell!r}; "
                                  f"it takes {', '.join(s + '0' for s in states)}")
         family = family_of(x, self.device_kind)
+        with faults.guard(family, f"a call of {self._key}"):
+            return self._call(family, x, weights, given, lengths)
+
+    def _call(self, family: Family, x, weights, given: dict, lengths):
+        states = self.states
         entry = self.entry_for(family)
         if isinstance(weights, PackedWeights):
             packed = weights
