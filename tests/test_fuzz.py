@@ -1,0 +1,233 @@
+"""Property-based tests: random cells (built-in, and user cells generated here), sizes,
+lengths, directions, dtypes, initial states, schedule options and array kinds, each compared
+with the float64 reference.
+
+The CPU run (llvm) is in the default suite with a small budget; ``RNNCC_FUZZ_EXAMPLES`` sets
+how many configurations each test draws (the GPU run: ``--gpu -m gpu``, cuda). A failure
+prints the configuration that shows it (shrunk); it becomes a regular test once fixed.
+"""
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+import rnncc
+from helpers import TOL
+from rnncc import reference
+from rnncc.cells import Cell, ops
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+EXAMPLES = int(os.environ.get("RNNCC_FUZZ_EXAMPLES", "12"))
+SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, database=None,
+                               suppress_health_check=list(hypothesis.HealthCheck),
+                               print_blob=True)
+TARGETS = ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)]
+BUILTIN = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+OPTIONS = [{}, {"input_gemm": False}, {"gate_gemm": False}, {"fuse_pointwise": False}]
+CUDA_OPTIONS = [{"persistent": "off"}]
+
+
+def _sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+TE_FUNCTIONS = {"sigmoid": ops.sigmoid, "tanh": ops.tanh}
+NUMPY_FUNCTIONS = {"sigmoid": _sigmoid, "tanh": np.tanh}
+
+
+def _program(spec, fn):
+    """The step of a generated cell, with the activation functions ``fn`` (TE or NumPy).
+
+    Gate g is ``act_g(gi_g + gh_g)``, or ``act_g(gi_g + a_{g-1} * gh_g)`` where it is reset
+    by the gate before it (as GRU's n). One state: ``h' = a_i * h + (1 - a_i) * a_j``. Two
+    (h, c): ``c' = a_i * c + a_j * a_k [+ 0.5 * h]`` and ``h' = a_m * tanh(c')``."""
+    acts, reset, two, (i, j, k, m), reads_h = spec
+
+    def step(gi, gh, state):
+        a = []
+        for g, act in enumerate(acts):
+            a.append(fn[act](gi[g] + (a[g - 1] * gh[g] if reset[g] and g else gh[g])))
+        if not two:
+            return (a[i] * state[0] + (1.0 - a[i]) * a[j],)
+        c = a[i] * state[1] + a[j] * a[k]
+        if reads_h:
+            c = c + 0.5 * state[0]
+        return a[m] * fn["tanh"](c), c
+
+    return step
+
+
+@st.composite
+def user_cells(draw):
+    """A cell a user could write: 1 to 4 gates, one state or two, some gates reset by
+    others, c reading the previous h or not."""
+    gates = draw(st.integers(1, 4))
+    acts = tuple(draw(st.sampled_from(sorted(TE_FUNCTIONS))) for _ in range(gates))
+    reset = tuple(draw(st.booleans()) for _ in range(gates))
+    two = draw(st.booleans())
+    picks = tuple(draw(st.integers(0, gates - 1)) for _ in range(4))
+    spec = (acts, reset, two, picks, two and draw(st.booleans()))
+    name = f"fuzz_{zlib.crc32(repr(spec).encode()):08x}"
+    return Cell(name=name, gates=gates, states=("h", "c") if two else ("h",),
+                step=_program(spec, TE_FUNCTIONS), reference=_program(spec, NUMPY_FUNCTIONS),
+                doc=f"generated: {spec}")
+
+
+@st.composite
+def layers(draw, target):
+    cell = draw(st.one_of(st.sampled_from(BUILTIN).map(rnncc.cells.get), user_cells()))
+    options = draw(st.sampled_from(OPTIONS + (CUDA_OPTIONS if target == "cuda" else [])))
+    return {
+        "cell": cell,
+        "input_size": draw(st.integers(1, 40)),
+        "hidden": draw(st.one_of(st.sampled_from([1, 3, 33]), st.integers(1, 48))),
+        "batch": draw(st.integers(1, 8)),
+        "steps": draw(st.integers(1, 24)),
+        "directions": draw(st.sampled_from([1, 2])),
+        "lengths": draw(st.booleans()),
+        "initial": draw(st.booleans()),
+        "dtype": draw(st.sampled_from(["float32", "float16"] if target == "cuda"
+                                      else ["float32"])),
+        "options": options,
+        "arrays": draw(st.sampled_from(["numpy", "torch"])),
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+def _arrays(kind, target):
+    """Turn NumPy inputs into the kind of array the call takes."""
+    if kind == "numpy":
+        return np.asarray
+    torch = pytest.importorskip("torch")
+    device = "cuda" if target == "cuda" else "cpu"
+    return lambda a: torch.tensor(a, device=device)
+
+
+def _host(value):
+    return value.cpu().numpy() if hasattr(value, "cpu") else np.asarray(value)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_random_layers_match_the_float64_reference(target):
+    @SETTINGS
+    @hypothesis.given(layers(target))
+    def check(case):
+        cell, h, n, c = case["cell"], case["hidden"], case["batch"], case["input_size"]
+        steps, dirs, dt = case["steps"], case["directions"], case["dtype"]
+        module = rnncc.compile(cell, c, h, n, dtype=dt, target=target, tuning="off",
+                               lengths=case["lengths"], directions=dirs, **case["options"])
+        rng = np.random.default_rng(case["seed"])
+        k = 1.0 / np.sqrt(h)
+        weights = {}
+        for suffix in ("", "_reverse")[:dirs]:
+            for name, shape in (("weight_ih_l0", (cell.gates * h, c)),
+                                ("weight_hh_l0", (cell.gates * h, h)),
+                                ("bias_ih_l0", (cell.gates * h,)),
+                                ("bias_hh_l0", (cell.gates * h,))):
+                weights[name + suffix] = rng.uniform(-k, k, shape).astype(dt)
+        x = rng.standard_normal((steps, n, c)).astype(dt)
+        initial = ({s: rng.standard_normal((dirs, n, h)).astype(dt) for s in cell.states}
+                   if case["initial"] else {})
+        lengths = rng.integers(1, steps + 1, n) if case["lengths"] else None
+        run = reference.run if dirs == 1 else reference.run_bidirectional
+        expect_y, expect_states = run(cell, x, weights, initial, lengths)
+        array = _arrays(case["arrays"], target)
+        extra = {} if lengths is None else {"lengths": array(lengths.astype(np.int32))}
+        y, finals = module(array(x), {k: array(v) for k, v in weights.items()},
+                           **{f"{s}0": array(v) for s, v in initial.items()}, **extra)
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        errors = [reference.relative_error(_host(y), expect_y)]
+        errors += [reference.relative_error(_host(f), expect_states[s])
+                   for f, s in zip(finals, cell.states)]
+        assert max(errors) < TOL[dt], (f"relative error {max(errors):.3e} for "
+                                       f"{cell.doc or cell.name}, {case}")
+
+    check()
+
+
+@st.composite
+def networks(draw):
+    kind = draw(st.sampled_from(["LSTM", "GRU", "RNN", "RNN_relu"]))
+    return {
+        "kind": kind,
+        "input_size": draw(st.integers(1, 24)),
+        "hidden": draw(st.one_of(st.sampled_from([1, 3, 33]), st.integers(1, 40))),
+        "layers": draw(st.integers(1, 3)),
+        "bidirectional": draw(st.booleans()),
+        "batch_first": draw(st.booleans()),
+        "bias": draw(st.booleans()),
+        "batch": draw(st.integers(1, 7)),
+        "steps": draw(st.integers(1, 16)),
+        "form": draw(st.sampled_from(["tensor", "lengths", "packed", "packed_sorted"])),
+        "hx": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_random_networks_match_torch_in_float64(target, tmp_path, monkeypatch):
+    """rnncc.nn against torch's own module in float64 on the CPU, the same weights: layers,
+    directions, batch-first, bias or none, padded with lengths or packed (sorted or not),
+    initial states or none."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("RNNCC_CACHE_DIR", str(tmp_path))
+    device = "cuda" if target == "cuda" else "cpu"
+    utils = torch.nn.utils.rnn
+
+    @SETTINGS
+    @hypothesis.given(networks())
+    def check(case):
+        gen = torch.Generator().manual_seed(case["seed"])
+        kind, extra = ((case["kind"], {}) if case["kind"] != "RNN_relu"
+                       else ("RNN", {"nonlinearity": "relu"}))
+        with torch.random.fork_rng():
+            torch.manual_seed(case["seed"])
+            theirs = getattr(torch.nn, kind)(
+                case["input_size"], case["hidden"], num_layers=case["layers"],
+                bias=case["bias"], batch_first=case["batch_first"],
+                bidirectional=case["bidirectional"], **extra).double()
+        ours = rnncc.nn.from_torch(theirs).to(device, torch.float32)
+        n, steps = case["batch"], case["steps"]
+        shape = (n, steps) if case["batch_first"] else (steps, n)
+        x = torch.randn(*shape, case["input_size"], generator=gen, dtype=torch.float64)
+        lengths = torch.randint(1, steps + 1, (n,), generator=gen)
+        if case["form"] == "packed_sorted":
+            lengths = lengths.sort(descending=True).values
+        states = case["layers"] * (2 if case["bidirectional"] else 1)
+        hx = None
+        if case["hx"]:
+            hx = torch.randn(states, n, case["hidden"], generator=gen, dtype=torch.float64)
+            if kind == "LSTM":
+                hx = (hx, torch.randn(states, n, case["hidden"], generator=gen,
+                                      dtype=torch.float64))
+
+        def call(module, dtype, where):
+            data = x.to(where, dtype)
+            state = (None if hx is None else tuple(s.to(where, dtype) for s in hx)
+                     if isinstance(hx, tuple) else hx.to(where, dtype))
+            kwargs = {}
+            if case["form"] == "lengths" and module is ours:
+                kwargs["lengths"] = lengths.to(where)
+            elif case["form"] != "tensor":
+                data = utils.pack_padded_sequence(
+                    data, lengths, batch_first=case["batch_first"],
+                    enforce_sorted=case["form"] == "packed_sorted")
+            with torch.no_grad():
+                out, finals = module(data, state, **kwargs)
+            if case["form"] == "lengths" and module is not ours:
+                out, _ = utils.pad_packed_sequence(out, batch_first=case["batch_first"],
+                                                   total_length=steps)
+            elif case["form"] in ("packed", "packed_sorted"):
+                out = out.data
+            finals = finals if isinstance(finals, tuple) else (finals,)
+            return [t.double().cpu().numpy() for t in (out, *finals)]
+
+        for a, b in zip(call(ours, torch.float32, device), call(theirs, torch.float64, "cpu")):
+            err = reference.relative_error(a, b)
+            assert err < TOL["float32"], f"relative error {err:.3e} for {case}"
+
+    check()
