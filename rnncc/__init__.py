@@ -53,21 +53,23 @@ def compile(cell, input_size: int, hidden_size: int, batch: int,  # noqa: A001
             dtype: str = "float32", target: str = "cuda", arch: str | None = None,
             cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
             gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
-            directions: int = 1, **options):
-    """Compile one recurrent layer into a :class:`Module`.
+            directions: int = 1, layers: int = 1, **options):
+    """Compile one recurrent layer (or a wavefront of layers) into a :class:`Module`.
 
     ``cell`` is a registered cell name, a :class:`rnncc.cells.Cell`, or the path of a cell
     file. ``options`` are :class:`rnncc.spec.Options` fields (cuDNN's optimisations, each on by
     default). A matching tuning log applies unless ``tuning="off"``. ``lengths=True``: the
     module takes each sample's length at run time; ``directions=2``: a bidirectional layer
-    (y [T, N, 2*H], states [2, N, H], torch's ``_reverse`` weights too). See
-    :func:`rnncc.compiler.compile_module`.
+    (y [T, N, 2*H], states [2, N, H], torch's ``_reverse`` weights too); ``layers=L``: L
+    unidirectional layers of input size H in one persistent launch, layer l at step t while
+    the layer below runs a few steps ahead (CUDA; states [L, N, H], weights ``_l0`` to
+    ``_l{L-1}``). See :func:`rnncc.compiler.compile_module`.
     """
     from .compiler import compile_module
 
     return compile_module(cell, input_size, hidden_size, batch, dtype=dtype, target=target,
                           arch=arch, cpu=cpu, sms=sms, knobs=knobs, gpu=gpu, tuning=tuning,
-                          lengths=lengths, directions=directions, **options)
+                          lengths=lengths, directions=directions, layers=layers, **options)
 
 
 def load(path: str):

@@ -24,7 +24,10 @@ class Problem:
     last step, and its outputs past it are zero. ``directions`` D = 2: a bidirectional layer,
     the second direction running each sample's steps in reverse (from its own last step), as
     torch's ``bidirectional=True`` does; y is [T, N, D*H] (the forward direction's H first)
-    and each state [D, N, H].
+    and each state [D, N, H]. ``layers`` L > 1: a stack of L unidirectional layers (C = H),
+    each taking the one below's outputs, as torch's ``num_layers`` does; y is the last layer's
+    [T, N, H] and each state [L, N, H]. It runs only as the persistent wavefront (layer l at
+    step t while layer l - 1 is a few steps ahead), CUDA only.
     """
 
     cell: Cell
@@ -34,6 +37,7 @@ class Problem:
     dtype: str = "float32"
     lengths: bool = False
     directions: int = 1
+    layers: int = 1
 
     def __post_init__(self):
         if not isinstance(self.cell, Cell):
@@ -47,6 +51,13 @@ class Problem:
         if isinstance(self.directions, bool) or self.directions not in (1, 2):
             raise ConfigError(f"directions must be 1 or 2 (bidirectional), got "
                               f"{self.directions!r}")
+        _positive("layers", self.layers)
+        if self.layers > 1 and (self.directions > 1 or self.input_size != self.hidden_size):
+            raise ConfigError(
+                f"a module of {self.layers} layers is a stack of unidirectional layers whose "
+                f"input size is their hidden size (the layers above a network's first); got "
+                f"directions={self.directions}, input_size={self.input_size}, hidden_size="
+                f"{self.hidden_size}")
 
     @property
     def gates(self) -> int:
@@ -55,6 +66,7 @@ class Problem:
     def describe(self) -> str:
         return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
                 f"{self.dtype}" + (" bidirectional" if self.directions == 2 else "")
+                + (f" {self.layers} layers" if self.layers > 1 else "")
                 + (" with lengths" if self.lengths else ""))
 
 

@@ -25,24 +25,23 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
     relative error against the float64 reference over y and every final state. ``lengths``:
     random lengths of the samples (the first 1 step, the last all T). A bidirectional module
     gets both directions' weights and states."""
-    from conftest import random_weights
 
     cell = rnncc.cells.get(module.cell)
-    h, n, c, dirs = module.hidden_size, module.batch, module.input_size, module.directions
-    dt = module.dtype
-    weights = {}
-    for suffix in ("", "_reverse")[:dirs]:
-        weights.update({k + suffix: v.astype(dt) for k, v in
-                        random_weights(rng, cell.gates, c, h).items()})
+    h, n, c = module.hidden_size, module.batch, module.input_size
+    grids, dt = max(module.directions, module.layers), module.dtype
+    weights = _random_weights(module, rng)
     x = rng.standard_normal((steps, n, c)).astype(dt)
-    initial = ({s: rng.standard_normal((dirs, n, h)).astype(dt) for s in cell.states}
+    initial = ({s: rng.standard_normal((grids, n, h)).astype(dt) for s in cell.states}
                if with_initial else {})
     ln = None
     if lengths:
         ln = rng.integers(1, steps + 1, n)
         ln[0], ln[-1] = 1, steps
-    run = reference.run if dirs == 1 else reference.run_bidirectional
-    ref_y, ref_states = run(cell, x, weights, initial, ln)
+    if module.layers > 1:
+        ref_y, ref_states = _run_layers(cell, module.layers, x, weights, initial, ln)
+    else:
+        run = reference.run if module.directions == 1 else reference.run_bidirectional
+        ref_y, ref_states = run(cell, x, weights, initial, ln)
     extra = {} if ln is None else {"lengths": to_array(ln)}
     y, finals = module(to_array(x.astype(dt)), {k: to_array(v.astype(dt)) for k, v in
                                                  weights.items()},
@@ -67,14 +66,9 @@ def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True, entry=No
     (weights packed once, or passed as arrays each call) give the first run's y bit for bit:
     a race between blocks shows as run-to-run differences. ``entry``: the schedule the packed
     weights must run ("persistent" or "sequence")."""
-    from conftest import random_weights
 
     dt = module.dtype
-    w = {}
-    for suffix in ("", "_reverse")[:module.directions]:
-        w.update({k + suffix: v.astype(dt) for k, v in random_weights(
-            rng, rnncc.cells.get(module.cell).gates, module.input_size,
-            module.hidden_size).items()})
+    w = _random_weights(module, rng)
     x = rng.standard_normal((steps, module.batch, module.input_size)).astype(dt)
     weights = module.pack(w) if pack else w
     if entry is not None:
@@ -82,6 +76,32 @@ def check_repeats_exactly(module, rng, steps=61, repeats=20, pack=True, entry=No
     first = module(x, weights)[0]
     for _ in range(repeats):
         np.testing.assert_array_equal(module(x, weights)[0], first)
+
+
+def _random_weights(module, rng) -> dict:
+    """Fresh weights of every direction (``_l0``, ``_l0_reverse``) or layer (``_l{k}``) of
+    ``module``, in its dtype."""
+    from conftest import random_weights
+
+    gates = rnncc.cells.get(module.cell).gates
+    tags = ([f"_l{k}" for k in range(module.layers)] if module.layers > 1
+            else ["_l0", "_l0_reverse"][:module.directions])
+    return {k.replace("_l0", tag): v.astype(module.dtype) for tag in tags
+            for k, v in random_weights(rng, gates, module.input_size,
+                                       module.hidden_size).items()}
+
+
+def _run_layers(cell, layers, x, weights, initial, lengths):
+    """The float64 reference of ``layers`` stacked layers: each takes the one below's y."""
+    finals = {s: [] for s in cell.states}
+    for k in range(layers):
+        own = {name: w for name, w in weights.items() if name.endswith(f"_l{k}")}
+        x, states = reference.run(cell, x, {n.replace(f"_l{k}", "_l0"): w
+                                            for n, w in own.items()},
+                                  {s: v[k:k + 1] for s, v in initial.items()}, lengths)
+        for s in cell.states:
+            finals[s].append(states[s])
+    return x, {s: np.concatenate(v) for s, v in finals.items()}
 
 
 def _host(a):

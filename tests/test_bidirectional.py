@@ -56,7 +56,7 @@ def test_bidirectional_weights_are_checked(rng):
         module(np.zeros((2, 1, 2), "float32"), forward)
     both = {**forward, **{k + "_reverse": v for k, v in forward.items()}}
     del both["bias_hh_l0_reverse"], both["bias_ih_l0_reverse"]
-    with pytest.raises(InputError, match="biases of both directions or of neither"):
+    with pytest.raises(InputError, match="biases of all directions or of none"):
         module(np.zeros((2, 1, 2), "float32"), both)
     with pytest.raises(InputError, match=r"h0 has shape \[1, 1, 3\], expected \[2, 1, 3\]"):
         module(np.zeros((2, 1, 2), "float32"), {**forward, **{

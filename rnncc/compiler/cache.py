@@ -60,7 +60,7 @@ def _key(cell_id: str, config: dict) -> str:
 
 def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
              target: str = "cuda", arch: str | None = None, lengths: bool = False,
-             directions: int = 1, **options):
+             directions: int = 1, layers: int = 1, **options):
     """The :class:`rnncc.Module` for this configuration: from this process's memory, the disk
     cache, or compiled now (and then cached). ``options`` go to
     :func:`rnncc.compiler.compile_module`."""
@@ -72,7 +72,7 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     gpu = local_gpu() if target == "cuda" else None
     config = {"input_size": input_size, "hidden_size": hidden_size, "batch": batch,
               "dtype": dtype, "target": target, "arch": arch, "lengths": lengths,
-              "directions": directions,
+              "directions": directions, "layers": layers,
               "gpu": gpu[1] if gpu else None, "options": options}
     cell_id = _cell_identity(cell)
     key = None if cell_id is None else _key(cell_id, config)
@@ -80,8 +80,8 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     if memo in _loaded:
         return _loaded[memo]
     path = None if key is None else os.path.join(
-        cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_d{directions}_{dtype}_"
-                     f"{target}_{key}.so")
+        cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_d{directions}_"
+                     f"l{layers}_{dtype}_{target}_{key}.so")
     module = None
     if path is not None and os.path.isfile(path):
         try:
@@ -92,7 +92,7 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
         start = time.monotonic()
         module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
                                 target=target, arch=arch, lengths=lengths,
-                                directions=directions, **options)
+                                directions=directions, layers=layers, **options)
         seconds = time.monotonic() - start
         if path is not None:
             _store(module, path)

@@ -53,6 +53,11 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
     """(plan or None, why not) for the persistent kernel."""
     from ..schedules import persistent
 
+    if problem.layers > 1 and (opts.persistent == "off" or tspec.kind != "cuda"
+                               or not opts.all_optimisations):
+        raise ConfigError(_wavefront_only(problem, "that needs the cuda target with "
+                                          "persistent, input_gemm, gate_gemm and "
+                                          "fuse_pointwise on"))
     if opts.persistent == "off":
         return None, "persistent=off"
     if tspec.kind != "cuda":
@@ -68,16 +73,24 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
     try:
         return persistent.knobs.plan_for(problem, gpu, knobs, reg_margin, tight), gpu
     except persistent.Unfit as err:
+        if problem.layers > 1:
+            raise ConfigError(_wavefront_only(problem, str(err))) from err
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {err}") from err
         return None, str(err)
+
+
+def _wavefront_only(problem: Problem, why: str) -> str:
+    return (f"{problem.describe()} runs only as the persistent wavefront kernel, and {why}; "
+            "run its layers as modules of one layer each (rnncc.nn does so where the wavefront "
+            "does not fit)")
 
 
 def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    dtype: str = "float32", target: str = "cuda", arch: str | None = None,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
                    gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
-                   directions: int = 1, **options) -> Module:
+                   directions: int = 1, layers: int = 1, **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
@@ -91,15 +104,16 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     "h200"; default: this machine's GPU, if it has one), whose logs apply; ``tuning`` is "auto"
     (the matching log, if any), "off", or the path of one log directory. The metadata's
     "tuning" entry names the log used and what it applied. ``lengths``: the module takes each
-    sample's length at run time; ``directions=2``: a bidirectional layer (see
-    :class:`rnncc.spec.Problem`).
+    sample's length at run time; ``directions=2``: a bidirectional layer; ``layers`` L > 1: a
+    stack of L unidirectional layers of input size H, run as one persistent wavefront (see
+    :class:`rnncc.spec.Problem`; a ConfigError where it does not fit).
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths,
-                      directions)
+                      directions, layers)
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)
@@ -126,13 +140,13 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
         spills = _persistent_spills(module)
         if not spills:
             return module
-        if plan.input_steps and not knobs.get("input_steps"):  # before the loop instead
+        if layers == 1 and plan.input_steps and not knobs.get("input_steps"):  # before the loop
             notes.append(f"persistent plan with its input projection overlapped ("
                          f"{plan.input_steps} steps a group) spilled ({spills}); built with it "
                          "before the time loop")
             knobs = {**knobs, "input_steps": 0}
             continue
-        if plan.fused:  # the same plan with the separate input GEMM first
+        if layers == 1 and plan.fused:  # the same plan with the separate input GEMM first
             notes.append(f"persistent plan with its input projection fused ({plan.input_rows} "
                          f"rows a group) spilled ({spills}); built with the input GEMM")
             knobs = {k: v for k, v in knobs.items() if k != "input_steps"} | {"input_rows": 0}
@@ -148,6 +162,9 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
             margin += 24
     why = (f"the persistent kernel for {problem.describe()} spills registers with every plan "
            f"that fits (reg_margin {plan.reg_margin})")
+    if layers > 1:
+        raise BuildError(_wavefront_only(problem, f"its kernel spills registers with every plan "
+                                         f"that fits (reg_margin {plan.reg_margin})"))
     if opts.persistent == "on":
         raise BuildError(why)
     return _build(problem, opts, tspec, None, why, notes, applied)
@@ -229,6 +246,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
         "dtype": problem.dtype,
         "lengths": problem.lengths,
         "directions": problem.directions,
+        "layers": problem.layers,
         "target": tspec.as_dict(),
         "schedule": {
             "kind": "persistent" if plan is not None else "sequence",

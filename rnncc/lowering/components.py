@@ -286,6 +286,14 @@ def reverse_steps(batch: int, width: int, dtype: str, t_len, lengths: bool) -> t
     return te.create_prim_func([a, *([given] if lengths else []), out])
 
 
+def copy_steps(batch: int, width: int, dtype: str, t_len) -> tirx.PrimFunc:
+    """``out[t, n, f] = a[t, n, f]``, a and out [T, N, F] (F = ``width``): a layer's outputs out
+    of the wavefront's stacked ones."""
+    a = te.placeholder((t_len, i64(batch), i64(width)), dtype, "a")
+    out = te.compute((t_len, i64(batch), i64(width)), lambda t, n, f: a[t, n, f], name="copied")
+    return te.create_prim_func([a, out])
+
+
 def concat(count: int, width: int, dtype: str) -> tirx.PrimFunc:
     """``count`` vectors [W] one after another in one [count*W] (the directions' biases)."""
     ins = [te.placeholder((i64(width),), dtype, f"in{i}") for i in range(count)]

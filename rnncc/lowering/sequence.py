@@ -111,28 +111,28 @@ class _Builder:
         shape = tuple(int(d) for d in func.params[1].shape)
         func = self.scheduled(rule_key or name, func, "elementwise")
         sig = []
-        srcs = [self.param(sig, f"weight_{which}_l0{_SUFFIX[d]}", (g * h, k), "input")
-                for d in range(p.directions)]
-        dst = self.param(sig, f"w_{which}", (p.directions * shape[0], *shape[1:]), "output")
-        if p.directions == 1:
+        tags = _grid_tags(p)
+        srcs = [self.param(sig, f"weight_{which}_{tag}", (g * h, k), "input") for tag in tags]
+        dst = self.param(sig, f"w_{which}", (len(tags) * shape[0], *shape[1:]), "output")
+        if len(tags) == 1:
             self.add(name, standalone_function(name, _rename_params(func, [*srcs, dst])), sig)
             return
-        stages = [Stage(f"{name}{_SUFFIX[d]}", func, [Region(src, (ALL, ALL)), Region(
+        stages = [Stage(f"{name}_{tags[d]}", func, [Region(src, (ALL, ALL)), Region(
             dst, (slice(d * shape[0], (d + 1) * shape[0]),) + (ALL,) * (len(shape) - 1))], 1)
             for d, src in enumerate(srcs)]
         self.add(name, sequence_function(name, [*srcs, dst], stages, None, None, []), sig)
 
     def pack_biases(self):
-        """With two directions, the entry that puts both directions' biases side by side:
-        b_ih and b_hh [D*G*H]."""
+        """With two directions or layers, the entry that puts their biases side by side:
+        b_ih and b_hh [D*G*H] (or [L*G*H])."""
         p = self.p
-        gh = p.gates * p.hidden_size
-        func = self.scheduled("pack_biases", comp.concat(p.directions, gh, p.dtype),
+        gh, tags = p.gates * p.hidden_size, _grid_tags(p)
+        func = self.scheduled("pack_biases", comp.concat(len(tags), gh, p.dtype),
                               "elementwise")
         sig = []
-        srcs = {which: [self.param(sig, f"bias_{which}_l0{_SUFFIX[d]}", (gh,), "input")
-                        for d in range(p.directions)] for which in ("ih", "hh")}
-        dsts = {which: self.param(sig, f"b_{which}", (p.directions * gh,), "output")
+        srcs = {which: [self.param(sig, f"bias_{which}_{tag}", (gh,), "input") for tag in tags]
+                for which in ("ih", "hh")}
+        dsts = {which: self.param(sig, f"b_{which}", (len(tags) * gh,), "output")
                 for which in ("ih", "hh")}
         stages = [Stage(f"pack_b_{which}", func, [Region(b, (ALL,)) for b in srcs[which]]
                         + [Region(dsts[which], (ALL,))], 1) for which in ("ih", "hh")]
@@ -146,7 +146,7 @@ class _Builder:
         weights stacked along their first dimension, the biases [D*G*H], the states [D, N, H]
         and y [T, N, D*H]."""
         p, layout = self.p, self.layout
-        n, c, h, g, d = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
+        n, c, h, g, d = p.batch, p.input_size, p.hidden_size, p.gates, len(_grid_tags(p))
 
         def stacked(shape):
             return (d * shape[0], *shape[1:])
@@ -159,7 +159,7 @@ class _Builder:
         b_hh = self.param(sig, "b_hh", (d * g * h,), "input")
         s0 = [self.param(sig, f"{s}0", (d, n, h), "input") for s in p.cell.states]
         lengths = self.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
-        y = self.param(sig, "y", (t_len, n, d * h), "output")
+        y = self.param(sig, "y", (t_len, n, p.directions * h), "output")
         sn = [self.param(sig, f"{s}_n", (d, n, h), "output") for s in p.cell.states]
         return x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn
 
@@ -325,17 +325,23 @@ class _Builder:
     def persistent_entry(self, plan):
         """The persistent entry: the input GEMM of all steps (both directions' at once), then
         the kernel. With two directions the states and the tagged h are [2, D*N, H] (direction
-        d's sample n at row d*N + n) and the kernel runs the reverse direction backwards."""
+        d's sample n at row d*N + n) and the kernel runs the reverse direction backwards. With
+        L layers (a wavefront) the same with L for D, every layer's y in a workspace [T, N,
+        L*H] whose last H columns are copied to y at the end."""
         from ..schedules.persistent import buffers, kernel
         from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
         p = self.p
-        n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
+        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        tags, layers = _grid_tags(p), p.layers
+        dirs = len(tags)  # the grids: D directions or L layers
         self.pack("persistent_pack_w_hh", "hh", h,
                   comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
+        if layers > 1:
+            self.pack_biases()
         w_ih_shape = None
         if plan.fused:  # W_ih packed for the kernel too (planner: "Fused input projection")
-            w_ih_shape = buffers.input_weight_shape(plan, g)
+            w_ih_shape = (plan.group_blocks, *buffers.input_weight_shape(plan, g)[1:])
             self.pack("persistent_pack_w_ih", "ih", c,
                       comp.pack_fused_input(g, h, c, w_ih_shape, plan, p.dtype),
                       "persistent_pack_w_ih")
@@ -345,20 +351,20 @@ class _Builder:
         x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(sig, t_len, w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         chunk = 1 if plan.fused else self.layout.chunk
-        xp_shape = (t_len, n, g * h) if plan.fused else self.layout.projections_shape(
+        xp_shape = (t_len, n, dirs * g * h) if plan.fused else self.layout.projections_shape(
             t_len, n, dirs * g, h)
         xp = self.param(sig, "xp", xp_shape, "workspace", acc)
         rows = dirs * n
         sw = [self.param(sig, f"{s}_ws", (2, rows, h), "workspace", acc) for s in p.cell.states]
 
-        def of(d):  # direction d's rows of the states
+        def of(d):  # grid d's rows of the states
             return slice(d * n, (d + 1) * n) if dirs > 1 else ALL
 
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, EMPTY_TAG),
                                   "elementwise")
-            sync_stages = [Stage(f"init_tagged{_SUFFIX[d]}", init, [
+            sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
                 Region(s0[0], (d, ALL, ALL)), Region(sync, (ALL, of(d), ALL))], 1)
                 for d in range(dirs)]
         else:
@@ -368,7 +374,7 @@ class _Builder:
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
         prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
                                      [Region(s, (0, of(d), ALL)) for s in sw],
-                                     f"init_states{_SUFFIX[d]}") for d in range(dirs)]
+                                     f"init_states_{tags[d]}") for d in range(dirs)]
         views = []
         recurrent = [Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,))]
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
@@ -386,23 +392,47 @@ class _Builder:
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c,
                                lengths=lengths is not None)
         self.lowered.rules["persistent"] = f"persistent.{plan.sync}" + (
-            "+input" if plan.fused else "")
-        outputs = [Region(y, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
-        outputs.append(Region(sync, (ALL,) * len(sync.shape)))
+            "+input" if plan.fused else "") + ("+wavefront" if layers > 1 else "")
+        stacked, more = y, []
+        if layers > 1:  # every layer's y, and the layers' progress counters
+            stacked = self.param(sig, "y_layers", (t_len, n, layers * h), "workspace")
+            progress = self.param(sig, "progress", (layers * plan.batch_groups,), "workspace",
+                                  "uint32")
+            zero = self.scheduled("zero_progress", comp.zero_counter(
+                layers * plan.batch_groups), "elementwise")
+            prologue.append(Stage("zero_progress", zero, [Region(progress, (ALL,))], 1))
+            more = [progress]
+        outputs = [Region(stacked, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
+        outputs += [Region(b, (ALL,) * len(b.shape)) for b in (sync, *more)]
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, (final, of(d), ALL)) for s in sw],
                                      [Region(s, (d, ALL, ALL)) for s in sn],
-                                     f"final_states{_SUFFIX[d]}") for d in range(dirs)]
+                                     f"final_states_{tags[d]}") for d in range(dirs)]
+        if layers > 1:
+            func = self.scheduled("last_layer", comp.copy_steps(n, h, p.dtype, t_len),
+                                  "elementwise")
+            epilogue.append(Stage("last_layer", func, [
+                Region(stacked, (ALL, ALL, slice((layers - 1) * h, layers * h))),
+                Region(y, (ALL,) * 3)], 1))
         given = [lengths] if lengths is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, *sw, sync]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, *sw, sync,
+                  *([stacked] if layers > 1 else []), *more]
         self.add("persistent_forward", sequence_function(
             "persistent_forward", params, prologue, None, None, [], epilogue, views), sig)
 
 
 #: Suffix of direction d's weights (torch's names) and stages.
 _SUFFIX = ("", "_reverse")
+
+
+def _grid_tags(p: Problem) -> list[str]:
+    """What torch's weight names end with, a grid of the persistent kernel each: "l0" and
+    "l0_reverse" for the directions, or "l0" .. "l{L-1}" for the layers."""
+    if p.layers > 1:
+        return [f"l{k}" for k in range(p.layers)]
+    return [f"l0{_SUFFIX[d]}" for d in range(p.directions)]
 
 
 def _named(stages: list, suffix: str) -> list:
@@ -416,7 +446,8 @@ def build(problem: Problem, options: Options, target, persistent_plan=None,
     plan is given (CUDA only; its input GEMM always runs over all steps at once). ``database``:
     a MetaSchedule database whose records schedule the components they match."""
     builder = _Builder(problem, options, target, database)
-    builder.sequence_entry()
+    if problem.layers == 1:  # a wavefront of layers runs only as the persistent kernel
+        builder.sequence_entry()
     if persistent_plan is not None:
         builder.persistent_entry(persistent_plan)
     return builder.lowered

@@ -111,7 +111,7 @@ class Recurrent(torch.nn.Module):
 
     def _run(self, x, states, lengths, weights, training):
         """The network on ``x`` [T, N, C]: y and the list of final states (the op's body)."""
-        between = self._between if training else None
+        between = self._between if training and self.dropout else None
         return self._network(x).run(x, states, lengths,
                                     lambda layer, d: self._layer_weights(layer, d, weights),
                                     between)

@@ -11,6 +11,12 @@ that kernel does not fit (at large batches, where one direction takes all the GP
 groups), each direction runs a module of its own in turn, the reverse one on each sample's
 steps reversed (``x[lengths[n] - 1 - t, n]``, and its outputs back).
 
+Stacked unidirectional layers run as a wavefront on CUDA (a module of several layers,
+``layers=L``: one persistent launch, layer l at step t while layer l - 1 runs a few steps
+ahead): all the layers where C = H, else the layers above the first; where that kernel does
+not fit or cannot run on the device, and while dropout acts between layers (training), the
+layers run in turn.
+
 A module is compiled for a batch bucket, the next power of two of N: the rows past N are
 padded (zero inputs and states, length 1) and dropped from the results, so that a module
 serves every batch up to its bucket. With lengths, the modules take them (``lengths=True``): a
@@ -49,6 +55,7 @@ class Network:
         self.layout, self.target, self.arch = layout, target, arch
         self._packed: dict = {}
         self._modules: dict = {}
+        self._waves: dict = {}
 
     def run(self, x, states, lengths, weights, between=None):
         """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of the network on
@@ -62,7 +69,15 @@ class Network:
         dirs = lay.directions
         finals = [[] for _ in states]
         layer_input = x
+        wave = None if between is not None else self._wavefront(x, lengths)
         for layer in range(lay.layers):
+            if wave is not None and layer >= wave[0]:
+                if layer == wave[0]:
+                    layer_input, ends = self._run_wavefront(wave, layer_input, states, lengths,
+                                                            weights)
+                    for k, end in enumerate(ends):
+                        finals[k].append(end)
+                continue
             own = slice(layer * dirs, (layer + 1) * dirs)
             layer_input, ends = self._layer(layer, layer_input, [s[own] for s in states],
                                             lengths, weights)
@@ -71,6 +86,41 @@ class Network:
             if between is not None and layer < lay.layers - 1:
                 layer_input = between(layer_input)
         return layer_input.contiguous(), [torch.cat(f) for f in finals]
+
+    def _wavefront(self, x, lengths):
+        """(first layer, module) of the wavefront that runs the layers from the first on, or
+        None where the layers run in turn (see the module docstring)."""
+        from ..compiler import cache
+        from ..errors import BuildError, ConfigError, InputError
+        from ..runtime.arrays import family_of
+
+        lay = self.layout
+        first = 0 if lay.input_size == lay.hidden_size else 1
+        count = lay.layers - first
+        if self.target != "cuda" or lay.directions != 1 or count < 2:
+            return None
+        key = (bucket(x.shape[1]), _dtype_name(x.dtype), lengths is not None, count)
+        if key not in self._waves:
+            try:
+                module = cache.compiled(self.layout.cell, lay.hidden_size, lay.hidden_size,
+                                        key[0], dtype=key[1], target=self.target,
+                                        arch=self.arch, lengths=key[2], layers=count)
+                module.entry_for(family_of(x, "cuda"))  # its grid runs on this device
+            except (ConfigError, BuildError, InputError):
+                module = None
+            self._waves[key] = module
+        return None if self._waves[key] is None else (first, self._waves[key])
+
+    def _run_wavefront(self, wave, x, states, lengths, weights):
+        """The layers from ``wave``'s first on, in its module: y [T, N, H] and their final
+        states ([L - first, N, H] each)."""
+        first, module = wave
+        given = {}
+        for layer in range(first, self.layout.layers):
+            given.update({name.replace("_l0", f"_l{layer - first}"): w
+                          for name, w in weights(layer, 0).items()})
+        return self._run(module, ("wavefront", first), x, [s[first:] for s in states],
+                         lengths, given)
 
     def _layer(self, layer, x, states, lengths, weights):
         """One layer, all its directions: y [T, N, D*H] and its final states ([D, N, H]

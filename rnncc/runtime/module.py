@@ -1,4 +1,5 @@
-"""A compiled rnncc module: one recurrent layer, called like ``torch.nn.LSTM/GRU/RNN``.
+"""A compiled rnncc module: one recurrent layer (or a wavefront of layers), called like
+``torch.nn.LSTM/GRU/RNN``.
 
     y, (h_n, c_n) = m(x, weights, h0=None, c0=None)   # cells with states h and c (LSTM)
     y, h_n = m(x, weights, h0=None)                    # cells with one state (GRU, RNN)
@@ -11,7 +12,8 @@ PyTorch's names (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih
 ``bias_hh_l0`` [G*H], and the same with ``_reverse`` for a bidirectional module; a
 ``state_dict()`` of a one-layer torch module works as it is, and so does the torch module
 itself), or the result of :meth:`Module.pack`, which lays the weights out for the kernels once
-and keeps them on the device.
+and keeps them on the device. A module of L > 1 layers (``layers=L``: unidirectional, C = H)
+takes ``weight_ih_l{k}`` ... for k < L, states [L, N, H], and gives the last layer's y [T, N, H].
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class Module:
         self._entries: dict = {}
         self._key = (f"{metadata['cell']} C={metadata['input_size']} H={metadata['hidden_size']} "
                      f"N={metadata['batch']} {metadata['dtype']} {metadata['target']['kind']}"
-                     + (" bidirectional" if metadata.get("directions", 1) == 2 else ""))
+                     + (" bidirectional" if metadata.get("directions", 1) == 2 else "")
+                     + (f" {metadata['layers']} layers" if metadata.get("layers", 1) > 1
+                        else ""))
         if owned_dir is not None:  # a freshly compiled module owns its temporary file
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
 
@@ -106,9 +110,21 @@ class Module:
         return int(self.metadata.get("directions", 1))
 
     @property
+    def layers(self) -> int:
+        """L: the layers of a wavefront module (``layers=L``), else 1."""
+        return int(self.metadata.get("layers", 1))
+
+    @property
     def weight_names(self) -> tuple[str, ...]:
         """The weights the module takes, by PyTorch's names."""
-        return WEIGHTS + (REVERSE if self.directions == 2 else ())
+        return sum(self._weight_groups(), ())
+
+    def _weight_groups(self) -> list[tuple[str, ...]]:
+        """The weights of each direction, or of each layer."""
+        if self.layers > 1:
+            return [tuple(name.replace("_l0", f"_l{k}") for name in WEIGHTS)
+                    for k in range(self.layers)]
+        return [WEIGHTS, REVERSE][:self.directions]
 
     @property
     def target(self) -> str:
@@ -176,6 +192,9 @@ class Module:
                                                    key[1])
                 if why is None:
                     self._entries[key] = "persistent"
+                elif "forward" not in self.metadata["functions"]:
+                    raise InputError(f"this module ({self._key}) runs only as its persistent "
+                                     f"kernel, and {why}")
                 else:
                     warn(f"rnncc: {why}; this module runs its non-persistent schedule "
                                   f"on {family.describe_device()}")
@@ -198,10 +217,12 @@ class Module:
         unexpected = sorted(keys - set(names))
         if unexpected:
             what = ("one bidirectional layer" if self.directions == 2
+                    else f"{self.layers} unidirectional layers" if self.layers > 1
                     else "one unidirectional layer")
             raise InputError(f"unexpected weights {unexpected}: this module is {what} and "
                              f"takes {', '.join(names)}")
-        for group in (WEIGHTS, REVERSE)[:self.directions]:
+        groups = self._weight_groups()
+        for group in groups:
             missing = [k for k in group[:2] if k not in keys]
             biases = [k for k in group[2:] if k in keys]
             if missing:
@@ -210,9 +231,10 @@ class Module:
                 other = ({*group[2:]} - {*biases}).pop()
                 raise InputError(f"missing weight {other!r}: pass both biases or neither "
                                  "(neither means zero biases)")
-        if self.directions == 2 and ("bias_ih_l0" in keys) != ("bias_ih_l0_reverse" in keys):
-            raise InputError("pass the biases of both directions or of neither (neither means "
-                             "zero biases)")
+        if len({group[2] in keys for group in groups}) > 1:
+            what = "layers" if self.layers > 1 else "directions"
+            raise InputError(f"pass the biases of all {what} or of none (none means zero "
+                             "biases)")
         return dict(weights)
 
     def pack(self, weights, device: str | None = None, entry: str | None = None
@@ -224,7 +246,7 @@ class Module:
         weights = self._weights_mapping(weights)
         if isinstance(weights, PackedWeights):
             return weights
-        family = self._family_for(weights["weight_ih_l0"], device)
+        family = self._family_for(weights[self.weight_names[0]], device)
         chosen = self.entry_for(family)
         if entry is not None:
             if entry not in ("sequence", "persistent"):
@@ -272,7 +294,7 @@ class Module:
             if name.startswith("bias_") and name not in weights:
                 arr, zeros[name] = family.zeros([gh], dtype)
                 keep.append(arr)
-        if self.directions == 2:
+        if len(self._weight_groups()) > 1:
             run("pack_biases", zeros)
             return PackedWeights(self, family, entry, tensors, keep)
         for which in ("ih", "hh"):

@@ -22,11 +22,12 @@ from .stages import exchange
 
 
 def input_weight_shape(p: Plan, gates: int) -> tuple:
-    """Shape of W_ih packed for a fused input projection: [B, KC, RL, 8, VEC], block b, chunk c,
+    """Shape of W_ih packed for a fused input projection: [B, KC, RL, 8, VEC] (B: the blocks of
+    one batch group; with L layers, L*B, layer l's at l*B), block b, chunk c,
     row q of the lane's RL, row group rg, element v holding W_ih[g*H + j, c*VEC + v] with
     r = rg*RL + q, g = r // U and j = b*U + r % U (zero outside)."""
     rl = planner.fused_row_split(p, gates)
-    return (p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
+    return (p.layers * p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
 
 
 def parameters(spec: KernelSpec) -> SimpleNamespace:
@@ -38,16 +39,20 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     first), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
     group. T is the symbolic length ``T_len``. With D = 2 directions (planner: "Directions"),
     both directions side by side: xp [T,N,D*G*H], W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y
-    [T,N,D*H], the states and the tagged h [2,D*N,H], the counters [D*NG]."""
+    [T,N,D*H], the states and the tagged h [2,D*N,H], the counters [D*NG]. With L layers
+    (planner: "Layers as a wavefront") the same with L for D (W_ih and b_ih too; y holds every
+    layer's outputs, and layer l > 0 reads layer l - 1's as its x), and last the layers'
+    progress counters ``prog`` [L*NG] uint32."""
     p, dt, n = spec.plan, spec.dtype, spec.batch
-    d, gh, rows = spec.directions, spec.directions * spec.gate_rows, spec.state_rows
+    d, gh, rows = spec.grids, spec.grids * spec.gate_rows, spec.state_rows
     names = ["x", "wi", "bi", "w", "b", "xp"] if p.fused else ["xp", "w", "b"]
     names += ["len"] if spec.lengths else []
     names += ["y"] + [f"s{k}" for k in range(spec.states)] + ["hw" if spec.tagged else "cnt"]
+    names += ["prog"] if spec.layers > 1 else []
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
     out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, lengths=None, hw=None,
-                          cnt=None)
+                          cnt=None, prog=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -58,7 +63,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     if p.fused:
         match("x", "x", (t_len, n, spec.input_size), dt)
         match("wi", "wi", input_weight_shape(p, spec.gates), dt)
-        match("b_ih", "bi", (spec.gate_rows,), dt)
+        match("b_ih", "bi", (spec.layers * spec.gate_rows,), dt)
     if spec.chunk == 1:
         match("xp", "xp", (t_len, n, gh), "float32")
     else:
@@ -75,6 +80,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
     else:
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
+    if spec.layers > 1:
+        match("prog", "prog", (d * p.batch_groups,), "uint32")
     return out
 
 
@@ -151,11 +158,13 @@ def _fused(spec: KernelSpec, alloc) -> int:
 
 
 def projection(params: SimpleNamespace, chips: SimpleNamespace) -> SimpleNamespace:
-    """The fused input projection's buffers: x, W_ih (``wi``, packed; ``w_ih`` its rows in
+    """The fused input projection's buffers: x (with layers, y and the progress counters:
+    layer l > 0 reads layer l - 1's outputs), W_ih (``wi``, packed; ``w_ih`` its rows in
     shared memory: ``wis``, or ``wsm`` in slabs), b_ih, xp; x's staged rows (``x_staged``:
     ``xsl`` overlapped, else ``hs``), the warps' sums (``hs``) and its registers."""
     return SimpleNamespace(
-        x=params.x, wi=params.wi, b_ih=params.b_ih, xp=params.xp, hs=chips.hs,
+        x=params.x, y=params.y, prog=params.prog, wi=params.wi, b_ih=params.b_ih, xp=params.xp,
+        hs=chips.hs,
         w_ih=chips.wis if chips.wis is not None else chips.wsm, xsl=chips.xsl,
         x_staged=chips.xsl if chips.xsl is not None else chips.hs, pacc=chips.pacc,
         xv=chips.xv, wq=chips.wq, xs=chips.xs)

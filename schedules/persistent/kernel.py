@@ -23,6 +23,9 @@ need one of their own). Every variant waits on other blocks, so the launch is co
 blocks resident, or the driver refuses the launch (never a hang). With batch groups (planner:
 "Batch groups") block bx holds the weights of block bx % (B/NG) and runs batch rows
 bx // (B/NG) * N/NG + n: staging, the tagged words and the counter stay within its group.
+With layers (planner: "Layers as a wavefront") the grid is one grid a layer, and layer l > 0
+reads layer l - 1's y as its x, a group of steps once the layer below has written them
+(``wavefront``).
 
 A new per-step operation is a stage: a file in :mod:`.stages` with its macros, its buffers in
 :mod:`.buffers` if it needs any, and a call in the skeleton where it runs.
@@ -38,7 +41,15 @@ from . import buffers
 from .planner import Plan
 from .spec import KernelSpec
 from .stages import cell as cell_stage
-from .stages import cuda_cores, exchange, input_projection, reduction, tensor_cores, weights
+from .stages import (
+    cuda_cores,
+    exchange,
+    input_projection,
+    reduction,
+    tensor_cores,
+    wavefront,
+    weights,
+)
 
 
 @T.macro
@@ -103,6 +114,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)
+                            wavefront.publish(spec, g.prog, bx, tx)
                             input_projection.in_loop(spec, io, t, g.T_len, warp, lane, bx, tx)
                             exchange.wait(spec, g.cnt, t, bx, tx)
                         else:

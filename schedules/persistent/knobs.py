@@ -102,7 +102,7 @@ class _Request:
                              len(p.cell.states), max_blocks=k.get("max_blocks"),
                              reg_margin=margin, warps=k.get("warps"), stream=stream,
                              batch_groups=k.get("batch_groups"),
-                             directions=p.directions)
+                             directions=p.directions, layers=p.layers)
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
 
 
@@ -126,7 +126,8 @@ def weights_on_chip(request: _Request, reg_margin: int, tight: bool) -> Plan:
     tries = [(reg_margin, False)]
     if tight and "reg_margin" not in request.knobs and reg_margin > 0:
         tries.append((0, False))
-    if request.knobs.get("batch_groups") in (None, 1) and request.problem.directions == 1:
+    if (request.knobs.get("batch_groups") in (None, 1) and request.problem.directions == 1
+            and request.problem.layers == 1):
         tries.append((reg_margin, True))
     for margin, stream in tries[:-1]:
         try:
@@ -142,6 +143,8 @@ def input_projection(request: _Request, found: Plan) -> Plan:
     (in slabs only at small batches); else the separate GEMM."""
     problem, knobs = request.problem, request.knobs
     rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
+    if problem.layers > 1:
+        return _wavefront(request, found, rows, steps)
     if problem.directions > 1:
         if rows or steps:
             raise Unfit(f"input_rows={rows} input_steps={steps}: a bidirectional layer's "
@@ -168,6 +171,24 @@ def input_projection(request: _Request, found: Plan) -> Plan:
                 and problem.batch > FUSE_SLAB_MAX_BATCH):
             fused = None
     return fused or found
+
+
+def _wavefront(request: _Request, found: Plan, rows, steps) -> Plan:
+    """A wavefront of layers: every layer's input projection overlapped with its time loop,
+    ``steps`` a group (default: the first of :func:`.planner.wavefront_steps` that fits)."""
+    if rows:
+        raise Unfit(f"input_rows={rows}: the layers of a wavefront compute their input "
+                    "projections overlapped with the time loop (give input_steps, or neither)")
+    local = request.problem.batch // found.batch_groups
+    overlapped = None
+    for tried in [steps] if steps else planner.wavefront_steps(local):
+        overlapped = overlapped or _overlapped(request, found, tried)
+    if overlapped is None:
+        raise Unfit(f"a wavefront of {request.problem.layers} layers needs each layer's input "
+                    "projection overlapped with its time loop (float32, W_ih's rows, the "
+                    f"accumulators and x's slabs on-chip next to W_hh, on "
+                    f"{found.blocks // found.grids} blocks a layer), and it does not fit")
+    return overlapped
 
 
 def _overlapped(request: _Request, found: Plan, steps: int | None = None) -> Plan | None:

@@ -64,6 +64,16 @@ len - 1 - t (T - 1 - t without lengths). The two recurrences never wait for each
 step costs what one direction's does, not two. No fused input projection or streaming (the
 input projections of both directions are one GEMM before the launch).
 
+Layers as a wavefront (``layers`` L > 1, a stack of unidirectional layers whose input size is
+their hidden size): the grid is L grids side by side, one a layer, each planned as the layer
+alone would be on an L-th of the multiprocessors, with its own weights, h exchange and
+barrier. Layer l > 0 computes its input projections itself, overlapped with its time loop
+(:func:`overlap_input`, S steps a group, as few as the batch allows), from layer l - 1's
+outputs: before it stages the rows of x of steps s .. s+S-1 it waits on layer l - 1's progress
+counter (each of its blocks counts every step it has written, one counter a batch group).
+So layer l runs step t while layer l - 1 runs a few steps ahead (about 2S + 1), and a stack of
+L layers costs about what one layer does, plus (L - 1)(2S + 1) steps.
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -136,12 +146,18 @@ class Plan:
     batch_groups: int = 1  # NG, groups of blocks a batch slice each (see "Batch groups")
     mma: bool = False  # products on tensor cores (see "Tensor cores")
     directions: int = 1  # D, one grid a direction side by side (see "Directions")
+    layers: int = 1  # L, one grid a layer side by side (see "Layers as a wavefront")
+
+    @property
+    def grids(self) -> int:
+        """Grids side by side: D directions, or L layers."""
+        return self.directions * self.layers
 
     @property
     def group_blocks(self) -> int:
-        """Blocks of one batch group of one direction (B / (D*NG)): the blocks one direction's
-        weights are packed for."""
-        return self.blocks // (self.batch_groups * self.directions)
+        """Blocks of one batch group of one grid (B / (D*L*NG)): the blocks one direction's or
+        one layer's weights are packed for."""
+        return self.blocks // (self.batch_groups * self.grids)
 
     @property
     def chunk_bytes(self) -> int:
@@ -308,6 +324,23 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
 OVERLAP_ROWS = 32
 
 
+#: Most steps, and most rows of x, a group of a wavefront's input projections takes: the layer
+#: above waits about 2S + 1 steps for the one below, and fewer steps a group read more of
+#: W_ih's rows from shared memory a step (all of them at S = 1). H200, LSTM 512, us a step, S =
+#: 1 / 2 / 3 / 4: 4 layers batch 4 6.65 / - / - / 5.80, 2 layers batch 4 - / 3.63 / - / 3.04,
+#: batch 8 4.70 / - / - / 4.09, batch 16 7.07 / - / 7.94 / -.
+WAVEFRONT_STEPS, WAVEFRONT_ROWS = 4, 32
+
+
+def wavefront_steps(batch: int) -> list[int]:
+    """The steps S a group a layer of a wavefront tries (a group of the batch's ``batch``
+    rows), best first: the most up to :data:`WAVEFRONT_STEPS` with S*N at most
+    :data:`WAVEFRONT_ROWS`, then fewer; S*N a multiple of the lanes' x groups."""
+    fits = [s for s in range(WAVEFRONT_STEPS, 0, -1) if s * batch % X_GROUPS == 0]
+    fits.sort(key=lambda s: s * batch > WAVEFRONT_ROWS)
+    return fits or [X_GROUPS // math.gcd(batch, X_GROUPS)]
+
+
 def overlap_steps(batch: int) -> int:
     """S for a group of the batch's ``batch`` rows: SN = S*N a multiple of the lanes' x
     groups, the largest not over :data:`OVERLAP_ROWS`, else the smallest over it."""
@@ -405,7 +438,7 @@ WARPS = (8, 16, 4)
 def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
-         directions: int = 1) -> Plan:
+         directions: int = 1, layers: int = 1) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -415,13 +448,14 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     of ``batch`` (see "Batch groups"; not with ``stream``), or None: up to :data:`MAX_BATCH`,
     the most groups whose weights fit in registers, else one; past it, the most groups that
     fit at all. ``directions``: D grids side by side (see "Directions"; not with ``stream``),
-    each of at most ``max_blocks`` blocks."""
+    each of at most ``max_blocks`` blocks; ``layers``: L grids side by side, one a layer (see
+    "Layers as a wavefront"; one direction, not with ``stream``)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
-        more = {"directions": directions}
+        more = {"directions": directions, "layers": layers}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
         if not stream and batch <= MAX_BATCH:
             for groups in divisors:
@@ -444,8 +478,11 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         return plan(*args, stream=stream, **more)
     if directions not in (1, 2):
         raise Unfit(f"directions must be 1 or 2, got {directions}")
-    if stream and directions > 1:
-        raise Unfit("a streaming plan runs one direction")
+    if layers < 1 or (layers > 1 and directions > 1):
+        raise Unfit(f"layers side by side run one direction each, got {layers} layers of "
+                    f"{directions} directions")
+    if stream and directions * layers > 1:
+        raise Unfit("a streaming plan runs one direction of one layer")
     if batch_groups < 1 or batch % batch_groups:
         raise Unfit(f"batch_groups must divide batch {batch}, got {batch_groups}")
     if stream and batch_groups > 1:
@@ -454,7 +491,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if local > MAX_BATCH:
         raise Unfit(f"batch {local}{' a group' if batch_groups > 1 else ''} is over the "
                     f"persistent kernel's {MAX_BATCH} (its accumulators live in registers)")
-    cap = min(gpu.sms // directions, max_blocks or gpu.sms) // batch_groups
+    grids = directions * layers
+    cap = min(gpu.sms // grids, max_blocks or gpu.sms) // batch_groups
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
         for wn in (warps,) if warps else WARPS:
@@ -467,12 +505,13 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.
         return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier",
-                       blocks=best.blocks * batch_groups * directions,
-                       batch_groups=batch_groups, directions=directions)
+                       blocks=best.blocks * batch_groups * grids,
+                       batch_groups=batch_groups, directions=directions, layers=layers)
     need = gates * hidden * hidden * elem / max(cap, 1)
     also = f", or than those and half the L2 ({gpu.l2_bytes // 2**21} MiB)" if stream else ""
     groups = f" ({batch_groups} batch groups)" if batch_groups > 1 else ""
     groups += f" (one of {directions} directions)" if directions > 1 else ""
+    groups += f" (one of {layers} layers)" if layers > 1 else ""
     raise Unfit(
         f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
         f"of {cap} multiprocessors of {gpu.name}{groups}, more than their registers and shared "

@@ -41,6 +41,10 @@ class KernelSpec:
         p = self.plan
         if p.fused and p.directions > 1:
             raise ValueError("a fused input projection runs one direction")
+        if p.layers > 1 and (not p.input_steps or self.input_size != self.hidden):
+            raise ValueError(
+                f"a wavefront of {p.layers} layers takes C = H and overlapped input projections, "
+                f"got C = {self.input_size}, H = {self.hidden}, input_steps {p.input_steps}")
         if p.fused and (self.chunk != 1 or self.input_size < 1
                         or (p.input_slab and not p.smem_chunks)):
             raise ValueError(
@@ -79,53 +83,81 @@ class KernelSpec:
         return self.plan.directions
 
     @property
+    def layers(self) -> int:
+        """L: grids side by side, one a layer (planner: "Layers as a wavefront")."""
+        return self.plan.layers
+
+    @property
+    def grids(self) -> int:
+        """D directions or L layers: grids side by side."""
+        return self.plan.grids
+
+    @property
     def state_rows(self) -> int:
-        """D*N: rows of the states and of the exchanged h (direction d's sample n at d*N + n)."""
-        return self.directions * self.batch
+        """D*N or L*N: rows of the states and of the exchanged h (grid d's sample n at
+        d*N + n)."""
+        return self.grids * self.batch
+
+    @property
+    def layer_blocks(self) -> int:
+        """Blocks of one grid (all its batch groups)."""
+        return self.plan.blocks // self.grids
 
     def _replica(self, bx):
-        """d*NG + g: block ``bx``'s direction and batch group as one index."""
+        """d*NG + g: block ``bx``'s grid and batch group as one index."""
         return bx // self.plan.group_blocks
+
+    def grid(self, bx):
+        """The grid block ``bx`` runs in: its direction, or its layer."""
+        return 0 if self.grids == 1 else bx // self.layer_blocks
 
     def direction(self, bx):
         """The direction block ``bx`` runs (0: forward, 1: reverse)."""
-        return 0 if self.directions == 1 else bx // (self.plan.blocks // self.directions)
+        return 0 if self.directions == 1 else self.grid(bx)
+
+    def layer(self, bx):
+        """The layer block ``bx`` runs (0: the first)."""
+        return 0 if self.layers == 1 else self.grid(bx)
 
     def place(self, bx):
         """Block ``bx``'s place in its grid (its hidden units are place*U ...)."""
-        replicas = self.plan.batch_groups * self.directions
+        replicas = self.plan.batch_groups * self.grids
         return bx if replicas == 1 else bx % self.plan.group_blocks
 
     def weights_of(self, bx):
-        """The block of packed weights block ``bx`` holds (its place, in its direction's)."""
-        if self.directions == 1:
+        """The block of packed weights block ``bx`` holds (its place, in its grid's)."""
+        if self.grids == 1:
             return self.place(bx)
-        return self.direction(bx) * self.plan.group_blocks + self.place(bx)
+        return self.grid(bx) * self.plan.group_blocks + self.place(bx)
+
+    def batch_group(self, bx):
+        """The batch group block ``bx`` runs (0 without batch groups)."""
+        if self.plan.batch_groups == 1:
+            return 0
+        group = self._replica(bx)
+        return group % self.plan.batch_groups if self.grids > 1 else group
 
     def batch_row(self, bx, n):
         """Sample (row of x, y and the input projections) that block ``bx``'s batch row n is."""
         if self.plan.batch_groups == 1:
             return n
-        group = self._replica(bx)
-        if self.directions > 1:
-            group = group % self.plan.batch_groups
-        return group * self.local_batch + n
+        return self.batch_group(bx) * self.local_batch + n
 
     def state_row(self, bx, n):
         """Row of the states and of the exchanged h that block ``bx``'s batch row n is."""
-        if self.directions == 1:
+        if self.grids == 1:
             return self.batch_row(bx, n)
-        return self.direction(bx) * self.batch + self.batch_row(bx, n)
+        return self.grid(bx) * self.batch + self.batch_row(bx, n)
 
     def gate_column(self, bx, g: int, j):
-        """Column of gate g, unit j in a row of the input projections and in b_hh (both
-        directions' G*H side by side)."""
+        """Column of gate g, unit j in a row of the input projections and in the biases (the
+        grids' G*H side by side)."""
         column = g * self.hidden + j
-        return column if self.directions == 1 else self.direction(bx) * self.gate_rows + column
+        return column if self.grids == 1 else self.grid(bx) * self.gate_rows + column
 
     def output_column(self, bx, j):
-        """Column of unit j in a row of y (both directions' H side by side)."""
-        return j if self.directions == 1 else self.direction(bx) * self.hidden + j
+        """Column of unit j in a row of y (the grids' H side by side)."""
+        return j if self.grids == 1 else self.grid(bx) * self.hidden + j
 
     def step(self, bx, t, t_len, length=None):
         """The step of the sequence that loop step t is for block ``bx``: t, or in the reverse
@@ -149,8 +181,9 @@ class KernelSpec:
         return valid, e // p.units, j
 
     def group_of(self, bx):
-        """The barrier counter of block ``bx``: one a batch group of a direction."""
-        if self.plan.batch_groups * self.directions == 1:
+        """The barrier counter of block ``bx``: one a batch group of a grid (and, with
+        layers, its layer's progress counter)."""
+        if self.plan.batch_groups * self.grids == 1:
             return 0
         return self._replica(bx)
 

@@ -16,7 +16,9 @@ memory, later slabs add to it).
 copies slab t % S of group t // S + 1's x (:func:`start_copies`: ``cp.async`` where C keeps
 16-byte vectors aligned, else staged in :func:`in_loop`) and, between publishing h_t and
 waiting for the other blocks (:func:`in_loop`), adds that slab's products; after the group's
-last slab it writes the group's xp. The macros take the projection's buffers as ``io``
+last slab it writes the group's xp. With layers (planner: "Layers as a wavefront"), layer
+l > 0's x is layer l - 1's y, and each group waits for its steps (:mod:`.wavefront`). The
+macros take the projection's buffers as ``io``
 (:func:`rnncc.schedules.persistent.buffers.projection`).
 """
 
@@ -31,6 +33,7 @@ from tvm.script import tirx as T
 
 from .. import device, planner
 from ..planner import ROW_GROUPS, X_GROUPS
+from . import wavefront
 
 #: K chunks a warp of the fused input projection takes an iteration (unrolled; rounded down to a
 #: divisor of its chunks). H200, us a step, 1 -> 4: LSTM 1024 N=4 3.86 -> 3.75, GRU 1024 N=4
@@ -129,14 +132,25 @@ def _each_x_slot(spec, body, step, tx):
             body(e * p.threads + tx)
 
 
+def _x_value(spec, io, t, row, col, bx):
+    """x[t, row, col] as float32: the layer's input, or with layers, layer l - 1's output for
+    layer l > 0 (read past L1: other blocks wrote it during the launch)."""
+    given = T.Cast("float32", io.x[t, row, col])
+    if spec.layers == 1:
+        return given
+    below = device.load_past_l1(T.address_of(
+        io.y[t, row, (spec.layer(bx) - 1) * spec.hidden + col]))
+    return T.if_then_else(spec.layer(bx) == 0, given, below)
+
+
 @T.macro
 def _stage_x_item(spec, io, m0, sl, t_len, bx, e):
     n_, step, xstride = T.meta_var((spec.local_batch, _x_step(spec), geometry(spec).xstride))
     r, k, col, m = T.meta_var(_x_slot(spec, e, step, m0, sl))
     if col < spec.input_size and m < t_len * n_:
         for v in T.vectorized(step):
-            io.x_staged[r * xstride + k + v] = T.Cast("float32", io.x[
-                m // n_, spec.batch_row(bx, m % n_), col + v])
+            io.x_staged[r * xstride + k + v] = _x_value(
+                spec, io, m // n_, spec.batch_row(bx, m % n_), col + v, bx)
     else:
         for v in T.vectorized(step):
             io.x_staged[r * xstride + k + v] = T.float32(0)
@@ -147,10 +161,17 @@ def _copy_x_item(spec, io, m0, sl, t_len, bx, e):
     n_, vec, c = T.meta_var((spec.local_batch, spec.plan.vec, spec.input_size))
     r, k, col, m = T.meta_var(_x_slot(spec, e, vec, m0, sl))
     last = T.meta_var(T.min(m, t_len * n_ - 1))
-    device.copy_async(
-        T.address_of(io.xsl[r * geometry(spec).xstride + k]),
-        T.address_of(io.x[last // n_, spec.batch_row(bx, last % n_), T.min(col, c - vec)]),
-        T.if_then_else(col < c and m < t_len * n_, 16, 0))
+    to = T.meta_var(T.address_of(io.xsl[r * geometry(spec).xstride + k]))
+    t, row, first = T.meta_var((last // n_, spec.batch_row(bx, last % n_), T.min(col, c - vec)))
+    size = T.meta_var(T.if_then_else(col < c and m < t_len * n_, 16, 0))
+    if spec.layers == 1:
+        device.copy_async(to, T.address_of(io.x[t, row, first]), size)
+    else:  # layer l > 0: layer l - 1's outputs (asynchronous copies read past L1)
+        if spec.layer(bx) == 0:
+            device.copy_async(to, T.address_of(io.x[t, row, first]), size)
+        else:
+            device.copy_async(to, T.address_of(
+                io.y[t, row, (spec.layer(bx) - 1) * spec.hidden + first]), size)
 
 
 @T.macro
@@ -251,7 +272,7 @@ def _write_output(spec, io, m0, accumulate, t_len, bx, o):
     n, row = T.meta_var((o // geo.rows, o % geo.rows))
     mm = T.meta_var(m0 * p.input_rows + n)
     j = T.meta_var(spec.place(bx) * p.units + row % p.units)
-    out = T.meta_var(row // p.units * spec.hidden + j)
+    out = T.meta_var(spec.gate_column(bx, row // p.units, j))
     io.xs[0] = _output_start(spec, io, mm, out, accumulate, bx)
     for w in T.unroll(p.warps):
         io.xs[0] = io.xs[0] + io.hs[(w * p.input_rows + n) * geo.sum_stride + row]
@@ -314,6 +335,8 @@ def before_loop(spec, io, t_len, warp, lane, bx, tx):
     if p.input_steps > 0:
         copy_w_ih(spec, io, None, bx, tx)
         zero(spec, io)
+        if spec.layers > 1:
+            wavefront.wait_for_steps(spec, io.prog, p.input_steps, t_len, bx, tx)
         for sl in range(p.input_steps):
             stage_x(spec, io, T.int64(0), sl, t_len, bx, tx)
             wait_copies(spec)
@@ -339,12 +362,23 @@ def _has_slab(spec, t, t_len):
 
 
 @T.macro
+def _wait_for_group(spec, io, t, t_len, bx, tx):
+    """With layers, at the first slab of group t // S + 1: layer l - 1 has written its
+    steps."""
+    s = T.meta_var(spec.plan.input_steps)
+    if spec.layers > 1:
+        if t % s == 0:
+            wavefront.wait_for_steps(spec, io.prog, (t // s + 2) * s, t_len, bx, tx)
+
+@T.macro
 def start_copies(spec, io, t, t_len, bx, tx):
     """Overlapped, at the start of step t: the copies of its slab's x (if asynchronous)."""
     s = T.meta_var(spec.plan.input_steps)
     if geometry(spec).copies:
         if _has_slab(spec, t, t_len):
+            _wait_for_group(spec, io, t, t_len, bx, tx)
             copy_x(spec, io, t // s + 1, t % s, t_len, bx, tx)
+
 
 
 @T.macro
@@ -355,6 +389,7 @@ def in_loop(spec, io, t, t_len, warp, lane, bx, tx):
     s = T.meta_var(spec.plan.input_steps)
     if _has_slab(spec, t, t_len):
         if geometry(spec).staged:
+            _wait_for_group(spec, io, t, t_len, bx, tx)
             stage_x(spec, io, t // s + 1, t % s, t_len, bx, tx)
             T.tvm_storage_sync("shared.dyn")
         products(spec, io, t % s, warp, lane)
