@@ -180,15 +180,14 @@ def _wavefront(request: _Request, found: Plan, rows, steps) -> Plan:
         raise Unfit(f"input_rows={rows}: the layers of a wavefront compute their input "
                     "projections overlapped with the time loop (give input_steps, or neither)")
     local = request.problem.batch // found.batch_groups
-    overlapped = None
     for tried in [steps] if steps else planner.wavefront_steps(local):
-        overlapped = overlapped or _overlapped(request, found, tried)
-    if overlapped is None:
-        raise Unfit(f"a wavefront of {request.problem.layers} layers needs each layer's input "
-                    "projection overlapped with its time loop (float32, W_ih's rows, the "
-                    f"accumulators and x's slabs on-chip next to W_hh, on "
-                    f"{found.blocks // found.grids} blocks a layer), and it does not fit")
-    return overlapped
+        overlapped = _overlapped(request, found, tried)
+        if overlapped is not None:
+            return overlapped
+    raise Unfit(f"a wavefront of {request.problem.layers} layers needs each layer's input "
+                "projection overlapped with its time loop (float32, W_ih's rows, the "
+                f"accumulators and x's slabs on-chip next to W_hh, on "
+                f"{found.blocks // found.grids} blocks a layer), and it does not fit")
 
 
 def _overlapped(request: _Request, found: Plan, steps: int | None = None) -> Plan | None:

@@ -68,7 +68,7 @@ Layers as a wavefront (``layers`` L > 1, a stack of unidirectional layers whose 
 their hidden size): the grid is L grids side by side, one a layer, each planned as the layer
 alone would be on an L-th of the multiprocessors, with its own weights, h exchange and
 barrier. Layer l > 0 computes its input projections itself, overlapped with its time loop
-(:func:`overlap_input`, S steps a group, as few as the batch allows), from layer l - 1's
+(:func:`overlap_input`, S steps a group, :func:`wavefront_steps`), from layer l - 1's
 outputs: before it stages the rows of x of steps s .. s+S-1 it waits on layer l - 1's progress
 counter (each of its blocks counts every step it has written, one counter a batch group).
 So layer l runs step t while layer l - 1 runs a few steps ahead (about 2S + 1), and a stack of
@@ -337,8 +337,7 @@ def wavefront_steps(batch: int) -> list[int]:
     rows), best first: the most up to :data:`WAVEFRONT_STEPS` with S*N at most
     :data:`WAVEFRONT_ROWS`, then fewer; S*N a multiple of the lanes' x groups."""
     fits = [s for s in range(WAVEFRONT_STEPS, 0, -1) if s * batch % X_GROUPS == 0]
-    fits.sort(key=lambda s: s * batch > WAVEFRONT_ROWS)
-    return fits or [X_GROUPS // math.gcd(batch, X_GROUPS)]
+    return sorted(fits, key=lambda s: s * batch > WAVEFRONT_ROWS)  # S = 4 always fits
 
 
 def overlap_steps(batch: int) -> int:
