@@ -42,7 +42,10 @@ def _add_problem_args(p):
     p.add_argument("--lengths", action="store_true",
                    help="the module takes each sample's length at run time (1 to T)")
     p.add_argument("--bidirectional", action="store_true",
-                   help="a bidirectional layer: both directions in one module (y [T, N, 2*H])")
+                   help="bidirectional layers: both directions in one module (y [T, N, 2*H])")
+    p.add_argument("--layers", "-L", type=int, default=1,
+                   help="L stacked layers, as torch's num_layers: L > 1 writes one network "
+                        "file (rnncc.load gives the whole network)")
 
 
 def _add_tuning_args(p):
@@ -65,9 +68,11 @@ def _parser():
     parser = _Parser(prog="rnncc", description="A TVM-based compiler for recurrent networks.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("compile", help="compile a cell into a module file")
+    p = sub.add_parser("compile", help="compile a cell into a module file (a network file for "
+                                       "several layers)")
     _add_problem_args(p)
-    p.add_argument("-o", "--output", required=True, help="module file to write (.so)")
+    p.add_argument("-o", "--output", required=True,
+                   help="module file to write (.so; a network file, .rnet, for --layers > 1)")
     _add_tuning_args(p)
 
     sub.add_parser("cells", help="list the registered cells")
@@ -136,17 +141,57 @@ def _cmd_compile(args) -> int:
     import rnncc
 
     _check_writable(args.output)
+    if args.layers < 1:
+        raise _CliError(f"--layers must be at least 1, got {args.layers}")
+    if args.layers > 1:
+        return _compile_network(args)
     module = rnncc.compile(args.cell, **_problem_kwargs(args))
     module.export(args.output)
     meta = module.metadata
-    rules = ", ".join(f"{k}={v}" for k, v in sorted(meta["schedule"]["rules"].items()))
     print(f"compiled {_summary(meta)}")
-    print(f"  rules: {rules}")
-    for note in meta["schedule"]["notes"]:
-        print(f"  note: {note}")
-    print(f"  tuning: {_tuning_line(meta)}")
+    _print_details(meta)
     print(f"wrote {os.path.abspath(args.output)} ({os.path.getsize(args.output)} bytes)")
     return 0
+
+
+def _compile_network(args) -> int:
+    import rnncc
+
+    kwargs = _problem_kwargs(args)
+    network = rnncc.compile_network(args.cell, kwargs.pop("input_size"),
+                                    kwargs.pop("hidden_size"), kwargs.pop("batch"),
+                                    layers=args.layers, **kwargs)
+    network.export(args.output)
+    print(f"compiled {_network_summary(network.metadata)}")
+    for stage in network.stages:
+        print(f"  {_stage_line(stage.kind, stage.first, stage.count)}: "
+              f"{_summary(stage.module.metadata)}")
+        _print_details(stage.module.metadata, indent="    ")
+    print(f"wrote {os.path.abspath(args.output)} ({os.path.getsize(args.output)} bytes)")
+    return 0
+
+
+def _print_details(meta: dict, indent: str = "  ") -> None:
+    rules = ", ".join(f"{k}={v}" for k, v in sorted(meta["schedule"]["rules"].items()))
+    print(f"{indent}rules: {rules}")
+    for note in meta["schedule"]["notes"]:
+        print(f"{indent}note: {note}")
+    print(f"{indent}tuning: {_tuning_line(meta)}")
+
+
+def _network_summary(meta: dict) -> str:
+    return (f"{meta['cell']} network C={meta['input_size']} H={meta['hidden_size']} "
+            f"L={meta['layers']}{' bidirectional' if meta['directions'] == 2 else ''} "
+            f"N={meta['batch']} {meta['dtype']}{' with lengths' if meta['lengths'] else ''} "
+            f"{meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
+
+
+def _stage_line(kind: str, first: int, count: int) -> str:
+    if kind == "layers":
+        return f"layers {first}-{first + count - 1} as one wavefront launch"
+    if kind == "split":
+        return f"layer {first}, one direction after the other"
+    return f"layer {first}"
 
 
 def _cmd_cells(args) -> int:
@@ -160,9 +205,10 @@ def _cmd_cells(args) -> int:
 def _summary(meta: dict) -> str:
     """One line: what the module computes, and which schedule runs it (or why not the
     persistent kernel)."""
-    schedule = meta["schedule"]
+    schedule, layers = meta["schedule"], meta.get("layers", 1)
     head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} N={meta['batch']} "
             f"{meta['dtype']}{' bidirectional' if meta.get('directions', 1) == 2 else ''}"
+            f"{f' {layers} layers' if layers > 1 else ''}"
             f"{' with lengths' if meta.get('lengths') else ''} "
             f"{meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
     persistent = schedule.get("persistent", {})
@@ -175,7 +221,8 @@ def _summary(meta: dict) -> str:
             extra += f", {groups} batch groups of {meta['batch'] // groups}"
         return (f"{head}: persistent kernel, {plan['blocks']} blocks x {plan['threads']} threads, "
                 f"{plan['sync']} exchange{extra} (planned for {persistent['planned_for']}); "
-                "non-persistent schedule as fallback")
+                + ("non-persistent schedule as fallback" if "forward" in meta["functions"]
+                   else "no non-persistent schedule"))
     return f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
 
 
@@ -190,7 +237,10 @@ def _tuning_line(meta: dict) -> str:
 
 def _cmd_inspect(args) -> int:
     from rnncc.runtime import metadata as md
+    from rnncc.runtime import network
 
+    if network.is_network_file(args.file):
+        return _inspect_network(args)
     meta = md.read_metadata(args.file)
     print(f"{_summary(meta)}; tuning: {_tuning_line(meta)}")
     print(json.dumps(meta, indent=2, sort_keys=True))
@@ -201,6 +251,24 @@ def _cmd_inspect(args) -> int:
             raise _CliError(f"{args.file} has no {args.source} source "
                             f"(a {meta['target']['kind']} module)")
         print(sections[section].decode())
+    return 0
+
+
+def _inspect_network(args) -> int:
+    from rnncc.runtime import network
+
+    if args.source:
+        raise _CliError(f"{args.file} is a network file of several layer modules; --source "
+                        "shows one module's (export one with rnncc compile without --layers)")
+    manifest = network.read_manifest(args.file)
+    modules = manifest["modules"]
+    print(_network_summary(manifest))
+    for stage in manifest["stages"]:
+        line = _stage_line(stage["kind"], stage["first"], stage["count"])
+        print(f"  {line}: {_summary(modules[stage['module']])}")
+        if stage.get("fallback"):
+            print(f"    where it cannot run: {_summary(modules[stage['fallback']])}")
+    print(json.dumps(manifest, indent=2, sort_keys=True))
     return 0
 
 
@@ -221,7 +289,10 @@ def _cmd_bench(args) -> int:
                                tuning=_tuning(args))
     if args.steps < 1 or args.repeat < 1:
         raise _CliError("--steps and --repeat must be positive")
-    what = (f"{module.cell} C={module.input_size} H={module.hidden_size} N={module.batch} "
+    layers = getattr(module, "layers", 1)
+    what = (f"{module.cell} C={module.input_size} H={module.hidden_size}"
+            f"{f' L={layers}' if layers > 1 else ''}"
+            f"{' bidirectional' if module.directions == 2 else ''} N={module.batch} "
             f"{module.dtype} T={args.steps}")
     if module.target == "cuda":
         result = bench.time_gpu(module, args.steps, args.repeat)

@@ -4,6 +4,8 @@
     m = rnncc.compile("lstm", input_size=C, hidden_size=H, batch=N, target="cuda")
     y, (h_n, c_n) = m(x, lstm.state_dict())
     m.export("lstm.so");  m = rnncc.load("lstm.so")
+    net = rnncc.compile_network("lstm", C, H, N, layers=3, directions=2)   # a whole network
+    y, (h_n, c_n) = net(x, torch_lstm.state_dict());  net.export("lstm3.rnet")
 
 Loading and calling a module needs only TVM's runtime; compiling imports the compiler lazily.
 """
@@ -34,9 +36,12 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "schedules")) an
 __all__ = [
     "__version__",
     "compile",
+    "compile_network",
     "load",
     "Module",
     "PackedWeights",
+    "Network",
+    "NetworkWeights",
     "cells",
     "nn",
     "RnnccError",
@@ -72,11 +77,28 @@ def compile(cell, input_size: int, hidden_size: int, batch: int,  # noqa: A001
                           lengths=lengths, directions=directions, layers=layers, **options)
 
 
-def load(path: str):
-    """Load a module exported by :meth:`Module.export` (needs only TVM's runtime)."""
-    from .runtime.module import load_module
+def compile_network(cell, input_size: int, hidden_size: int, batch: int, layers: int = 1,
+                    directions: int = 1, dtype: str = "float32", target: str = "cuda",
+                    arch: str | None = None, lengths: bool = False, **options):
+    """Compile a whole network into a :class:`Network`: ``layers`` layers of ``directions``
+    directions, as ``torch.nn.LSTM(C, H, num_layers=layers, bidirectional=directions == 2)``
+    (x [T, N, C], y [T, N, D*H], states [L*D, N, H], torch's weight names), for batch N.
+    ``options`` as :func:`compile` takes them, for every layer module. Stacked
+    unidirectional layers of input H run as one wavefront launch on CUDA where it fits. See
+    :func:`rnncc.compiler.compile_network`."""
+    from .compiler import compile_network as build
 
-    return load_module(path)
+    return build(cell, input_size, hidden_size, batch, layers=layers, directions=directions,
+                 dtype=dtype, target=target, arch=arch, lengths=lengths, **options)
+
+
+def load(path: str):
+    """Load a module exported by :meth:`Module.export`, or a network by
+    :meth:`Network.export` (needs only TVM's runtime)."""
+    from .runtime.module import load_module
+    from .runtime.network import is_network_file, load_network
+
+    return load_network(path) if is_network_file(path) else load_module(path)
 
 
 def __getattr__(name):
@@ -84,6 +106,10 @@ def __getattr__(name):
         from .runtime import module
 
         return getattr(module, name)
+    if name in ("Network", "NetworkWeights"):
+        from .runtime import network
+
+        return getattr(network, name)
     if name in ("cells", "nn"):  # rnncc.nn needs PyTorch: imported on first use
         import importlib
 

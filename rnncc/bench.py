@@ -26,15 +26,19 @@ def _median_ms(fn, repeat: int) -> float:
 
 
 def random_problem(module, steps: int, seed: int = 0):
-    """x [T, N, C] and PyTorch-named weights (both directions' for a bidirectional module), as
-    float64 NumPy arrays (uniform like torch)."""
+    """x [T, N, C] and PyTorch-named weights (of every layer and direction), as float64 NumPy
+    arrays (uniform like torch); ``module``: a :class:`rnncc.Module` or
+    :class:`rnncc.Network`."""
     rng = np.random.default_rng(seed)
     g, h, c, n = module.metadata["gates"], module.hidden_size, module.input_size, module.batch
     k = 1.0 / np.sqrt(h)
-    shapes = {"weight_ih": (g * h, c), "weight_hh": (g * h, h), "bias_ih": (g * h,),
-              "bias_hh": (g * h,)}
-    weights = {name: rng.uniform(-k, k, shapes[name.split("_l0")[0]])
-               for name in module.weight_names}
+
+    def shape(name):
+        kind, layer = name.split("_l")[0], int(name.split("_l")[1].split("_")[0])
+        width = c if layer == 0 else module.directions * h
+        return {"weight_ih": (g * h, width), "weight_hh": (g * h, h)}.get(kind, (g * h,))
+
+    weights = {name: rng.uniform(-k, k, shape(name)) for name in module.weight_names}
     return rng.standard_normal((steps, n, c)), weights
 
 
@@ -71,21 +75,24 @@ def _graph_ms(torch, fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype, bidirectional=False):
+def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype, bidirectional=False,
+                 num_layers=1):
     """The torch.nn module equivalent of a cell, on the GPU, or None if the cell has none."""
     if cell_torch is None:
         return None
     cls, kwargs = cell_torch
-    return getattr(torch.nn, cls)(input_size, hidden_size, bidirectional=bidirectional,
+    return getattr(torch.nn, cls)(input_size, hidden_size, num_layers=num_layers,
+                                  bidirectional=bidirectional,
                                   **kwargs).cuda().to(getattr(torch, dtype))
 
 
 def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
              entry: str | None = None) -> dict:
-    """rnncc and (when torch knows the cell) cuDNN, each CUDA-graph captured, same inputs.
+    """rnncc and (when torch knows the cell) cuDNN, each CUDA-graph captured, same inputs;
+    ``module``: a :class:`rnncc.Module` or :class:`rnncc.Network`.
 
     Returns milliseconds per call: {"rnncc": ..., "cudnn": ... or None, "entry": ...}.
-    ``entry`` forces the module's "sequence" or "persistent" schedule.
+    ``entry`` forces a module's "sequence" or "persistent" schedule.
     """
     try:
         import torch
@@ -102,12 +109,13 @@ def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
     x64, w64 = random_problem(module, steps)
     x = torch.tensor(x64, dtype=dt, device="cuda")
     weights = {k: torch.tensor(v, dtype=dt, device="cuda") for k, v in w64.items()}
-    packed = module.pack(weights, entry=entry)
+    packed = module.pack(weights, entry=entry) if entry else module.pack(weights)
     out = {"rnncc": _graph_ms(torch, lambda: module(x, packed), repeat), "cudnn": None,
-           "entry": packed.entry}
+           "entry": getattr(packed, "entry", "network")}
     cell = registry().get(module.cell)
     ref = cudnn_module(torch, cell.torch if cell else None, module.input_size,
-                       module.hidden_size, module.dtype, module.directions == 2) if cudnn else None
+                       module.hidden_size, module.dtype, module.directions == 2,
+                       module.layers) if cudnn else None
     if ref is not None:
         with torch.no_grad():
             for name, value in weights.items():

@@ -479,9 +479,9 @@ def test_nn_bidirectional_past_one_launch_runs_each_direction_persistently(torch
 
     mine = run(ours, "cuda", torch.float32)
     (network,) = ours._networks.values()
-    modules = set(network._modules.values())
-    assert {m.directions for m in modules} == {1}
-    assert {m.metadata["schedule"]["kind"] for m in modules} == {"persistent"}
+    (compiled,) = network._compiled.values()
+    assert {s.kind for s in compiled.stages} == {"split"}
+    assert {s.module.metadata["schedule"]["kind"] for s in compiled.stages} == {"persistent"}
     for expect in (run(theirs, "cpu", torch.float64), run(theirs, "cuda", torch.float32)):
         for a, b in zip(mine, expect):
             assert reference.relative_error(a, b) < TOL_F32

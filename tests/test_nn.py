@@ -152,7 +152,9 @@ def _network_reference(net, x, lengths):
     for layer in range(net.num_layers):
         outs = []
         for d in range(2 if net.bidirectional else 1):
-            w = {k: v.detach().double().numpy() for k, v in net._layer_weights(layer, d).items()}
+            suffix = "_reverse" if d else ""
+            w = {f"{name}_l0": getattr(net, f"{name}_l{layer}{suffix}").detach().double().numpy()
+                 for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
             seq = layer_input if d == 0 else np.take_along_axis(layer_input, rev[..., None], 0)
             y, states = reference.run(net.cell, seq, w, lengths=lengths)
             outs.append(y if d == 0 else np.take_along_axis(y, rev[..., None], 0))
@@ -170,6 +172,9 @@ def test_eval_and_dropout():
         _close(ours(x), theirs(x.double()))
         ours.train()
         assert not torch.allclose(ours(x)[0], ours(x)[0])  # fresh dropout masks
+        ours.dropout = theirs.dropout = 1.0  # every output between layers dropped
+        theirs.train()
+        _close(ours(x), theirs(x.double()))
 
 
 def test_weights_follow_load_state_dict_and_in_place_changes():

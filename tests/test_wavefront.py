@@ -119,8 +119,8 @@ def test_wavefront_of_four_lstm_512_layers_matches_torch(batch, rng):
 @pytest.mark.parametrize("input_size", [512, 40])
 def test_nn_runs_stacked_layers_as_a_wavefront(input_size, rng):
     """rnncc.nn takes the wavefront for the layers of input size H (all of them, or those above
-    the first), with packed lengths, against torch's float64 (in training with dropout the
-    layers run in turn)."""
+    the first), with packed lengths, against torch's float64; in training, with dropout 1,
+    the layers run in turn on the wavefront's fallback module, as torch's."""
     torch = pytest.importorskip("torch")
     theirs = torch.nn.LSTM(input_size, 512, num_layers=3)
     ours = rnncc.nn.from_torch(theirs).cuda()
@@ -132,7 +132,15 @@ def test_nn_runs_stacked_layers_as_a_wavefront(input_size, rng):
         mine, (h, c) = ours(data.to("cuda"))
         want, (want_h, want_c) = theirs.double()(data.to(torch.float64))
     (network,) = ours._networks.values()
-    (wave,) = network._waves.values()
-    assert wave is not None and wave.layers == 3 - (input_size != 512)
+    (compiled,) = network._compiled.values()
+    wave = compiled.stages[-1]
+    assert wave.kind == "layers" and wave.count == wave.module.layers == 3 - (input_size != 512)
+    for a, b in ((mine.data, want.data), (h, want_h), (c, want_c)):
+        assert reference.relative_error(a.double().cpu().numpy(), b.numpy()) < 1e-5
+    ours.dropout = theirs.dropout = 1.0  # training: dropout acts, the layers run in turn
+    ours.train(), theirs.train()
+    with torch.no_grad():
+        mine, (h, c) = ours(data.to("cuda"))
+        want, (want_h, want_c) = theirs(data.to(torch.float64))
     for a, b in ((mine.data, want.data), (h, want_h), (c, want_c)):
         assert reference.relative_error(a.double().cpu().numpy(), b.numpy()) < 1e-5

@@ -100,20 +100,11 @@ class Recurrent(torch.nn.Module):
         return [f"{name}_l{layer}{suffix}" for layer in range(self.num_layers)
                 for suffix in self._suffixes() for name in names]
 
-    def _layer_weights(self, layer: int, direction: int, weights=None) -> dict:
-        """The torch-named weights of one layer module (``weights``: the parameters, as
-        :meth:`_weight_names` orders them; default the module's own)."""
-        names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
-        start = (layer * self._layout.directions + direction) * len(names)
-        own = weights is None
-        values = [getattr(self, n) for n in self._weight_names()] if own else weights
-        return {f"{name}_l0": values[start + i] for i, name in enumerate(names)}
-
     def _run(self, x, states, lengths, weights, training):
-        """The network on ``x`` [T, N, C]: y and the list of final states (the op's body)."""
+        """The network on ``x`` [T, N, C]: y and the list of final states (the op's body;
+        ``weights``: the parameters in :meth:`_weight_names`' order)."""
         between = self._between if training and self.dropout else None
-        return self._network(x).run(x, states, lengths,
-                                    lambda layer, d: self._layer_weights(layer, d, weights),
+        return self._network(x).run(x, states, lengths, dict(zip(self._weight_names(), weights)),
                                     between)
 
     def forward(self, input, hx=None, lengths=None):  # noqa: A002 - torch's name

@@ -43,6 +43,11 @@ def read_sections(path: str, shown: str | None = None) -> dict[str, bytes]:
             data = f.read()
     except OSError as err:
         raise ModuleFileError(f"cannot read module file {shown!r}: {err.strerror}") from err
+    return sections_of(data, shown)
+
+
+def sections_of(data: bytes, shown: str) -> dict[str, bytes]:
+    """:func:`read_sections` of a library's bytes."""
     if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ModuleFileError(f"{shown!r} is not a 64-bit little-endian ELF shared library")
     try:
@@ -72,8 +77,15 @@ def _sections(data: bytes) -> dict[str, bytes]:
 def read_metadata(path: str, shown: str | None = None) -> dict:
     """The module's metadata, or ModuleFileError if the file is not an rnncc module (errors
     name ``shown``, the caller's name of the file, where given)."""
-    shown = shown or path
-    sections = read_sections(path, shown)
+    return _checked(read_sections(path, shown), shown or path)
+
+
+def metadata_of(data: bytes, shown: str) -> dict:
+    """:func:`read_metadata` of a module file's bytes."""
+    return _checked(sections_of(data, shown), shown)
+
+
+def _checked(sections: dict[str, bytes], shown: str) -> dict:
     if META not in sections:
         raise ModuleFileError(f"{shown!r} is a shared library but not an rnncc module "
                               "(no .rnncc_meta section)")
