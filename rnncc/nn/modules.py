@@ -113,7 +113,7 @@ class Recurrent(torch.nn.Module):
             if lengths is not None:
                 raise InputError("lengths come with the PackedSequence; pass lengths only "
                                  "with a padded tensor")
-            x, lengths, sorted_lengths = _unpacked(input)
+            x, lengths = _unpacked(input)
             unbatched = False
         else:
             x, unbatched = self._check_input(input)
@@ -126,7 +126,7 @@ class Recurrent(torch.nn.Module):
         y, *finals = op.network(self._key, x.detach(), states, lengths, weights,
                                 self.training)
         if packed:
-            return _repacked(y, input, sorted_lengths), _finals(finals)
+            return _repacked(y, input), _finals(finals)
         return self._outputs(y, finals, unbatched)
 
     # -- the parts of forward ----------------------------------------------------------------
@@ -249,24 +249,35 @@ def _to_device(host, device):
 
 
 def _unpacked(seq: PackedSequence):
-    """(x [T, N, C] in the samples' original order, their lengths on x's device, the lengths
-    in sorted order on the CPU) of a PackedSequence, with device operations only (as torch's
-    pad_packed_sequence, without its copy of the indices to the host)."""
-    padded, lengths = torch._VF._pad_packed_sequence(seq.data, seq.batch_sizes, False, 0.0,
-                                                    seq.batch_sizes.size(0))
-    on_device = _to_device(lengths, padded.device)
-    if seq.unsorted_indices is not None:
-        padded = padded.index_select(1, seq.unsorted_indices)
-        on_device = on_device.index_select(0, seq.unsorted_indices)
-    return padded, on_device, lengths
+    """(x [T, N, C] in the samples' original order, their lengths on x's device) of a
+    PackedSequence, in two gathers on the device whatever T (torch's pad_packed_sequence
+    copies step by step, a kernel a step). The indices come from ``batch_sizes`` on the CPU,
+    in one copy. x past a sample's length holds other rows of the data, not zeros: the
+    modules that take lengths never read it."""
+    sizes = seq.batch_sizes  # on the CPU: how many samples run at each step
+    steps, rows, total = sizes.shape[0], int(sizes[0]), seq.data.shape[0]
+    starts = torch.cumsum(sizes, 0) - sizes
+    where = torch.clamp(starts[:, None] + torch.arange(rows)[None, :], max=total - 1)
+    lengths = (sizes[None, :] > torch.arange(rows)[:, None]).sum(1)
+    both = _to_device(torch.cat([where.flatten(), lengths]), seq.data.device)
+    where, lengths = both[:steps * rows].view(steps, rows), both[steps * rows:]
+    if seq.unsorted_indices is not None:  # original sample m is sorted sample unsorted[m]
+        where, lengths = where[:, seq.unsorted_indices], lengths[seq.unsorted_indices]
+    return seq.data[where], lengths
 
 
-def _repacked(y, like: PackedSequence, sorted_lengths) -> PackedSequence:
+def _repacked(y, like: PackedSequence) -> PackedSequence:
     """y [T, N, F] (the samples in their original order) as a PackedSequence laid out as
-    ``like``: step by step, the samples sorted by length (``sorted_lengths``, on the CPU)."""
-    order = y.index_select(1, like.sorted_indices) if like.sorted_indices is not None else y
-    data, _ = torch._VF._pack_padded_sequence(order, sorted_lengths, False)
-    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+    ``like``: step by step, the samples sorted by length; one gather on the device (its
+    indices from ``batch_sizes`` on the CPU, in one copy)."""
+    sizes = like.batch_sizes
+    step = torch.repeat_interleave(torch.arange(sizes.shape[0]), sizes)
+    sample = torch.arange(step.shape[0]) - (torch.cumsum(sizes, 0) - sizes)[step]
+    both = _to_device(torch.stack([step, sample]), y.device)
+    step, sample = both[0], both[1]
+    if like.sorted_indices is not None:
+        sample = like.sorted_indices[sample]
+    return PackedSequence(y[step, sample], sizes, like.sorted_indices, like.unsorted_indices)
 
 
 class LSTM(Recurrent):
