@@ -42,6 +42,16 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
                if name not in persistent)
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_batch_one_past_on_chip_capacity_builds(cell):
+    """H 4096 at batch 1 (the recurrent product by dlight's GEMV, whose vector of 8 floats
+    CUDA has no type for, split in two) builds, and says why it is not persistent."""
+    module = compiled(cell, 4096, 4096, 1, "cuda")
+    meta = module.metadata["schedule"]
+    assert meta["kind"] == "sequence" and meta["rules"]["recurrent_gemm"] == "cuda.gemv"
+    assert "more than their registers and shared memory hold" in meta["persistent"]["reason"]
+
+
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)

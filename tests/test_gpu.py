@@ -512,3 +512,13 @@ def test_nn_in_a_cuda_graph(torch, packed):
         torch.cuda.synchronize()
         expect, expect_h = net(seq)
     assert torch.equal(data(y), data(expect)) and torch.equal(h, expect_h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_batch_one_past_on_chip_capacity(cell, rng):
+    """H 4096 at batch 1 (non-persistent: dlight's GEMV with its shared loads split into
+    16-byte vectors) against float64."""
+    module = compiled(cell, 4096, 4096, 1, "cuda")
+    assert check_against_reference(module, rng, 6, True) < TOL_F32
+

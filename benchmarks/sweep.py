@@ -1,0 +1,148 @@
+"""The sweep: one layer of rnncc against cuDNN through PyTorch over the regimes a new user
+meets (on-chip persistent, streamed weights, batch groups, per-step GEMMs): cells lstm and
+gru, hidden 256 to 4096, batch 1 to 256, float32 (TF32 off on both sides) and float16, C = H
+and C = H/2, T = 100, each side captured in a CUDA graph, median of ``--repeat`` replays, in
+one process. Run on a GPU machine from the repository root:
+
+    python3 benchmarks/sweep.py [--jobs 16] [--part 1/2] [--json out.json]
+    python3 benchmarks/sweep.py --plot sweep.json [sweep2.json ...] --out docs/sweep.png
+
+Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and their ratio
+(cuDNN / rnncc: above 1, rnncc is faster), and which schedule ran. ``--part k/n`` times the
+k-th of n slices of the configurations (a GPU session's command has a time limit). ``--plot``
+draws the ratio over hidden size, one curve a batch size, a panel a cell and dtype.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+HIDDEN = (256, 512, 1024, 2048, 4096)
+BATCHES = (1, 4, 16, 64, 256)
+#: (cell, C, H, N, dtype): float32 over the whole grid, float16 and C != H on a part of it.
+CONFIGS = ([(cell, h, h, n, "float32") for cell in ("lstm", "gru") for h in HIDDEN
+            for n in BATCHES]
+           + [(cell, h, h, n, "float16") for cell, hs in (("lstm", (512, 1024, 2048)),
+                                                          ("gru", (1024,)))
+              for h in hs for n in (1, 8, 64)]
+           + [(cell, h // 2, h, n, "float32") for cell in ("lstm", "gru") for h in (1024,)
+              for n in (1, 32, 128)])
+STEPS = 100
+
+
+def _compile(job):
+    import rnncc
+
+    (cell, c, h, n, dtype), folder = job
+    path = os.path.join(folder, f"{cell}_{c}_{h}_{n}_{dtype}.so")
+    try:
+        return rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype).export(path)
+    except Exception as err:  # noqa: BLE001 - a configuration that does not build is a row
+        return f"error: {type(err).__name__}: {str(err).splitlines()[0]}"
+
+
+def _row(config, path, repeat):
+    import rnncc
+    from rnncc.bench import time_gpu
+
+    cell, c, h, n, dtype = config
+    row = {"cell": cell, "C": c, "H": h, "N": n, "dtype": dtype}
+    if path.startswith("error"):
+        return {**row, "error": path}
+    module = rnncc.load(path)
+    try:
+        result = time_gpu(module, STEPS, repeat)
+    except Exception as err:  # noqa: BLE001 - e.g. out of memory: a row that says so
+        return {**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+    plan = module.metadata["schedule"].get("persistent", {}).get("plan")
+    schedule = result["entry"]
+    if schedule == "persistent" and plan.get("global_chunks"):
+        schedule += " (streaming)"
+    per = 1e3 / STEPS
+    return {**row, "schedule": schedule, "rnncc_us": result["rnncc"] * per,
+            "cudnn_us": result["cudnn"] * per, "ratio": result["cudnn"] / result["rnncc"],
+            "device": result["device"]}
+
+
+def _table(rows) -> str:
+    lines = ["| cell | C | H | N | dtype | schedule | rnncc | cuDNN | cuDNN / rnncc |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        head = f"| {r['cell']} | {r['C']} | {r['H']} | {r['N']} | {r['dtype']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error']} | | | |")
+        else:
+            lines.append(f"{head} {r['schedule']} | {r['rnncc_us']:.2f} | {r['cudnn_us']:.2f} "
+                         f"| {r['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def _plot(paths, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, device = [], ""
+    for path in paths:
+        with open(path) as f:
+            found = json.load(f)
+        rows += [r for r in found["rows"] if "ratio" in r]
+        device = found["device"]
+    panels = sorted({(r["cell"], r["dtype"]) for r in rows if r["C"] == r["H"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True)
+    for ax, (cell, dtype) in zip(axes, panels):
+        own = [r for r in rows if (r["cell"], r["dtype"]) == (cell, dtype) and r["C"] == r["H"]]
+        for n in sorted({r["N"] for r in own}):
+            line = sorted((r["H"], r["ratio"]) for r in own if r["N"] == n)
+            ax.plot(*zip(*line), marker="o", label=f"N = {n}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"{cell} {dtype}, C = H")
+        ax.set_xlabel("hidden size H")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("cuDNN time / rnncc time")
+    fig.suptitle(f"One layer, T = {STEPS}, {device}: above 1, rnncc is faster", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--part", default="1/1", help="k/n: the k-th of n slices")
+    parser.add_argument("--json")
+    parser.add_argument("--plot", nargs="+", help="JSON files of earlier runs to plot")
+    parser.add_argument("--out", default="sweep.png")
+    args = parser.parse_args()
+    if args.plot:
+        _plot(args.plot, args.out)
+        return
+    k, n = (int(v) for v in args.part.split("/"))
+    configs = CONFIGS[k - 1::n]
+    folder = tempfile.mkdtemp(prefix="rnncc_sweep_")
+    with ProcessPoolExecutor(args.jobs) as pool:
+        paths = list(pool.map(_compile, [(c, folder) for c in configs]))
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rows = []
+    for config, path in zip(configs, paths):
+        rows.append(_row(config, path, args.repeat))
+        print(_table(rows[-1:]).splitlines()[-1], flush=True)
+    device = next((r["device"] for r in rows if "device" in r), "no GPU")
+    print(f"\n{device}, {datetime.date.today()}, T = {STEPS}, us a step, TF32 off\n")
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "date": str(datetime.date.today()), "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
