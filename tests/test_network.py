@@ -322,3 +322,29 @@ def test_networks_on_the_gpu(cell, input_size, layers, directions, batch, rng, t
     graph.replay()
     want, _ = net(x, weights, lengths=ln)
     torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+def test_refused_builds_are_kept_on_disk(monkeypatch, tmp_path):
+    """A build that spills with every plan is kept as a refusal: the next process gets the
+    BuildError at once, without building; a damaged record is dropped and built again."""
+    from rnncc.compiler import cache, driver
+
+    monkeypatch.setenv(cache.ENV, str(tmp_path))
+    calls = []
+
+    def spills(*args, **kwargs):
+        calls.append(kwargs["layers"])
+        raise driver.Spilled("lstm ... runs only as the persistent wavefront kernel, and its "
+                             "kernel spills registers with every plan that fits")
+
+    monkeypatch.setattr(driver, "compile_module", spills)
+    for _ in range(2):
+        cache._loaded.clear()
+        with pytest.raises(rnncc.BuildError, match="spills registers") as err:
+            cache.compiled("lstm", 8, 8, 2, target="llvm", layers=2)
+    assert calls == [2] and "a refusal kept in" in str(err.value)
+    (record,) = tmp_path.glob("*.refused.json")
+    record.write_text("{not json")
+    with pytest.raises(rnncc.BuildError):
+        cache.compiled("lstm", 8, 8, 2, target="llvm", layers=2)
+    assert calls == [2, 2]

@@ -5,20 +5,25 @@ cell file by its contents), the sizes, dtype, lengths, target and architecture, 
 is compiled on (its tuning logs apply), the compile options, and the rnncc and TVM versions.
 The cache lives in ``$RNNCC_CACHE_DIR`` (default ``~/.cache/rnncc/modules``); files are
 written whole and then renamed into place, so concurrent processes see a module or none, and
-a file that does not load (damaged, or from another TVM build) is compiled again.
+a file that does not load (damaged, or from another TVM build) is compiled again. A build
+refused for good after compiling (a kernel that spills with every plan) is kept too, as a
+``.refused.json`` beside where the module would be: the next process gets its BuildError at
+once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import os
 import sys
+import tempfile
 import time
 
 from .._version import __version__
-from ..errors import ModuleFileError
+from ..errors import BuildError, ModuleFileError
 
 ENV = "RNNCC_CACHE_DIR"
 #: A compile that takes longer than this many seconds is reported on stderr.
@@ -66,7 +71,7 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     :func:`rnncc.compiler.compile_module`."""
     from ..runtime.module import load_module
     from ..tuning.device import local_gpu
-    from .driver import compile_module, resolve_cell
+    from .driver import Spilled, compile_module, resolve_cell
 
     cell = resolve_cell(cell)
     gpu = local_gpu() if target == "cuda" else None
@@ -82,6 +87,9 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     path = None if key is None else os.path.join(
         cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_d{directions}_"
                      f"l{layers}_{dtype}_{target}_{key}.so")
+    refused = None if path is None else path[:-len(".so")] + ".refused.json"
+    if refused is not None and os.path.isfile(refused):
+        _raise_refusal(refused)
     module = None
     if path is not None and os.path.isfile(path):
         try:
@@ -90,9 +98,14 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
             module = None  # damaged or foreign: compiled again below
     if module is None:
         start = time.monotonic()
-        module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
-                                target=target, arch=arch, lengths=lengths,
-                                directions=directions, layers=layers, **options)
+        try:
+            module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
+                                    target=target, arch=arch, lengths=lengths,
+                                    directions=directions, layers=layers, **options)
+        except Spilled as err:
+            if refused is not None:
+                _store_refusal(err, refused)
+            raise
         seconds = time.monotonic() - start
         if path is not None:
             _store(module, path)
@@ -114,6 +127,34 @@ def _store(module, path: str) -> None:
     except (OSError, ModuleFileError) as err:
         _tell("unwritable", f"rnncc: cannot keep compiled modules in {folder} ({err}); set "
               f"{ENV} to a writable folder")
+
+
+def _store_refusal(err: BuildError, path: str) -> None:
+    """Keep a build that fails for every build of its configuration (a wavefront that spills
+    with every plan) as a refusal, so that the next process is told at once instead of
+    building it again."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rnncc_refused_")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"error": "BuildError", "message": str(err)}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written: the build is tried again next time
+
+
+def _raise_refusal(path: str) -> None:
+    """The BuildError a refusal kept on disk records (a damaged record is removed)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        message = record["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
+    raise BuildError(f"{message} (a refusal kept in {path}; delete it to build again)")
 
 
 def _tell(kind: str, message: str) -> None:

@@ -18,6 +18,12 @@ from ..spec import Options, Problem
 from ..target import TargetSpec
 
 
+class Spilled(BuildError):
+    """The persistent kernel spills registers with every plan that fits, where nothing else
+    may run it (a wavefront, or persistent="on"): the same for every build of the
+    configuration (the compile cache keeps it)."""
+
+
 def resolve_cell(cell) -> Cell:
     """A Cell, a registered name, or the path of a cell file (which must register one cell,
     or several of which one is named like the file)."""
@@ -163,10 +169,10 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     why = (f"the persistent kernel for {problem.describe()} spills registers with every plan "
            f"that fits (reg_margin {plan.reg_margin})")
     if layers > 1:
-        raise BuildError(_wavefront_only(problem, f"its kernel spills registers with every plan "
-                                         f"that fits (reg_margin {plan.reg_margin})"))
+        raise Spilled(_wavefront_only(problem, f"its kernel spills registers with every plan "
+                                      f"that fits (reg_margin {plan.reg_margin})"))
     if opts.persistent == "on":
-        raise BuildError(why)
+        raise Spilled(why)
     return _build(problem, opts, tspec, None, why, notes, applied)
 
 
