@@ -115,7 +115,7 @@ def test_matches_torch_and_takes_its_module(rng):
     x = torch.randn(11, 4, 6)
     want, (want_h, want_c) = theirs.double()(x.double())
     theirs.float()
-    for weights in (theirs.state_dict(), theirs, net.pack(theirs)):
+    for weights in (theirs.state_dict(), theirs, net.pack(net.pack(theirs))):
         with torch.no_grad():
             y, (h, c) = net(x, weights)
         for a, b in ((y, want), (h, want_h), (c, want_c)):

@@ -215,6 +215,8 @@ class Network:
         """Lay ``weights`` out for every stage on their device (or ``device``, for NumPy
         weights: "cuda:1"), once, for repeated calls. ``layer_by_layer``: for the layer
         modules a wavefront falls back to (one layer after another)."""
+        if isinstance(weights, NetworkWeights):
+            return weights
         weights = self._mapping(weights)
         first = self.stages[0].module
         family = first._family_for(weights[self.weight_names[0]], device)
