@@ -146,7 +146,7 @@ def test_export_while_others_export_and_load(tmp_path):
         t.join()
     assert not errors and loads
     assert set(loads) <= {("gru", 3), ("lstm", 5)}
-    assert not glob.glob(str(tmp_path / ".rnncc_export_*"))  # no temporary file left
+    assert not glob.glob(str(tmp_path / ".rnncc_*"))  # no temporary file left
 
 
 def _damaged(tmp_path, how):

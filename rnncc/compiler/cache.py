@@ -19,11 +19,11 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import time
 
 from .._version import __version__
 from ..errors import BuildError, ModuleFileError
+from ..runtime.files import write_atomically
 
 ENV = "RNNCC_CACHE_DIR"
 #: A compile that takes longer than this many seconds is reported on stderr.
@@ -133,14 +133,14 @@ def _store_refusal(err: BuildError, path: str) -> None:
     """Keep a build that fails for every build of its configuration (a wavefront that spills
     with every plan) as a refusal, so that the next process is told at once instead of
     building it again."""
-    folder = os.path.dirname(path)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rnncc_refused_")
-        with os.fdopen(fd, "w") as f:
+    def write(tmp):
+        with open(tmp, "w") as f:
             json.dump({"error": "BuildError", "message": str(err)}, f)
-        os.replace(tmp, path)
-    except OSError:
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomically(path, write)
+    except (OSError, ModuleFileError):
         pass  # a cache that cannot be written: the build is tried again next time
 
 

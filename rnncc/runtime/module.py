@@ -27,6 +27,7 @@ from ..errors import InputError, ModuleFileError, warn
 from . import faults, tvm_runtime
 from . import metadata as md
 from .arrays import Family, family_of, to_tensor
+from .files import write_atomically
 
 WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
 #: The weights of a bidirectional module's reverse direction.
@@ -150,20 +151,7 @@ class Module:
     def export(self, path: str) -> str:
         """Write the module to ``path`` (one shared library, metadata included): whole, then
         renamed into place, so that a reader, or another writer, never sees half of one."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rnncc_export_", suffix=".so")
-            os.close(fd)
-            shutil.copyfile(self.path, tmp)
-            os.replace(tmp, path)
-        except OSError as err:
-            raise ModuleFileError(f"cannot write {path!r}: {err.strerror}") from err
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        return write_atomically(path, lambda tmp: shutil.copyfile(self.path, tmp))
 
     # -- running -------------------------------------------------------------------------
     def _library(self):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from ..errors import InputError, ModuleFileError, warn
 from . import metadata as md
 from .arrays import family_of
+from .files import write_atomically
 from .module import Module
 
 FORMAT = 1
@@ -115,8 +116,6 @@ class Network:
     def export(self, path: str) -> str:
         """Write the network to ``path`` (a zip archive: the configuration and each layer
         module once), whole, then renamed into place."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
         files, stages = {}, []
         for stage in self.stages:
             entry = {"kind": stage.kind, "first": stage.first, "count": stage.count}
@@ -126,21 +125,13 @@ class Network:
                     entry[role] = files.setdefault(module.path, f"layer_module_{len(files)}.so")
             stages.append(entry)
         manifest = {**self.metadata, "format": FORMAT, "kind": "network", "stages": stages}
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rnncc_export_", suffix=".rnet")
-            os.close(fd)
+
+        def write(tmp):
             with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as archive:
                 archive.writestr(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
                 for source, name in files.items():
                     archive.write(source, name)
-            os.replace(tmp, path)
-        except OSError as err:
-            raise ModuleFileError(f"cannot write {path!r}: {err.strerror}") from err
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        return write_atomically(path, write)
 
     # -- weights -------------------------------------------------------------------------
     def _mapping(self, weights) -> dict:
