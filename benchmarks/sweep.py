@@ -4,7 +4,7 @@ gru, hidden 256 to 4096, batch 1 to 256, float32 (TF32 off on both sides) and fl
 and C = H/2, T = 100, each side captured in a CUDA graph, median of ``--repeat`` replays, in
 one process. Run on a GPU machine from the repository root:
 
-    python3 benchmarks/sweep.py [--jobs 16] [--part 1/2] [--json out.json]
+    python3 benchmarks/sweep.py [--jobs 16] [--part 1/2] [--where H=2048 N=4,16] [--json out.json]
     python3 benchmarks/sweep.py --plot sweep.json [sweep2.json ...] --out docs/sweep.png
 
 Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and their ratio
@@ -67,6 +67,18 @@ def _row(config, path, repeat):
             "device": result["device"]}
 
 
+def _selected(config, where) -> bool:
+    """Whether ``config`` passes every KEY=V[,V] of ``where`` (keys: cell, C, H, N, dtype)."""
+    values = dict(zip(("cell", "C", "H", "N", "dtype"), config))
+    for term in where:
+        key, _, allowed = term.partition("=")
+        if key not in values:
+            raise SystemExit(f"--where {term}: the keys are {', '.join(values)}")
+        if str(values[key]) not in allowed.split(","):
+            return False
+    return True
+
+
 def _table(rows) -> str:
     lines = ["| cell | C | H | N | dtype | schedule | rnncc | cuDNN | cuDNN / rnncc |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -116,6 +128,9 @@ def main():
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--part", default="1/1", help="k/n: the k-th of n slices")
+    parser.add_argument("--where", nargs="+", default=[], metavar="KEY=V[,V]",
+                        help="only the configurations whose cell, C, H, N or dtype is one of "
+                             "the values, e.g. H=2048,4096 N=4,16")
     parser.add_argument("--json")
     parser.add_argument("--plot", nargs="+", help="JSON files of earlier runs to plot")
     parser.add_argument("--out", default="sweep.png")
@@ -124,7 +139,7 @@ def main():
         _plot(args.plot, args.out)
         return
     k, n = (int(v) for v in args.part.split("/"))
-    configs = CONFIGS[k - 1::n]
+    configs = [c for c in CONFIGS if _selected(c, args.where)][k - 1::n]
     folder = tempfile.mkdtemp(prefix="rnncc_sweep_")
     with ProcessPoolExecutor(args.jobs) as pool:
         paths = list(pool.map(_compile, [(c, folder) for c in configs]))

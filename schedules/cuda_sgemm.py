@@ -1,18 +1,18 @@
-"""CUDA: float32 projections at a large batch, as a tiled SGEMM written out in TIR (the
-classic double-buffered register-blocked kernel): the input projection of all steps, and each
-step's recurrent projection.
+"""CUDA: float32 projections with many rows, as a tiled SGEMM written out in TIR (the classic
+double-buffered register-blocked kernel): the input projection of all steps, and each step's
+recurrent projection at a large batch.
 
 out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] for N static batch rows (at least
-:data:`MIN_BATCH`), O outputs, K deep; the rows M are the T*N rows of all steps (T a run-time
-size) or one step's N. A block computes a tile of M x O, 128 columns by 128 rows (all steps,
-256 threads) or by 64 rows (one step, 128 threads: a batch of 64 in one tile), 8 x 8 outputs
-a thread (rows ty*4 + i and M/2 + ty*4 + i of the tile, columns tq*4 + j and 64 + tq*4 + j,
-i, j < 4, for the thread's place (ty, tq) in a (M/8) x 16 grid whose warps cover 4 x 8
-patches: each operand's 16-byte register loads are shared by a warp's threads, 64 FMAs a
-thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16 were slower in whole sequences,
-H200, docs/benchmarks.md). K goes in chunks of :data:`BK` through shared memory stored
-k-major, double-buffered: the next chunk's global loads (16-byte vectors) are issued before
-the current chunk's products and stored to the other buffer after them, so one barrier a
+:data:`MIN_BATCH` for one step's product), O outputs, K deep; the rows M are the T*N rows of
+all steps (T a run-time size) or one step's N. A block computes a tile of M x O, 128 columns by
+128 rows (all steps, 256 threads) or by 64 rows (one step, 128 threads: a batch of 64 in one
+tile), 8 x 8 outputs a thread (rows ty*4 + i and M/2 + ty*4 + i of the tile, columns tq*4 + j
+and 64 + tq*4 + j, i, j < 4, for the thread's place (ty, tq) in a (M/8) x 16 grid whose warps
+cover 4 x 8 patches: each operand's 16-byte register loads are shared by a warp's threads, 64
+FMAs a thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16 were slower in whole
+sequences, H200, docs/benchmarks.md). K goes in chunks of :data:`BK` through shared memory
+stored k-major, double-buffered: the next chunk's global loads (16-byte vectors) are issued
+before the current chunk's products and stored to the other buffer after them, so one barrier a
 chunk suffices and the loads' latency hides behind the FMAs. The k-major rows are padded by
 :data:`PAD` floats, which keeps the transposed stores free of bank conflicts. Rows past M read
 row M - 1 (no branch in the loop) and are not written.
@@ -38,8 +38,10 @@ from tvm import s_tir
 from ._common import gemm_blocks, prim_func_from_text, static_extent, weights_are_rows
 from ._rule import Rule
 
-#: Fewest batch rows a step this rule takes (below, the chunked projections of
-#: :mod:`.cuda_tiled_gemm` tile a chunk's rows).
+#: Fewest batch rows one step's product this rule takes. The products of all steps (T*N rows)
+#: it takes at any batch; at batch 1, 2, 4 and 8 they reach it in chunks of steps, which
+#: :mod:`.cuda_tiled_gemm` takes instead. (dlight's Matmul, which took the others, ran LSTM
+#: 4096's at batch 16 at about 12 TFLOP/s on an H200.)
 MIN_BATCH = 32
 #: Columns (of O) a block's tile, and rows (of M) a tile of the products of all steps.
 TILE = 128
@@ -96,8 +98,9 @@ class Product:
 
 def sizes(func) -> Product | None:
     """The product of rnncc's gemm component ``func`` when this rule takes it, else None: in
-    float32, weights as rows [O, K], N >= MIN_BATCH, O a multiple of :data:`TILE` and K of
-    2 * :data:`BK` (chunks go in pairs, one a buffer); lead (T, N) or (N,)."""
+    float32, weights as rows [O, K], N >= MIN_BATCH for one step's, O a multiple of
+    :data:`TILE` and K of 2 * :data:`BK` (chunks go in pairs, one a buffer); lead (T, N) or
+    (N,)."""
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
     if blocks is None or len(sch.get_loops(blocks[0])) not in (3, 4):
@@ -108,11 +111,12 @@ def sizes(func) -> Product | None:
         return None
     *_, n_loop, o_loop, k_loop = sch.get_loops(blocks[0])
     batch, outputs, depth = (static_extent(sch, x) for x in (n_loop, o_loop, k_loop))
-    if None in (batch, outputs, depth) or batch < MIN_BATCH:
+    all_steps = len(sch.get_loops(blocks[0])) == 4
+    if None in (batch, outputs, depth) or (batch < MIN_BATCH and not all_steps):
         return None
     if outputs % TILE or depth % (2 * BK):
         return None
-    return Product(batch, depth, outputs, len(sch.get_loops(blocks[0])) == 4)
+    return Product(batch, depth, outputs, all_steps)
 
 
 def source(product: Product, name: str = "sgemm") -> str:

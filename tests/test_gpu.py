@@ -331,6 +331,24 @@ def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rn
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, rows_per_warp", [
+    ("lstm", 64, 2048, 4, 4), ("lstm", 32, 1024, 16, 4), ("gru", 96, 1024, 3, 2),
+    ("lstm", 16, 2048, 8, 8), ("rnn_tanh", 32, 512, 7, 1), ("gru", 16, 256, 2, 1)])
+def test_small_batch_gemv_matches_reference(cell, input_size, hidden, batch, rows_per_warp,
+                                            rng):
+    """Each step's recurrent projection at batch 2-16, RW rows a warp (1, 2 and 4: the
+    grid's size decides), odd batches included."""
+    from rnncc.schedules import cuda_small_batch_gemv
+
+    module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off")
+    assert module.metadata["schedule"]["rules"]["recurrent_gemm"] == "cuda.small_batch_gemv"
+    gates = rnncc.cells.get(cell).gates
+    assert cuda_small_batch_gemv.rows_per_warp(batch, gates * hidden) == rows_per_warp
+    for steps, initial in ((1, True), (23, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
     ("lstm", 32, 256, 32), ("gru", 48, 128, 64), ("rnn_tanh", 16, 128, 33),
     ("rnn_relu", 160, 256, 96), ("lstm", 32, 32, 40)])

@@ -61,24 +61,35 @@ def test_cuda_gemm_rule_choice():
              ((64,), 320, 960, "cuda.tiled_gemm"),
              ((t_len, 64), 512, 2048, "cuda.sgemm"), ((t_len, 64), 40, 2048, "cuda.tiled_gemm"),
              ((64,), 33, 99, "cuda.matmul"),
-             ((t_len, 1), 256, 2048, "cuda.matmul"), ((1,), 1, 4, "cuda.gemm_simple")]
+             ((t_len, 1), 256, 2048, "cuda.sgemm"), ((t_len, 16), 512, 2048, "cuda.sgemm"),
+             ((t_len, 3), 40, 2048, "cuda.matmul"), ((16,), 2048, 8192, "cuda.small_batch_gemv"),
+             ((1,), 1, 4, "cuda.gemm_simple")]
     for lead, k, o, rule in cases:
         result = schedules.schedule(comp.gemm(lead, k, o, "rows", "float32"), CUDA, "gemm")
         assert result.rule == rule, (lead, k, o, result.notes)
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
 
 
-def test_sgemm_takes_large_batch_float32_projections():
+def test_small_batch_gemv_rows_a_warp():
+    from rnncc.schedules.cuda_small_batch_gemv import rows_per_warp
+
+    # (N, O): RW, a power of two up to N, 64 / N and 8, fewer where the grid would be small
+    expected = {(2, 8192): 2, (3, 8192): 2, (4, 8192): 4, (8, 8192): 8, (16, 8192): 4,
+                (8, 6144): 4, (16, 3072): 2, (4, 1024): 1, (7, 512): 1}
+    assert {key: rows_per_warp(*key) for key in expected} == expected
+
+
+def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
     from rnncc.schedules import cuda_sgemm
 
     t_len = tirx.Var("T", "int64")
     taken = [((t_len, 64), 1024, 4096), ((t_len, 32), 16, 128), ((t_len, 33), 48, 384),
+             ((t_len, 16), 1024, 4096), ((t_len, 3), 2048, 6144), ((t_len, 1), 16, 128),
              ((64,), 1024, 4096), ((33,), 48, 384), ((96,), 256, 1024)]
     for lead, k, o in taken:
         product = cuda_sgemm.sizes(comp.gemm(lead, k, o, "rows", "float32"))
         assert product == cuda_sgemm.Product(lead[-1], k, o, len(lead) == 2), lead
-    declined = [((t_len, 16), 1024, 4096, "rows", "float32"),  # batch under 32 (chunks)
-                ((16,), 1024, 4096, "rows", "float32"),
+    declined = [((16,), 1024, 4096, "rows", "float32"),  # one step's, batch under 32
                 ((t_len, 64), 1024, 4000, "rows", "float32"),  # O not whole tiles
                 ((64,), 1032, 4096, "rows", "float32"),  # K not whole pairs of chunks
                 ((t_len * 64,), 1024, 4096, "rows", "float32"),  # flat rows
