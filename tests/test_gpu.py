@@ -331,12 +331,27 @@ def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rn
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("lstm", 64, 256, 9), ("gru", 48, 512, 33), ("rnn_tanh", 32, 128, 100),
+    ("lstm", 40, 1024, 64), ("rnn_relu", 16, 96, 17), ("gru", 32, 256, 200)])
+def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, batch, rng):
+    """Each step's recurrent projection in float16 on tensor cores: batch rows past N in the
+    last 16-row tile, chunks of K of 32 to 256, one and two 8-row tiles a warp."""
+    module = compiled(cell, input_size, hidden, batch, "cuda", dtype="float16",
+                      persistent="off")
+    assert module.metadata["schedule"]["rules"]["recurrent_gemm"] == "cuda.mma_gemv"
+    for steps, initial in ((1, True), (29, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, rows_per_warp", [
     ("lstm", 64, 2048, 4, 4), ("lstm", 32, 1024, 16, 4), ("gru", 96, 1024, 3, 2),
-    ("lstm", 16, 2048, 8, 8), ("rnn_tanh", 32, 512, 7, 1), ("gru", 16, 256, 2, 1)])
+    ("lstm", 16, 2048, 8, 8), ("gru", 64, 2048, 24, 2), ("rnn_tanh", 32, 512, 7, 1),
+    ("gru", 16, 256, 2, 1)])
 def test_small_batch_gemv_matches_reference(cell, input_size, hidden, batch, rows_per_warp,
                                             rng):
-    """Each step's recurrent projection at batch 2-16, RW rows a warp (1, 2 and 4: the
+    """Each step's recurrent projection at batch 2-31, RW rows a warp (1, 2, 4 and 8: the
     grid's size decides), odd batches included."""
     from rnncc.schedules import cuda_small_batch_gemv
 

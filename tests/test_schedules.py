@@ -70,6 +70,32 @@ def test_cuda_gemm_rule_choice():
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
 
 
+def test_float16_step_products_on_tensor_cores():
+    from rnncc.schedules import cuda_mma_gemv
+
+    for batch, k, o in ((9, 96, 96), (64, 1024, 4096), (256, 2048, 8192), (33, 512, 1536)):
+        result = schedules.schedule(comp.gemm((batch,), k, o, "rows", "float16", "float32"),
+                                    CUDA, "gemm")
+        assert result.rule == "cuda.mma_gemv", (batch, result.notes)
+        assert '"m16n8k16"' in result.func.script()
+    # (N, K, O): NT 8-row tiles a warp, KC k a staged chunk (its rows of h under 40 KiB)
+    plans = {(64, 1024, 4096): (1, 256), (64, 2048, 8192): (2, 256), (100, 128, 128): (1, 128),
+             (256, 2048, 8192): (1, 64), (128, 2048, 8192): (2, 128)}
+    found = {key: cuda_mma_gemv.plan(*key, "float32") for key in plans}
+    assert {key: (p.n_tiles, p.chunk) for key, p in found.items()} == plans
+    t_len = tirx.Var("T", "int64")
+    declined = [((8,), 1024, 4096, "float16"),  # batch 8: persistent or small_batch_gemv
+                ((257,), 1024, 4096, "float16"), ((64,), 1000, 4096, "float16"),  # K % 32
+                ((64,), 1024, 4100, "float16"),  # O % 32
+                ((64,), 1024, 4096, "float32"), ((t_len, 64), 1024, 4096, "float16")]
+    for lead, k, o, dtype in declined:
+        func = comp.gemm(lead, k, o, "rows", dtype, "float32")
+        assert cuda_mma_gemv.apply(func, CUDA) is None, (lead, k, o, dtype)
+    old_gpu = TargetSpec("cuda", arch="sm_75").tvm_target()
+    assert cuda_mma_gemv.apply(comp.gemm((64,), 1024, 4096, "rows", "float16", "float32"),
+                               old_gpu) is None
+
+
 def test_small_batch_gemv_rows_a_warp():
     from rnncc.schedules.cuda_small_batch_gemv import rows_per_warp
 

@@ -1,0 +1,197 @@
+"""CUDA: one step's recurrent projection with float16 weights, on tensor cores.
+
+out[n, o] = sum_k h[n, k] * W[o, k] + b[o], W and b float16, h float32 or float16 [N, K], out
+float32. h is rounded to float16 for the product (as cuDNN's float16 RNNs and rnncc's
+persistent kernel keep it); the sums are float32. ``mma.sync`` m16n8k16: the batch is the
+instruction's M (MT = ceil(N/16) tiles, rows past N zero), 8 output rows of W its N, 16 k a
+step.
+
+A block of :data:`WARPS` warps owns WARPS * NT * 8 output rows (NT n-tiles a warp). K goes
+through shared memory in chunks of KC: the block stages h[:, chunk] there in float16, row-major
+with rows padded by 16 bytes (a warp's 16-byte reads then hit every bank group), and each warp
+multiplies it by its rows of W, read straight from global memory (L2: a step's weights, read
+once a step, fit there up to 4096 hidden units of an LSTM in float16).
+
+Fragments. Any permutation of k that A and B share leaves the sums unchanged; this one lets a
+lane take 16 contiguous bytes of W and of each of its two rows of h for two k-steps of 16: of
+32 k from k0, lane l (q = l % 4, g = l // 4) reads W[row g][k0 + 8q .. +8] and h[g], h[g+8] at
+the same k; k-step s uses the elements 4s .. 4s+3 of each, which the instruction takes as its
+k = 2q + {0, 1} (elements 4s, 4s+1) and 8 + 2q + {0, 1} (4s+2, 4s+3). The sums land as the
+instruction leaves them: lane l holds batch rows g and g + 8 of output rows 2q + {0, 1}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from ._common import gemm_blocks, static_extent, weights_are_rows
+from ._rule import Rule
+
+WARPS = 4
+#: Fewest and most batch rows: below, a persistent plan or cuda.small_batch_gemv; the sums of
+#: MT * NT tiles a lane (4 each, at most :data:`MAX_SUMS`) stay in registers.
+MIN_BATCH, MAX_BATCH, MAX_SUMS = 9, 256, 64
+#: Fewest blocks the grid should have: NT = 2 where O gives at least that many.
+TARGET_BLOCKS = 128
+#: Most shared memory for the staged chunk of h (static shared memory: under 48 KiB).
+STAGE_BYTES = 40 * 1024
+PAD = 8  # halves after each staged row of h
+
+
+@dataclass(frozen=True)
+class Plan:
+    """N batch rows, K deep, O outputs, h's dtype; NT n-tiles a warp, KC k a chunk."""
+
+    batch: int
+    depth: int
+    outputs: int
+    a_dtype: str
+    n_tiles: int
+    chunk: int
+
+    @property
+    def m_tiles(self) -> int:
+        return -(-self.batch // 16)
+
+    @property
+    def columns(self) -> int:
+        """Output rows of W a block."""
+        return WARPS * self.n_tiles * 8
+
+    @property
+    def stride(self) -> int:
+        """Halves from one staged row of h to the next."""
+        return self.chunk + PAD
+
+
+def plan(batch: int, depth: int, outputs: int, a_dtype: str) -> Plan | None:
+    """The plan for a product, or None where this rule does not take it (see the limits)."""
+    if not MIN_BATCH <= batch <= MAX_BATCH or depth % 32 or outputs % (WARPS * 8):
+        return None
+    rows = -(-batch // 16) * 16
+    n_tiles = 2 if (outputs % (WARPS * 16) == 0 and outputs // (WARPS * 16) >= TARGET_BLOCKS
+                    and rows // 16 * 2 * 4 <= MAX_SUMS) else 1
+    chunk = next((c for c in (256, 128, 64, 32)
+                  if depth % c == 0 and rows * (c + PAD) * 2 <= STAGE_BYTES), None)
+    return None if chunk is None else Plan(batch, depth, outputs, a_dtype, n_tiles, chunk)
+
+
+def kernel(p: Plan):
+    """The PrimFunc, with the gemm component's parameters (a, w, b, gemm_bias)."""
+    n_, k_, o_, mt, nt, kc = p.batch, p.depth, p.outputs, p.m_tiles, p.n_tiles, p.chunk
+    threads, rows, stride = WARPS * 32, mt * 16, p.stride
+
+    @T.macro
+    def zero_padding(hs, tx):
+        """Once: the staged rows past N are zeros (the staging never writes them)."""
+        for e in T.serial((rows - n_) * kc // threads + 1):
+            if e * threads + tx < (rows - n_) * kc:
+                hs[(n_ + (e * threads + tx) // kc) * stride + (e * threads + tx) % kc] = (
+                    T.float16(0))
+
+    @T.macro
+    def stage(a, hs, c, tx):
+        """h[:N, chunk c] into shared memory, in float16."""
+        for e in T.serial(-(-(n_ * kc // 4) // threads)):
+            if (e * threads + tx) * 4 < n_ * kc:
+                for v in T.vectorized(4):
+                    hs[(e * threads + tx) * 4 // kc * stride + (e * threads + tx) * 4 % kc + v] = (
+                        T.Cast("float16", a[(e * threads + tx) * 4 // kc,
+                                            c * kc + (e * threads + tx) * 4 % kc + v]))
+
+    @T.macro
+    def products(w, hs, acc, wf, ha, hb, af, wb, c, col0, lane):
+        """The warp's products of chunk c: 32 k an iteration, two k-steps."""
+        g, q = T.meta_var((lane // 4, lane % 4))
+        for kk in T.unroll(kc // 32):
+            for j in T.unroll(nt):
+                for v in T.vectorized(8):
+                    wf[j * 8 + v] = w[col0 + j * 8 + g, c * kc + kk * 32 + q * 8 + v]
+            for m in T.unroll(mt):
+                for v in T.vectorized(8):
+                    ha[v] = hs[(m * 16 + g) * stride + kk * 32 + q * 8 + v]
+                for v in T.vectorized(8):
+                    hb[v] = hs[(m * 16 + 8 + g) * stride + kk * 32 + q * 8 + v]
+                for s in T.unroll(2):
+                    for v in T.vectorized(2):
+                        af[v] = ha[s * 4 + v]
+                    for v in T.vectorized(2):
+                        af[2 + v] = hb[s * 4 + v]
+                    for v in T.vectorized(2):
+                        af[4 + v] = ha[s * 4 + 2 + v]
+                    for v in T.vectorized(2):
+                        af[6 + v] = hb[s * 4 + 2 + v]
+                    for j in T.unroll(nt):
+                        for v in T.vectorized(4):
+                            wb[v] = wf[j * 8 + s * 4 + v]
+                        T.evaluate(T.ptx_legacy.mma(
+                            "m16n8k16", "row", "col", "fp16", "fp16", "fp32", af.data, 0,
+                            wb.data, 0, acc.data, (m * nt + j) * 4, False, dtype="float32"))
+
+    @T.macro
+    def store(b, out, acc, col0, lane):
+        """Lane l's sums: batch rows g and g + 8 of each m-tile, output rows 2q + {0, 1} of
+        each n-tile, plus the bias."""
+        g, q = T.meta_var((lane // 4, lane % 4))
+        for m in T.unroll(mt):
+            for j in T.unroll(nt):
+                for h in T.unroll(2):
+                    if m * 16 + h * 8 + g < n_:
+                        for v in T.unroll(2):
+                            out[m * 16 + h * 8 + g, col0 + j * 8 + q * 2 + v] = (
+                                acc[(m * nt + j) * 4 + h * 2 + v]
+                                + T.Cast("float32", b[col0 + j * 8 + q * 2 + v]))
+
+    @T.prim_func(s_tir=True)
+    def mma_gemv(a: T.Buffer((n_, k_), p.a_dtype), w: T.Buffer((o_, k_), "float16"),
+                 b: T.Buffer((o_,), "float16"), gemm_bias: T.Buffer((n_, o_), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        with T.sblock("root"):
+            hs = T.sblock_alloc_buffer((rows * stride,), "float16", scope="shared")
+            acc = T.sblock_alloc_buffer((mt * nt * 4,), "float32", scope="local")
+            wf = T.sblock_alloc_buffer((nt * 8,), "float16", scope="local")
+            ha = T.sblock_alloc_buffer((8,), "float16", scope="local")
+            hb = T.sblock_alloc_buffer((8,), "float16", scope="local")
+            af = T.sblock_alloc_buffer((8,), "float16", scope="local")
+            wb = T.sblock_alloc_buffer((4,), "float16", scope="local")
+            for bx in T.thread_binding(o_ // p.columns, thread="blockIdx.x"):
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    col0 = T.meta_var(bx * p.columns + tx // 32 * nt * 8)
+                    for i in T.unroll(mt * nt * 4):
+                        acc[i] = T.float32(0)
+                    if rows > n_:
+                        zero_padding(hs, tx)
+                    for c in T.serial(k_ // kc):
+                        stage(a, hs, c, tx)
+                        T.tvm_storage_sync("shared")
+                        products(w, hs, acc, wf, ha, hb, af, wb, c, col0, tx % 32)
+                        T.tvm_storage_sync("shared")
+                    store(b, gemm_bias, acc, col0, tx % 32)
+
+    return mma_gemv
+
+
+def apply(func, target):
+    sch = s_tir.Schedule(func)
+    blocks = gemm_blocks(sch)
+    if blocks is None or len(sch.get_loops(blocks[0])) != 3:
+        return None  # one step's product [N, K] x [O, K] only
+    a_dtype, w_dtype = (str(r.source.dtype) for r in sch.get(blocks[0]).reads[:2])
+    if w_dtype != "float16" or a_dtype not in ("float16", "float32"):
+        return None
+    if not weights_are_rows(sch, blocks[0]):
+        return None
+    arch = str(target.attrs.get("arch", ""))
+    if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
+        return None  # mma.sync m16n8k16 with float32 sums: sm_80 and later
+    batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
+    if None in (batch, outputs, depth):
+        return None
+    found = plan(batch, depth, outputs, a_dtype)
+    return None if found is None else s_tir.Schedule(kernel(found))
+
+
+RULE = Rule("cuda.mma_gemv", apply)
