@@ -318,14 +318,15 @@ def test_float16_input_projection_on_tensor_cores(cell, input_size, hidden, batc
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 24, 40, 32, "float32"), ("gru", 64, 64, 96, "float32"),
     ("rnn_tanh", 16, 64, 64, "float32"), ("lstm", 32, 64, 32, "float16"),
-    ("gru", 32, 320, 64, "float32"), ("gru", 16, 512, 64, "float16"),  # these two: split-K
+    ("gru", 32, 320, 64, "float32"), ("gru", 16, 512, 64, "float16"),  # gru 320: split-K
     ("gru", 40, 128, 64, "float32")])  # 64 x 128 tiles of all steps' input projections
 def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rng):
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype)
     rules = module.metadata["schedule"]["rules"]
     assert rules["input_gemm"] == "cuda.tiled_gemm"  # sgemm: O or K off its tiles, or float16
     sgemm = (dtype, hidden) == ("float32", 128)  # each step's [64, 128] x [384, 128]^T
-    assert rules["recurrent_gemm"] == ("cuda.sgemm" if sgemm else "cuda.tiled_gemm")
+    step_rule = "cuda.mma_gemv" if dtype == "float16" else "cuda.tiled_gemm"
+    assert rules["recurrent_gemm"] == ("cuda.sgemm" if sgemm else step_rule)
     for steps, initial in ((1, True), (37, True), (5, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
