@@ -34,6 +34,19 @@ WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
 REVERSE = tuple(f"{name}_reverse" for name in WEIGHTS)
 
 
+
+def check_packed(packed, packed_for: str, owner: str, key: str, family: Family) -> None:
+    """Raise :class:`InputError` unless ``packed`` (PackedWeights or NetworkWeights, packed for
+    the key ``packed_for``) was packed for this ``owner`` ("module" or "network", its ``key``)
+    and lies on x's device."""
+    if packed_for != key:
+        raise InputError(f"these {type(packed).__name__} were packed for {packed_for}, "
+                         f"not for this {owner} ({key})")
+    if packed.device != family.describe_device():
+        raise InputError(f"weights are packed on {packed.device}, but x is on "
+                         f"{family.describe_device()}")
+
+
 class PackedWeights:
     """Weights laid out for one module's entry ("persistent" or "sequence") on one device
     (from :meth:`Module.pack`): a copy, which later in-place changes of the weights it was
@@ -332,12 +345,7 @@ class Module:
         if isinstance(weights, PackedWeights):
             packed = weights
             entry = packed.entry
-            if packed._module_key != self._key:
-                raise InputError(f"these PackedWeights were packed for {packed._module_key}, "
-                                 f"not for this module ({self._key})")
-            if packed.device != family.describe_device():
-                raise InputError(f"weights are packed on {packed.device}, but x is on "
-                                 f"{family.describe_device()}")
+            check_packed(packed, packed._module_key, "module", self._key, family)
         else:
             packed = self._pack(self._weights_mapping(weights), family, entry)
         self._check_grad(family, x, given)

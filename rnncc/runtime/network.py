@@ -35,7 +35,7 @@ from ..errors import InputError, ModuleFileError, warn
 from . import metadata as md
 from .arrays import family_of
 from .files import write_atomically
-from .module import Module
+from .module import Module, check_packed
 
 FORMAT = 1
 MANIFEST = "network.json"
@@ -238,12 +238,7 @@ class Network:
     def _packed(self, weights, family, x, layer_by_layer: bool) -> NetworkWeights:
         if not isinstance(weights, NetworkWeights):
             return self._pack(self._mapping(weights), family, layer_by_layer)
-        if weights._network_key != self._key:
-            raise InputError(f"these NetworkWeights were packed for {weights._network_key}, "
-                             f"not for this network ({self._key})")
-        if weights.device != family.describe_device():
-            raise InputError(f"weights are packed on {weights.device}, but x is on "
-                             f"{family.describe_device()}")
+        check_packed(weights, weights._network_key, "network", self._key, family)
         return weights
 
     def run(self, x, states: list, lengths, packed: NetworkWeights, between=None):
