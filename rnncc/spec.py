@@ -27,7 +27,9 @@ class Problem:
     and each state [D, N, H]. ``layers`` L > 1: a stack of L unidirectional layers (C = H),
     each taking the one below's outputs, as torch's ``num_layers`` does; y is the last layer's
     [T, N, H] and each state [L, N, H]. It runs only as the persistent wavefront (layer l at
-    step t while layer l - 1 is a few steps ahead), CUDA only.
+    step t while layer l - 1 is a few steps ahead), CUDA only. ``training``: the module also
+    has the entries of a training step (:mod:`rnncc.lowering.training`; one direction, one
+    layer).
     """
 
     cell: Cell
@@ -38,6 +40,7 @@ class Problem:
     lengths: bool = False
     directions: int = 1
     layers: int = 1
+    training: bool = False
 
     def __post_init__(self):
         if not isinstance(self.cell, Cell):
@@ -59,6 +62,14 @@ class Problem:
                 f"directions={self.directions}, input_size={self.input_size}, hidden_size="
                 f"{self.hidden_size}")
 
+        if not isinstance(self.training, bool):
+            raise ConfigError(f"training must be True or False, got {self.training!r}")
+        if self.training and (self.layers > 1 or self.directions > 1):
+            raise ConfigError(
+                f"training=True compiles one layer of one direction (rnncc.nn trains stacked "
+                f"and bidirectional networks on such modules); got directions="
+                f"{self.directions}, layers={self.layers}")
+
     @property
     def gates(self) -> int:
         return self.cell.gates
@@ -67,7 +78,8 @@ class Problem:
         return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
                 f"{self.dtype}" + (" bidirectional" if self.directions == 2 else "")
                 + (f" {self.layers} layers" if self.layers > 1 else "")
-                + (" with lengths" if self.lengths else ""))
+                + (" with lengths" if self.lengths else "")
+                + (" for training" if self.training else ""))
 
 
 @dataclass(frozen=True)

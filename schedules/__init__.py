@@ -1,7 +1,8 @@
 """rnncc's scheduling layer: one schedule rule a file.
 
 A rule has the contract ``apply(func, target) -> tvm.s_tir.Schedule | None``: None means the
-rule does not fit that PrimFunc. For each component role ("gemm", "elementwise") and target
+rule does not fit that PrimFunc. For each component role ("gemm", "elementwise", "reduction":
+the sums over all steps of the backward pass) and target
 kind ("cuda", "llvm") rules are tried in order; the last one of each list always fits, so a
 component that no better rule takes still compiles, and :func:`schedule` reports which rule
 scheduled it and why earlier ones did not.
@@ -31,7 +32,7 @@ from . import (
 )
 from ._rule import Rule
 
-ROLES = ("gemm", "elementwise")
+ROLES = ("gemm", "elementwise", "reduction")
 
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
@@ -39,8 +40,10 @@ RULES: dict[tuple[str, str], list[Rule]] = {
                        cuda_sgemm.RULE, cuda_tiled_gemm.RULE, cuda_matmul.RULE,
                        cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_fallback.RULE],
+    ("cuda", "reduction"): [cuda_matmul.RULE, cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],
+    ("llvm", "reduction"): [cpu_elementwise.SERIAL],
 }
 
 

@@ -202,11 +202,12 @@ def test_state_dict_and_initialisation_as_torch():
     assert rnncc.nn.RNN(3, 4, 1, "relu").cell.name == "rnn_relu"
 
 
-def test_gradients_are_not_computed_and_say_so():
+def test_outputs_require_grad_where_a_parameter_does():
     net = rnncc.nn.GRU(3, 4)
-    with pytest.warns(UserWarning, match="computes no gradients yet"):
-        y, _ = net(torch.randn(2, 1, 3))
-    assert not y.requires_grad
+    y, h = net(torch.randn(2, 1, 3))
+    assert y.requires_grad and h.requires_grad
+    with torch.no_grad():
+        assert not net(torch.randn(2, 1, 3))[0].requires_grad
 
 
 def test_compiled_modules_are_kept_on_disk(monkeypatch):

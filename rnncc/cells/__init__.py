@@ -1,7 +1,8 @@
 """Cell types: the registry, the built-in cells and loading a user's cell file.
 
-Every module in this package whose name does not start with ``_`` (other than :mod:`ops`) is a
-cell file and is imported when the package is, so a new built-in cell is one new file here.
+Every module in this package whose name does not start with ``_`` (other than :mod:`ops` and
+:mod:`autodiff`) is a cell file and is imported when the package is, so a new built-in cell is
+one new file here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = ["Cell", "ops", "register", "unregister", "registry", "get", "names", 
 
 def _import_builtins() -> None:
     for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_") or info.name == "ops":
+        if info.name.startswith("_") or info.name in ("ops", "autodiff"):
             continue
         importlib.import_module(f"{__name__}.{info.name}")
 

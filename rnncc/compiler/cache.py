@@ -65,7 +65,7 @@ def _key(cell_id: str, config: dict) -> str:
 
 def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
              target: str = "cuda", arch: str | None = None, lengths: bool = False,
-             directions: int = 1, layers: int = 1, **options):
+             directions: int = 1, layers: int = 1, training: bool = False, **options):
     """The :class:`rnncc.Module` for this configuration: from this process's memory, the disk
     cache, or compiled now (and then cached). ``options`` go to
     :func:`rnncc.compiler.compile_module`."""
@@ -77,7 +77,7 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     gpu = local_gpu() if target == "cuda" else None
     config = {"input_size": input_size, "hidden_size": hidden_size, "batch": batch,
               "dtype": dtype, "target": target, "arch": arch, "lengths": lengths,
-              "directions": directions, "layers": layers,
+              "directions": directions, "layers": layers, "training": training,
               "gpu": gpu[1] if gpu else None, "options": options}
     cell_id = _cell_identity(cell)
     key = None if cell_id is None else _key(cell_id, config)
@@ -86,7 +86,7 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
         return _loaded[memo]
     path = None if key is None else os.path.join(
         cache_dir(), f"{cell.name}_c{input_size}_h{hidden_size}_n{batch}_d{directions}_"
-                     f"l{layers}_{dtype}_{target}_{key}.so")
+                     f"l{layers}_{dtype}_{target}{'_train' if training else ''}_{key}.so")
     refused = None if path is None else path[:-len(".so")] + ".refused.json"
     if refused is not None and os.path.isfile(refused):
         _raise_refusal(refused)
@@ -101,7 +101,8 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
         try:
             module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
                                     target=target, arch=arch, lengths=lengths,
-                                    directions=directions, layers=layers, **options)
+                                    directions=directions, layers=layers,
+                                    training=training, **options)
         except Spilled as err:
             if refused is not None:
                 _store_refusal(err, refused)

@@ -96,7 +96,8 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    dtype: str = "float32", target: str = "cuda", arch: str | None = None,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
                    gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
-                   directions: int = 1, layers: int = 1, **options) -> Module:
+                   directions: int = 1, layers: int = 1, training: bool = False,
+                   **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
@@ -112,14 +113,18 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     "tuning" entry names the log used and what it applied. ``lengths``: the module takes each
     sample's length at run time; ``directions=2``: a bidirectional layer; ``layers`` L > 1: a
     stack of L unidirectional layers of input size H, run as one persistent wavefront (see
-    :class:`rnncc.spec.Problem`; a ConfigError where it does not fit).
+    :class:`rnncc.spec.Problem`; a ConfigError where it does not fit). ``training``: the
+    module also has a training step's entries (:meth:`rnncc.Module.train_forward`,
+    :meth:`rnncc.Module.backward`; one layer, one direction).
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths,
-                      directions, layers)
+                      directions, layers, training)
+    if training and not _options(options).all_optimisations:
+        raise ConfigError("training=True needs input_gemm, gate_gemm and fuse_pointwise on")
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)
@@ -253,6 +258,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
         "lengths": problem.lengths,
         "directions": problem.directions,
         "layers": problem.layers,
+        "training": problem.training,
         "target": tspec.as_dict(),
         "schedule": {
             "kind": "persistent" if plan is not None else "sequence",

@@ -378,3 +378,123 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 
     return te.create_prim_func([h0, te.compute((i64(2), i64(batch), i64(hidden)), value,
                                                name="tagged")])
+
+
+# -- training: the backward pass (rnncc.lowering.training) -----------------------------------
+
+
+def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
+                       masked: bool = False) -> tirx.PrimFunc:
+    """The vector-Jacobian product of the cell's step for one time step, derived from the step
+    (:mod:`rnncc.cells.autodiff`).
+
+    Inputs: ``gi`` and ``gh`` [N, G*H] (the step's projections, biases included), the previous
+    states [N, H] each, ``dy`` [N, H] (the gradient of the step's output, in ``dtype``),
+    ``dh_rec`` [N, H] (the gradient of the new h through the next step's recurrent product),
+    ``carry`` [N, H] a state (the gradients of the new states through the next step's cell);
+    ``masked``: then ``active`` [N] int32. Outputs: ``dgi0 .. dgi{G-1}``, ``dgh0 ..
+    dgh{G-1}`` [N, H] (the gradients of the projections), then the gradients of the previous
+    states through this step's cell [N, H] each. Where a step is past its sample's length the
+    states went through unchanged: the gradients of the projections are zero and those of the
+    states pass through. All but ``dy`` in the accumulation dtype.
+    """
+    from ..cells import autodiff
+
+    acc = accum_dtype(dtype)
+    g_count, s_count = cell.gates, len(cell.states)
+    shape = (i64(batch), i64(hidden))
+    gi = te.placeholder((i64(batch), i64(g_count * hidden)), acc, "gi")
+    gh = te.placeholder((i64(batch), i64(g_count * hidden)), acc, "gh")
+    states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
+    dy = te.placeholder(shape, dtype, "dy")
+    dh_rec = te.placeholder(shape, acc, "dh_rec")
+    carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in cell.states]
+    active = te.placeholder((i64(batch),), "int32", "active") if masked else None
+    graph = autodiff.trace(cell)
+    backend = autodiff.PrimExprs(acc)
+
+    def body(n, j):
+        d_h = _cast(dy[n, j], acc) + dh_rec[n, j] + carry[0][n, j]
+        seeds = [d_h] + [c[n, j] for c in carry[1:]]
+        values = ([gi[n, g * hidden + j] for g in range(g_count)]
+                  + [gh[n, g * hidden + j] for g in range(g_count)] + [s[n, j] for s in states])
+        grads = autodiff.vjp(graph, values, seeds, backend)
+        if active is None:
+            return grads
+        live, zero = active[n] != 0, tirx.const(0, acc)
+        passed = [dh_rec[n, j] + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
+        return ([tvm.tirx.if_then_else(live, v, zero) for v in grads[:2 * g_count]]
+                + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(grads[2 * g_count:],
+                                                                    passed)])
+
+    outs = te.compute(shape, body, name="cell_backward")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    extra = [active] if masked else []
+    if len(outs) != 2 * g_count + s_count:
+        raise CellError(f"cell {cell.name!r}: its derivative has {len(outs)} parts, expected "
+                        f"{2 * g_count + s_count}")
+    return te.create_prim_func([gi, gh, *states, dy, dh_rec, *carry, *extra, *outs])
+
+
+def initial_state_grads(count: int, batch: int, hidden: int, dtype: str) -> tirx.PrimFunc:
+    """The gradients of the initial states, in ``dtype``, from the first step's: ``carry``
+    [N, H] a state (through the cell) and ``dh_rec`` [N, H] (through the recurrent product,
+    added to h's)."""
+    acc = accum_dtype(dtype)
+    shape = (i64(batch), i64(hidden))
+    carry = [te.placeholder(shape, acc, f"carry{i}") for i in range(count)]
+    dh_rec = te.placeholder(shape, acc, "dh_rec")
+    outs = te.compute(shape, lambda n, j: [_cast(carry[0][n, j] + dh_rec[n, j], dtype)]
+                      + [_cast(c[n, j], dtype) for c in carry[1:]], name="initial_grads")
+    return te.create_prim_func([*carry, dh_rec, *(outs if count > 1 else [outs])])
+
+
+def transpose(rows: int, cols: int, dtype: str) -> tirx.PrimFunc:
+    """``out[j, i] = a[i, j]``, a [R, C] and out [C, R] (a packed weight in the other
+    orientation, for the backward products)."""
+    a = te.placeholder((i64(rows), i64(cols)), dtype, "a")
+    out = te.compute((i64(cols), i64(rows)), lambda j, i: a[i, j], name="transposed")
+    return te.create_prim_func([a, out])
+
+
+def zeros(shape: tuple, dtype: str) -> tirx.PrimFunc:
+    """Zeros of ``dtype`` in ``shape`` (a bias of zeros for the products that have none, a
+    gradient before the first step adds to it)."""
+    out = te.compute(tuple(i64(d) for d in shape), lambda *i: tirx.const(0, dtype),
+                     name="zeros")
+    return te.create_prim_func([out])
+
+
+def weight_gradient(rows, outputs: int, depth: int, dtype: str, a_dtype: str
+                    ) -> tirx.PrimFunc:
+    """``dw[o, k] = sum_m g[m, o] * a[m, k]`` over the M = ``rows`` (a run-time T*N) rows of
+    all steps: a weight's gradient from its product's gradients ``g`` [M, O] (accumulation
+    dtype) and the product's inputs ``a`` [M, K] (``a_dtype``); ``dw`` [O, K] in ``dtype``.
+    Blocks "weight_grad" (the reduction) and "weight_grad_out" (the cast)."""
+    acc = accum_dtype(dtype)
+    g = te.placeholder((rows, i64(outputs)), acc, "g")
+    a = te.placeholder((rows, i64(depth)), a_dtype, "a")
+    r = te.reduce_axis((i64(0), rows), "m")
+    prod = te.compute((i64(outputs), i64(depth)),
+                      lambda o, k: te.sum(g[r, o] * _cast(a[r, k], acc), axis=r),
+                      name="weight_grad")
+    out = te.compute(prod.shape, lambda o, k: _cast(prod[o, k], dtype), name="weight_grad_out")
+    return te.create_prim_func([g, a, out])
+
+
+def column_sum(rows, outputs: int, dtype: str) -> tirx.PrimFunc:
+    """``db[o] = sum_m g[m, o]`` over the M = ``rows`` rows of all steps (a bias's gradient);
+    ``g`` in the accumulation dtype, ``db`` [O] in ``dtype``."""
+    acc = accum_dtype(dtype)
+    g = te.placeholder((rows, i64(outputs)), acc, "g")
+    r = te.reduce_axis((i64(0), rows), "m")
+    total = te.compute((i64(outputs),), lambda o: te.sum(g[r, o], axis=r), name="column_sum")
+    out = te.compute(total.shape, lambda o: _cast(total[o], dtype), name="column_sum_out")
+    return te.create_prim_func([g, out])
+
+
+def cast_steps(batch: int, width: int, dtype: str, out_dtype: str, t_len) -> tirx.PrimFunc:
+    """``out[t, n, f] = a[t, n, f]`` cast to ``out_dtype``, a and out [T, N, F]."""
+    a = te.placeholder((t_len, i64(batch), i64(width)), dtype, "a")
+    out = te.compute(a.shape, lambda t, n, f: _cast(a[t, n, f], out_dtype), name="cast")
+    return te.create_prim_func([a, out])

@@ -35,6 +35,7 @@ from .. import schedules
 from ..dtypes import accum_dtype
 from ..spec import Options, Problem
 from . import components as comp
+from . import training
 from .assemble import Region, Stage, sequence_function, standalone_function
 from .components import ALL, Layout, i64
 
@@ -217,15 +218,19 @@ class _Builder:
         return (Region(x_rows, (ALL,) * 2), (tirx.Var("M", "int64"),),
                 Region(xp_rows, (ALL,) * 2), [(x_rows, x), (xp_rows, xp)])
 
-    def sequence_entry(self):
+    def sequence_entry(self, name: str = "forward", history: bool = False):
         """The non-persistent entry. With two directions, the reverse one runs the same steps
         on each sample's steps reversed (x reversed first, its y reversed back into y's
-        second half at the end); the workspaces have a leading direction dimension."""
+        second half at the end); the workspaces have a leading direction dimension.
+        ``history`` (one direction; the training forward, ``name`` "train_forward"): the
+        states of every step are outputs, ``<s>_steps`` [T+1, N, H] (the initial ones at 0,
+        step t's new ones at t + 1), which the backward entry takes."""
         p, options, layout = self.p, self.options, self.layout
         n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         per_gate = layout.gates == "per_gate"
-        self.pack("pack_w_ih", "ih", c, layout)
-        self.pack("pack_w_hh", "hh", h, layout)
+        if not history:  # the training forward takes the same packed weights
+            self.pack("pack_w_ih", "ih", c, layout)
+            self.pack("pack_w_hh", "hh", h, layout)
         if dirs > 1:
             self.pack_biases()
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
@@ -247,8 +252,12 @@ class _Builder:
         xp = self.param(sig, "xp", per_direction(xp_shape), "workspace", acc)
         hp = self.param(sig, "hp", per_direction((g, n, h) if per_gate else (n, g * h)),
                         "workspace", acc)
-        sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
-              for s in p.cell.states]
+        if history:
+            sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
+                  for s in p.cell.states]
+        else:
+            sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
+                  for s in p.cell.states]
         x_rev = y_rev = None
         if dirs > 1:
             x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
@@ -267,8 +276,8 @@ class _Builder:
             prologue.append(self.reversed_steps("x", Region(x, (ALL,) * 3),
                                                 Region(x_rev, (ALL,) * 3), lengths))
         steps, views = [], []
-        slot = tirx.floormod(t, i64(2))
-        nxt = tirx.floormod(t + i64(1), i64(2))
+        slot = t if history else tirx.floormod(t, i64(2))
+        nxt = t + i64(1) if history else tirx.floormod(t + i64(1), i64(2))
         for d in range(dirs):
             xs, suffix = (x, "") if d == 0 else (x_rev, _SUFFIX[d])
             if options.input_gemm:
@@ -307,7 +316,7 @@ class _Builder:
                 + [Region(a, (t, ALL)) for a in active]
                 + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw],
                 1 + len(sw)))
-        final = tirx.floormod(t_len, i64(2))
+        final = t_len if history else tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, at(d, (final, ALL, ALL)))
                                                       for s in sw],
                                      [Region(s, (d, ALL, ALL)) for s in sn],
@@ -319,8 +328,8 @@ class _Builder:
         reversed_ = [x_rev, y_rev] if x_rev is not None else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw, *reversed_,
                   *active]
-        self.add("forward", sequence_function("forward", params, prologue, t, t_len, steps,
-                                              epilogue, views), sig)
+        self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
+                                         views), sig)
 
     def persistent_entry(self, plan):
         """The persistent entry: the input GEMM of all steps (both directions' at once), then
@@ -443,22 +452,27 @@ def _named(stages: list, suffix: str) -> list:
 def build(problem: Problem, options: Options, target, persistent_plan=None,
           database=None) -> Lowered:
     """The layer's IRModule: always the non-persistent entry, plus the persistent one when a
-    plan is given (CUDA only; its input GEMM always runs over all steps at once). ``database``:
-    a MetaSchedule database whose records schedule the components they match."""
+    plan is given (CUDA only; its input GEMM always runs over all steps at once), plus the
+    training entries where the problem asks for them. ``database``: a MetaSchedule database
+    whose records schedule the components they match."""
     builder = _Builder(problem, options, target, database)
     if problem.layers == 1:  # a wavefront of layers runs only as the persistent kernel
         builder.sequence_entry()
+    if problem.training:
+        training.build(builder)
     if persistent_plan is not None:
         builder.persistent_entry(persistent_plan)
     return builder.lowered
 
 
 def _signature_dim(dim):
-    """A dimension as signatures write it: an int, "T", or "T/S" (comp.chunks(T, S))."""
+    """A dimension as signatures write it: an int, "T", "T+1" or "T/S" (comp.chunks(T, S))."""
     if isinstance(dim, int):
         return dim
     if isinstance(dim, tvm.ir.Var):
         return "T"
+    if isinstance(dim, tirx.Add):
+        return "T+1"
     return f"T/{int(dim.b)}"
 
 

@@ -10,20 +10,20 @@ of the same shapes and kinds (a ``PackedSequence`` in gives one out). rnncc adds
 ([N], 1 to T) for padded input of samples of their own lengths.
 
 The network runs on compiled layer modules (:mod:`.network`); they compile on first use for a
-device, dtype and sizes and are kept on disk. Gradients are not computed yet (training is its
-own issue): a call that would need them says so once.
+device, dtype and sizes and are kept on disk. A call that needs gradients (grad mode on, and
+the input, a state or a parameter requiring grad) runs layer by layer on modules compiled for
+training (:mod:`.training`): gradients of the input, the initial states and every weight.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import ConfigError, InputError
-from . import op
+from . import op, training
 from .network import Layout, Network
 
 DTYPES = (torch.float32, torch.float16)
@@ -58,7 +58,6 @@ class Recurrent(torch.nn.Module):
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
                               2 if bidirectional else 1)
         self._networks: dict = {}
-        self._warned = False
         self._key = op.register(self)
         rows = self.cell.gates * hidden_size
         kw = {"device": device, "dtype": dtype}
@@ -119,12 +118,13 @@ class Recurrent(torch.nn.Module):
             x, unbatched = self._check_input(input)
             if lengths is not None:
                 lengths = self._check_lengths(lengths, x)
-        if not torch.compiler.is_compiling():
-            self._check_grad(x)
-        states = [s.detach() for s in self._initial_states(hx, x, unbatched)]
-        weights = [getattr(self, n).detach() for n in self._weight_names()]  # no gradients yet
-        y, *finals = op.network(self._key, x.detach(), states, lengths, weights,
-                                self.training)
+        states = self._initial_states(hx, x, unbatched)
+        if self._needs_grad(x, states):
+            network = self._network(x)
+            y, finals = training.run(self, x, states, lengths, network.target, network.arch)
+        else:
+            weights = [getattr(self, n) for n in self._weight_names()]
+            y, *finals = op.network(self._key, x, states, lengths, weights, self.training)
         if packed:
             return _repacked(y, input), _finals(finals)
         return self._outputs(y, finals, unbatched)
@@ -167,14 +167,10 @@ class Recurrent(torch.nn.Module):
             raise InputError(f"lengths is on {lengths.device}, but input is on {x.device}")
         return lengths
 
-    def _check_grad(self, x) -> None:
-        needs = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        if needs and not self._warned:
-            self._warned = True
-            warnings.warn("rnncc.nn computes no gradients yet (training is not supported): its "
-                          "outputs do not require grad. Call it under torch.no_grad() or "
-                          "torch.inference_mode() to say that none is needed", stacklevel=3)
+    def _needs_grad(self, x, states) -> bool:
+        """Whether the call must give gradients (then it runs :mod:`.training`'s way)."""
+        return torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, *states, *self.parameters()))
 
     def _initial_states(self, hx, x, unbatched):
         """The initial states, a list of [L*D, N, H] (zeros where hx is None), checked."""

@@ -106,10 +106,13 @@ def _checked(sections: dict[str, bytes], shown: str) -> dict:
 
 def concrete_dim(dim, steps: int) -> int:
     """A signature's dimension for a run of ``steps`` steps: an int as it is, "T" the steps,
-    "T/S" the chunks of S steps that hold them (ceil(T/S))."""
+    "T+1" one more (the states of every step and the initial ones), "T/S" the chunks of S
+    steps that hold them (ceil(T/S))."""
     if isinstance(dim, int):
         return dim
     if dim == "T":
         return steps
+    if dim == "T+1":
+        return steps + 1
     chunk = int(dim.split("/")[1])
     return -(-steps // chunk)

@@ -312,8 +312,9 @@ class Module:
     _said_no_grad = False
 
     def _check_grad(self, family: Family, x, given) -> None:
-        """Say, once, that a call whose input or initial states require grad gets none (rnncc
-        computes no gradients yet)."""
+        """Say, once, that a call whose input or initial states require grad gets none (a
+        module's call is inference only; rnncc.nn's modules and :meth:`train_forward` /
+        :meth:`backward` give gradients)."""
         if self._said_no_grad or family.name != "torch":
             return
         import torch
@@ -321,43 +322,66 @@ class Module:
         if torch.is_grad_enabled() and any(getattr(v, "requires_grad", False)
                                            for v in (x, *given.values())):
             self._said_no_grad = True
-            warn("rnncc modules compute no gradients yet: the results do not require "
-                          "grad and have no grad_fn (training is not supported); call under "
-                          "torch.no_grad() to say that none is needed")
+            warn("rnncc modules compute no gradients when called: the results do not require "
+                 "grad and have no grad_fn; train through rnncc.nn's modules (or a module "
+                 "compiled with training=True: train_forward, backward), or call under "
+                 "torch.no_grad() to say that none is needed")
 
     def __call__(self, x, weights, h0=None, c0=None, lengths=None, **initial):
-        states = self.states
+        family = family_of(x, self.device_kind)
+        given = self._initial(h0, c0, lengths, initial)
+        with faults.guard(family, f"a call of {self._key}"):
+            return self._call(family, x, weights, given, lengths)
+
+    def _initial(self, h0, c0, lengths, initial) -> dict:
+        """The initial states given, by their parameter names, checked against the cell's."""
         if lengths is not None and not self.takes_lengths:
             raise InputError(f"this module ({self._key}) takes no lengths; compile it with "
                              "lengths=True (rnncc compile --lengths)")
         given = {"h0": h0, "c0": c0, **initial}
         for key, value in given.items():
-            if value is not None and (not key.endswith("0") or key[:-1] not in states):
+            if value is not None and (not key.endswith("0") or key[:-1] not in self.states):
                 raise InputError(f"{key} is not an initial state of cell {self.cell!r}; "
-                                 f"it takes {', '.join(s + '0' for s in states)}")
-        family = family_of(x, self.device_kind)
-        with faults.guard(family, f"a call of {self._key}"):
-            return self._call(family, x, weights, given, lengths)
+                                 f"it takes {', '.join(s + '0' for s in self.states)}")
+        return given
+
+    def _packed_for(self, family: Family, weights, entry: str | None) -> PackedWeights:
+        """``weights`` packed for ``entry`` (default: the entry this device runs), or checked
+        to be packed for this module, this device and ``entry``."""
+        if not isinstance(weights, PackedWeights):
+            return self._pack(self._weights_mapping(weights), family,
+                              entry or self.entry_for(family))
+        check_packed(weights, weights._module_key, "module", self._key, family)
+        if entry is not None and weights.entry != entry:
+            raise InputError(f"these weights are packed for the {weights.entry} entry; a "
+                             f"training step takes them packed with entry={entry!r}")
+        return weights
 
     def _call(self, family: Family, x, weights, given: dict, lengths):
-        states = self.states
-        entry = self.entry_for(family)
-        if isinstance(weights, PackedWeights):
-            packed = weights
-            entry = packed.entry
-            check_packed(packed, packed._module_key, "module", self._key, family)
-        else:
-            packed = self._pack(self._weights_mapping(weights), family, entry)
+        packed = self._packed_for(family, weights, None)
         self._check_grad(family, x, given)
-        forward = self._function(entry, "forward")
-        sig = self._signature(forward)
+        results = self._invoke(family, self._function(packed.entry, "forward"), x, packed,
+                               given, lengths)
+        return self._forward_results(family, results)
+
+    def _forward_results(self, family: Family, results: dict):
+        y = family.result(results["y"])
+        finals = tuple(family.result(results[f"{s}_n"]) for s in self.states)
+        return (y, finals[0]) if len(finals) == 1 else (y, finals)
+
+    def _invoke(self, family: Family, function: str, x, packed: PackedWeights, given: dict,
+                lengths) -> dict:
+        """Run the module function ``function`` on x [T, N, C] and the packed weights; the
+        other inputs from ``given`` by name (an absent initial state, or gradient of one, is
+        zero), outputs and workspaces made here. Returns the outputs' arrays by name."""
+        sig = self._signature(function)
         shapes = {p["name"]: p["shape"] for p in sig}
         x_t = to_tensor("x", x, [None if d == "T" else d for d in shapes["x"]], self.dtype,
                         family)
         steps = int(x_t.shape[0])
         if steps < 1:
             raise InputError("x has 0 time steps; it needs at least 1")
-        if entry == "persistent":
+        if function.startswith("persistent"):
             limit = (2**32 - 1) // self.metadata["schedule"]["persistent"]["plan"]["blocks"]
             if steps > limit:
                 raise InputError(f"x has {steps} time steps; the persistent kernel of this "
@@ -375,12 +399,13 @@ class Module:
                 args.append(_lengths(lengths, steps, self.batch, family))
             elif name in packed.tensors:
                 args.append(packed.tensors[name])
-            elif kind == "input":  # an initial state
+            elif kind == "input":  # an initial state, a kept state or a gradient
                 value = given.get(name)
                 if value is None:
-                    args.append(family.zeros(concrete(p["shape"]), self.dtype)[1])
+                    args.append(family.zeros(concrete(p["shape"]), p["dtype"])[1])
                 else:
-                    args.append(to_tensor(name, value, concrete(p["shape"]), self.dtype, family))
+                    args.append(to_tensor(name, value, concrete(p["shape"]), p["dtype"],
+                                          family))
             else:
                 float_out = p["dtype"].startswith("float")
                 alloc = family.poisoned if self.poison and float_out else family.empty
@@ -390,10 +415,59 @@ class Module:
                     results[name] = arr
         lib = self._library()
         with family.stream():
-            lib[forward](*args)
-        y = family.result(results["y"])
-        finals = tuple(family.result(results[f"{s}_n"]) for s in states)
-        return (y, finals[0]) if len(finals) == 1 else (y, finals)
+            lib[function](*args)
+        return results
+
+    # -- training ------------------------------------------------------------------------
+    def _check_training(self) -> None:
+        if "backward" not in self.metadata["functions"]:
+            raise InputError(f"this module ({self._key}) was compiled without training "
+                             "entries; compile it with training=True")
+
+    def train_forward(self, x, weights, h0=None, c0=None, lengths=None, **initial):
+        """A training step's forward pass (a module compiled with ``training=True``): as a
+        call, plus what :meth:`backward` takes, the states of every step (``<s>_steps``
+        [T+1, N, H] each, the initial ones first, in the accumulation dtype). Returns ``(y,
+        finals, kept)``: finals as a call gives them, kept a dict by name. ``weights``: as
+        for a call, or PackedWeights of ``pack(weights, entry="sequence")``."""
+        self._check_training()
+        family = family_of(x, self.device_kind)
+        given = self._initial(h0, c0, lengths, initial)
+        with faults.guard(family, f"a training step of {self._key}"):
+            packed = self._packed_for(family, weights, "sequence")
+            results = self._invoke(family, "train_forward", x, packed, given, lengths)
+            y, finals = self._forward_results(family, results)
+            kept = {f"{s}_steps": family.result(results[f"{s}_steps"]) for s in self.states}
+        return y, finals, kept
+
+    def backward(self, x, weights, kept: dict, dy=None, finals_grad=None, lengths=None
+                 ) -> dict:
+        """The gradients of a training step (a module compiled with ``training=True``):
+        ``x``, ``weights`` and ``lengths`` as given to :meth:`train_forward`, ``kept`` what
+        it returned, ``dy`` [T, N, H] the gradient of y, ``finals_grad`` those of the final
+        states (one tensor, or a tuple in the cell's state order; None or a None item: zero).
+        Returns a dict: ``x`` [T, N, C], ``<s>0`` [1, N, H] each, and the weights' by torch's
+        names (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``,
+        ``bias_hh_l0`` [G*H])."""
+        self._check_training()
+        family = family_of(x, self.device_kind)
+        if finals_grad is None or not isinstance(finals_grad, (tuple, list)):
+            finals_grad = (finals_grad,) + (None,) * (len(self.states) - 1)
+        if len(finals_grad) != len(self.states):
+            raise InputError(f"finals_grad has {len(finals_grad)} tensors; this cell has "
+                             f"{len(self.states)} states ({', '.join(self.states)})")
+        missing = [f"{s}_steps" for s in self.states if f"{s}_steps" not in kept]
+        if missing:
+            raise InputError(f"kept lacks {', '.join(missing)}: pass what train_forward "
+                             "returned")
+        given = {**kept, "dy": dy, **{f"d{s}_n": g for s, g in zip(self.states, finals_grad)}}
+        with faults.guard(family, f"a training step of {self._key}"):
+            packed = self._packed_for(family, weights, "sequence")
+            results = self._invoke(family, "backward", x, packed, given, lengths)
+        names = {"dx": "x", "dweight_ih": "weight_ih_l0", "dweight_hh": "weight_hh_l0",
+                 "dbias_ih": "bias_ih_l0", "dbias_hh": "bias_hh_l0",
+                 **{f"d{s}0": f"{s}0" for s in self.states}}
+        return {names[k]: family.result(v) for k, v in results.items()}
 
 
 def _lengths(value, steps: int, batch: int, family: Family):

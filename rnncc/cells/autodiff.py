@@ -1,0 +1,230 @@
+"""The derivative of a cell's step, derived from the step itself (reverse mode).
+
+Training needs, for each element (n, j) of each step, the vector-Jacobian product of the cell's
+step: given the gradients of the new states, those of the G input projections ``gi``, the G
+recurrent projections ``gh`` and the previous states. rnncc derives it from the ``step`` the
+cell file already has: :func:`trace` calls the step with :class:`Traced` values, which record
+each arithmetic operation and each :mod:`rnncc.cells.ops` function into a small graph, and
+:func:`vjp` walks that graph backwards. The graph is evaluated with PrimExprs (the backward
+kernels) or with NumPy arrays (tests, against finite differences of the cell's reference).
+
+Derivatives used: sigmoid' = s (1 - s), tanh' = 1 - t^2, exp' = e, relu' = [x > 0], each from
+the function's own value, so that the forward value is computed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import CellError
+from ._base import Cell
+from .ops import UNARY, apply_unary
+
+
+class Traced:
+    """A value of a traced step: an input, a constant or one operation on others."""
+
+    __slots__ = ("op", "args", "value")
+
+    def __init__(self, op: str, args: tuple = (), value=None):
+        self.op, self.args, self.value = op, args, value
+
+    @staticmethod
+    def _of(other) -> Traced:
+        if isinstance(other, Traced):
+            return other
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return Traced("const", value=float(other))
+        raise CellError(f"a step combined a value with {type(other).__name__} {other!r}; use "
+                        "numbers, the step's arguments and rnncc.cells.ops")
+
+    def _binary(self, op, other, reflected=False):
+        other = Traced._of(other)
+        return Traced(op, (other, self) if reflected else (self, other))
+
+    def __add__(self, other):
+        return self._binary("add", other)
+
+    def __radd__(self, other):
+        return self._binary("add", other, True)
+
+    def __sub__(self, other):
+        return self._binary("sub", other)
+
+    def __rsub__(self, other):
+        return self._binary("sub", other, True)
+
+    def __mul__(self, other):
+        return self._binary("mul", other)
+
+    def __rmul__(self, other):
+        return self._binary("mul", other, True)
+
+    def __truediv__(self, other):
+        return self._binary("div", other)
+
+    def __rtruediv__(self, other):
+        return self._binary("div", other, True)
+
+    def __neg__(self):
+        return Traced("neg", (self,))
+
+    def __rnncc_unary__(self, name: str) -> Traced:
+        return Traced(name, (self,))
+
+
+@dataclass
+class Graph:
+    """A traced step: its inputs (the G values of ``gi``, the G of ``gh``, then one a state)
+    and its outputs (one a new state)."""
+
+    cell: Cell
+    inputs: list
+    outputs: list
+    order: list = field(default_factory=list)  # every node, each after its arguments
+
+
+def trace(cell: Cell) -> Graph:
+    """The graph of ``cell``'s step."""
+    g_count, s_count = cell.gates, len(cell.states)
+    inputs = [Traced("input", value=i) for i in range(2 * g_count + s_count)]
+    out = cell.evaluate(inputs[:g_count], inputs[g_count:2 * g_count], inputs[2 * g_count:])
+    outputs = [Traced._of(v) for v in out]
+    order, seen = [], set()
+    for root in outputs:  # depth first, arguments before the node, without recursion
+        stack = [(root, False)]
+        while stack:
+            node, ready = stack.pop()
+            if id(node) in seen:
+                continue
+            if ready:
+                seen.add(id(node))
+                order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((a, False) for a in node.args if id(a) not in seen)
+    return Graph(cell, inputs, outputs, order)
+
+
+class Backend:
+    """How a graph's values are computed: ``const(c, like)``, ``unary(name, x)`` and
+    ``positive(x, a)`` (``a`` where x > 0, else zero); arithmetic is Python's operators."""
+
+    def const(self, value: float, like):
+        raise NotImplementedError
+
+    def unary(self, name: str, x):
+        return apply_unary(name, x)
+
+    def positive(self, x, a):
+        raise NotImplementedError
+
+
+class PrimExprs(Backend):
+    """Values as TVM PrimExprs of one dtype (the backward kernels)."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+    def const(self, value, like):
+        from tvm import tirx
+
+        return tirx.const(value, self.dtype)
+
+    def positive(self, x, a):
+        from tvm import tirx
+
+        return tirx.if_then_else(x > self.const(0.0, x), a, self.const(0.0, x))
+
+
+class NumPy(Backend):
+    """Values as NumPy arrays (float64 in the tests)."""
+
+    def const(self, value, like):
+        import numpy as np
+
+        return np.full_like(like, value)
+
+    def unary(self, name, x):
+        import numpy as np
+
+        return {"sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v)), "tanh": np.tanh, "exp": np.exp,
+                "relu": lambda v: np.maximum(v, 0.0)}[name](x)
+
+    def positive(self, x, a):
+        import numpy as np
+
+        return np.where(x > 0, a, 0.0)
+
+
+def forward(graph: Graph, values: Sequence, backend: Backend) -> dict:
+    """Every node's value (by id) from the inputs' ``values``."""
+    like = values[0]
+    out = {}
+    for node in graph.order:
+        args = [out[id(a)] for a in node.args]
+        if node.op == "input":
+            out[id(node)] = values[node.value]
+        elif node.op == "const":
+            out[id(node)] = backend.const(node.value, like)
+        elif node.op == "add":
+            out[id(node)] = args[0] + args[1]
+        elif node.op == "sub":
+            out[id(node)] = args[0] - args[1]
+        elif node.op == "mul":
+            out[id(node)] = args[0] * args[1]
+        elif node.op == "div":
+            out[id(node)] = args[0] / args[1]
+        elif node.op == "neg":
+            out[id(node)] = -args[0]
+        elif node.op in UNARY:
+            out[id(node)] = backend.unary(node.op, args[0])
+        else:
+            raise CellError(f"cell {graph.cell.name!r}: no derivative for operation {node.op!r}")
+    return out
+
+
+def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend) -> list:
+    """The gradients of the graph's inputs (G of ``gi``, G of ``gh``, then the states), given
+    the inputs' ``values`` and the gradients ``seeds`` of its outputs (one a new state)."""
+    value = forward(graph, values, backend)
+    adjoint: dict = {}
+
+    def add(node, grad):
+        if node.op == "const":
+            return
+        key = id(node)
+        adjoint[key] = grad if key not in adjoint else adjoint[key] + grad
+
+    for node, seed in zip(graph.outputs, seeds):
+        add(node, seed)
+    for node in reversed(graph.order):
+        a = adjoint.get(id(node))
+        if a is None or node.op in ("input", "const"):
+            continue
+        args, out = node.args, value[id(node)]
+        if node.op == "add":
+            add(args[0], a)
+            add(args[1], a)
+        elif node.op == "sub":
+            add(args[0], a)
+            add(args[1], -a)
+        elif node.op == "mul":
+            add(args[0], a * value[id(args[1])])
+            add(args[1], a * value[id(args[0])])
+        elif node.op == "div":
+            add(args[0], a / value[id(args[1])])
+            add(args[1], -(a * out) / value[id(args[1])])
+        elif node.op == "neg":
+            add(args[0], -a)
+        elif node.op == "sigmoid":
+            add(args[0], a * (out * (backend.const(1.0, out) - out)))
+        elif node.op == "tanh":
+            add(args[0], a * (backend.const(1.0, out) - out * out))
+        elif node.op == "exp":
+            add(args[0], a * out)
+        elif node.op == "relu":
+            add(args[0], backend.positive(out, a))
+    like = values[0]
+    return [adjoint.get(id(node), backend.const(0.0, like)) for node in graph.inputs]

@@ -1,0 +1,174 @@
+"""A layer's training entries: the forward that keeps every step's states, and the backward
+pass through time (one direction, one layer; rnncc.nn composes networks of them).
+
+train_forward(x [T,N,C], w_ih, w_hh, b_ih, b_hh, <s>0 [1,N,H] each, (lengths [N]),
+              y [T,N,H], <s>_n [1,N,H] each, xp, hp, <s>_steps [T+1,N,H] each, ...)
+
+as ``forward`` (:mod:`rnncc.lowering.sequence`), with the states of every step kept:
+``<s>_steps[0]`` the initial ones, ``<s>_steps[t + 1]`` step t's (accumulation dtype).
+
+backward(x, w_ih, w_hh, b_ih, b_hh, <s>_steps each, (lengths), dy [T,N,H], d<s>_n [1,N,H] each,
+         dx [T,N,C], d<s>0 [1,N,H] each, dweight_ih [G*H,C], dweight_hh [G*H,H],
+         dbias_ih [G*H], dbias_hh [G*H], workspaces)
+
+takes the packed weights ``forward`` takes. It first computes the input projections of all
+steps again (one GEMM), then for t = T-1 .. 0: the recurrent projection of step t again
+(h_{t-1} @ W_hh^T + b_hh, from the kept states), the cell's derivative (its vector-Jacobian
+product, derived from the cell's step: :func:`rnncc.lowering.components.cell_step_backward`)
+into the gradients of both projections, dGI[t] and dGH[t] [N, G*H], and dh_{t-1}'s part
+through the recurrent product, dGH[t] @ W_hh. After the loop, as products over all T*N rows:
+dx = dGI @ W_ih, dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the biases' gradients, the sums
+of dGI and dGH over the rows. Only the states are kept between the passes (no gates): the
+gates are computed again from them, as the backward pass reads them.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+
+from ..dtypes import accum_dtype
+from . import components as comp
+from .assemble import Region, Stage, sequence_function
+from .components import ALL, i64
+
+
+def build(builder) -> None:
+    """Add ``train_forward`` and ``backward`` to ``builder``'s module (a
+    :class:`rnncc.lowering.sequence._Builder` of one direction and one layer)."""
+    builder.sequence_entry("train_forward", history=True)
+    _Backward(builder).add()
+
+
+class _Backward:
+    def __init__(self, builder):
+        self.b, self.p, self.layout = builder, builder.p, builder.layout
+        self.acc = accum_dtype(self.p.dtype)
+
+    def gemm(self, key, lead, k, o, a_dtype, args):
+        func = self.b.scheduled(key, comp.gemm(lead, k, o, self.layout.weights, self.p.dtype,
+                                               a_dtype), "gemm")
+        return Stage(key, func, args, 1)
+
+    def elementwise(self, key, func, args, outputs=1):
+        return Stage(key, self.b.scheduled(key, func, "elementwise"), args, outputs)
+
+    def reduction(self, key, func, args):
+        return Stage(key, self.b.scheduled(key, func, "reduction"), args, 1)
+
+    def add(self):
+        b, p, layout, acc = self.b, self.p, self.layout, self.acc
+        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        gh, states = g * h, p.cell.states
+        t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
+        step = t_len - i64(1) - t  # the loop runs the steps backwards
+        sig = []
+        x = b.param(sig, "x", (t_len, n, c), "input")
+        w = {which: b.param(sig, f"w_{which}", layout.weight_shape(g, h, k), "input")
+             for which, k in (("ih", c), ("hh", h))}
+        bias = {which: b.param(sig, f"b_{which}", (gh,), "input") for which in ("ih", "hh")}
+        kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
+                for s in states]
+        lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
+        dy = b.param(sig, "dy", (t_len, n, h), "input")
+        d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
+        dx = b.param(sig, "dx", (t_len, n, c), "output")
+        d_initial = [b.param(sig, f"d{s}0", (1, n, h), "output") for s in states]
+        dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
+              for which, k in (("ih", c), ("hh", h))}
+        db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
+        xp = b.param(sig, "xp", (t_len, n, gh), "workspace", acc)
+        hp = b.param(sig, "hp", (n, gh), "workspace", acc)
+        dgi, dgh = (b.param(sig, name, (t_len, n, gh), "workspace", acc)
+                    for name in ("dgi", "dgh"))
+        carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
+        dh_rec = b.param(sig, "dh_rec", (n, h), "workspace", acc)
+        w_t = {which: b.param(sig, f"w_{which}_t", tuple(reversed(layout.weight_shape(g, h, k))),
+                              "workspace") for which, k in (("ih", c), ("hh", h))}
+        zero = b.param(sig, "zero_bias", (max(c, h),), "workspace")
+        dx_acc = (b.param(sig, "dx_acc", (t_len, n, c), "workspace", acc)
+                  if acc != p.dtype else None)
+        active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
+                  if lengths is not None else None)
+
+        rows = t_len * i64(n)
+
+        def view(buffer, shape, name):  # the buffer's memory in another shape
+            return tirx.decl_buffer(shape, buffer.dtype, name)
+
+        dgi_rows, dgh_rows = view(dgi, (rows, gh), "dgi_rows"), view(dgh, (rows, gh), "dgh_rows")
+        x_rows, h_rows = view(x, (rows, c), "x_rows"), view(kept[0], (rows + i64(n), h), "h_rows")
+        views = [(dgi_rows, dgi), (dgh_rows, dgh),
+                 (x_rows, x), (h_rows, kept[0])]
+
+        prologue = []
+        for which in ("ih", "hh"):
+            shape = layout.weight_shape(g, h, c if which == "ih" else h)
+            prologue.append(self.elementwise(
+                f"transpose_w_{which}", comp.transpose(*shape, p.dtype),
+                [Region(w[which], (ALL, ALL)), Region(w_t[which], (ALL, ALL))]))
+        prologue.append(self.elementwise("zero_bias", comp.zeros((max(c, h),), p.dtype),
+                                         [Region(zero, (ALL,))]))
+        prologue.append(self.elementwise("zero_dh_rec", comp.zeros((n, h), acc),
+                                         [Region(dh_rec, (ALL, ALL))]))
+        prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL)) for d in d_final],
+                                      [Region(cr, (0, ALL, ALL)) for cr in carry]))
+        if active is not None:
+            prologue.append(self.elementwise("activity", comp.activity(n, t_len), [
+                Region(lengths, (ALL,)), Region(active, (ALL, ALL))]))
+        x_region, lead, xp_region, more = b.input_operands(x, xp)
+        views += more
+        prologue.append(self.gemm("backward_input_gemm", lead, c, gh, p.dtype, [
+            x_region, Region(w["ih"], (ALL, ALL)), Region(bias["ih"], (ALL,)), xp_region]))
+
+        slot, nxt = tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2))
+        cell = self.elementwise(
+            "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, active is not None),
+            [Region(xp, (step, ALL, ALL)), Region(hp, (ALL, ALL))]
+            + [Region(s, (step, ALL, ALL)) for s in kept]
+            + [Region(dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
+            + [Region(cr, (slot, ALL, ALL)) for cr in carry]
+            + ([Region(active, (step, ALL))] if active is not None else [])
+            + [Region(d, (step, ALL, slice(i * h, (i + 1) * h))) for d in (dgi, dgh)
+               for i in range(g)]
+            + [Region(cr, (nxt, ALL, ALL)) for cr in carry], 2 * g + len(states))
+        steps = [
+            self.gemm("recurrent_gemm", (n,), h, gh, acc, [
+                Region(kept[0], (step, ALL, ALL)), Region(w["hh"], (ALL, ALL)),
+                Region(bias["hh"], (ALL,)), Region(hp, (ALL, ALL))]),
+            cell,
+            self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
+                Region(dgh, (step, ALL, ALL)), Region(w_t["hh"], (ALL, ALL)),
+                Region(zero, (slice(0, h),)), Region(dh_rec, (ALL, ALL))]),
+        ]
+
+        final = tirx.floormod(t_len, i64(2))
+        epilogue = [self.elementwise(
+            "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype),
+            [Region(cr, (final, ALL, ALL)) for cr in carry] + [Region(dh_rec, (ALL, ALL))]
+            + [Region(d, (0, ALL, ALL)) for d in d_initial], len(states))]
+        epilogue.append(self.gemm("input_gemm_backward", (t_len, n), gh, c, acc, [
+            Region(dgi, (ALL, ALL, ALL)), Region(w_t["ih"], (ALL, ALL)),
+            Region(zero, (slice(0, c),)), Region(dx_acc if dx_acc is not None else dx,
+                                                 (ALL, ALL, ALL))]))
+        if dx_acc is not None:
+            epilogue.append(self.elementwise("dx_cast", comp.cast_steps(n, c, acc, p.dtype,
+                                                                        t_len),
+                                             [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
+        m = tirx.Var("M", "int64")
+        for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
+            epilogue.append(self.reduction(
+                f"weight_grad_{which}", comp.weight_gradient(m, gh, k, p.dtype,
+                                                             inputs.dtype),
+                [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)),
+                 Region(dw[which], (ALL, ALL))]))
+            epilogue.append(self.reduction(f"bias_grad_{which}", comp.column_sum(m, gh, p.dtype),
+                                           [Region(grads, (ALL, ALL)),
+                                            Region(db[which], (ALL,))]))
+        given = [lengths] if lengths is not None else []
+        params = [x, w["ih"], w["hh"], bias["ih"], bias["hh"], *kept, *given, dy, *d_final,
+                  dx, *d_initial, dw["ih"], dw["hh"], db["ih"], db["hh"], xp, hp, dgi, dgh,
+                  *carry, dh_rec, w_t["ih"], w_t["hh"], zero,
+                  *([dx_acc] if dx_acc is not None else []),
+                  *([active] if active is not None else [])]
+        b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
+                                            epilogue, views), sig)

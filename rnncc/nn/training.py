@@ -1,0 +1,102 @@
+"""Gradients through rnncc.nn: each layer and direction of a network one
+``torch.autograd.Function`` on a layer module compiled with ``training=True``.
+
+Shapes as in :mod:`.network`: x [T, N, C], states [L*D, N, H], y [T, N, D*H]. The layers run
+one after another (dropout between them in training mode, as torch's); the reverse direction
+runs its module on each sample's steps reversed (from its own last step), its y reversed back.
+The batch is padded to the bucket the inference path uses (:func:`.network.bucket`). A layer's
+forward keeps only its states of every step (``Module.train_forward``); its backward
+(``Module.backward``) computes the gates again from them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .network import _aligned, bucket
+
+
+class _Layer(torch.autograd.Function):
+    """One layer, one direction: ``(y, *finals)`` of ``module`` on x [T, N, C] from the
+    states ([1, N, H] each), with the weights ``w_ih, w_hh, b_ih, b_hh`` (biases None: zero)."""
+
+    @staticmethod
+    def forward(ctx, module, x, lengths, count, *tensors):
+        states, (w_ih, w_hh, b_ih, b_hh) = tensors[:count], tensors[count:]
+        weights = {"weight_ih_l0": w_ih, "weight_hh_l0": w_hh}
+        if b_ih is not None:
+            weights.update(bias_ih_l0=b_ih, bias_hh_l0=b_hh)
+        packed = module.pack(weights, entry="sequence")
+        initial = {f"{s}0": v for s, v in zip(module.states, states)}
+        y, finals, kept = module.train_forward(x, packed, lengths=lengths, **initial)
+        ctx.module, ctx.packed, ctx.lengths = module, packed, lengths
+        ctx.biases = b_ih is not None
+        ctx.save_for_backward(x, *kept.values())
+        ctx.kept_names = list(kept)
+        return (y, *(finals if isinstance(finals, tuple) else (finals,)))
+
+    @staticmethod
+    def backward(ctx, dy, *finals_grad):
+        x, *kept = ctx.saved_tensors
+        module = ctx.module
+        grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
+                                _aligned(dy), tuple(_aligned(g) for g in finals_grad),
+                                lengths=ctx.lengths)
+        biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
+        return (None, grads["x"], None, None, *(grads[f"{s}0"] for s in module.states),
+                grads["weight_ih_l0"], grads["weight_hh_l0"], *biases)
+
+
+def reversed_steps(x, lengths):
+    """Each sample's steps of x [T, N, F] reversed within its length (all T: lengths None);
+    its own inverse, and differentiable (a gather)."""
+    if lengths is None:
+        return x.flip(0)
+    steps = x.shape[0]
+    t = torch.arange(steps, device=x.device)[:, None]
+    length = lengths.to(torch.int64)[None, :]
+    index = torch.where(t < length, length - 1 - t, t)
+    return x.gather(0, index[:, :, None].expand(-1, -1, x.shape[2]))
+
+
+def run(recurrent, x, states, lengths, target: str, arch: str | None):
+    """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
+    rnncc.nn module) on x [T, N, C] from ``states``, with gradients."""
+    from ..compiler import cache
+
+    lay = recurrent._layout
+    steps, n, _ = x.shape
+    rows = bucket(n)
+    if rows != n:  # the padded rows: zero inputs and states, length 1
+        x = torch.cat([x, x.new_zeros(steps, rows - n, x.shape[2])], dim=1)
+        states = [torch.cat([s, s.new_zeros(s.shape[0], rows - n, s.shape[2])], dim=1)
+                  for s in states]
+        if lengths is not None:
+            lengths = torch.cat([lengths, lengths.new_ones(rows - n)])
+    if lengths is not None:
+        lengths = _aligned(lengths.to(torch.int32))
+    dtype = str(x.dtype).replace("torch.", "")
+    finals: list = [[] for _ in states]
+    layer_input = x
+    for layer in range(lay.layers):
+        outputs = []
+        for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
+            module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
+                                    dtype=dtype, target=target, arch=arch,
+                                    lengths=lengths is not None, training=True)
+            weights = [getattr(recurrent, f"{name}_l{layer}{suffix}", None)
+                       for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+            row = layer * lay.directions + d
+            seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)
+            y, *last = _Layer.apply(module, _aligned(seq), lengths, len(states),
+                                    *(_aligned(s[row:row + 1]) for s in states), *weights)
+            outputs.append(y if d == 0 else reversed_steps(y, lengths))
+            for found, value in zip(finals, last):
+                found.append(value)
+        layer_input = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        if recurrent.dropout and recurrent.training and layer < lay.layers - 1:
+            layer_input = torch.nn.functional.dropout(layer_input, recurrent.dropout, True)
+    finals = [torch.cat(f) for f in finals]
+    if rows == n:
+        return layer_input, finals
+    return layer_input[:, :n], [f[:, :n] for f in finals]

@@ -1,0 +1,258 @@
+"""Training: the cells' derivatives, a layer's backward pass and gradients through rnncc.nn,
+against float64 (finite differences of the cells' NumPy references, and torch's autograd on the
+CPU in float64)."""
+
+import os
+
+import numpy as np
+import pytest
+
+import rnncc
+from rnncc import cells, reference
+from rnncc.cells import autodiff
+from rnncc.errors import ConfigError, InputError
+
+torch = pytest.importorskip("torch")
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+#: Every built-in cell and the test suite's user cell files.
+CELLS = cells.names() + [os.path.join(DATA, f) for f in ("mgu.py", "coupled.py")]
+TORCH = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN,
+         "rnn_relu": torch.nn.RNN}
+#: Gradients in float32 against float64: relative error (the issue's bound is 1e-4).
+TOL = 1e-4
+
+
+def _cell(name_or_path):
+    from rnncc.compiler.driver import resolve_cell
+
+    return resolve_cell(name_or_path)
+
+
+def _err(out, ref) -> float:
+    return reference.relative_error(np.asarray(out.detach() if hasattr(out, "detach") else out,
+                                               np.float64), ref)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_cell_derivative_matches_finite_differences(cell, rng):
+    """The derivative traced from a cell's step (NumPy backend) against central differences
+    of the cell's own float64 reference."""
+    cell = _cell(cell)
+    graph = autodiff.trace(cell)
+    g, s = cell.gates, len(cell.states)
+    values = [rng.standard_normal((3, 4)) for _ in range(2 * g + s)]
+    seeds = [rng.standard_normal((3, 4)) for _ in range(s)]
+    grads = autodiff.vjp(graph, values, seeds, autodiff.NumPy())
+
+    def loss(vals):
+        out = cell.reference(vals[:g], vals[g:2 * g], vals[2 * g:])
+        return sum(float((o * w).sum()) for o, w in zip(out, seeds))
+
+    for i, grad in enumerate(grads):
+        numeric = np.zeros_like(values[i])
+        for idx in np.ndindex(values[i].shape):
+            up, down = [v.copy() for v in values], [v.copy() for v in values]
+            up[i][idx] += 1e-6
+            down[i][idx] -= 1e-6
+            numeric[idx] = (loss(up) - loss(down)) / 2e-6
+        np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_with_foreign_values_is_refused():
+    bad = cells.Cell("bad_values", 1, ("h",), lambda gi, gh, s: (gi[0] + "x",),
+                     lambda gi, gh, s: (gi[0],))
+    with pytest.raises(rnncc.errors.CellError, match="combined a value with str"):
+        autodiff.trace(bad)
+
+
+def _sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals):
+    """Central differences of sum(y * dy) + sum(final_s * d_finals[s]) through the float64
+    reference, for every input (tiny sizes)."""
+    def loss(x_, w_, s_):
+        y, finals = reference.run(cell, x_, w_, s_, lengths)
+        return float((y * dy).sum()) + sum(float((finals[k] * d_finals[k]).sum())
+                                           for k in cell.states)
+
+    def numeric(arr, f):
+        out = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            keep = arr[idx]
+            arr[idx] = keep + 1e-6
+            up = f()
+            arr[idx] = keep - 1e-6
+            down = f()
+            arr[idx] = keep
+            out[idx] = (up - down) / 2e-6
+        return out
+
+    grads = {"x": numeric(x, lambda: loss(x, weights, initial))}
+    for k, v in weights.items():
+        grads[k] = numeric(v, lambda: loss(x, weights, initial))
+    for k, v in initial.items():
+        grads[f"{k}0"] = numeric(v, lambda: loss(x, weights, initial))
+    return grads
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_layer_gradients_match_finite_differences(cell, rng):
+    """Module.train_forward / backward of every cell (built-in and user files), on random
+    lengths, against central differences of the float64 reference sequence."""
+    cell = _cell(cell)
+    c, h, n, steps = 2, 3, 3, 4
+    module = rnncc.compile(cell, c, h, n, target="llvm", training=True, lengths=True)
+    k = 1 / np.sqrt(h)
+    g = cell.gates
+    weights = {"weight_ih_l0": rng.uniform(-k, k, (g * h, c)),
+               "weight_hh_l0": rng.uniform(-k, k, (g * h, h)),
+               "bias_ih_l0": rng.uniform(-k, k, g * h), "bias_hh_l0": rng.uniform(-k, k, g * h)}
+    x = rng.standard_normal((steps, n, c)).astype(np.float32).astype(np.float64)
+    weights = {k_: v.astype(np.float32).astype(np.float64) for k_, v in weights.items()}
+    initial = {s: rng.standard_normal((1, n, h)).astype(np.float32).astype(np.float64)
+               for s in cell.states}
+    lengths = np.array([steps, 1, 3])
+    dy = rng.standard_normal((steps, n, h))
+    d_finals = {s: rng.standard_normal((1, n, h)) for s in cell.states}
+    ref = _sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals)
+
+    f32 = {k_: v.astype(np.float32) for k_, v in weights.items()}
+    init32 = {f"{s}0": v.astype(np.float32) for s, v in initial.items()}
+    y, _, kept = module.train_forward(x.astype(np.float32), f32, lengths=lengths, **init32)
+    ref_y, _ = reference.run(cell, x, weights, initial, lengths)
+    assert _err(y, ref_y) < 1e-5
+    grads = module.backward(x.astype(np.float32), f32, kept, dy.astype(np.float32),
+                            tuple(d_finals[s].astype(np.float32) for s in cell.states),
+                            lengths=lengths)
+    assert set(grads) == set(ref)
+    for name, want in ref.items():
+        assert _err(grads[name], want) < TOL, name
+
+
+@pytest.mark.parametrize("cell", sorted(TORCH))
+@pytest.mark.parametrize("c, h, n, steps", [(5, 1, 1, 1), (4, 33, 7, 9), (3, 3, 3, 20)])
+def test_layer_gradients_match_torch_float64(cell, c, h, n, steps, rng):
+    """A layer's gradients (input, initial states, every weight and bias) against torch's
+    autograd in float64 on the CPU: odd sizes, T = 1, unequal lengths."""
+    kw = {"nonlinearity": "relu"} if cell == "rnn_relu" else {}
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    theirs = TORCH[cell](c, h, **kw).double()
+    module = rnncc.compile(cell, c, h, n, target="llvm", training=True, lengths=True)
+    x = torch.randn(steps, n, c, dtype=torch.float64, requires_grad=True)
+    states = [torch.randn(1, n, h, dtype=torch.float64, requires_grad=True)
+              for _ in module.states]
+    lengths = torch.as_tensor(rng.integers(1, steps + 1, n))
+    lengths[0] = steps
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    y, finals = theirs(packed, tuple(states) if len(states) > 1 else states[0])
+    y = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=steps)[0]
+    finals = finals if isinstance(finals, tuple) else (finals,)
+    dy, d_finals = torch.randn_like(y), [torch.randn_like(f) for f in finals]
+    ((y * dy).sum() + sum((f * d).sum() for f, d in zip(finals, d_finals))).backward()
+
+    weights = {k: v.float() for k, v in theirs.state_dict().items()}
+    initial = {f"{s}0": v.detach().float() for s, v in zip(module.states, states)}
+    ours_y, _, kept = module.train_forward(x.detach().float(), weights, lengths=lengths,
+                                           **initial)
+    assert _err(ours_y, y.detach().numpy()) < 1e-5
+    grads = module.backward(x.detach().float(), weights, kept, dy.float(),
+                            tuple(d.float() for d in d_finals), lengths=lengths)
+    assert _err(grads["x"], x.grad.numpy()) < TOL
+    for s, state in zip(module.states, states):
+        assert _err(grads[f"{s}0"], state.grad.numpy()) < TOL, s
+    for name, param in theirs.named_parameters():
+        assert _err(grads[name], param.grad.numpy()) < TOL, name
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_network_gradients_match_torch(kind, rng):
+    """rnncc.nn, 2 layers bidirectional, a PackedSequence of unequal lengths (unsorted),
+    initial states that require grad: every gradient against torch's in float64."""
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    theirs = getattr(torch.nn, kind)(5, 6, num_layers=2, bidirectional=True).double()
+    ours = getattr(rnncc.nn, kind)(5, 6, num_layers=2, bidirectional=True)
+    ours.load_state_dict({k: v.float() for k, v in theirs.state_dict().items()})
+    steps, n = 7, 3
+    lengths = torch.tensor([4, 7, 1])
+    x = torch.randn(steps, n, 5, dtype=torch.float64, requires_grad=True)
+    count = 2 if kind == "LSTM" else 1
+    hx = [torch.randn(4, n, 6, dtype=torch.float64, requires_grad=True) for _ in range(count)]
+    results = []
+    for net, dtype, inputs in ((theirs, torch.float64, (x, *hx)),
+                               (ours, torch.float32, [t.detach().float().requires_grad_()
+                                                      for t in (x, *hx)])):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(inputs[0], lengths,
+                                                         enforce_sorted=False)
+        y, finals = net(packed, tuple(inputs[1:]) if count > 1 else inputs[1])
+        y = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=steps)[0]
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        gen = torch.Generator().manual_seed(7)
+        loss = (y * torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)).sum()
+        for f in finals:
+            loss = loss + (f * torch.randn(f.shape, generator=gen, dtype=torch.float64)
+                           .to(dtype)).sum()
+        loss.backward()
+        results.append((y, [t.grad for t in inputs], {k: p.grad for k, p in
+                                                      net.named_parameters()}))
+    (y_ref, in_ref, p_ref), (y_ours, in_ours, p_ours) = results
+    assert _err(y_ours, y_ref.detach().numpy()) < 1e-5
+    for got, want in zip(in_ours, in_ref):
+        assert _err(got, want.numpy()) < TOL
+    assert set(p_ours) == set(p_ref)
+    for name, want in p_ref.items():
+        assert _err(p_ours[name], want.numpy()) < TOL, name
+
+
+def test_network_gradients_batch_first_no_bias_dropout_zero_in_training_mode(rng):
+    """batch_first, bias=False, dropout 0 in train mode, a batch off the buckets (5 of 8):
+    gradients of the input and the weights as torch's."""
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    theirs = torch.nn.GRU(4, 5, num_layers=2, bias=False, batch_first=True).double().train()
+    ours = rnncc.nn.from_torch(theirs.float()).train()
+    theirs.double()
+    x = torch.randn(5, 6, 4, dtype=torch.float64, requires_grad=True)
+    mine = x.detach().float().requires_grad_()
+    dy = torch.randn(5, 6, 5, dtype=torch.float64)
+    (theirs(x)[0] * dy).sum().backward()
+    (ours(mine)[0] * dy.float()).sum().backward()
+    assert _err(mine.grad, x.grad.numpy()) < TOL
+    for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
+        assert _err(q.grad, p.grad.numpy()) < TOL, name
+
+
+def test_gradients_only_where_asked():
+    """No grad mode or nothing that requires grad: the inference path (no grad_fn); the
+    weights alone requiring grad: gradients reach them and not x."""
+    net = rnncc.nn.GRU(3, 4)
+    x = torch.randn(2, 1, 3)
+    with torch.no_grad():
+        y, _ = net(x)
+    assert y.grad_fn is None
+    y, _ = net(x)
+    y.sum().backward()
+    assert x.grad is None and net.weight_hh_l0.grad is not None
+    assert torch.isfinite(net.weight_hh_l0.grad).all()
+
+
+def test_training_needs_one_layer_one_direction_and_the_entries():
+    with pytest.raises(ConfigError, match="training=True compiles one layer of one direction"):
+        rnncc.compile("lstm", 3, 4, 2, target="llvm", training=True, directions=2)
+    with pytest.raises(ConfigError, match="training=True needs input_gemm"):
+        rnncc.compile("lstm", 3, 4, 2, target="llvm", training=True, fuse_pointwise=False)
+    module = rnncc.compile("rnn_tanh", 3, 4, 2, target="llvm")
+    with pytest.raises(InputError, match="compiled without training entries"):
+        module.train_forward(np.zeros((2, 2, 3), np.float32), torch.nn.RNN(3, 4))
+
+
+def test_backward_checks_its_inputs(rng):
+    module = rnncc.compile("lstm", 3, 4, 2, target="llvm", training=True)
+    weights = torch.nn.LSTM(3, 4).state_dict()
+    x = torch.randn(5, 2, 3)
+    y, _, kept = module.train_forward(x, weights)
+    with pytest.raises(InputError, match="finals_grad has 3 tensors; this cell has 2 states"):
+        module.backward(x, weights, kept, torch.ones_like(y), (None, None, None))
+    with pytest.raises(InputError, match="kept lacks c_steps"):
+        module.backward(x, weights, {"h_steps": kept["h_steps"]}, torch.ones_like(y))
+    with pytest.raises(InputError, match=r"dy has shape \[5, 2, 3\]"):
+        module.backward(x, weights, kept, torch.ones(5, 2, 3))
+    grads = module.backward(x, weights, kept)  # no gradients given: all zero
+    assert all(float(abs(v).max()) == 0 for v in grads.values())
