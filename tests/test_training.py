@@ -59,6 +59,14 @@ def test_cell_derivative_matches_finite_differences(cell, rng):
         np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7)
 
 
+def test_summed_projections_are_found():
+    """LSTM and the Elman RNNs use each gate's gi and gh only as their sum (one gradient buffer
+    serves both); GRU and the MGU test cell multiply gh_n by a gate first."""
+    found = {name: autodiff.summed_projections(autodiff.trace(_cell(name)))
+             for name in ("lstm", "rnn_tanh", "rnn_relu", "gru", os.path.join(DATA, "mgu.py"))}
+    assert list(found.values()) == [True, True, True, False, False]
+
+
 def test_a_step_with_foreign_values_is_refused():
     bad = cells.Cell("bad_values", 1, ("h",), lambda gi, gh, s: (gi[0] + "x",),
                      lambda gi, gh, s: (gi[0],))
@@ -256,3 +264,44 @@ def test_backward_checks_its_inputs(rng):
         module.backward(x, weights, kept, torch.ones(5, 2, 3))
     grads = module.backward(x, weights, kept)  # no gradients given: all zero
     assert all(float(abs(v).max()) == 0 for v in grads.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, c, h, layers, bidirectional, n, steps", [
+    ("LSTM", 64, 64, 1, False, 1, 100),
+    ("LSTM", 33, 257, 1, False, 7, 30),
+    ("GRU", 128, 128, 2, True, 3, 20),
+    ("LSTM", 48, 32, 2, True, 13, 1),
+    ("RNN", 16, 3, 1, False, 3, 1000),
+])
+def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirectional, n, steps,
+                                                 rng):
+    """On the GPU (IEEE float32): every gradient of rnncc.nn against torch's autograd in
+    float64 on the CPU, with unequal lengths (unsorted) and initial states."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    theirs = getattr(torch.nn, kind)(c, h, num_layers=layers,
+                                     bidirectional=bidirectional).double()
+    ours = rnncc.nn.from_torch(theirs.float()).cuda()
+    theirs.double()
+    lengths = torch.as_tensor(rng.integers(1, steps + 1, n))
+    lengths[n // 2] = steps
+    rows = layers * (2 if bidirectional else 1)
+    x = torch.randn(steps, n, c, dtype=torch.float64, requires_grad=True)
+    hx = [torch.randn(rows, n, h, dtype=torch.float64, requires_grad=True)
+          for _ in range(2 if kind == "LSTM" else 1)]
+    grads = []
+    for net, inputs in ((theirs, [x, *hx]),
+                        (ours, [t.detach().float().cuda().requires_grad_() for t in (x, *hx)])):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(inputs[0], lengths,
+                                                         enforce_sorted=False)
+        y, finals = net(packed, tuple(inputs[1:]) if len(hx) > 1 else inputs[1])
+        y = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=steps)[0]
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        gen = torch.Generator().manual_seed(3)
+        loss = sum((t * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                    .to(t.dtype).to(t.device)).sum() for t in (y, *finals))
+        loss.backward()
+        grads.append([t.grad for t in inputs] + [p.grad for p in net.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        assert _err(got.cpu(), want.numpy()) < TOL

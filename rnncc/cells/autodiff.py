@@ -107,6 +107,23 @@ def trace(cell: Cell) -> Graph:
     return Graph(cell, inputs, outputs, order)
 
 
+def summed_projections(graph: Graph) -> bool:
+    """Whether the step uses each gate's two projections only as their sum ``gi[g] + gh[g]``
+    (LSTM, Elman RNNs; not GRU's ``r * gh_n``): then both have the same gradient."""
+    g_count = graph.cell.gates
+    uses: dict = {}
+    for node in graph.order:
+        for arg in node.args:
+            uses.setdefault(id(arg), []).append(node)
+    for g in range(g_count):
+        gi, gh = graph.inputs[g], graph.inputs[g_count + g]
+        found_i, found_h = uses.get(id(gi), []), uses.get(id(gh), [])
+        if not (len(found_i) == len(found_h) == 1 and found_i[0] is found_h[0]
+                and found_i[0].op == "add"):
+            return False
+    return True
+
+
 class Backend:
     """How a graph's values are computed: ``const(c, like)``, ``unary(name, x)`` and
     ``positive(x, a)`` (``a`` where x > 0, else zero); arithmetic is Python's operators."""

@@ -384,7 +384,7 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 
 
 def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
-                       masked: bool = False) -> tirx.PrimFunc:
+                       masked: bool = False, summed: bool = False) -> tirx.PrimFunc:
     """The vector-Jacobian product of the cell's step for one time step, derived from the step
     (:mod:`rnncc.cells.autodiff`).
 
@@ -393,8 +393,10 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
     ``dh_rec`` [N, H] (the gradient of the new h through the next step's recurrent product),
     ``carry`` [N, H] a state (the gradients of the new states through the next step's cell);
     ``masked``: then ``active`` [N] int32. Outputs: ``dgi0 .. dgi{G-1}``, ``dgh0 ..
-    dgh{G-1}`` [N, H] (the gradients of the projections), then the gradients of the previous
-    states through this step's cell [N, H] each. Where a step is past its sample's length the
+    dgh{G-1}`` [N, H] (the gradients of the projections; ``summed``: the step uses each gate's
+    two only as their sum, whose gradient ``dgi`` then stands for both, and there is no
+    ``dgh``), then the gradients of the previous states through this step's cell [N, H] each.
+    Where a step is past its sample's length the
     states went through unchanged: the gradients of the projections are zero and those of the
     states pass through. All but ``dy`` in the accumulation dtype.
     """
@@ -419,20 +421,24 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
         values = ([gi[n, g * hidden + j] for g in range(g_count)]
                   + [gh[n, g * hidden + j] for g in range(g_count)] + [s[n, j] for s in states])
         grads = autodiff.vjp(graph, values, seeds, backend)
+        projections = grads[:g_count if summed else 2 * g_count]
         if active is None:
-            return grads
+            return projections + grads[2 * g_count:]
         live, zero = active[n] != 0, tirx.const(0, acc)
         passed = [dh_rec[n, j] + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
-        return ([tvm.tirx.if_then_else(live, v, zero) for v in grads[:2 * g_count]]
+        return ([tvm.tirx.if_then_else(live, v, zero) for v in projections]
                 + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(grads[2 * g_count:],
                                                                     passed)])
 
+    if summed and not autodiff.summed_projections(graph):
+        raise CellError(f"cell {cell.name!r}: its step uses gi and gh apart, not as sums")
     outs = te.compute(shape, body, name="cell_backward")
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     extra = [active] if masked else []
-    if len(outs) != 2 * g_count + s_count:
+    parts = (1 if summed else 2) * g_count + s_count
+    if len(outs) != parts:
         raise CellError(f"cell {cell.name!r}: its derivative has {len(outs)} parts, expected "
-                        f"{2 * g_count + s_count}")
+                        f"{parts}")
     return te.create_prim_func([gi, gh, *states, dy, dh_rec, *carry, *extra, *outs])
 
 

@@ -15,17 +15,20 @@ takes the packed weights ``forward`` takes. It first computes the input projecti
 steps again (one GEMM), then for t = T-1 .. 0: the recurrent projection of step t again
 (h_{t-1} @ W_hh^T + b_hh, from the kept states), the cell's derivative (its vector-Jacobian
 product, derived from the cell's step: :func:`rnncc.lowering.components.cell_step_backward`)
-into the gradients of both projections, dGI[t] and dGH[t] [N, G*H], and dh_{t-1}'s part
-through the recurrent product, dGH[t] @ W_hh. After the loop, as products over all T*N rows:
-dx = dGI @ W_ih, dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the biases' gradients, the sums
-of dGI and dGH over the rows. Only the states are kept between the passes (no gates): the
-gates are computed again from them, as the backward pass reads them.
+into the gradients of both projections, dGI[t] and dGH[t] [N, G*H] (one buffer where the
+cell uses each gate's two projections only as their sum, as LSTM does: their gradients are
+equal), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop,
+as products over all T*N rows: dx = dGI @ W_ih, dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and
+the biases' gradients, the sums of dGI and dGH over the rows. Only the states are kept
+between the passes (no gates): the gates are computed again from them, as the backward pass
+reads them.
 """
 
 from __future__ import annotations
 
 from tvm import tirx
 
+from ..cells import autodiff
 from ..dtypes import accum_dtype
 from . import components as comp
 from .assemble import Region, Stage, sequence_function
@@ -78,8 +81,9 @@ class _Backward:
         db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
         xp = b.param(sig, "xp", (t_len, n, gh), "workspace", acc)
         hp = b.param(sig, "hp", (n, gh), "workspace", acc)
-        dgi, dgh = (b.param(sig, name, (t_len, n, gh), "workspace", acc)
-                    for name in ("dgi", "dgh"))
+        summed = autodiff.summed_projections(autodiff.trace(p.cell))
+        dgi = b.param(sig, "dgi", (t_len, n, gh), "workspace", acc)
+        dgh = dgi if summed else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc)
         carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
         dh_rec = b.param(sig, "dh_rec", (n, h), "workspace", acc)
         w_t = {which: b.param(sig, f"w_{which}_t", tuple(reversed(layout.weight_shape(g, h, k))),
@@ -95,10 +99,11 @@ class _Backward:
         def view(buffer, shape, name):  # the buffer's memory in another shape
             return tirx.decl_buffer(shape, buffer.dtype, name)
 
-        dgi_rows, dgh_rows = view(dgi, (rows, gh), "dgi_rows"), view(dgh, (rows, gh), "dgh_rows")
+        dgi_rows = view(dgi, (rows, gh), "dgi_rows")
+        dgh_rows = dgi_rows if summed else view(dgh, (rows, gh), "dgh_rows")
         x_rows, h_rows = view(x, (rows, c), "x_rows"), view(kept[0], (rows + i64(n), h), "h_rows")
-        views = [(dgi_rows, dgi), (dgh_rows, dgh),
-                 (x_rows, x), (h_rows, kept[0])]
+        views = [(dgi_rows, dgi)] + ([(dgh_rows, dgh)] if not summed else [])
+        views += [(x_rows, x), (h_rows, kept[0])]
 
         prologue = []
         for which in ("ih", "hh"):
@@ -122,15 +127,17 @@ class _Backward:
 
         slot, nxt = tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2))
         cell = self.elementwise(
-            "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, active is not None),
+            "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, active is not None,
+                                                     summed),
             [Region(xp, (step, ALL, ALL)), Region(hp, (ALL, ALL))]
             + [Region(s, (step, ALL, ALL)) for s in kept]
             + [Region(dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
             + [Region(cr, (slot, ALL, ALL)) for cr in carry]
             + ([Region(active, (step, ALL))] if active is not None else [])
-            + [Region(d, (step, ALL, slice(i * h, (i + 1) * h))) for d in (dgi, dgh)
-               for i in range(g)]
-            + [Region(cr, (nxt, ALL, ALL)) for cr in carry], 2 * g + len(states))
+            + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
+               for d in ((dgi,) if summed else (dgi, dgh)) for i in range(g)]
+            + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
+            (1 if summed else 2) * g + len(states))
         steps = [
             self.gemm("recurrent_gemm", (n,), h, gh, acc, [
                 Region(kept[0], (step, ALL, ALL)), Region(w["hh"], (ALL, ALL)),
@@ -166,7 +173,8 @@ class _Backward:
                                             Region(db[which], (ALL,))]))
         given = [lengths] if lengths is not None else []
         params = [x, w["ih"], w["hh"], bias["ih"], bias["hh"], *kept, *given, dy, *d_final,
-                  dx, *d_initial, dw["ih"], dw["hh"], db["ih"], db["hh"], xp, hp, dgi, dgh,
+                  dx, *d_initial, dw["ih"], dw["hh"], db["ih"], db["hh"], xp, hp, dgi,
+                  *([dgh] if not summed else []),
                   *carry, dh_rec, w_t["ih"], w_t["hh"], zero,
                   *([dx_acc] if dx_acc is not None else []),
                   *([active] if active is not None else [])]

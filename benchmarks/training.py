@@ -1,0 +1,146 @@
+"""One training step (forward and backward): rnncc.nn against cuDNN through torch.nn, T = 100,
+C = H, IEEE float32 (TF32 off on both sides), both captured in CUDA graphs, in one process;
+microseconds a time step, and the peak memory a step adds. Run on a GPU machine from the
+repository root:
+
+    python3 benchmarks/training.py [--repeat 50] [--jobs 16] [--json out.json]
+
+The step is ``y, _ = net(x); y.backward(dy)`` with x requiring grad (so both sides compute the
+gradients of the input and of every weight and bias). Before timing, the two sides' gradients
+of one step (same weights, same x and dy) are compared. The training modules compile first,
+``--jobs`` at a time in worker processes, into the on-disk cache the timed modules load from.
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+#: (torch class, hidden size, layers, bidirectional, batch): the training issue's table.
+CONFIGS = [("LSTM", 1024, 1, False, 1), ("LSTM", 1024, 1, False, 4),
+           ("LSTM", 1024, 1, False, 64), ("GRU", 1024, 1, False, 1),
+           ("GRU", 1024, 1, False, 4), ("GRU", 1024, 1, False, 64),
+           ("LSTM", 512, 2, True, 64)]
+#: (torch class, hidden size, batch, steps): the peak memory of a step.
+MEMORY = [("LSTM", 1024, 64, 100), ("LSTM", 1024, 64, 1000)]
+STEPS = 100
+
+
+def _jobs(arch):
+    from rnncc.nn.network import bucket
+
+    jobs = set()
+    for kind, hidden, layers, bidirectional, batch in CONFIGS + [
+            (k, h, 1, False, n) for k, h, n, _ in MEMORY]:
+        for layer in range(layers):
+            width = hidden * (2 if bidirectional else 1) if layer else hidden
+            jobs.add((kind.lower(), width, hidden, bucket(batch), arch))
+    return sorted(jobs)
+
+
+def _compile(job):
+    from rnncc.compiler import cache
+
+    cell, width, hidden, batch, arch = job
+    cache.compiled(cell, width, hidden, batch, target="cuda", arch=arch, training=True)
+    return job
+
+
+def _nets(torch, kind, hidden, layers, bidirectional):
+    import rnncc.nn
+
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, kind)(hidden, hidden, num_layers=layers,
+                                     bidirectional=bidirectional).cuda()
+    return rnncc.nn.from_torch(theirs), theirs
+
+
+def _step(net, x, dy):
+    def step():
+        y, _ = net(x)
+        y.backward(dy)
+    return step
+
+
+def _inputs(torch, hidden, batch, steps, bidirectional):
+    x = torch.randn(steps, batch, hidden, device="cuda", requires_grad=True)
+    return x, torch.randn(steps, batch, hidden * (2 if bidirectional else 1), device="cuda")
+
+
+def _gradients(net, x, step):
+    net.zero_grad(set_to_none=True)
+    x.grad = None
+    step()
+    return [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+
+
+def _peak_mib(torch, net, x, step):
+    """The memory one step adds to what is allocated before it (MiB), gradients included."""
+    net.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    import torch
+
+    from rnncc.bench import _graph_ms
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    major, minor = torch.cuda.get_device_capability()
+    spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
+    with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
+        list(pool.map(_compile, _jobs(f"sm_{major}{minor}")))
+    rows, memory = [], []
+    for kind, hidden, layers, bidirectional, batch in CONFIGS:
+        ours, theirs = _nets(torch, kind, hidden, layers, bidirectional)
+        x, dy = _inputs(torch, hidden, batch, STEPS, bidirectional)
+        steps = {"rnncc": _step(ours, x, dy), "cudnn": _step(theirs, x, dy)}
+        mine, ref = (_gradients(net, x, steps[k]) for net, k in ((ours, "rnncc"),
+                                                                 (theirs, "cudnn")))
+        row = {"network": kind, "H": hidden, "layers": layers, "bidirectional": bidirectional,
+               "N": batch, "max_rel_diff": max(float((a - b).norm() / b.norm())
+                                               for a, b in zip(mine, ref))}
+        for name, net in (("rnncc", ours), ("cudnn", theirs)):
+            net.zero_grad(set_to_none=True)
+            row[f"{name}_us"] = _graph_ms(torch, steps[name], args.repeat) * 1e3 / STEPS
+        rows.append(row)
+    for kind, hidden, batch, steps in MEMORY:
+        ours, theirs = _nets(torch, kind, hidden, 1, False)
+        x, dy = _inputs(torch, hidden, batch, steps, False)
+        memory.append({"network": kind, "H": hidden, "N": batch, "T": steps, **{
+            f"{name}_mib": _peak_mib(torch, net, x, _step(net, x, dy))
+            for name, net in (("rnncc", ours), ("cudnn", theirs))}})
+    device = torch.cuda.get_device_name()
+    print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H, TF32 off, us per time step "
+          "of a training step (forward and backward, all layers and directions)\n")
+    print("| network | H | layers | directions | N | rnncc | cuDNN | speed-up | grads vs cuDNN |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['network']} | {r['H']} | {r['layers']} | {2 if r['bidirectional'] else 1} "
+              f"| {r['N']} | {r['rnncc_us']:.1f} | {r['cudnn_us']:.1f} | "
+              f"{r['cudnn_us'] / r['rnncc_us']:.2f}x | {r['max_rel_diff']:.1e} |")
+    print("\n| network | H | N | T | rnncc peak MiB | cuDNN peak MiB | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in memory:
+        print(f"| {r['network']} | {r['H']} | {r['N']} | {r['T']} | {r['rnncc_mib']:.0f} | "
+              f"{r['cudnn_mib']:.0f} | {r['rnncc_mib'] / r['cudnn_mib']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "rows": rows, "memory": memory}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
