@@ -362,18 +362,19 @@ class Module:
         self._check_grad(family, x, given)
         results = self._invoke(family, self._function(packed.entry, "forward"), x, packed,
                                given, lengths)
-        return self._forward_results(family, results)
+        return self._forward_results(results)
 
-    def _forward_results(self, family: Family, results: dict):
-        y = family.result(results["y"])
-        finals = tuple(family.result(results[f"{s}_n"]) for s in self.states)
-        return (y, finals[0]) if len(finals) == 1 else (y, finals)
+    def _forward_results(self, results: dict):
+        finals = tuple(results[f"{s}_n"] for s in self.states)
+        return (results["y"], finals[0]) if len(finals) == 1 else (results["y"], finals)
 
     def _invoke(self, family: Family, function: str, x, packed: PackedWeights, given: dict,
                 lengths) -> dict:
         """Run the module function ``function`` on x [T, N, C] and the packed weights; the
         other inputs from ``given`` by name (an absent initial state, or gradient of one, is
-        zero), outputs and workspaces made here. Returns the outputs' arrays by name."""
+        zero), outputs and workspaces made here. Returns the outputs by name, as the caller's
+        kind of array (read here, while this frame holds the call's memory: a kernel that
+        faulted is seen before any of it is freed, see :mod:`.faults`)."""
         sig = self._signature(function)
         shapes = {p["name"]: p["shape"] for p in sig}
         x_t = to_tensor("x", x, [None if d == "T" else d for d in shapes["x"]], self.dtype,
@@ -416,7 +417,7 @@ class Module:
         lib = self._library()
         with family.stream():
             lib[function](*args)
-        return results
+        return {name: family.result(arr) for name, arr in results.items()}
 
     # -- training ------------------------------------------------------------------------
     def _check_training(self) -> None:
@@ -436,8 +437,8 @@ class Module:
         with faults.guard(family, f"a training step of {self._key}"):
             packed = self._packed_for(family, weights, "sequence")
             results = self._invoke(family, "train_forward", x, packed, given, lengths)
-            y, finals = self._forward_results(family, results)
-            kept = {f"{s}_steps": family.result(results[f"{s}_steps"]) for s in self.states}
+            y, finals = self._forward_results(results)
+            kept = {f"{s}_steps": results[f"{s}_steps"] for s in self.states}
         return y, finals, kept
 
     def backward(self, x, weights, kept: dict, dy=None, finals_grad=None, lengths=None
@@ -467,7 +468,7 @@ class Module:
         names = {"dx": "x", "dweight_ih": "weight_ih_l0", "dweight_hh": "weight_hh_l0",
                  "dbias_ih": "bias_ih_l0", "dbias_hh": "bias_hh_l0",
                  **{f"d{s}0": f"{s}0" for s in self.states}}
-        return {names[k]: family.result(v) for k, v in results.items()}
+        return {names[k]: v for k, v in results.items()}
 
 
 def _lengths(value, steps: int, batch: int, family: Family):
