@@ -305,3 +305,25 @@ def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirection
         grads.append([t.grad for t in inputs] + [p.grad for p in net.parameters()])
     for got, want in zip(grads[1], grads[0]):
         assert _err(got.cpu(), want.numpy()) < TOL
+
+
+def test_double_backward_says_it_is_not_supported():
+    net = rnncc.nn.LSTM(3, 4)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    y, _ = net(x)
+    with pytest.raises(InputError, match="cannot be differentiated again"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_a_compiled_module_trains():
+    """torch.compile of an rnncc.nn module: a call that needs gradients runs rnncc's part
+    eagerly and gives torch's gradients."""
+    net = rnncc.nn.GRU(3, 4)
+    theirs = torch.nn.GRU(3, 4).double()
+    theirs.load_state_dict(net.state_dict())
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    mine = x.detach().float().requires_grad_()
+    torch.compile(net)(mine)[0].sum().backward()
+    theirs(x)[0].sum().backward()
+    assert _err(mine.grad, x.grad.numpy()) < TOL
+    assert _err(net.weight_hh_l0.grad, theirs.weight_hh_l0.grad.numpy()) < TOL

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from .network import _aligned, bucket
 
 
@@ -37,6 +38,9 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *finals_grad):
+        if torch.is_grad_enabled():
+            raise InputError("rnncc's gradients cannot be differentiated again (double "
+                             "backward, create_graph=True): not supported")
         x, *kept = ctx.saved_tensors
         module = ctx.module
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
@@ -59,9 +63,11 @@ def reversed_steps(x, lengths):
     return x.gather(0, index[:, :, None].expand(-1, -1, x.shape[2]))
 
 
+@torch.compiler.disable
 def run(recurrent, x, states, lengths, target: str, arch: str | None):
     """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
-    rnncc.nn module) on x [T, N, C] from ``states``, with gradients."""
+    rnncc.nn module) on x [T, N, C] from ``states``, with gradients. Under ``torch.compile``
+    it runs eagerly (a graph break; inference is one custom op, :mod:`.op`)."""
     from ..compiler import cache
 
     lay = recurrent._layout
