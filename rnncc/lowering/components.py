@@ -140,7 +140,7 @@ def chunks(t_len, chunk: int):
 
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
-              fused: bool, masked: bool = False) -> tirx.PrimFunc:
+              fused: bool, masked: bool = False, sums: bool = False) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -150,7 +150,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     then the new states, each [N, H] (the previous ones where not active). ``y`` is in
     ``dtype``; the projections and the states are workspaces in the accumulation dtype.
     ``fused``: one kernel for the whole step; otherwise one kernel an operation (the unfused
-    baseline).
+    baseline). ``sums`` (fused, gates "combined"; the training forward of a cell that uses each
+    gate's projections only as their sum): then also ``pre0 .. pre{G-1}`` [N, H], the sums
+    ``gi[g] + gh[g]`` (accumulation dtype), which are all its backward pass needs of them.
     """
     acc = accum_dtype(dtype)
     g_count = cell.gates
@@ -193,7 +195,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                                 [read_h(g, n, j) for g in range(g_count)],
                                 [s[n, j] for s in states])
             _check_scalars(cell, new)
-            return frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new])
+            kept = ([read_i(g, n, j) + read_h(g, n, j) for g in range(g_count)] if sums
+                    else [])
+            return frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new]) + kept
 
         outs = te.compute((n_, h_), body, name="cell")
     else:
@@ -395,7 +399,8 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
     ``masked``: then ``active`` [N] int32. Outputs: ``dgi0 .. dgi{G-1}``, ``dgh0 ..
     dgh{G-1}`` [N, H] (the gradients of the projections; ``summed``: the step uses each gate's
     two only as their sum, whose gradient ``dgi`` then stands for both, and there is no
-    ``dgh``), then the gradients of the previous states through this step's cell [N, H] each.
+    ``dgh``; and the inputs are ``pre`` [N, G*H], the sums, in place of ``gi`` and ``gh``),
+    then the gradients of the previous states through this step's cell [N, H] each.
     Where a step is past its sample's length the
     states went through unchanged: the gradients of the projections are zero and those of the
     states pass through. All but ``dy`` in the accumulation dtype.
@@ -405,8 +410,8 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
     acc = accum_dtype(dtype)
     g_count, s_count = cell.gates, len(cell.states)
     shape = (i64(batch), i64(hidden))
-    gi = te.placeholder((i64(batch), i64(g_count * hidden)), acc, "gi")
-    gh = te.placeholder((i64(batch), i64(g_count * hidden)), acc, "gh")
+    given = [te.placeholder((i64(batch), i64(g_count * hidden)), acc, name)
+             for name in (("pre",) if summed else ("gi", "gh"))]
     states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
     dy = te.placeholder(shape, dtype, "dy")
     dh_rec = te.placeholder(shape, acc, "dh_rec")
@@ -418,8 +423,10 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
     def body(n, j):
         d_h = _cast(dy[n, j], acc) + dh_rec[n, j] + carry[0][n, j]
         seeds = [d_h] + [c[n, j] for c in carry[1:]]
-        values = ([gi[n, g * hidden + j] for g in range(g_count)]
-                  + [gh[n, g * hidden + j] for g in range(g_count)] + [s[n, j] for s in states])
+        zero = [tirx.const(0, acc)] * g_count  # gi + 0 where the sums stand for both
+        values = ([given[0][n, g * hidden + j] for g in range(g_count)]
+                  + (zero if summed else [given[1][n, g * hidden + j] for g in range(g_count)])
+                  + [s[n, j] for s in states])
         grads = autodiff.vjp(graph, values, seeds, backend)
         projections = grads[:g_count if summed else 2 * g_count]
         if active is None:
@@ -439,7 +446,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
     if len(outs) != parts:
         raise CellError(f"cell {cell.name!r}: its derivative has {len(outs)} parts, expected "
                         f"{parts}")
-    return te.create_prim_func([gi, gh, *states, dy, dh_rec, *carry, *extra, *outs])
+    return te.create_prim_func([*given, *states, dy, dh_rec, *carry, *extra, *outs])
 
 
 def initial_state_grads(count: int, batch: int, hidden: int, dtype: str) -> tirx.PrimFunc:

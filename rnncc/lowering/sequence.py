@@ -224,7 +224,8 @@ class _Builder:
         second half at the end); the workspaces have a leading direction dimension.
         ``history`` (one direction; the training forward, ``name`` "train_forward"): the
         states of every step are outputs, ``<s>_steps`` [T+1, N, H] (the initial ones at 0,
-        step t's new ones at t + 1), which the backward entry takes."""
+        step t's new ones at t + 1), which the backward entry takes, and, where the cell uses
+        each gate's projections only as their sum, those sums, ``pre`` [T, N, G*H]."""
         p, options, layout = self.p, self.options, self.layout
         n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         per_gate = layout.gates == "per_gate"
@@ -252,9 +253,12 @@ class _Builder:
         xp = self.param(sig, "xp", per_direction(xp_shape), "workspace", acc)
         hp = self.param(sig, "hp", per_direction((g, n, h) if per_gate else (n, g * h)),
                         "workspace", acc)
+        pre = None
         if history:
             sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
                   for s in p.cell.states]
+            if training.keeps_sums(p.cell):
+                pre = self.param(sig, "pre", (t_len, n, g * h), "output", acc)
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
                   for s in p.cell.states]
@@ -301,11 +305,14 @@ class _Builder:
                 "recurrent_gemm", Region(sw[0], at(d, (slot, ALL, ALL))), (n,), h, w_hh, b_hh,
                 lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))), Region(hp, at(d, (ALL, ALL))),
                 d), suffix)
+            sums = pre is not None
             step_func = self.scheduled(
-                "cell_step",
+                "cell_step_sums" if sums else "cell_step",
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
-                               masked=bool(active)),
+                               masked=bool(active), sums=sums),
                 "elementwise")
+            kept = ([Region(pre, (t, ALL, slice(i * h, (i + 1) * h))) for i in range(g)]
+                    if sums else [])
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, h)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
             steps.append(Stage(
@@ -314,8 +321,8 @@ class _Builder:
                       else [Region(hp, at(d, (ALL, ALL)))])
                 + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
                 + [Region(a, (t, ALL)) for a in active]
-                + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw],
-                1 + len(sw)))
+                + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw] + kept,
+                1 + len(sw) + len(kept)))
         final = t_len if history else tirx.floormod(t_len, i64(2))
         epilogue = [self.states_copy("final_states", [Region(s, at(d, (final, ALL, ALL)))
                                                       for s in sw],
@@ -326,8 +333,8 @@ class _Builder:
                                                 Region(y, (ALL, ALL, slice(h, 2 * h))), lengths))
         given = [lengths] if lengths is not None else []
         reversed_ = [x_rev, y_rev] if x_rev is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw, *reversed_,
-                  *active]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw,
+                  *([pre] if pre is not None else []), *reversed_, *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 

@@ -425,12 +425,19 @@ class Module:
             raise InputError(f"this module ({self._key}) was compiled without training "
                              "entries; compile it with training=True")
 
+    def _kept_names(self) -> list[str]:
+        """What train_forward keeps for backward: its outputs that backward takes."""
+        taken = {p["name"] for p in self._signature("backward") if p["kind"] == "input"}
+        return [p["name"] for p in self._signature("train_forward")
+                if p["kind"] == "output" and p["name"] in taken]
+
     def train_forward(self, x, weights, h0=None, c0=None, lengths=None, **initial):
         """A training step's forward pass (a module compiled with ``training=True``): as a
         call, plus what :meth:`backward` takes, the states of every step (``<s>_steps``
-        [T+1, N, H] each, the initial ones first, in the accumulation dtype). Returns ``(y,
-        finals, kept)``: finals as a call gives them, kept a dict by name. ``weights``: as
-        for a call, or PackedWeights of ``pack(weights, entry="sequence")``."""
+        [T+1, N, H] each, the initial ones first, in the accumulation dtype; and ``pre`` [T, N,
+        G*H], each step's projection sums, for cells whose step needs no more of them).
+        Returns ``(y, finals, kept)``: finals as a call gives them, kept a dict by name.
+        ``weights``: as for a call, or PackedWeights of ``pack(weights, entry="sequence")``."""
         self._check_training()
         family = family_of(x, self.device_kind)
         given = self._initial(h0, c0, lengths, initial)
@@ -438,7 +445,7 @@ class Module:
             packed = self._packed_for(family, weights, "sequence")
             results = self._invoke(family, "train_forward", x, packed, given, lengths)
             y, finals = self._forward_results(results)
-            kept = {f"{s}_steps": results[f"{s}_steps"] for s in self.states}
+            kept = {k: v for k, v in results.items() if k in self._kept_names()}
         return y, finals, kept
 
     def backward(self, x, weights, kept: dict, dy=None, finals_grad=None, lengths=None
@@ -457,7 +464,7 @@ class Module:
         if len(finals_grad) != len(self.states):
             raise InputError(f"finals_grad has {len(finals_grad)} tensors; this cell has "
                              f"{len(self.states)} states ({', '.join(self.states)})")
-        missing = [f"{s}_steps" for s in self.states if f"{s}_steps" not in kept]
+        missing = [name for name in self._kept_names() if name not in kept]
         if missing:
             raise InputError(f"kept lacks {', '.join(missing)}: pass what train_forward "
                              "returned")
