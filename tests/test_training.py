@@ -327,3 +327,32 @@ def test_a_compiled_module_trains():
     theirs(x)[0].sum().backward()
     assert _err(mine.grad, x.grad.numpy()) < TOL
     assert _err(net.weight_hh_l0.grad, theirs.weight_hh_l0.grad.numpy()) < TOL
+
+
+def test_autocast_to_float16_trains_in_half_precision(rng):
+    """Under torch.autocast(float16) a float32 module runs float16 modules (outputs float16,
+    as torch's under autocast) and its float32 parameters get float32 gradients, within half
+    precision of torch's float64 ones from the same half-rounded weights and input."""
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    ours = rnncc.nn.LSTM(8, 16, num_layers=2)
+    theirs = torch.nn.LSTM(8, 16, num_layers=2).double()
+    theirs.load_state_dict({k: v.half().double() for k, v in ours.state_dict().items()})
+    x = torch.randn(6, 3, 8).half().float().requires_grad_()
+    ref = x.detach().double().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        y, (h, c) = ours(x)
+    assert y.dtype == h.dtype == torch.float16
+    y.float().sum().backward()
+    theirs(ref)[0].sum().backward()
+    assert ours.weight_hh_l1.grad.dtype == torch.float32
+    assert _err(x.grad, ref.grad.numpy()) < 1e-2
+    for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
+        assert _err(q.grad, p.grad.numpy()) < 1e-2, name
+
+
+def test_autocast_to_bfloat16_runs_float32_and_says_so():
+    net = rnncc.nn.GRU(3, 4)
+    with pytest.warns(UserWarning, match="autocast to torch.bfloat16 is not supported yet"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = net(torch.randn(2, 1, 3))
+    assert y.dtype == torch.float32

@@ -18,6 +18,7 @@ training (:mod:`.training`): gradients of the input, the initial states and ever
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -58,6 +59,7 @@ class Recurrent(torch.nn.Module):
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
                               2 if bidirectional else 1)
         self._networks: dict = {}
+        self._said_autocast = False
         self._key = op.register(self)
         rows = self.cell.gates * hidden_size
         kw = {"device": device, "dtype": dtype}
@@ -103,8 +105,8 @@ class Recurrent(torch.nn.Module):
         """The network on ``x`` [T, N, C]: y and the list of final states (the op's body;
         ``weights``: the parameters in :meth:`_weight_names`' order)."""
         between = self._between if training and self.dropout else None
-        return self._network(x).run(x, states, lengths, dict(zip(self._weight_names(), weights)),
-                                    between)
+        named = dict(zip(self._weight_names(), weights))
+        return self._network(x, weights[0].dtype).run(x, states, lengths, named, between)
 
     def forward(self, input, hx=None, lengths=None):  # noqa: A002 - torch's name
         packed = isinstance(input, PackedSequence)
@@ -119,11 +121,17 @@ class Recurrent(torch.nn.Module):
             if lengths is not None:
                 lengths = self._check_lengths(lengths, x)
         states = self._initial_states(hx, x, unbatched)
-        if self._needs_grad(x, states):
-            network = self._network(x)
-            y, finals = training.run(self, x, states, lengths, network.target, network.arch)
+        weights = [getattr(self, n) for n in self._weight_names()]
+        half = self._autocast_dtype(x)
+        if half is not None:  # torch.autocast: float16 modules, as torch's would run
+            x, states = x.to(half), [s.to(half) for s in states]
+            weights = [w.to(half) for w in weights]
+        if self._needs_grad(x, states, weights):
+            network = self._network(x, weights[0].dtype)
+            y, finals = training.run(self, x, states, lengths,
+                                     dict(zip(self._weight_names(), weights)), network.target,
+                                     network.arch)
         else:
-            weights = [getattr(self, n) for n in self._weight_names()]
             y, *finals = op.network(self._key, x, states, lengths, weights, self.training)
         if packed:
             return _repacked(y, input), _finals(finals)
@@ -167,10 +175,27 @@ class Recurrent(torch.nn.Module):
             raise InputError(f"lengths is on {lengths.device}, but input is on {x.device}")
         return lengths
 
-    def _needs_grad(self, x, states) -> bool:
+    def _needs_grad(self, x, states, weights) -> bool:
         """Whether the call must give gradients (then it runs :mod:`.training`'s way)."""
         return torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, *states, *self.parameters()))
+            t.requires_grad for t in (x, *states, *weights))
+
+    def _autocast_dtype(self, x):
+        """float16 where torch.autocast asks for it on x's device and the module and x are
+        float32, else None (bfloat16 is not supported yet: the module runs float32, and says
+        so once)."""
+        kind = x.device.type
+        if not torch.is_autocast_enabled(kind) or x.dtype != torch.float32 or next(
+                self.parameters()).dtype != torch.float32:
+            return None
+        dtype = torch.get_autocast_dtype(kind)
+        if dtype == torch.float16:
+            return dtype
+        if not self._said_autocast:
+            self._said_autocast = True
+            warnings.warn(f"rnncc.nn: autocast to {dtype} is not supported yet (float16 is); "
+                          "this module runs in float32", stacklevel=3)
+        return None
 
     def _initial_states(self, hx, x, unbatched):
         """The initial states, a list of [L*D, N, H] (zeros where hx is None), checked."""
@@ -198,8 +223,10 @@ class Recurrent(torch.nn.Module):
             out.append(h)
         return out
 
-    def _network(self, x) -> Network:
-        dtype = next(self.parameters()).dtype
+    def _network(self, x, dtype=None) -> Network:
+        """The network for x's device; ``dtype``: that of the weights it runs (default the
+        parameters')."""
+        dtype = dtype or next(self.parameters()).dtype
         if dtype not in DTYPES:
             raise InputError(f"rnncc runs float32 or float16 parameters, got {dtype}; convert "
                              "with .float() or .half()")

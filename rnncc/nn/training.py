@@ -64,9 +64,10 @@ def reversed_steps(x, lengths):
 
 
 @torch.compiler.disable
-def run(recurrent, x, states, lengths, target: str, arch: str | None):
+def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
     """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
-    rnncc.nn module) on x [T, N, C] from ``states``, with gradients. Under ``torch.compile``
+    rnncc.nn module) on x [T, N, C] from ``states``, with ``weights`` by torch's names (the
+    parameters, or their float16 copies under autocast), with gradients. Under ``torch.compile``
     it runs eagerly (a graph break; inference is one custom op, :mod:`.op`)."""
     from ..compiler import cache
 
@@ -90,12 +91,12 @@ def run(recurrent, x, states, lengths, target: str, arch: str | None):
             module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
                                     dtype=dtype, target=target, arch=arch,
                                     lengths=lengths is not None, training=True)
-            weights = [getattr(recurrent, f"{name}_l{layer}{suffix}", None)
-                       for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+            given = [weights.get(f"{name}_l{layer}{suffix}")
+                     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
             row = layer * lay.directions + d
             seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)
             y, *last = _Layer.apply(module, _aligned(seq), lengths, len(states),
-                                    *(_aligned(s[row:row + 1]) for s in states), *weights)
+                                    *(_aligned(s[row:row + 1]) for s in states), *given)
             outputs.append(y if d == 0 else reversed_steps(y, lengths))
             for found, value in zip(finals, last):
                 found.append(value)
