@@ -59,7 +59,7 @@ def train(model, data, device, lr=3e-3):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 

@@ -381,7 +381,7 @@ def test_a_training_run_follows_torch(kind):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         curves.append(np.array(losses))
     assert curves[0][-1] < curves[0][0]  # it learns
     np.testing.assert_allclose(curves[1], curves[0], rtol=1e-4)
