@@ -61,10 +61,16 @@ def test_cell_derivative_matches_finite_differences(cell, rng):
 
 def test_summed_projections_are_found():
     """LSTM and the Elman RNNs use each gate's gi and gh only as their sum (one gradient buffer
-    serves both); GRU and the MGU test cell multiply gh_n by a gate first."""
+    serves both, the sums are kept); GRU and the MGU test cell multiply gh_n by a gate first
+    (their r and z, f are sums; n's gi and gh are kept apart)."""
     found = {name: autodiff.summed_projections(autodiff.trace(_cell(name)))
              for name in ("lstm", "rnn_tanh", "rnn_relu", "gru", os.path.join(DATA, "mgu.py"))}
     assert list(found.values()) == [True, True, True, False, False]
+    assert autodiff.summed_gates(autodiff.trace(_cell("gru"))) == [True, True, False]
+    from rnncc.lowering.training import kept_parts
+
+    assert kept_parts(_cell("gru")) == ((0, "sum"), (1, "sum"), (2, "gi"), (2, "gh"))
+    assert kept_parts(_cell("lstm")) == tuple((g, "sum") for g in range(4))
 
 
 def test_a_step_with_foreign_values_is_refused():

@@ -107,21 +107,26 @@ def trace(cell: Cell) -> Graph:
     return Graph(cell, inputs, outputs, order)
 
 
-def summed_projections(graph: Graph) -> bool:
-    """Whether the step uses each gate's two projections only as their sum ``gi[g] + gh[g]``
-    (LSTM, Elman RNNs; not GRU's ``r * gh_n``): then both have the same gradient."""
+def summed_gates(graph: Graph) -> list[bool]:
+    """For each gate, whether the step uses its two projections only as their sum
+    ``gi[g] + gh[g]`` (all of LSTM's; GRU's r and z, not n: ``r * gh_n``): then both have the
+    same gradient, and the sum is all the derivative needs of them."""
     g_count = graph.cell.gates
     uses: dict = {}
     for node in graph.order:
         for arg in node.args:
             uses.setdefault(id(arg), []).append(node)
+    found = []
     for g in range(g_count):
-        gi, gh = graph.inputs[g], graph.inputs[g_count + g]
-        found_i, found_h = uses.get(id(gi), []), uses.get(id(gh), [])
-        if not (len(found_i) == len(found_h) == 1 and found_i[0] is found_h[0]
-                and found_i[0].op == "add"):
-            return False
-    return True
+        of_i = uses.get(id(graph.inputs[g]), [])
+        of_h = uses.get(id(graph.inputs[g_count + g]), [])
+        found.append(len(of_i) == len(of_h) == 1 and of_i[0] is of_h[0] and of_i[0].op == "add")
+    return found
+
+
+def summed_projections(graph: Graph) -> bool:
+    """Whether every gate's projections are used only as their sum (LSTM, Elman RNNs)."""
+    return all(summed_gates(graph))
 
 
 class Backend:

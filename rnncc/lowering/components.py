@@ -140,7 +140,7 @@ def chunks(t_len, chunk: int):
 
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
-              fused: bool, masked: bool = False, sums: bool = False) -> tirx.PrimFunc:
+              fused: bool, masked: bool = False, kept: tuple = ()) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -150,9 +150,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     then the new states, each [N, H] (the previous ones where not active). ``y`` is in
     ``dtype``; the projections and the states are workspaces in the accumulation dtype.
     ``fused``: one kernel for the whole step; otherwise one kernel an operation (the unfused
-    baseline). ``sums`` (fused, gates "combined"; the training forward of a cell that uses each
-    gate's projections only as their sum): then also ``pre0 .. pre{G-1}`` [N, H], the sums
-    ``gi[g] + gh[g]`` (accumulation dtype), which are all its backward pass needs of them.
+    baseline). ``kept`` (fused, gates "combined"; the training forward): then also one output
+    [N, H] (accumulation dtype) for each of its parts ``(g, "sum" | "gi" | "gh")``: gate g's
+    ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]`` (see :func:`rnncc.lowering.training.kept_parts`).
     """
     acc = accum_dtype(dtype)
     g_count = cell.gates
@@ -195,9 +195,10 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                                 [read_h(g, n, j) for g in range(g_count)],
                                 [s[n, j] for s in states])
             _check_scalars(cell, new)
-            kept = ([read_i(g, n, j) + read_h(g, n, j) for g in range(g_count)] if sums
-                    else [])
-            return frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new]) + kept
+            parts = {"sum": lambda g: read_i(g, n, j) + read_h(g, n, j),
+                     "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j)}
+            return (frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new])
+                    + [parts[part](g) for g, part in kept])
 
         outs = te.compute((n_, h_), body, name="cell")
     else:
@@ -387,31 +388,34 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 # -- training: the backward pass (rnncc.lowering.training) -----------------------------------
 
 
-def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
-                       masked: bool = False, summed: bool = False) -> tirx.PrimFunc:
+def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tuple,
+                       masked: bool = False) -> tirx.PrimFunc:
     """The vector-Jacobian product of the cell's step for one time step, derived from the step
     (:mod:`rnncc.cells.autodiff`).
 
-    Inputs: ``gi`` and ``gh`` [N, G*H] (the step's projections, biases included), the previous
-    states [N, H] each, ``dy`` [N, H] (the gradient of the step's output, in ``dtype``),
-    ``dh_rec`` [N, H] (the gradient of the new h through the next step's recurrent product),
-    ``carry`` [N, H] a state (the gradients of the new states through the next step's cell);
-    ``masked``: then ``active`` [N] int32. Outputs: ``dgi0 .. dgi{G-1}``, ``dgh0 ..
-    dgh{G-1}`` [N, H] (the gradients of the projections; ``summed``: the step uses each gate's
-    two only as their sum, whose gradient ``dgi`` then stands for both, and there is no
-    ``dgh``; and the inputs are ``pre`` [N, G*H], the sums, in place of ``gi`` and ``gh``),
-    then the gradients of the previous states through this step's cell [N, H] each.
-    Where a step is past its sample's length the
-    states went through unchanged: the gradients of the projections are zero and those of the
-    states pass through. All but ``dy`` in the accumulation dtype.
+    Inputs: ``pre`` [N, P*H], what the training forward kept of the step's projections (biases
+    included), its P ``kept`` parts ``(g, "sum" | "gi" | "gh")`` one after another; the
+    previous states [N, H] each; ``dy`` [N, H] (the gradient of the step's output, in
+    ``dtype``); ``dh_rec`` [N, H] (the gradient of the new h through the next step's recurrent
+    product); ``carry`` [N, H] a state (the gradients of the new states through the next step's
+    cell); ``masked``: then ``active`` [N] int32. Outputs: ``dgi0 .. dgi{G-1}`` and, unless
+    every gate is kept as a sum (then the gradients of gi and gh are the same), ``dgh0 ..
+    dgh{G-1}`` [N, H]; then the gradients of the previous states through this step's cell
+    [N, H] each. Where a step is past its sample's length the states went through unchanged:
+    the gradients of the projections are zero and those of the states pass through. All but
+    ``dy`` in the accumulation dtype.
     """
     from ..cells import autodiff
 
     acc = accum_dtype(dtype)
-    g_count, s_count = cell.gates, len(cell.states)
+    g_count = cell.gates
     shape = (i64(batch), i64(hidden))
-    given = [te.placeholder((i64(batch), i64(g_count * hidden)), acc, name)
-             for name in (("pre",) if summed else ("gi", "gh"))]
+    slot = {part: i for i, part in enumerate(kept)}
+    both = any(part == "gh" for _, part in kept)
+    if sorted(g for g, part in kept if part != "gh") != list(range(g_count)):
+        raise CellError(f"cell {cell.name!r}: kept parts {kept} do not cover its {g_count} "
+                        "gates")
+    pre = te.placeholder((i64(batch), i64(len(kept) * hidden)), acc, "pre")
     states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
     dy = te.placeholder(shape, dtype, "dy")
     dh_rec = te.placeholder(shape, acc, "dh_rec")
@@ -420,15 +424,19 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
     graph = autodiff.trace(cell)
     backend = autodiff.PrimExprs(acc)
 
+    def part(n, j, g, which):
+        i = slot.get((g, which))
+        return tirx.const(0, acc) if i is None else pre[n, i * hidden + j]
+
     def body(n, j):
         d_h = _cast(dy[n, j], acc) + dh_rec[n, j] + carry[0][n, j]
         seeds = [d_h] + [c[n, j] for c in carry[1:]]
-        zero = [tirx.const(0, acc)] * g_count  # gi + 0 where the sums stand for both
-        values = ([given[0][n, g * hidden + j] for g in range(g_count)]
-                  + (zero if summed else [given[1][n, g * hidden + j] for g in range(g_count)])
-                  + [s[n, j] for s in states])
+        # a gate kept as a sum stands in for gi, with gh zero
+        values = ([part(n, j, g, "gi") if (g, "gi") in slot else part(n, j, g, "sum")
+                   for g in range(g_count)]
+                  + [part(n, j, g, "gh") for g in range(g_count)] + [s[n, j] for s in states])
         grads = autodiff.vjp(graph, values, seeds, backend)
-        projections = grads[:g_count if summed else 2 * g_count]
+        projections = grads[:2 * g_count if both else g_count]
         if active is None:
             return projections + grads[2 * g_count:]
         live, zero = active[n] != 0, tirx.const(0, acc)
@@ -437,16 +445,10 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str,
                 + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(grads[2 * g_count:],
                                                                     passed)])
 
-    if summed and not autodiff.summed_projections(graph):
-        raise CellError(f"cell {cell.name!r}: its step uses gi and gh apart, not as sums")
     outs = te.compute(shape, body, name="cell_backward")
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     extra = [active] if masked else []
-    parts = (1 if summed else 2) * g_count + s_count
-    if len(outs) != parts:
-        raise CellError(f"cell {cell.name!r}: its derivative has {len(outs)} parts, expected "
-                        f"{parts}")
-    return te.create_prim_func([*given, *states, dy, dh_rec, *carry, *extra, *outs])
+    return te.create_prim_func([pre, *states, dy, dh_rec, *carry, *extra, *outs])
 
 
 def initial_state_grads(count: int, batch: int, hidden: int, dtype: str) -> tirx.PrimFunc:

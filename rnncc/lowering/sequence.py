@@ -224,8 +224,8 @@ class _Builder:
         second half at the end); the workspaces have a leading direction dimension.
         ``history`` (one direction; the training forward, ``name`` "train_forward"): the
         states of every step are outputs, ``<s>_steps`` [T+1, N, H] (the initial ones at 0,
-        step t's new ones at t + 1), which the backward entry takes, and, where the cell uses
-        each gate's projections only as their sum, those sums, ``pre`` [T, N, G*H]."""
+        step t's new ones at t + 1), and what the backward entry needs of every step's
+        projections, ``pre`` [T, N, P*H] (:func:`rnncc.lowering.training.kept_parts`)."""
         p, options, layout = self.p, self.options, self.layout
         n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         per_gate = layout.gates == "per_gate"
@@ -257,8 +257,8 @@ class _Builder:
         if history:
             sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
                   for s in p.cell.states]
-            if training.keeps_sums(p.cell):
-                pre = self.param(sig, "pre", (t_len, n, g * h), "output", acc)
+            parts = training.kept_parts(p.cell)
+            pre = self.param(sig, "pre", (t_len, n, len(parts) * h), "output", acc)
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
                   for s in p.cell.states]
@@ -305,14 +305,13 @@ class _Builder:
                 "recurrent_gemm", Region(sw[0], at(d, (slot, ALL, ALL))), (n,), h, w_hh, b_hh,
                 lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))), Region(hp, at(d, (ALL, ALL))),
                 d), suffix)
-            sums = pre is not None
+            parts = training.kept_parts(p.cell) if history else ()
             step_func = self.scheduled(
-                "cell_step_sums" if sums else "cell_step",
+                "cell_step_kept" if history else "cell_step",
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
-                               masked=bool(active), sums=sums),
+                               masked=bool(active), kept=parts),
                 "elementwise")
-            kept = ([Region(pre, (t, ALL, slice(i * h, (i + 1) * h))) for i in range(g)]
-                    if sums else [])
+            kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h))) for i in range(len(parts))]
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, h)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
             steps.append(Stage(

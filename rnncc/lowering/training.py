@@ -5,26 +5,22 @@ train_forward(x [T,N,C], w_ih, w_hh, b_ih, b_hh, <s>0 [1,N,H] each, (lengths [N]
               y [T,N,H], <s>_n [1,N,H] each, xp, hp, <s>_steps [T+1,N,H] each, ...)
 
 as ``forward`` (:mod:`rnncc.lowering.sequence`), with the states of every step kept:
-``<s>_steps[0]`` the initial ones, ``<s>_steps[t + 1]`` step t's (accumulation dtype), and,
-where the cell uses each gate's projections only as their sum (:func:`keeps_sums`), the sums
-of every step, ``pre`` [T, N, G*H].
+``<s>_steps[0]`` the initial ones, ``<s>_steps[t + 1]`` step t's (accumulation dtype), and
+what the cell's derivative needs of every step's projections, ``pre`` [T, N, P*H]
+(:func:`kept_parts`: gi[g] + gh[g] where the cell uses only that sum, else both).
 
-backward(x, w_ih, w_hh, b_ih, b_hh, <s>_steps each, (lengths), dy [T,N,H], d<s>_n [1,N,H] each,
-         dx [T,N,C], d<s>0 [1,N,H] each, dweight_ih [G*H,C], dweight_hh [G*H,H],
-         dbias_ih [G*H], dbias_hh [G*H], workspaces)
+backward(x, w_ih, w_hh, b_ih, b_hh, <s>_steps each, pre, (lengths), dy [T,N,H],
+         d<s>_n [1,N,H] each, dx [T,N,C], d<s>0 [1,N,H] each, dweight_ih [G*H,C],
+         dweight_hh [G*H,H], dbias_ih [G*H], dbias_hh [G*H], workspaces)
 
-takes the packed weights ``forward`` takes (and ``pre`` after the kept states, where kept).
-Without ``pre`` it first computes the input projections of all steps again (one GEMM), and for
-each step its recurrent projection (h_{t-1} @ W_hh^T + b_hh, from the kept states). For t =
-T-1 .. 0: the cell's derivative (its vector-Jacobian
-product, derived from the cell's step: :func:`rnncc.lowering.components.cell_step_backward`)
-into the gradients of both projections, dGI[t] and dGH[t] [N, G*H] (one buffer where the
-cell uses each gate's two projections only as their sum, as LSTM does: their gradients are
-equal), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop,
-as products over all T*N rows: dx = dGI @ W_ih, dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and
-the biases' gradients, the sums of dGI and dGH over the rows. Only the states are kept
-between the passes (and the sums, where they are all the derivative needs): the gates are
-computed again from them, as the backward pass reads them.
+takes the packed weights ``forward`` takes. For t = T-1 .. 0: the cell's derivative (its
+vector-Jacobian product, derived from the cell's step:
+:func:`rnncc.lowering.components.cell_step_backward`) into the gradients of both projections,
+dGI[t] and dGH[t] [N, G*H] (one buffer where every gate is kept as a sum: their gradients are
+equal), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop, as
+products over all T*N rows: dx = dGI @ W_ih, dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the
+biases' gradients, the sums of dGI and dGH over the rows. The gates themselves are computed
+again from the kept states and sums, as the backward pass reads them.
 """
 
 from __future__ import annotations
@@ -38,12 +34,16 @@ from .assemble import Region, Stage, sequence_function
 from .components import ALL, i64
 
 
-def keeps_sums(cell) -> bool:
-    """Whether the training forward keeps the sums ``gi[g] + gh[g]`` of every step for the
-    backward pass (``pre``), instead of the backward computing both projections again: where
-    the cell uses each gate's two projections only as their sum (LSTM, the Elman RNNs), the
-    sums are all its derivative needs, for the memory of the projections' gradients."""
-    return autodiff.summed_projections(autodiff.trace(cell))
+def kept_parts(cell) -> tuple:
+    """What the training forward keeps of each step's projections for the backward pass, in
+    ``pre`` [T, N, P*H], part by part: ``(g, "sum")``, gi[g] + gh[g], for a gate the cell uses
+    only as that sum (all of LSTM's; GRU's r and z), else ``(g, "gi")`` and ``(g, "gh")`` (GRU's
+    n, whose gh is multiplied by r first). That is all the cell's derivative needs of them: the
+    backward pass computes no projection again."""
+    parts = []
+    for g, summed in enumerate(autodiff.summed_gates(autodiff.trace(cell))):
+        parts += [(g, "sum")] if summed else [(g, "gi"), (g, "gh")]
+    return tuple(parts)
 
 
 def build(builder) -> None:
@@ -82,8 +82,9 @@ class _Backward:
         bias = {which: b.param(sig, f"b_{which}", (gh,), "input") for which in ("ih", "hh")}
         kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
                 for s in states]
-        summed = keeps_sums(p.cell)
-        pre = b.param(sig, "pre", (t_len, n, gh), "input", acc) if summed else None
+        parts = kept_parts(p.cell)
+        summed = all(part == "sum" for _, part in parts)  # one gradient for gi and gh
+        pre = b.param(sig, "pre", (t_len, n, len(parts) * h), "input", acc)
         lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
         dy = b.param(sig, "dy", (t_len, n, h), "input")
         d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
@@ -92,8 +93,6 @@ class _Backward:
         dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
               for which, k in (("ih", c), ("hh", h))}
         db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
-        xp = None if summed else b.param(sig, "xp", (t_len, n, gh), "workspace", acc)
-        hp = None if summed else b.param(sig, "hp", (n, gh), "workspace", acc)
         dgi = b.param(sig, "dgi", (t_len, n, gh), "workspace", acc)
         dgh = dgi if summed else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc)
         carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
@@ -132,20 +131,11 @@ class _Backward:
         if active is not None:
             prologue.append(self.elementwise("activity", comp.activity(n, t_len), [
                 Region(lengths, (ALL,)), Region(active, (ALL, ALL))]))
-        if not summed:  # the projections of every step again
-            x_region, lead, xp_region, more = b.input_operands(x, xp)
-            views += more
-            prologue.append(self.gemm("backward_input_gemm", lead, c, gh, p.dtype, [
-                x_region, Region(w["ih"], (ALL, ALL)), Region(bias["ih"], (ALL,)),
-                xp_region]))
-
         slot, nxt = tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2))
         cell = self.elementwise(
-            "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, active is not None,
-                                                     summed),
-            ([Region(pre, (step, ALL, ALL))] if summed
-             else [Region(xp, (step, ALL, ALL)), Region(hp, (ALL, ALL))])
-            + [Region(s, (step, ALL, ALL)) for s in kept]
+            "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
+                                                     active is not None),
+            [Region(pre, (step, ALL, ALL))] + [Region(s, (step, ALL, ALL)) for s in kept]
             + [Region(dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
             + [Region(cr, (slot, ALL, ALL)) for cr in carry]
             + ([Region(active, (step, ALL))] if active is not None else [])
@@ -153,10 +143,7 @@ class _Backward:
                for d in ((dgi,) if summed else (dgi, dgh)) for i in range(g)]
             + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
             (1 if summed else 2) * g + len(states))
-        steps = [] if summed else [self.gemm("recurrent_gemm", (n,), h, gh, acc, [
-            Region(kept[0], (step, ALL, ALL)), Region(w["hh"], (ALL, ALL)),
-            Region(bias["hh"], (ALL,)), Region(hp, (ALL, ALL))])]
-        steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
+        steps = [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
             Region(dgh, (step, ALL, ALL)), Region(w_t["hh"], (ALL, ALL)),
             Region(zero, (slice(0, h),)), Region(dh_rec, (ALL, ALL))])]
 
@@ -184,9 +171,8 @@ class _Backward:
                                            [Region(grads, (ALL, ALL)),
                                             Region(db[which], (ALL,))]))
         given = [lengths] if lengths is not None else []
-        params = [x, w["ih"], w["hh"], bias["ih"], bias["hh"], *kept,
-                  *([pre] if summed else []), *given, dy, *d_final, dx, *d_initial, dw["ih"],
-                  dw["hh"], db["ih"], db["hh"], *([] if summed else [xp, hp]), dgi,
+        params = [x, w["ih"], w["hh"], bias["ih"], bias["hh"], *kept, pre, *given, dy,
+                  *d_final, dx, *d_initial, dw["ih"], dw["hh"], db["ih"], db["hh"], dgi,
                   *([dgh] if not summed else []),
                   *carry, dh_rec, w_t["ih"], w_t["hh"], zero,
                   *([dx_acc] if dx_acc is not None else []),
