@@ -9,12 +9,12 @@ as ``forward`` (:mod:`rnncc.lowering.sequence`), with the states of every step k
 what the cell's derivative needs of every step's projections, ``pre`` [T, N, P*H]
 (:func:`kept_parts`: gi[g] + gh[g] where the cell uses only that sum, else both).
 
-backward(x, w_ih, w_hh, b_ih, b_hh, <s>_steps each, pre, (lengths), dy [T,N,H],
+backward(x, w_ih, w_hh, <s>_steps each, pre, (lengths), dy [T,N,H],
          d<s>_n [1,N,H] each, dx [T,N,C], d<s>0 [1,N,H] each, dweight_ih [G*H,C],
          dweight_hh [G*H,H], dbias_ih [G*H], dbias_hh [G*H], workspaces)
 
-takes the packed weights ``forward`` takes. For t = T-1 .. 0: the cell's derivative (its
-vector-Jacobian product, derived from the cell's step:
+takes the packed weight matrices ``forward`` takes (the biases are in ``pre``). For t = T-1
+.. 0: the cell's derivative (its vector-Jacobian product, derived from the cell's step:
 :func:`rnncc.lowering.components.cell_step_backward`) into the gradients of both projections,
 dGI[t] and dGH[t] [N, G*H] (one buffer where every gate is kept as a sum: their gradients are
 equal), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop, as
@@ -79,7 +79,6 @@ class _Backward:
         x = b.param(sig, "x", (t_len, n, c), "input")
         w = {which: b.param(sig, f"w_{which}", layout.weight_shape(g, h, k), "input")
              for which, k in (("ih", c), ("hh", h))}
-        bias = {which: b.param(sig, f"b_{which}", (gh,), "input") for which in ("ih", "hh")}
         kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
                 for s in states]
         parts = kept_parts(p.cell)
@@ -171,7 +170,7 @@ class _Backward:
                                            [Region(grads, (ALL, ALL)),
                                             Region(db[which], (ALL,))]))
         given = [lengths] if lengths is not None else []
-        params = [x, w["ih"], w["hh"], bias["ih"], bias["hh"], *kept, pre, *given, dy,
+        params = [x, w["ih"], w["hh"], *kept, pre, *given, dy,
                   *d_final, dx, *d_initial, dw["ih"], dw["hh"], db["ih"], db["hh"], dgi,
                   *([dgh] if not summed else []),
                   *carry, dh_rec, w_t["ih"], w_t["hh"], zero,
