@@ -391,3 +391,42 @@ def test_a_training_run_follows_torch(kind):
         curves.append(np.array(losses))
     assert curves[0][-1] < curves[0][0]  # it learns
     np.testing.assert_allclose(curves[1], curves[0], rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_training_step_runs_in_a_cuda_graph():
+    """A whole training step (forward, backward, optimizer) captured in a CUDA graph and
+    replayed: the same parameters as the same steps run eagerly."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    nets = [rnncc.nn.GRU(16, 32, num_layers=2).cuda() for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
+    xs = [torch.randn(12, 5, 16, device="cuda") for _ in range(4)]
+    static_x = xs[0].clone()
+
+    def step(net, opt, x):
+        opt.zero_grad(set_to_none=False)
+        y, _ = net(x)
+        y.square().mean().backward()
+        opt.step()
+
+    for x in xs:  # eager
+        step(nets[0], opts[0], x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (grads allocated), then undo its update
+        saved = {k: v.clone() for k, v in nets[1].state_dict().items()}
+        step(nets[1], opts[1], static_x)
+        nets[1].load_state_dict(saved)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(nets[1], opts[1], static_x)
+    nets[1].load_state_dict(saved)  # the capture does not run the step
+    for x in xs:
+        static_x.copy_(x)
+        graph.replay()
+    torch.cuda.synchronize()
+    for (name, a), b in zip(nets[0].named_parameters(), nets[1].parameters()):
+        assert _err(b.detach().cpu(), a.detach().cpu().double().numpy()) < 1e-5, name
