@@ -9,18 +9,20 @@ as ``forward`` (:mod:`rnncc.lowering.sequence`), with the states of every step k
 what the cell's derivative needs of every step's projections, ``pre`` [T, N, P*H]
 (:func:`kept_parts`: gi[g] + gh[g] where the cell uses only that sum, else both).
 
-backward(x, w_ih, w_hh, <s>_steps each, pre, (lengths), dy [T,N,H],
-         d<s>_n [1,N,H] each, dx [T,N,C], d<s>0 [1,N,H] each, dweight_ih [G*H,C],
-         dweight_hh [G*H,H], dbias_ih [G*H], dbias_hh [G*H], workspaces)
+backward(x, w_hh, <s>_steps each, pre, (lengths), dy [T,N,H], d<s>_n [1,N,H] each,
+         d<s>0 [1,N,H] each, dweight_ih [G*H,C], dweight_hh [G*H,H], dbias_ih [G*H],
+         dbias_hh [G*H], dgi [T,N,G*H], workspaces)
+backward_input(dgi [T,N,G*H], w_ih, dx [T,N,C], workspaces)
 
-takes the packed weight matrices ``forward`` takes (the biases are in ``pre``). For t = T-1
+take the packed weight matrices ``forward`` takes (the biases are in ``pre``). For t = T-1
 .. 0: the cell's derivative (its vector-Jacobian product, derived from the cell's step:
 :func:`rnncc.lowering.components.cell_step_backward`) into the gradients of both projections,
 dGI[t] and dGH[t] [N, G*H] (one buffer where every gate is kept as a sum: their gradients are
 equal), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop, as
-products over all T*N rows: dx = dGI @ W_ih, dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the
-biases' gradients, the sums of dGI and dGH over the rows. The gates themselves are computed
-again from the kept states and sums, as the backward pass reads them.
+products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the biases'
+gradients, the sums of dGI and dGH over the rows; and, in ``backward_input`` where x needs a
+gradient, dx = dGI @ W_ih. The gates themselves are computed again from the kept states and
+sums, as the backward pass reads them.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def build(builder) -> None:
     """Add ``train_forward`` and ``backward`` to ``builder``'s module (a
     :class:`rnncc.lowering.sequence._Builder` of one direction and one layer)."""
     builder.sequence_entry("train_forward", history=True)
-    _Backward(builder).add()
+    backward = _Backward(builder)
+    backward.add()
+    backward.add_input_gradient()
 
 
 class _Backward:
@@ -69,6 +73,41 @@ class _Backward:
     def reduction(self, key, func, args):
         return Stage(key, self.b.scheduled(key, func, "reduction"), args, 1)
 
+    def transposed(self, name, packed, out, depth):
+        """A stage: a packed weight [G*H, K] (or [K, G*H]) in the other orientation."""
+        shape = self.layout.weight_shape(self.p.gates, self.p.hidden_size, depth)
+        return self.elementwise(f"transpose_{name}", comp.transpose(*shape, self.p.dtype),
+                                [Region(packed, (ALL, ALL)), Region(out, (ALL, ALL))])
+
+    def add_input_gradient(self):
+        """``backward_input``: dx [T, N, C] = dGI @ W_ih, from ``backward``'s dgi (a call
+        whose x needs no gradient skips it)."""
+        b, p, layout, acc = self.b, self.p, self.layout, self.acc
+        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        t_len = tirx.Var("T", "int64")
+        sig = []
+        dgi = b.param(sig, "dgi", (t_len, n, g * h), "input", acc)
+        w_ih = b.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
+        dx = b.param(sig, "dx", (t_len, n, c), "output")
+        w_ih_t = b.param(sig, "w_ih_t", tuple(reversed(layout.weight_shape(g, h, c))),
+                         "workspace")
+        zero = b.param(sig, "zero_bias_c", (c,), "workspace")
+        dx_acc = (b.param(sig, "dx_acc", (t_len, n, c), "workspace", acc)
+                  if acc != p.dtype else None)
+        stages = [self.transposed("w_ih", w_ih, w_ih_t, c),
+                  self.elementwise("zero_bias_c", comp.zeros((c,), p.dtype),
+                                   [Region(zero, (ALL,))]),
+                  self.gemm("input_gemm_backward", (t_len, n), g * h, c, acc, [
+                      Region(dgi, (ALL, ALL, ALL)), Region(w_ih_t, (ALL, ALL)),
+                      Region(zero, (ALL,)),
+                      Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))])]
+        if dx_acc is not None:
+            stages.append(self.elementwise("dx_cast", comp.cast_steps(n, c, acc, p.dtype, t_len),
+                                           [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
+        params = [dgi, w_ih, dx, w_ih_t, zero, *([dx_acc] if dx_acc is not None else [])]
+        b.add("backward_input", sequence_function("backward_input", params, stages, None, None,
+                                                  []), sig)
+
     def add(self):
         b, p, layout, acc = self.b, self.p, self.layout, self.acc
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
@@ -77,8 +116,7 @@ class _Backward:
         step = t_len - i64(1) - t  # the loop runs the steps backwards
         sig = []
         x = b.param(sig, "x", (t_len, n, c), "input")
-        w = {which: b.param(sig, f"w_{which}", layout.weight_shape(g, h, k), "input")
-             for which, k in (("ih", c), ("hh", h))}
+        w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, h), "input")
         kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
                 for s in states]
         parts = kept_parts(p.cell)
@@ -87,20 +125,17 @@ class _Backward:
         lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
         dy = b.param(sig, "dy", (t_len, n, h), "input")
         d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
-        dx = b.param(sig, "dx", (t_len, n, c), "output")
         d_initial = [b.param(sig, f"d{s}0", (1, n, h), "output") for s in states]
         dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
               for which, k in (("ih", c), ("hh", h))}
         db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
-        dgi = b.param(sig, "dgi", (t_len, n, gh), "workspace", acc)
+        dgi = b.param(sig, "dgi", (t_len, n, gh), "output", acc)
         dgh = dgi if summed else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc)
         carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
         dh_rec = b.param(sig, "dh_rec", (n, h), "workspace", acc)
-        w_t = {which: b.param(sig, f"w_{which}_t", tuple(reversed(layout.weight_shape(g, h, k))),
-                              "workspace") for which, k in (("ih", c), ("hh", h))}
-        zero = b.param(sig, "zero_bias", (max(c, h),), "workspace")
-        dx_acc = (b.param(sig, "dx_acc", (t_len, n, c), "workspace", acc)
-                  if acc != p.dtype else None)
+        w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(layout.weight_shape(g, h, h))),
+                         "workspace")
+        zero = b.param(sig, "zero_bias", (h,), "workspace")
         active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
                   if lengths is not None else None)
 
@@ -115,14 +150,9 @@ class _Backward:
         views = [(dgi_rows, dgi)] + ([(dgh_rows, dgh)] if not summed else [])
         views += [(x_rows, x), (h_rows, kept[0])]
 
-        prologue = []
-        for which in ("ih", "hh"):
-            shape = layout.weight_shape(g, h, c if which == "ih" else h)
-            prologue.append(self.elementwise(
-                f"transpose_w_{which}", comp.transpose(*shape, p.dtype),
-                [Region(w[which], (ALL, ALL)), Region(w_t[which], (ALL, ALL))]))
-        prologue.append(self.elementwise("zero_bias", comp.zeros((max(c, h),), p.dtype),
-                                         [Region(zero, (ALL,))]))
+        prologue = [self.transposed("w_hh", w_hh, w_hh_t, h),
+                    self.elementwise("zero_bias", comp.zeros((h,), p.dtype),
+                                     [Region(zero, (ALL,))])]
         prologue.append(self.elementwise("zero_dh_rec", comp.zeros((n, h), acc),
                                          [Region(dh_rec, (ALL, ALL))]))
         prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL)) for d in d_final],
@@ -143,22 +173,14 @@ class _Backward:
             + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
             (1 if summed else 2) * g + len(states))
         steps = [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
-            Region(dgh, (step, ALL, ALL)), Region(w_t["hh"], (ALL, ALL)),
-            Region(zero, (slice(0, h),)), Region(dh_rec, (ALL, ALL))])]
+            Region(dgh, (step, ALL, ALL)), Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)),
+            Region(dh_rec, (ALL, ALL))])]
 
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.elementwise(
             "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype),
             [Region(cr, (final, ALL, ALL)) for cr in carry] + [Region(dh_rec, (ALL, ALL))]
             + [Region(d, (0, ALL, ALL)) for d in d_initial], len(states))]
-        epilogue.append(self.gemm("input_gemm_backward", (t_len, n), gh, c, acc, [
-            Region(dgi, (ALL, ALL, ALL)), Region(w_t["ih"], (ALL, ALL)),
-            Region(zero, (slice(0, c),)), Region(dx_acc if dx_acc is not None else dx,
-                                                 (ALL, ALL, ALL))]))
-        if dx_acc is not None:
-            epilogue.append(self.elementwise("dx_cast", comp.cast_steps(n, c, acc, p.dtype,
-                                                                        t_len),
-                                             [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
         m = tirx.Var("M", "int64")
         for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
             epilogue.append(self.reduction(
@@ -170,11 +192,8 @@ class _Backward:
                                            [Region(grads, (ALL, ALL)),
                                             Region(db[which], (ALL,))]))
         given = [lengths] if lengths is not None else []
-        params = [x, w["ih"], w["hh"], *kept, pre, *given, dy,
-                  *d_final, dx, *d_initial, dw["ih"], dw["hh"], db["ih"], db["hh"], dgi,
-                  *([dgh] if not summed else []),
-                  *carry, dh_rec, w_t["ih"], w_t["hh"], zero,
-                  *([dx_acc] if dx_acc is not None else []),
-                  *([active] if active is not None else [])]
+        params = [x, w_hh, *kept, pre, *given, dy, *d_final, *d_initial, dw["ih"], dw["hh"],
+                  db["ih"], db["hh"], dgi, *([dgh] if not summed else []), *carry, dh_rec,
+                  w_hh_t, zero, *([active] if active is not None else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue, views), sig)

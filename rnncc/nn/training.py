@@ -5,8 +5,9 @@ Shapes as in :mod:`.network`: x [T, N, C], states [L*D, N, H], y [T, N, D*H]. Th
 one after another (dropout between them in training mode, as torch's); the reverse direction
 runs its module on each sample's steps reversed (from its own last step), its y reversed back.
 The batch is padded to the bucket the inference path uses (:func:`.network.bucket`). A layer's
-forward keeps only its states of every step (``Module.train_forward``); its backward
-(``Module.backward``) computes the gates again from them.
+forward keeps its states of every step and what the cell's derivative needs of its projections
+(``Module.train_forward``); its backward (``Module.backward``) computes the gates again from
+them.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class _Layer(torch.autograd.Function):
         module = ctx.module
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
                                 _aligned(dy), tuple(_aligned(g) for g in finals_grad),
-                                lengths=ctx.lengths)
+                                lengths=ctx.lengths, input_grad=ctx.needs_input_grad[1])
         biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
-        return (None, grads["x"], None, None, *(grads[f"{s}0"] for s in module.states),
+        return (None, grads.get("x"), None, None, *(grads[f"{s}0"] for s in module.states),
                 grads["weight_ih_l0"], grads["weight_hh_l0"], *biases)
 
 

@@ -377,9 +377,13 @@ class Module:
         faulted is seen before any of it is freed, see :mod:`.faults`)."""
         sig = self._signature(function)
         shapes = {p["name"]: p["shape"] for p in sig}
-        x_t = to_tensor("x", x, [None if d == "T" else d for d in shapes["x"]], self.dtype,
-                        family)
-        steps = int(x_t.shape[0])
+        if "x" in shapes:
+            x_t = to_tensor("x", x, [None if d == "T" else d for d in shapes["x"]], self.dtype,
+                            family)
+            steps = int(x_t.shape[0])
+        else:  # T from the first input that has it
+            steps = next(int(given[p["name"]].shape[0]) for p in sig
+                         if p["kind"] == "input" and p["shape"][:1] == ["T"])
         if steps < 1:
             raise InputError("x has 0 time steps; it needs at least 1")
         if function.startswith("persistent"):
@@ -448,15 +452,15 @@ class Module:
             kept = {k: v for k, v in results.items() if k in self._kept_names()}
         return y, finals, kept
 
-    def backward(self, x, weights, kept: dict, dy=None, finals_grad=None, lengths=None
-                 ) -> dict:
+    def backward(self, x, weights, kept: dict, dy=None, finals_grad=None, lengths=None,
+                 input_grad: bool = True) -> dict:
         """The gradients of a training step (a module compiled with ``training=True``):
         ``x``, ``weights`` and ``lengths`` as given to :meth:`train_forward`, ``kept`` what
         it returned, ``dy`` [T, N, H] the gradient of y, ``finals_grad`` those of the final
         states (one tensor, or a tuple in the cell's state order; None or a None item: zero).
-        Returns a dict: ``x`` [T, N, C], ``<s>0`` [1, N, H] each, and the weights' by torch's
-        names (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``,
-        ``bias_hh_l0`` [G*H])."""
+        Returns a dict: ``x`` [T, N, C] (unless ``input_grad`` is False: then it is not
+        computed), ``<s>0`` [1, N, H] each, and the weights' by torch's names (``weight_ih_l0``
+        [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H])."""
         self._check_training()
         family = family_of(x, self.device_kind)
         if finals_grad is None or not isinstance(finals_grad, (tuple, list)):
@@ -472,6 +476,10 @@ class Module:
         with faults.guard(family, f"a training step of {self._key}"):
             packed = self._packed_for(family, weights, "sequence")
             results = self._invoke(family, "backward", x, packed, given, lengths)
+            dgi = results.pop("dgi")  # the projections' gradients, for dx
+            if input_grad:
+                results.update(self._invoke(family, "backward_input", None, packed,
+                                            {"dgi": dgi}, None))
         names = {"dx": "x", "dweight_ih": "weight_ih_l0", "dweight_hh": "weight_hh_l0",
                  "dbias_ih": "bias_ih_l0", "dbias_hh": "bias_hh_l0",
                  **{f"d{s}0": f"{s}0" for s in self.states}}
