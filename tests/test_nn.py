@@ -210,6 +210,17 @@ def test_outputs_require_grad_where_a_parameter_does():
         assert not net(torch.randn(2, 1, 3))[0].requires_grad
 
 
+def test_the_module_cache_keys_on_rnncc_source(monkeypatch):
+    """Modules compiled by other code of the same version (a changed working tree) are not
+    reused: the key holds a hash of rnncc's source."""
+    from rnncc.compiler import cache
+
+    before = cache._key("lstm", {"hidden_size": 3})
+    assert len(cache._code_identity()) == 64
+    monkeypatch.setattr(cache, "_code_identity", lambda: "other source")
+    assert cache._key("lstm", {"hidden_size": 3}) != before
+
+
 def test_compiled_modules_are_kept_on_disk(monkeypatch):
     """A second process (here: the in-process memory of modules cleared, and compiling made
     to fail) loads the modules from the disk cache."""

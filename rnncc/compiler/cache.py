@@ -2,7 +2,8 @@
 
 A module is keyed by everything that changes its code: the cell (a built-in cell by name, a
 cell file by its contents), the sizes, dtype, lengths, target and architecture, the GPU it
-is compiled on (its tuning logs apply), the compile options, and the rnncc and TVM versions.
+is compiled on (its tuning logs apply), the compile options, rnncc's version and source (its
+Python files and its schedules', hashed once a process) and TVM's version.
 The cache lives in ``$RNNCC_CACHE_DIR`` (default ``~/.cache/rnncc/modules``); files are
 written whole and then renamed into place, so concurrent processes see a module or none, and
 a file that does not load (damaged, or from another TVM build) is compiled again. A build
@@ -14,6 +15,7 @@ once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -55,11 +57,30 @@ def _cell_identity(cell) -> str | None:
     return f"{cell.name}:{cell.gates}:{cell.states}:{hashlib.sha256(code.encode()).hexdigest()}"
 
 
+@functools.cache
+def _code_identity() -> str:
+    """A hash of the source of rnncc and its schedules (the code that makes a module), so that
+    a module compiled by other code of the same version (a working tree) is not reused."""
+    from .. import schedules
+
+    digest = hashlib.sha256()
+    for root in (os.path.dirname(os.path.dirname(__file__)),
+                 os.path.dirname(schedules.__file__)):
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
 def _key(cell_id: str, config: dict) -> str:
     import tvm
 
     text = json.dumps({"cell": cell_id, **config, "rnncc": __version__,
-                       "tvm": tvm.__version__}, sort_keys=True)
+                       "code": _code_identity(), "tvm": tvm.__version__}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
