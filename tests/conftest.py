@@ -37,6 +37,21 @@ def random_weights(rng, gates, input_size, hidden_size, dtype="float64"):
     }
 
 
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """Compiled modules kept in a folder of this test module (rnncc.nn's disk cache), not in
+    the user's: ``pytestmark = pytest.mark.usefixtures("module_cache")``."""
+    import os
+
+    old = os.environ.get("RNNCC_CACHE_DIR")
+    os.environ["RNNCC_CACHE_DIR"] = str(tmp_path_factory.mktemp("modules"))
+    yield
+    if old is None:
+        del os.environ["RNNCC_CACHE_DIR"]
+    else:
+        os.environ["RNNCC_CACHE_DIR"] = old
+
+
 def has_nvcc():
     import shutil
 

@@ -16,18 +16,7 @@ from rnncc.errors import ConfigError, InputError  # noqa: E402
 pack = torch.nn.utils.rnn.pack_padded_sequence
 DATA = os.path.join(os.path.dirname(__file__), "data")
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def module_cache(tmp_path_factory):
-    """Compiled modules kept in a folder of this test session."""
-    old = os.environ.get("RNNCC_CACHE_DIR")
-    os.environ["RNNCC_CACHE_DIR"] = str(tmp_path_factory.mktemp("modules"))
-    yield
-    if old is None:
-        del os.environ["RNNCC_CACHE_DIR"]
-    else:
-        os.environ["RNNCC_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def _torch_and_ours(kind, *args, **kwargs):

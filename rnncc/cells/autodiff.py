@@ -124,11 +124,6 @@ def summed_gates(graph: Graph) -> list[bool]:
     return found
 
 
-def summed_projections(graph: Graph) -> bool:
-    """Whether every gate's projections are used only as their sum (LSTM, Elman RNNs)."""
-    return all(summed_gates(graph))
-
-
 class Backend:
     """How a graph's values are computed: ``const(c, like)``, ``unary(name, x)`` and
     ``positive(x, a)`` (``a`` where x > 0, else zero); arithmetic is Python's operators."""

@@ -291,11 +291,14 @@ def reverse_steps(batch: int, width: int, dtype: str, t_len, lengths: bool) -> t
     return te.create_prim_func([a, *([given] if lengths else []), out])
 
 
-def copy_steps(batch: int, width: int, dtype: str, t_len) -> tirx.PrimFunc:
-    """``out[t, n, f] = a[t, n, f]``, a and out [T, N, F] (F = ``width``): a layer's outputs out
-    of the wavefront's stacked ones."""
+def copy_steps(batch: int, width: int, dtype: str, t_len,
+               out_dtype: str | None = None) -> tirx.PrimFunc:
+    """``out[t, n, f] = a[t, n, f]`` (cast to ``out_dtype``, default ``dtype``), a and out
+    [T, N, F] (F = ``width``): a layer's outputs out of the wavefront's stacked ones, dx out of
+    its accumulation-dtype workspace."""
     a = te.placeholder((t_len, i64(batch), i64(width)), dtype, "a")
-    out = te.compute((t_len, i64(batch), i64(width)), lambda t, n, f: a[t, n, f], name="copied")
+    out = te.compute((t_len, i64(batch), i64(width)),
+                     lambda t, n, f: _cast(a[t, n, f], out_dtype or dtype), name="copied")
     return te.create_prim_func([a, out])
 
 
@@ -313,13 +316,6 @@ def _pick(ins, e, width):
         value = tvm.tirx.if_then_else(e < (i + 1) * width, ins[i][tvm.tirx.min(
             tvm.tirx.max(e - i * width, i64(0)), i64(width - 1))], value)
     return value
-
-
-def zero_counter(count: int = 1) -> tirx.PrimFunc:
-    """``count`` uint32 counters set to 0 (the persistent kernel's barrier, one a batch
-    group)."""
-    out = te.compute((i64(count),), lambda i: tirx.const(0, "uint32"), name="zero")
-    return te.create_prim_func([out])
 
 
 def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
@@ -473,8 +469,9 @@ def transpose(rows: int, cols: int, dtype: str) -> tirx.PrimFunc:
 
 
 def zeros(shape: tuple, dtype: str) -> tirx.PrimFunc:
-    """Zeros of ``dtype`` in ``shape`` (a bias of zeros for the products that have none, a
-    gradient before the first step adds to it)."""
+    """Zeros of ``dtype`` in ``shape``: the persistent kernel's uint32 counters (a barrier's, one
+    a batch group; a wavefront's progress), a bias of zeros for the products that have none, a
+    gradient before the first step adds to it."""
     out = te.compute(tuple(i64(d) for d in shape), lambda *i: tirx.const(0, dtype),
                      name="zeros")
     return te.create_prim_func([out])
@@ -506,10 +503,3 @@ def column_sum(rows, outputs: int, dtype: str) -> tirx.PrimFunc:
     total = te.compute((i64(outputs),), lambda o: te.sum(g[r, o], axis=r), name="column_sum")
     out = te.compute(total.shape, lambda o: _cast(total[o], dtype), name="column_sum_out")
     return te.create_prim_func([g, out])
-
-
-def cast_steps(batch: int, width: int, dtype: str, out_dtype: str, t_len) -> tirx.PrimFunc:
-    """``out[t, n, f] = a[t, n, f]`` cast to ``out_dtype``, a and out [T, N, F]."""
-    a = te.placeholder((t_len, i64(batch), i64(width)), dtype, "a")
-    out = te.compute(a.shape, lambda t, n, f: _cast(a[t, n, f], out_dtype), name="cast")
-    return te.create_prim_func([a, out])

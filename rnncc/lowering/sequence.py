@@ -254,11 +254,11 @@ class _Builder:
         hp = self.param(sig, "hp", per_direction((g, n, h) if per_gate else (n, g * h)),
                         "workspace", acc)
         pre = None
+        kept_parts = training.kept_parts(p.cell) if history else ()
         if history:
             sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
                   for s in p.cell.states]
-            parts = training.kept_parts(p.cell)
-            pre = self.param(sig, "pre", (t_len, n, len(parts) * h), "output", acc)
+            pre = self.param(sig, "pre", (t_len, n, len(kept_parts) * h), "output", acc)
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
                   for s in p.cell.states]
@@ -305,13 +305,13 @@ class _Builder:
                 "recurrent_gemm", Region(sw[0], at(d, (slot, ALL, ALL))), (n,), h, w_hh, b_hh,
                 lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))), Region(hp, at(d, (ALL, ALL))),
                 d), suffix)
-            parts = training.kept_parts(p.cell) if history else ()
             step_func = self.scheduled(
                 "cell_step_kept" if history else "cell_step",
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
-                               masked=bool(active), kept=parts),
+                               masked=bool(active), kept=kept_parts),
                 "elementwise")
-            kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h))) for i in range(len(parts))]
+            kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
+                    for i in range(len(kept_parts))]
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, h)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
             steps.append(Stage(
@@ -385,7 +385,8 @@ class _Builder:
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
-            zero = self.scheduled("zero_counter", comp.zero_counter(counters), "elementwise")
+            zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
+                                  "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
         prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
                                      [Region(s, (0, of(d), ALL)) for s in sw],
@@ -413,8 +414,8 @@ class _Builder:
             stacked = self.param(sig, "y_layers", (t_len, n, layers * h), "workspace")
             progress = self.param(sig, "progress", (layers * plan.batch_groups,), "workspace",
                                   "uint32")
-            zero = self.scheduled("zero_progress", comp.zero_counter(
-                layers * plan.batch_groups), "elementwise")
+            zero = self.scheduled("zero_progress", comp.zeros((layers * plan.batch_groups,),
+                                                              "uint32"), "elementwise")
             prologue.append(Stage("zero_progress", zero, [Region(progress, (ALL,))], 1))
             more = [progress]
         outputs = [Region(stacked, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]

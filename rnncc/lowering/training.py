@@ -102,7 +102,7 @@ class _Backward:
                       Region(zero, (ALL,)),
                       Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))])]
         if dx_acc is not None:
-            stages.append(self.elementwise("dx_cast", comp.cast_steps(n, c, acc, p.dtype, t_len),
+            stages.append(self.elementwise("dx_cast", comp.copy_steps(n, c, acc, t_len, p.dtype),
                                            [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
         params = [dgi, w_ih, dx, w_ih_t, zero, *([dx_acc] if dx_acc is not None else [])]
         b.add("backward_input", sequence_function("backward_input", params, stages, None, None,
