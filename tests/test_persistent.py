@@ -103,7 +103,7 @@ def _fake_builds(monkeypatch, spills):
 
     built = []
 
-    def build(problem, opts, tspec, plan, why, notes, applied):
+    def build(problem, opts, tspec, plan, why, notes, applied, backward=None):
         built.append(plan)
         return SimpleNamespace(plan=plan, why=why, notes=list(notes))
 

@@ -16,7 +16,10 @@ import rnncc
 from conftest import random_weights
 from helpers import TOL
 from rnncc import reference
+from rnncc.cells import autodiff
 from rnncc.lowering import components as comp
+from rnncc.lowering.training import kept_parts
+from rnncc.schedules.persistent import backward as backward_kernel
 from rnncc.schedules.persistent import buffers, fuse_input, gpu_for_arch, overlap_input, planner
 from rnncc.schedules.persistent.kernel import kernel
 from rnncc.schedules.persistent.spec import KernelSpec
@@ -35,12 +38,14 @@ from tir_sim import Deadlock, Simulator
 H100 = gpu_for_arch("sm_90")
 
 
-def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, **fields):
-    """A plan of ``units`` a block and ``warps`` a block whose chunks of K are ``split`` (in
-    registers, shared memory, global memory; default all in registers): the interpreter
-    holds any split, whatever a GPU's registers and shared memory would."""
+def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, width=None,
+            **fields):
+    """A plan of ``units`` a block and ``warps`` a block whose chunks of K (``width``,
+    default H) are ``split`` (in registers, shared memory, global memory; default all in
+    registers): the interpreter holds any split, whatever a GPU's registers and shared memory
+    would."""
     vec = 16 // planner.ELEMENT_BYTES[dtype]
-    chunks = -(-hidden // (32 * vec))
+    chunks = -(-(width or hidden) // (32 * vec))
     kr, ks, kg = split or (chunks, 0, 0)
     assert kr + ks + kg == chunks
     return planner.Plan(
@@ -585,3 +590,118 @@ def test_input_projection_stage(name, steps, rng):
     run_stage(spec, body, args)
     expect = args["x"].astype(np.float64) @ w_ih.T.astype(np.float64) + args["b_ih"]
     np.testing.assert_allclose(args["xp"], expect, rtol=1e-5, atol=1e-5)
+
+
+# -- the backward kernel ----------------------------------------------------------------------
+
+def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths):
+    """dGI, dGH [T, N, G*H] and the initial states' gradients, in float64: the steps backwards,
+    the cell's derivative (autodiff, NumPy) from the kept parts ``pre`` and the previous
+    states, dh through the recurrence dGH_t W_hh."""
+    graph, backend = autodiff.trace(cell), autodiff.NumPy()
+    steps, n, h = dy.shape
+    g = cell.gates
+    carry = [d[0] for d in d_final]
+    rec = np.zeros((n, h))
+    dgi, dgh = np.zeros((steps, n, g * h)), np.zeros((steps, n, g * h))
+    for t in reversed(range(steps)):
+        proj, prev = autodiff.kept_vjp(
+            graph, kept, lambda i, t=t: pre[t][:, i * h:(i + 1) * h], [s[t] for s in states],
+            [dy[t] + rec + carry[0]] + carry[1:], backend)
+        live = (t < np.asarray(lengths))[:, None] if lengths is not None else np.True_
+        proj = [np.where(live, v, 0.0) for v in proj]
+        carry = [np.where(live, v, p) for v, p in zip(prev, [rec + carry[0]] + carry[1:])]
+        dgi[t] = np.concatenate(proj[:g], axis=1)
+        dgh[t] = np.concatenate(proj[g:] or proj[:g], axis=1)
+        rec = dgh[t] @ w_hh
+    return dgi, dgh, [carry[0] + rec] + carry[1:]
+
+
+def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5), lengths=False):
+    """The backward kernel of plan ``p`` on the interpreter against
+    :func:`backward_reference`, on random kept values, dy and final gradients."""
+    cell = rnncc.cells.get(cell_name)
+    g, h, n, kept = cell.gates, hidden, batch, kept_parts(cell)
+    summed = all(which == "sum" for _, which in kept)
+    shape = (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec)
+    w_hh = (rng.standard_normal((g * h, h)) / np.sqrt(h)).astype(dtype)
+    w = _llvm(comp.pack_persistent(g, h, p, dtype, transposed=True), w_hh,
+              np.zeros(shape, dtype))[1]
+    for t_len in steps:
+        pre = rng.standard_normal((t_len, n, len(kept) * h)).astype(np.float32)
+        states = [rng.standard_normal((t_len + 1, n, h)).astype(np.float32) for _ in cell.states]
+        dy = rng.standard_normal((t_len, n, h)).astype(dtype)
+        d_final = [rng.standard_normal((1, n, h)).astype(dtype) for _ in cell.states]
+        ln = None
+        if lengths:
+            ln = rng.integers(1, t_len + 1, n)
+            ln[0], ln[-1] = 1, t_len
+        args = {"w": w, "pre": pre, "dy": dy, "xch": np.zeros((2, n, g * h), np.float32),
+                "dgi": np.full((t_len, n, g * h), np.nan, np.float32)}
+        args["xch"][1] = np.nan
+        if not summed:
+            args["dgh"] = np.full((t_len, n, g * h), np.nan, np.float32)
+        for k in range(len(cell.states)):
+            args[f"s{k}_steps"] = states[k]
+            args[f"d{k}_n"] = d_final[k]
+            args[f"d{k}_0"] = np.full((1, n, h), np.nan, dtype)
+        if p.sync == "tagged":
+            args["hw"] = _llvm(comp.init_tagged(n, g * h, "float32", EMPTY_TAG),
+                               np.zeros((n, g * h), np.float32),
+                               np.zeros((2, n, g * h), np.uint64))[1]
+        else:
+            args["cnt"] = np.zeros(p.batch_groups, np.uint32)
+        if ln is not None:
+            args["lengths"] = ln.astype(np.int32)
+        func = backward_kernel.kernel(autodiff.trace(cell), kept, h, n, p, dtype, ln is not None)
+        Simulator(func, args).run()
+        f64 = [a.astype(np.float64) for a in states]
+        dgi, dgh, d0 = backward_reference(cell, kept, pre.astype(np.float64), f64,
+                                          w_hh.astype(np.float64), dy.astype(np.float64),
+                                          [d.astype(np.float64) for d in d_final], ln)
+        errors = [reference.relative_error(args["dgi"], dgi)]
+        errors += [] if summed else [reference.relative_error(args["dgh"], dgh)]
+        errors += [reference.relative_error(args[f"d{k}_0"], d0[k])
+                   for k in range(len(cell.states))]
+        assert max(errors) < TOL[dtype], f"T={t_len}: relative errors {errors}"
+
+
+BACKWARD_KERNELS = {
+    "tagged, planned": lambda: ("lstm", 33, 3, "float32", planner.backward(
+        4, 33, 3, "float32", H100, 2, batch_groups=1)),
+    "barrier, K in registers and shared memory": lambda: (
+        "gru", 50, 2, "float32", crafted(1, 50, 2, "float32", 8, 2, (1, 1, 0), width=150,
+                                         sync="barrier")),
+    "shared-memory chunks unrolled, grid": lambda: (
+        "rnn_tanh", 150, 1, "float32", crafted(1, 150, 1, "float32", 40, 4, (0, 2, 0),
+                                               width=150, sync="grid", unroll=2)),
+    "batch groups": lambda: ("lstm", 24, 4, "float32", crafted(
+        1, 24, 4, "float32", 5, 2, groups=2, width=96, sync="barrier")),
+    "float16": lambda: ("gru", 30, 2, "float16", crafted(1, 30, 2, "float16", 7, 2, width=90,
+                                                         sync="barrier")),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARD_KERNELS))
+def test_backward_kernel_matches_reference(name, rng):
+    """Every variant of a backward plan, on the interpreter: dGI (dGH) of every step and the
+    initial states' gradients within the dtype's tolerance of float64 at T = 1 and 5."""
+    cell, hidden, batch, dtype, p = BACKWARD_KERNELS[name]()
+    check_backward_kernel(cell, p, hidden, batch, dtype, rng)
+
+
+@pytest.mark.parametrize("name", ["tagged, planned", "barrier, K in registers and shared memory",
+                                  "batch groups"])
+def test_backward_kernel_with_lengths_matches_reference(name, rng):
+    """Past its sample's length a pair's projections get no gradient and its states' pass
+    through (lengths 1 to T)."""
+    cell, hidden, batch, dtype, p = BACKWARD_KERNELS[name]()
+    check_backward_kernel(cell, p, hidden, batch, dtype, rng, lengths=True)
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_backward_kernel_of_every_cell_matches_reference(cell, rng):
+    """Each registered cell's derivative through the planner's backward plan."""
+    c = rnncc.cells.get(cell)
+    p = planner.backward(c.gates, 17, 3, "float32", H100, len(c.states), len(kept_parts(c)))
+    check_backward_kernel(cell, p, 17, 3, "float32", rng, steps=(4,))

@@ -245,3 +245,27 @@ def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend) -> li
             add(args[0], backend.positive(out, a))
     like = values[0]
     return [adjoint.get(id(node), backend.const(0.0, like)) for node in graph.inputs]
+
+
+def kept_vjp(graph: Graph, kept: Sequence, part, states: Sequence, seeds: Sequence,
+             backend: Backend) -> tuple[list, list]:
+    """The step's VJP from what a training forward kept of its projections: ``kept`` its parts
+    in order, ``(g, "sum")`` (gi[g] + gh[g], for a gate used only as that sum) or ``(g, "gi")``
+    and ``(g, "gh")``; ``part(i)`` the value of part i; ``states`` the previous states' values,
+    ``seeds`` the new states' gradients. Returns (the projections' gradients: G of gi, then,
+    where some gate is kept apart, G of gh; where none is, gi's equal gh's; the previous
+    states' gradients)."""
+    g_count = graph.cell.gates
+    slot = {p: i for i, p in enumerate(kept)}
+    if sorted(g for g, which in kept if which != "gh") != list(range(g_count)):
+        raise CellError(f"cell {graph.cell.name!r}: kept parts {tuple(kept)} do not cover its "
+                        f"{g_count} gates")
+    zero = backend.const(0.0, part(0))
+    # a gate kept as a sum stands in for gi, with gh zero
+    values = ([part(slot[(g, "gi")] if (g, "gi") in slot else slot[(g, "sum")])
+               for g in range(g_count)]
+              + [part(slot[(g, "gh")]) if (g, "gh") in slot else zero for g in range(g_count)]
+              + list(states))
+    grads = vjp(graph, values, seeds, backend)
+    both = any(which == "gh" for _, which in kept)
+    return grads[:2 * g_count if both else g_count], grads[2 * g_count:]

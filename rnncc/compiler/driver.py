@@ -86,6 +86,22 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         return None, str(err)
 
 
+def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin):
+    """(plan or None, why not) for the persistent backward kernel of a training module."""
+    from ..lowering.training import kept_parts
+    from ..schedules import persistent
+
+    if tspec.kind != "cuda" or opts.persistent == "off":
+        return None, "the persistent backward kernel is CUDA only, and not with persistent=off"
+    gpu = persistent.gpu_for_arch(tspec.arch, sms)
+    try:
+        return persistent.planner.backward(
+            problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
+            len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin), None
+    except persistent.Unfit as err:
+        return None, str(err)
+
+
 def _wavefront_only(problem: Problem, why: str) -> str:
     return (f"{problem.describe()} runs only as the persistent wavefront kernel, and {why}; "
             "run its layers as modules of one layer each (rnncc.nn does so where the wavefront "
@@ -139,17 +155,26 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                        sms, knobs)
     knobs = {**applied.knobs, **knobs}
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
-    for _ in range(12):
+    back_margin = REG_MARGIN
+    backward = _backward_plan(problem, opts, tspec, sms, back_margin) if training else None
+    for _ in range(16):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)
         chunks = None if plan is None else dataclasses.replace(plan, reg_margin=0)
         if chunks in spilled:
             margin += 24  # a larger margin that plans the same chunks: not built again
             continue
-        module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied)
-        if plan is None:
-            return module
-        spills = _persistent_spills(module)
-        if not spills:
+        module = _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward)
+        spills = _persistent_spills(module) if tspec.kind == "cuda" else []
+        if any("backward" in k for k in spills):  # the backward kernel's plan, margin by margin
+            notes.append(f"persistent backward plan with {backward[0].reg_estimate} estimated "
+                         f"registers spilled")
+            back_margin += 24
+            backward = _backward_plan(problem, opts, tspec, sms, back_margin)
+            if back_margin > REG_MARGIN + 3 * 24 and backward[0] is not None:
+                backward = (None, "the persistent backward kernel spilled registers with every "
+                                  "plan tried")
+            continue
+        if plan is None or not spills:
             return module
         if layers == 1 and plan.input_steps and not knobs.get("input_steps"):  # before the loop
             notes.append(f"persistent plan with its input projection overlapped ("
@@ -178,7 +203,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                                       f"that fits (reg_margin {plan.reg_margin})"))
     if opts.persistent == "on":
         raise Spilled(why)
-    return _build(problem, opts, tspec, None, why, notes, applied)
+    return _build(problem, opts, tspec, None, why, notes, applied, backward)
 
 
 def _fitting(applied, problem, opts, tspec, sms, knobs):
@@ -207,7 +232,11 @@ def _persistent_spills(module) -> list[str]:
                   if ptxas.get(k, {}).get("spill_stores") or ptxas.get(k, {}).get("stack"))
 
 
-def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
+def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=None
+           ) -> Module:
+    """The module of ``plan`` (the persistent kernel's, or None: ``gpu_or_reason`` says why)
+    and, in a training module, ``backward``: (the persistent backward kernel's plan, or None
+    and why not)."""
     import tvm
 
     from ..lowering import sequence
@@ -216,7 +245,8 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
 
     tvm_target = tspec.tvm_target()
     try:
-        lowered = sequence.build(problem, opts, tvm_target, plan, applied.database)
+        lowered = sequence.build(problem, opts, tvm_target, plan, applied.database,
+                                 backward[0] if backward else None)
     except RnnccError:
         raise
     except Exception as err:
@@ -267,6 +297,8 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied) -> Module:
             "rules": lowered.rules,
             "notes": lowered.notes + notes,
             "persistent": persistent_info,
+            **({"persistent_backward": {"plan": backward[0].as_dict()} if backward[0]
+                else {"reason": backward[1]}} if backward else {}),
         },
         "tuning": applied.info,
         "functions": lowered.signatures,

@@ -318,25 +318,36 @@ def _pick(ins, e, width):
     return value
 
 
-def pack_persistent(gates: int, hidden: int, plan, dtype: str) -> tirx.PrimFunc:
+def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool = False
+                    ) -> tirx.PrimFunc:
     """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC] (B: the
     blocks of one batch group, which all groups share): block b,
     warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
     r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside).
     A plan on tensor cores (``plan.mma``, RW = 8) keeps the shape and holds the mma's B
     fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 16 k-steps) and
-    c = e % 4, row r = w*RW + l // 4 and k = i*256 + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2)."""
+    c = e % 4, row r = w*RW + l // 4 and k = i*256 + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2).
+    ``transposed``: W_hh^T [H, G*H] for the backward kernel, one row a unit (j = b*U + r,
+    k < G*H), from the same W_hh."""
     w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
     shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.chunks, rw, 32, vec))
+    if transposed:
+        def at(row, k):
+            return w[k, row]
+        rows, depth = 1, gates * hidden
+    else:
+        def at(row, k):
+            return w[row, k]
+        rows, depth = gates, hidden
 
     def value(b, wp, i, q, lane, v):
         if plan.mma:
             e = q * vec + v
             c = e % 4
             k = i * (32 * vec) + e // 4 * 16 + lane % 4 * 2 + c % 2 + c // 2 * 8
-            return _block_row(w, gates, hidden, hidden, u, b, wp * rw + lane // 4, k, dtype)
-        return _block_row(w, gates, hidden, hidden, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
+            return _block_row(at, rows, hidden, depth, u, b, wp * rw + lane // 4, k, dtype)
+        return _block_row(at, rows, hidden, depth, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
                           dtype)
 
     return te.create_prim_func([w, te.compute(shape, value, name="pack")])
@@ -352,19 +363,20 @@ def pack_fused_input(gates: int, hidden: int, depth: int, shape: tuple, plan,
     _, _, rl, _, vec = shape
 
     def value(b, c, q, rg, v):
-        return _block_row(w, gates, hidden, depth, plan.units, b, rg * rl + q, c * vec + v,
-                          dtype)
+        return _block_row(lambda row, k: w[row, k], gates, hidden, depth, plan.units, b,
+                          rg * rl + q, c * vec + v, dtype)
 
     return te.create_prim_func([w, te.compute(tuple(i64(d) for d in shape), value,
                                               name="pack")])
 
 
-def _block_row(w, gates, hidden, depth, units, b, r, k, dtype):
-    """W[g*H + j, k] for row r of block b (g = r // U, j = b*U + r % U), zero outside."""
+def _block_row(at, gates, hidden, depth, units, b, r, k, dtype):
+    """W[g*H + j, k] (``at(g*H + j, k)``) for row r of block b (g = r // U, j = b*U + r % U),
+    zero outside."""
     j = b * units + r % units
     valid = tvm.tirx.all(r < gates * units, j < hidden, k < depth)
     row = (r // units) * hidden + tvm.tirx.min(j, hidden - 1)
-    return tvm.tirx.if_then_else(valid, w[row, tvm.tirx.min(k, depth - 1)],
+    return tvm.tirx.if_then_else(valid, at(row, tvm.tirx.min(k, depth - 1)),
                                  tirx.const(0, dtype))
 
 
@@ -404,13 +416,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     from ..cells import autodiff
 
     acc = accum_dtype(dtype)
-    g_count = cell.gates
     shape = (i64(batch), i64(hidden))
-    slot = {part: i for i, part in enumerate(kept)}
-    both = any(part == "gh" for _, part in kept)
-    if sorted(g for g, part in kept if part != "gh") != list(range(g_count)):
-        raise CellError(f"cell {cell.name!r}: kept parts {kept} do not cover its {g_count} "
-                        "gates")
     pre = te.placeholder((i64(batch), i64(len(kept) * hidden)), acc, "pre")
     states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
     dy = te.placeholder(shape, dtype, "dy")
@@ -420,26 +426,17 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     graph = autodiff.trace(cell)
     backend = autodiff.PrimExprs(acc)
 
-    def part(n, j, g, which):
-        i = slot.get((g, which))
-        return tirx.const(0, acc) if i is None else pre[n, i * hidden + j]
-
     def body(n, j):
         d_h = _cast(dy[n, j], acc) + dh_rec[n, j] + carry[0][n, j]
-        seeds = [d_h] + [c[n, j] for c in carry[1:]]
-        # a gate kept as a sum stands in for gi, with gh zero
-        values = ([part(n, j, g, "gi") if (g, "gi") in slot else part(n, j, g, "sum")
-                   for g in range(g_count)]
-                  + [part(n, j, g, "gh") for g in range(g_count)] + [s[n, j] for s in states])
-        grads = autodiff.vjp(graph, values, seeds, backend)
-        projections = grads[:2 * g_count if both else g_count]
+        projections, previous = autodiff.kept_vjp(
+            graph, kept, lambda i: pre[n, i * hidden + j], [s[n, j] for s in states],
+            [d_h] + [c[n, j] for c in carry[1:]], backend)
         if active is None:
-            return projections + grads[2 * g_count:]
+            return projections + previous
         live, zero = active[n] != 0, tirx.const(0, acc)
         passed = [dh_rec[n, j] + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
         return ([tvm.tirx.if_then_else(live, v, zero) for v in projections]
-                + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(grads[2 * g_count:],
-                                                                    passed)])
+                + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)])
 
     outs = te.compute(shape, body, name="cell_backward")
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]

@@ -457,16 +457,17 @@ def _named(stages: list, suffix: str) -> list:
 
 
 def build(problem: Problem, options: Options, target, persistent_plan=None,
-          database=None) -> Lowered:
+          database=None, backward_plan=None) -> Lowered:
     """The layer's IRModule: always the non-persistent entry, plus the persistent one when a
     plan is given (CUDA only; its input GEMM always runs over all steps at once), plus the
-    training entries where the problem asks for them. ``database``: a MetaSchedule database
-    whose records schedule the components they match."""
+    training entries where the problem asks for them (with ``persistent_backward`` where
+    ``backward_plan`` is given). ``database``: a MetaSchedule database whose records schedule
+    the components they match."""
     builder = _Builder(problem, options, target, database)
     if problem.layers == 1:  # a wavefront of layers runs only as the persistent kernel
         builder.sequence_entry()
     if problem.training:
-        training.build(builder)
+        training.build(builder, backward_plan)
     if persistent_plan is not None:
         builder.persistent_entry(persistent_plan)
     return builder.lowered

@@ -23,9 +23,15 @@ products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the bias
 gradients, the sums of dGI and dGH over the rows; and, in ``backward_input`` where x needs a
 gradient, dx = dGI @ W_ih. The gates themselves are computed again from the kept states and
 sums, as the backward pass reads them.
+
+persistent_backward(the same parameters as ``backward``, its own workspaces), on CUDA where
+the backward plan fits: the loop is one persistent kernel (W_hh^T resident on-chip,
+:mod:`rnncc.schedules.persistent.backward`), which also writes d<s>0.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from tvm import tirx
 
@@ -48,12 +54,16 @@ def kept_parts(cell) -> tuple:
     return tuple(parts)
 
 
-def build(builder) -> None:
-    """Add ``train_forward`` and ``backward`` to ``builder``'s module (a
-    :class:`rnncc.lowering.sequence._Builder` of one direction and one layer)."""
+def build(builder, backward_plan=None) -> None:
+    """Add ``train_forward``, ``backward`` and ``backward_input`` to ``builder``'s module (a
+    :class:`rnncc.lowering.sequence._Builder` of one direction and one layer), and
+    ``persistent_backward`` where a plan of the backward kernel is given
+    (:func:`rnncc.schedules.persistent.planner.backward`)."""
     builder.sequence_entry("train_forward", history=True)
     backward = _Backward(builder)
     backward.add()
+    if backward_plan is not None:
+        backward.add_persistent(backward_plan)
     backward.add_input_gradient()
 
 
@@ -108,92 +118,161 @@ class _Backward:
         b.add("backward_input", sequence_function("backward_input", params, stages, None, None,
                                                   []), sig)
 
-    def add(self):
+    def _io(self, sig):
+        """The backward entries' parameters, as both take them (inputs, then outputs)."""
         b, p, layout, acc = self.b, self.p, self.layout, self.acc
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         gh, states = g * h, p.cell.states
-        t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
-        step = t_len - i64(1) - t  # the loop runs the steps backwards
-        sig = []
-        x = b.param(sig, "x", (t_len, n, c), "input")
-        w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, h), "input")
-        kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
-                for s in states]
-        parts = kept_parts(p.cell)
-        summed = all(part == "sum" for _, part in parts)  # one gradient for gi and gh
-        pre = b.param(sig, "pre", (t_len, n, len(parts) * h), "input", acc)
-        lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
-        dy = b.param(sig, "dy", (t_len, n, h), "input")
-        d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
-        d_initial = [b.param(sig, f"d{s}0", (1, n, h), "output") for s in states]
-        dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
-              for which, k in (("ih", c), ("hh", h))}
-        db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
-        dgi = b.param(sig, "dgi", (t_len, n, gh), "output", acc)
-        dgh = dgi if summed else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc)
-        carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
-        dh_rec = b.param(sig, "dh_rec", (n, h), "workspace", acc)
-        w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(layout.weight_shape(g, h, h))),
-                         "workspace")
-        zero = b.param(sig, "zero_bias", (h,), "workspace")
-        active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
-                  if lengths is not None else None)
+        t_len = tirx.Var("T", "int64")
+        io = SimpleNamespace(t_len=t_len, parts=kept_parts(p.cell))
+        io.summed = all(part == "sum" for _, part in io.parts)  # one gradient for gi and gh
+        io.x = b.param(sig, "x", (t_len, n, c), "input")
+        io.w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, h), "input")
+        io.kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
+                   for s in states]
+        io.pre = b.param(sig, "pre", (t_len, n, len(io.parts) * h), "input", acc)
+        io.lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
+        io.dy = b.param(sig, "dy", (t_len, n, h), "input")
+        io.d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
+        io.d_initial = [b.param(sig, f"d{s}0", (1, n, h), "output") for s in states]
+        io.dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
+                 for which, k in (("ih", c), ("hh", h))}
+        io.db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
+        io.dgi = b.param(sig, "dgi", (t_len, n, gh), "output", acc)
+        io.dgh = (io.dgi if io.summed
+                  else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc))
+        io.given = [io.lengths] if io.lengths is not None else []
+        io.params = [io.x, io.w_hh, *io.kept, io.pre, *io.given, io.dy, *io.d_final,
+                     *io.d_initial, io.dw["ih"], io.dw["hh"], io.db["ih"], io.db["hh"], io.dgi,
+                     *([io.dgh] if not io.summed else [])]
+        return io
 
-        rows = t_len * i64(n)
+    def _weight_grads(self, io):
+        """After the recurrence, products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T
+        h_{t-1}, the biases' gradients as column sums. Returns (stages, views)."""
+        p = self.p
+        n, c, h, gh = p.batch, p.input_size, p.hidden_size, p.gates * p.hidden_size
+        rows = io.t_len * i64(n)
 
         def view(buffer, shape, name):  # the buffer's memory in another shape
             return tirx.decl_buffer(shape, buffer.dtype, name)
 
-        dgi_rows = view(dgi, (rows, gh), "dgi_rows")
-        dgh_rows = dgi_rows if summed else view(dgh, (rows, gh), "dgh_rows")
-        x_rows, h_rows = view(x, (rows, c), "x_rows"), view(kept[0], (rows + i64(n), h), "h_rows")
-        views = [(dgi_rows, dgi)] + ([(dgh_rows, dgh)] if not summed else [])
-        views += [(x_rows, x), (h_rows, kept[0])]
+        dgi_rows = view(io.dgi, (rows, gh), "dgi_rows")
+        dgh_rows = dgi_rows if io.summed else view(io.dgh, (rows, gh), "dgh_rows")
+        x_rows = view(io.x, (rows, c), "x_rows")
+        h_rows = view(io.kept[0], (rows + i64(n), h), "h_rows")
+        views = [(dgi_rows, io.dgi)] + ([(dgh_rows, io.dgh)] if not io.summed else [])
+        views += [(x_rows, io.x), (h_rows, io.kept[0])]
+        stages = []
+        m = tirx.Var("M", "int64")
+        for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
+            stages.append(self.reduction(
+                f"weight_grad_{which}", comp.weight_gradient(m, gh, k, p.dtype, inputs.dtype),
+                [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)),
+                 Region(io.dw[which], (ALL, ALL))]))
+            stages.append(self.reduction(f"bias_grad_{which}", comp.column_sum(m, gh, p.dtype),
+                                         [Region(grads, (ALL, ALL)),
+                                          Region(io.db[which], (ALL,))]))
+        return stages, views
 
-        prologue = [self.transposed("w_hh", w_hh, w_hh_t, h),
+    def add(self):
+        b, p, acc = self.b, self.p, self.acc
+        n, h, g = p.batch, p.hidden_size, p.gates
+        gh, states = g * h, p.cell.states
+        t = tirx.Var("t", "int64")
+        sig = []
+        io = self._io(sig)
+        t_len, parts, summed = io.t_len, io.parts, io.summed
+        step = t_len - i64(1) - t  # the loop runs the steps backwards
+        carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
+        dh_rec = b.param(sig, "dh_rec", (n, h), "workspace", acc)
+        w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(self.layout.weight_shape(g, h, h))),
+                         "workspace")
+        zero = b.param(sig, "zero_bias", (h,), "workspace")
+        active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
+                  if io.lengths is not None else None)
+
+        prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, h),
                     self.elementwise("zero_bias", comp.zeros((h,), p.dtype),
                                      [Region(zero, (ALL,))])]
         prologue.append(self.elementwise("zero_dh_rec", comp.zeros((n, h), acc),
                                          [Region(dh_rec, (ALL, ALL))]))
-        prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL)) for d in d_final],
+        prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL))
+                                                    for d in io.d_final],
                                       [Region(cr, (0, ALL, ALL)) for cr in carry]))
         if active is not None:
             prologue.append(self.elementwise("activity", comp.activity(n, t_len), [
-                Region(lengths, (ALL,)), Region(active, (ALL, ALL))]))
+                Region(io.lengths, (ALL,)), Region(active, (ALL, ALL))]))
         slot, nxt = tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2))
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
                                                      active is not None),
-            [Region(pre, (step, ALL, ALL))] + [Region(s, (step, ALL, ALL)) for s in kept]
-            + [Region(dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
+            [Region(io.pre, (step, ALL, ALL))] + [Region(s, (step, ALL, ALL)) for s in io.kept]
+            + [Region(io.dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
             + [Region(cr, (slot, ALL, ALL)) for cr in carry]
             + ([Region(active, (step, ALL))] if active is not None else [])
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
-               for d in ((dgi,) if summed else (dgi, dgh)) for i in range(g)]
+               for d in ((io.dgi,) if summed else (io.dgi, io.dgh)) for i in range(g)]
             + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
             (1 if summed else 2) * g + len(states))
         steps = [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
-            Region(dgh, (step, ALL, ALL)), Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)),
+            Region(io.dgh, (step, ALL, ALL)), Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)),
             Region(dh_rec, (ALL, ALL))])]
 
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.elementwise(
             "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype),
             [Region(cr, (final, ALL, ALL)) for cr in carry] + [Region(dh_rec, (ALL, ALL))]
-            + [Region(d, (0, ALL, ALL)) for d in d_initial], len(states))]
-        m = tirx.Var("M", "int64")
-        for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
-            epilogue.append(self.reduction(
-                f"weight_grad_{which}", comp.weight_gradient(m, gh, k, p.dtype,
-                                                             inputs.dtype),
-                [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)),
-                 Region(dw[which], (ALL, ALL))]))
-            epilogue.append(self.reduction(f"bias_grad_{which}", comp.column_sum(m, gh, p.dtype),
-                                           [Region(grads, (ALL, ALL)),
-                                            Region(db[which], (ALL,))]))
-        given = [lengths] if lengths is not None else []
-        params = [x, w_hh, *kept, pre, *given, dy, *d_final, *d_initial, dw["ih"], dw["hh"],
-                  db["ih"], db["hh"], dgi, *([dgh] if not summed else []), *carry, dh_rec,
-                  w_hh_t, zero, *([active] if active is not None else [])]
+            + [Region(d, (0, ALL, ALL)) for d in io.d_initial], len(states))]
+        grads, views = self._weight_grads(io)
+        params = [*io.params, *carry, dh_rec, w_hh_t, zero,
+                  *([active] if active is not None else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
-                                            epilogue, views), sig)
+                                            epilogue + grads, views), sig)
+
+    def add_persistent(self, plan):
+        """``persistent_backward``: the recurrence as one persistent kernel (W_hh^T packed for
+        it each call, from the packed W_hh the entry takes), then the weights' gradients as
+        ``backward``'s."""
+        from ..schedules.persistent import backward
+        from ..schedules.persistent.stages.exchange import EMPTY_TAG
+
+        b, p = self.b, self.p
+        n, h, g = p.batch, p.hidden_size, p.gates
+        gh = g * h
+        sig = []
+        io = self._io(sig)
+        packed_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32,
+                        plan.vec)
+        w_t = b.param(sig, "w_hh_t_packed", packed_shape, "workspace")
+        xch = b.param(sig, "dgh_exchanged", (2, n, gh), "workspace", "float32")
+        prologue = [
+            self.elementwise("persistent_pack_w_hh_t", comp.pack_persistent(
+                g, h, plan, p.dtype, transposed=True), [Region(io.w_hh, (ALL, ALL)),
+                                                         Region(w_t, (ALL,) * 6)]),
+            self.elementwise("zero_exchanged", comp.zeros((2, n, gh), "float32"),
+                             [Region(xch, (ALL,) * 3)])]
+        if plan.sync == "tagged":
+            sync = b.param(sig, "dgh_tagged", (2, n, gh), "workspace", "uint64")
+            prologue.append(self.elementwise(
+                "init_tagged_backward", comp.init_tagged(n, gh, "float32", EMPTY_TAG),
+                [Region(xch, (0, ALL, ALL)), Region(sync, (ALL,) * 3)]))
+        else:
+            sync = b.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
+            prologue.append(self.elementwise("zero_counter_backward", comp.zeros(
+                (plan.batch_groups,), "uint32"), [Region(sync, (ALL,))]))
+        func = backward.kernel(autodiff.trace(p.cell), io.parts, h, n, plan, p.dtype,
+                               io.lengths is not None)
+        self.b.lowered.rules["persistent_backward"] = f"persistent.{plan.sync}"
+        inputs = [Region(w_t, (ALL,) * 6), Region(io.pre, (ALL,) * 3)]
+        inputs += [Region(s, (ALL,) * 3) for s in io.kept]
+        inputs += [Region(io.lengths, (ALL,))] if io.lengths is not None else []
+        inputs += [Region(io.dy, (ALL,) * 3)] + [Region(d, (ALL,) * 3) for d in io.d_final]
+        outputs = [Region(d, (ALL,) * 3) for d in io.d_initial]
+        outputs += [Region(d, (ALL,) * 3) for d in ((io.dgi,) if io.summed else (io.dgi, io.dgh))]
+        outputs += [Region(xch, (ALL,) * 3), Region(sync, (ALL,) * len(sync.shape))]
+        prologue.append(Stage("persistent_backward", func, inputs + outputs, len(outputs)))
+        grads, views = self._weight_grads(io)
+        params = [*io.params, w_t, xch, sync]
+        b.add("persistent_backward", sequence_function(
+            "persistent_backward", params, prologue, None, None, [], grads, views), sig)

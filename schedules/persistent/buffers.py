@@ -85,7 +85,61 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     return out
 
 
-def on_chip(spec: KernelSpec) -> SimpleNamespace:
+def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
+                        ) -> SimpleNamespace:
+    """Declare the backward kernel's parameters (:mod:`..backward`; ``spec``: one row a unit,
+    K = G*H), inputs first: W_hh^T packed [B/NG, Wn, KI, RW, 32, VEC], ``pre`` [T,N,P*H]
+    (``parts`` P), the states of every step [T+1,N,H] each (float32), (the samples' lengths
+    [N] int32), dy [T,N,H], the final states' gradients [1,N,H] each; then the outputs: the
+    initial states' gradients [1,N,H] each, dGI [T,N,G*H] (and dGH, unless ``summed``: every
+    gate kept as a sum, where the two are equal), and the exchange: the published dGH [2,N,G*H]
+    float32, then the tagged words [2,N,G*H] uint64 or the barrier counters [NG] uint32."""
+    p, dt, n, h = spec.plan, spec.dtype, spec.batch, spec.hidden
+    states, gh = spec.states, gates * h
+    names = ["w", "pre", *[f"s{k}" for k in range(states)]] + (["len"] if spec.lengths else [])
+    names += ["dy", *[f"dn{k}" for k in range(states)], *[f"d0{k}" for k in range(states)]]
+    names += ["dgi"] + ([] if summed else ["dgh"]) + ["xch", "hw" if spec.tagged else "cnt"]
+    handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
+    t_len = tirx.Var("T_len", "int64")
+    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, hw=None, cnt=None)
+
+    def match(name: str, handle: str, shape, dtype: str):
+        buffer = T.match_buffer(handles[handle], shape, dtype)
+        IRBuilder.name(name, buffer)
+        return buffer
+
+    out.w = match("w", "w", (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
+    out.pre = match("pre", "pre", (t_len, n, parts * h), "float32")
+    out.s = [match(f"s{k}_steps", f"s{k}", (t_len + 1, n, h), "float32") for k in range(states)]
+    if spec.lengths:
+        out.lengths = match("lengths", "len", (n,), "int32")
+    out.dy = match("dy", "dy", (t_len, n, h), dt)
+    out.d_final = [match(f"d{k}_n", f"dn{k}", (1, n, h), dt) for k in range(states)]
+    out.d_initial = [match(f"d{k}_0", f"d0{k}", (1, n, h), dt) for k in range(states)]
+    out.dgi = match("dgi", "dgi", (t_len, n, gh), "float32")
+    out.dgh = out.dgi if summed else match("dgh", "dgh", (t_len, n, gh), "float32")
+    out.xch = match("xch", "xch", (2, n, gh), "float32")
+    if spec.tagged:
+        out.hw = match("hw", "hw", (2, n, gh), "uint64")
+    else:
+        out.cnt = match("cnt", "cnt", (p.batch_groups,), "uint32")
+    return out
+
+
+def backward_pairs(spec: KernelSpec, parts: int) -> SimpleNamespace:
+    """The backward kernel's registers for a thread's pairs: ``pre`` (P values a pair),
+    ``sp`` (the previous states), ``dy``, ``carry`` (the states' gradients through the cell,
+    from step to step)."""
+    out = SimpleNamespace()
+    items, states = spec.plan.items, spec.states
+    for name, per in (("pre", parts), ("sp", states), ("dy", 1), ("carry", states)):
+        buffer = T.sblock_alloc_buffer((items * per,), "float32", scope="local")
+        IRBuilder.name(f"{name}_r", buffer)
+        setattr(out, name, buffer)
+    return out
+
+
+def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
     """Allocate the block's registers and shared memory, in the root block:
 
     - ``wreg``: the weight chunks held in registers; ``wsm``: those in shared memory;
@@ -93,8 +147,9 @@ def on_chip(spec: KernelSpec) -> SimpleNamespace:
       products, or for tensor cores ``af`` / ``wb`` (the mma's A and B fragments), ``dacc``
       (the chains' sums) and ``hs16`` (h staged in float16 fragment order);
     - ``wv``: one chunk of a row of weights; ``gi``, ``bh``, ``st``: the thread's pairs'
-      input projections, b_hh and states (``ln``: their samples' lengths); ``tv``: tagged
-      words in flight;
+      input projections, b_hh and states (unless ``pairs`` is False: the backward kernel's
+      are :func:`backward_pairs`); ``ln``: their samples' lengths; ``tv``: tagged words in
+      flight;
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -125,7 +180,7 @@ def on_chip(spec: KernelSpec) -> SimpleNamespace:
         alloc("acc", spec.accumulators, "float32")
         alloc("hv", n * vec, "float32")
     alloc("wv", vec, dt)
-    for name, per in (("gi", g), ("bh", g), ("st", spec.states)):
+    for name, per in (("gi", g), ("bh", g), ("st", spec.states)) if pairs else ():
         alloc(name, p.items * per, "float32")
     if spec.lengths:
         alloc("ln", p.items, "int32")

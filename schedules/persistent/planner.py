@@ -74,6 +74,14 @@ counter (each of its blocks counts every step it has written, one counter a batc
 So layer l runs step t while layer l - 1 runs a few steps ahead (about 2S + 1), and a stack of
 L layers costs about what one layer does, plus (L - 1)(2S + 1) steps.
 
+Backward through time (:func:`backward`, the training pass, :mod:`..backward`): the same
+kernel shape run backwards over the steps with W_hh^T resident: block b owns U hidden units,
+the U rows of W_hh^T [H, G*H] (the columns of W_hh of its units), K = G*H. Each step it stages
+the gradients of the last step's recurrent projections, dGH_{t+1} [N, G*H], as the other
+blocks published them, multiplies (dh_t through the recurrence, for its units), applies the
+cell's derivative to its (unit, batch) pairs and publishes their G values of dGH_t. A step
+stages G times the floats of a forward step.
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -214,15 +222,15 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> i
 
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
-         stream=False):
+         stream=False, width=None, pair_regs=None):
     vec = 16 // elem_bytes
-    chunks = -(-hidden // (32 * vec))
+    chunks = -(-(width or hidden) // (32 * vec))
     rows = gates * units
     rpw = -(-rows // warps)
     threads = 32 * warps
     items = -(-(units * batch) // threads)
     acc = _next_pow2(rpw * batch)
-    fixed = OVERHEAD_REGS + acc + batch * 4 + items * (2 * gates + states)
+    fixed = OVERHEAD_REGS + acc + batch * 4 + items * (pair_regs or 2 * gates + states)
     limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // threads) - margin
     if limit <= fixed:
         return None
@@ -427,6 +435,19 @@ def tensor_cores(p: Plan, dtype: str, batch: int, gpu: GPU) -> Plan | None:
                    reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem)
 
 
+def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
+             kept: int | None = None, reg_margin: int = REG_MARGIN,
+             batch_groups: int | None = None, warps: int | None = None,
+             max_blocks: int | None = None) -> Plan:
+    """The plan of the backward recurrence of a layer of ``gates`` G (see "Backward through
+    time"): one row a unit, K = G*H; a pair keeps ``kept`` P values of the step's projections
+    (default G), the previous states, the gradients carried through the cell and dy in
+    registers. Batch groups as :func:`plan` decides them (default: chosen)."""
+    return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
+                batch_groups=batch_groups, width=gates * hidden,
+                pair_regs=(kept or gates) + 2 * states + 2)
+
+
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
 ELEMENT_BYTES = {"float32": 4, "float16": 2}
 
@@ -437,7 +458,8 @@ WARPS = (8, 16, 4)
 def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
-         directions: int = 1, layers: int = 1) -> Plan:
+         directions: int = 1, layers: int = 1, width: int | None = None,
+         pair_regs: int | None = None) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -448,13 +470,16 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     the most groups whose weights fit in registers, else one; past it, the most groups that
     fit at all. ``directions``: D grids side by side (see "Directions"; not with ``stream``),
     each of at most ``max_blocks`` blocks; ``layers``: L grids side by side, one a layer (see
-    "Layers as a wavefront"; one direction, not with ``stream``)."""
+    "Layers as a wavefront"; one direction, not with ``stream``). ``width``: K, the length of
+    the vector the products take, if not H (the backward pass, :func:`backward`);
+    ``pair_regs``: registers a (unit, batch) pair needs, if not 2*G + states."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
-        more = {"directions": directions, "layers": layers}
+        more = {"directions": directions, "layers": layers, "width": width,
+                "pair_regs": pair_regs}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
         if not stream and batch <= MAX_BATCH:
             for groups in divisors:
@@ -495,7 +520,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
         for wn in (warps,) if warps else WARPS:
-            found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream)
+            found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream,
+                         width, pair_regs)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, local) < estimate_ns(best, local):
@@ -506,12 +532,12 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier",
                        blocks=best.blocks * batch_groups * grids,
                        batch_groups=batch_groups, directions=directions, layers=layers)
-    need = gates * hidden * hidden * elem / max(cap, 1)
+    need = gates * hidden * (width or hidden) * elem / max(cap, 1)
     also = f", or than those and half the L2 ({gpu.l2_bytes // 2**21} MiB)" if stream else ""
     groups = f" ({batch_groups} batch groups)" if batch_groups > 1 else ""
     groups += f" (one of {directions} directions)" if directions > 1 else ""
     groups += f" (one of {layers} layers)" if layers > 1 else ""
     raise Unfit(
-        f"{gates}x{hidden}x{hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB on each "
-        f"of {cap} multiprocessors of {gpu.name}{groups}, more than their registers and shared "
-        f"memory hold (with h and batch {local} staged){also}")
+        f"{gates * hidden}x{width or hidden} {dtype} recurrent weights need {need / 1024:.0f} KiB "
+        f"on each of {cap} multiprocessors of {gpu.name}{groups}, more than their registers "
+        f"and shared memory hold (with h and batch {local} staged){also}")

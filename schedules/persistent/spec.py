@@ -25,7 +25,9 @@ class KernelSpec:
     the weights, the biases and y (products, sums, the cell and the states are float32);
     ``chunk`` S > 1: the input projections come in chunks of S steps, [ceil(T/S), S, N, G*H];
     ``input_size`` C, which a fused input projection needs; ``lengths``: the kernel takes each
-    sample's length and stops its states there (outputs past it zero)."""
+    sample's length and stops its states there (outputs past it zero); ``exchanged``: the
+    length of the vector the blocks exchange each step (the products' K), if not H (the
+    backward pass's G*H, planner: "Backward through time")."""
 
     plan: Plan
     gates: int
@@ -36,6 +38,7 @@ class KernelSpec:
     chunk: int = 1
     input_size: int = 0
     lengths: bool = False
+    exchanged: int = 0
 
     def __post_init__(self):
         p = self.plan
@@ -58,8 +61,14 @@ class KernelSpec:
         return self.batch // self.plan.batch_groups
 
     @property
+    def exchange_width(self) -> int:
+        """K: the length of a batch row of the vector the blocks exchange (h: H)."""
+        return self.exchanged or self.hidden
+
+    @property
     def width(self) -> int:
-        """KP = KI*32*VEC: a row of h as staged, K padded to whole chunks."""
+        """KP = KI*32*VEC: a row of h (the exchanged vector) as staged, K padded to whole
+        chunks."""
         return self.plan.chunks * 32 * self.plan.vec
 
     @property

@@ -45,7 +45,8 @@ def _fast_sigmoid(x):
 FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
 
 
-def _store(buffer, value, *indices):
+def store(buffer, value, *indices):
+    """``buffer[indices] = value``, where the indices are Python values and PrimExprs."""
     T.buffer_store(buffer, value, list(indices))
 
 
@@ -63,7 +64,7 @@ def _reads(expr, buffer, index: int) -> bool:
     return bool(found)
 
 
-def _each_pair(spec, bx, tx, body):
+def each_pair(spec, bx, tx, body):
     """``body(it, n, j)`` under the guard of every pair of thread ``tx`` of block ``bx``."""
     for it in range(spec.plan.items):
         valid, n, j = spec.pair(it, bx, tx)
@@ -79,12 +80,12 @@ def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx):
 
     def body(it, n, j):
         for g in range(g_count):
-            _store(bh, T.Cast("float32", b_hh[spec.gate_column(bx, g, j)]), it * g_count + g)
+            store(bh, T.Cast("float32", b_hh[spec.gate_column(bx, g, j)]), it * g_count + g)
         for k in range(states):
-            _store(st, s[k][0, spec.state_row(bx, n), j], it * states + k)
+            store(st, s[k][0, spec.state_row(bx, n), j], it * states + k)
         if spec.lengths:
-            _store(ln, lengths[spec.batch_row(bx, n)], it)
-    _each_pair(spec, bx, tx, body)
+            store(ln, lengths[spec.batch_row(bx, n)], it)
+    each_pair(spec, bx, tx, body)
 
 
 def _length(spec, ln, it):
@@ -99,9 +100,9 @@ def prefetch(spec, xp, gi, ln, t, t_len, bx, tx):
         at = spec.step(bx, t, t_len, _length(spec, ln, it))
         step = (at,) if spec.chunk == 1 else (at // spec.chunk, at % spec.chunk)
         for g in range(spec.gates):
-            _store(gi, xp[(*step, spec.batch_row(bx, n), spec.gate_column(bx, g, j))],
+            store(gi, xp[(*step, spec.batch_row(bx, n), spec.gate_column(bx, g, j))],
                    it * spec.gates + g)
-    _each_pair(spec, bx, tx, body)
+    each_pair(spec, bx, tx, body)
 
 
 def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx):
@@ -127,12 +128,12 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx):
         new = [T.Bind(v) if any(_reads(v, st, it * states + j) for j in range(k)) else v
                for k, v in enumerate(new)]
         out = new[0] if live is None else T.if_then_else(live, new[0], T.float32(0))
-        _store(y, T.Cast(spec.dtype, out), spec.step(bx, t, t_len, _length(spec, ln, it)),
+        store(y, T.Cast(spec.dtype, out), spec.step(bx, t, t_len, _length(spec, ln, it)),
                spec.batch_row(bx, n), spec.output_column(bx, j))
         publish(new[0], spec.state_row(bx, n), j)
         for k in range(states):
-            _store(st, new[k], it * states + k)
-    _each_pair(spec, bx, tx, body)
+            store(st, new[k], it * states + k)
+    each_pair(spec, bx, tx, body)
 
 
 def store_final_states(spec, s, st, t_len, bx, tx):
@@ -142,5 +143,5 @@ def store_final_states(spec, s, st, t_len, bx, tx):
 
     def body(it, n, j):
         for k in range(1, spec.states):
-            _store(s[k], st[it * spec.states + k], t_len % 2, spec.state_row(bx, n), j)
-    _each_pair(spec, bx, tx, body)
+            store(s[k], st[it * spec.states + k], t_len % 2, spec.state_row(bx, n), j)
+    each_pair(spec, bx, tx, body)

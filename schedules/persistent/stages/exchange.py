@@ -40,7 +40,7 @@ def _wait_batches(total: int, threads: int) -> int:
 @T.macro
 def _stage_tagged(spec, hw, tv, store, t, bx, tx):
     """h_{t-1} from the tagged words: loads first, then waits where a tag is behind."""
-    h, kp, n_, threads = T.meta_var((spec.hidden, spec.width, spec.local_batch,
+    h, kp, n_, threads = T.meta_var((spec.exchange_width, spec.width, spec.local_batch,
                                      spec.plan.threads))
     total = T.meta_var(n_ * kp)
     for bi in range(_wait_batches(total, threads)):
@@ -64,7 +64,7 @@ def _stage_tagged(spec, hw, tv, store, t, bx, tx):
 @T.macro
 def _stage_plain(spec, s0, store, t, bx, tx):
     """h_{t-1} as the other blocks stored it before the barrier, read past L1."""
-    h, kp, threads = T.meta_var((spec.hidden, spec.width, spec.plan.threads))
+    h, kp, threads = T.meta_var((spec.exchange_width, spec.width, spec.plan.threads))
     total = T.meta_var(spec.local_batch * kp)
     for e in spec.spread(total):
         if e * threads + tx < total:
@@ -76,7 +76,8 @@ def _stage_plain(spec, s0, store, t, bx, tx):
 
 @T.macro
 def stage_h(spec, s0, hw, tv, store, t, bx, tx):
-    """Stage h_{t-1}: ``store(e, value)`` for element e = n*KP + k (zero past H)."""
+    """Stage h_{t-1} (the exchanged vector of K = ``spec.exchange_width``): ``store(e, value)``
+    for element e = n*KP + k (zero past K)."""
     if spec.tagged:
         _stage_tagged(spec, hw, tv, store, t, bx, tx)
     else:
@@ -85,8 +86,9 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx):
 
 @T.macro
 def publish(spec, s0, hw, t, value, row, j):
-    """h_t of unit j, batch row ``row``: into the states' buffer (the final state, and what the
-    barrier variants read), and, tagged, as the word of step t + 1."""
+    """h_t of unit j (element j of the exchanged vector), batch row ``row``: into the states'
+    buffer (the final state, and what the barrier variants read), and, tagged, as the word of
+    step t + 1."""
     s0[(t + 1) % 2, row, j] = value
     if spec.tagged:
         device.store_tagged(T.address_of(hw[(t + 1) % 2, row, j]), T.bitwise_or(

@@ -1,0 +1,80 @@
+"""The persistent backward kernel: the recurrence of a training step's backward pass, one
+launch for all T steps, W_hh^T resident on-chip (planner: "Backward through time").
+
+The forward kernel's stages with another cell stage: block b holds the U rows of W_hh^T of its
+hidden units (K = G*H; ``weights``), and runs the steps backwards. Loop step t is sequence step
+T - 1 - t; in it the block
+
+1. prefetches its pairs' kept parts of the step's projections, previous states and dy
+   (``cell_backward``);
+2. stages dGH_{t+1} [N, G*H] as the other blocks published it (``exchange``; zeros at t = 0);
+3. multiplies its rows of W_hh^T by it: dh_t's part through the recurrence, for its units
+   (``cuda_cores``, ``reduction``), in shared memory;
+4. applies the cell's derivative to its pairs (``cell_backward``): dGI (and dGH) of the step
+   to global memory, dGH published for the next step, the states' gradients carried;
+5. arrives at the exchange's barrier and waits for the other blocks' dGH.
+
+After the last step one more product, dGH_0 by W_hh^T, completes dh_0 (``store_initial``). The
+weight gradients are products over all steps after the kernel (:mod:`rnncc.lowering.training`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from tvm.script import tirx as T
+
+from . import buffers
+from .kernel import gate_sums
+from .planner import Plan
+from .spec import KernelSpec
+from .stages import cell_backward, cuda_cores, exchange, weights
+
+
+def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
+           lengths: bool = False):
+    """The backward kernel of a cell's traced step ``graph`` (:mod:`rnncc.cells.autodiff`) for
+    ``plan`` (:func:`.planner.backward`; CUDA cores), a PrimFunc named "persistent_backward"
+    whose parameters :func:`.buffers.backward_parameters` lists. ``kept``: the parts of the
+    projections the training forward kept (:func:`rnncc.lowering.training.kept_parts`);
+    ``dtype``: the storage dtype of the weights, dy and the states' gradients; ``batch``: N,
+    all batch groups together; ``lengths``: the samples' lengths are a parameter."""
+    cell = graph.cell
+    if plan.mma or plan.fused or plan.grids > 1 or plan.global_chunks:
+        raise ValueError("the backward kernel runs one direction of one layer on CUDA cores, "
+                         "its weights on-chip")
+    spec = KernelSpec(plan, 1, len(cell.states), hidden, batch, dtype, lengths=lengths,
+                      exchanged=cell.gates * hidden)
+    summed = all(which == "sum" for _, which in kept)
+    p = plan
+
+    @T.prim_func(s_tir=True)
+    def persistent_backward():
+        T.func_attr({"tirx.noalias": True})
+        g = T.meta_var(buffers.backward_parameters(spec, cell.gates, len(kept), summed))
+        with T.sblock("root"):
+            b = T.meta_var(buffers.on_chip(spec, pairs=False))
+            r = T.meta_var(buffers.backward_pairs(spec, len(kept)))
+            for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
+                for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
+                    warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
+                    weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
+                    cell_backward.load_constants(spec, g.d_final, g.lengths, r, b.ln, bx, tx)
+                    for t in range(g.T_len):
+                        cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
+                                               g.T_len, bx, tx)
+                        exchange.stage_h(spec, g.xch, g.hw, b.tv,
+                                         partial(cuda_cores.store_h, spec, b.hs), t, bx, tx)
+                        T.tvm_storage_sync("shared.dyn")
+                        gate_sums(spec, b, g.w, blk, warp, lane)
+                        cell_backward.apply(spec, graph, kept, g.dgi, g.dgh, b.hs, r, b.ln,
+                                            partial(exchange.publish, spec, g.xch, g.hw, t), t,
+                                            g.T_len, bx, tx)
+                        exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
+                    exchange.stage_h(spec, g.xch, g.hw, b.tv,
+                                     partial(cuda_cores.store_h, spec, b.hs), g.T_len, bx, tx)
+                    T.tvm_storage_sync("shared.dyn")
+                    gate_sums(spec, b, g.w, blk, warp, lane)
+                    cell_backward.store_initial(spec, g.d_initial, b.hs, r, bx, tx)
+
+    return persistent_backward

@@ -1,0 +1,102 @@
+"""Stage: the cell's derivative, on the (unit, batch) pairs of a thread (the backward kernel).
+
+Thread ``tx`` of block ``bx`` takes its IT pairs (``KernelSpec.pair``) through the steps
+backwards (loop step t is sequence step T - 1 - t). It keeps the gradients of their states
+through the cell (``carry``; h's starts as dh_n, the others as theirs) in registers for the
+whole sequence; at the start of each step it prefetches what the training forward kept of the
+step (the parts of its projections, ``pre``, and the previous states) and dy; once dh's part
+through the recurrence (dGH_{t+1} by W_hh) is in ``hs``, it computes the vector-Jacobian
+product of the cell's step (:mod:`rnncc.cells.autodiff`): the gradients of the step's
+projections, written to dGI (and dGH) and published (dGH's G values a pair) for the next
+step's product, and those of the previous states, carried. Past its sample's length a pair's
+step went through unchanged in the forward: its projections' gradients are zero and the
+states' pass through (dy there is dropped: y was zero).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from rnncc.cells import autodiff, ops
+
+from .cell import FAST_FUNCTIONS, each_pair, store
+
+
+def load_constants(spec, d_final, lengths, r, ln, bx, tx):
+    """The final states' gradients (the first carries) and the samples' lengths, once."""
+    states = spec.states
+
+    def body(it, n, j):
+        for k in range(states):
+            store(r.carry, T.Cast("float32", d_final[k][0, spec.batch_row(bx, n), j]),
+                   it * states + k)
+        if spec.lengths:
+            store(ln, lengths[spec.batch_row(bx, n)], it)
+    each_pair(spec, bx, tx, body)
+
+
+def prefetch(spec, parts, pre, s, dy, r, t, t_len, bx, tx):
+    """Step T - 1 - t's kept parts (``parts`` P of them), previous states and dy."""
+    h, states = spec.hidden, spec.states
+    at = t_len - 1 - t
+
+    def body(it, n, j):
+        row = spec.batch_row(bx, n)
+        for i in range(parts):
+            store(r.pre, pre[at, row, i * h + j], it * parts + i)
+        for k in range(states):
+            store(r.sp, s[k][at, row, j], it * states + k)
+        store(r.dy, T.Cast("float32", dy[at, row, j]), it)
+    each_pair(spec, bx, tx, body)
+
+
+def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
+    """The cell's derivative on the pairs (``graph``: the cell's traced step; ``kept``: the
+    parts of ``pre``, :func:`rnncc.lowering.training.kept_parts`), dh's recurrent part from
+    ``hs`` ([U, N/NG], row u); dGI[T-1-t] (and dGH, where ``dgh`` is another buffer) written,
+    dGH's values handed to ``publish(value, row, column)``, the carries replaced."""
+    gates, states, units, h = graph.cell.gates, spec.states, spec.plan.units, spec.hidden
+    parts, summed = len(kept), dgh.same_as(dgi)
+    at = t_len - 1 - t
+
+    def body(it, n, j):
+        u = j - spec.place(bx) * units
+        carry = [r.carry[it * states + k] for k in range(states)]
+        rec = hs[u * spec.local_batch + n]
+        seeds = [r.dy[it] + rec + carry[0]] + carry[1:]
+        with ops.lowered_with(FAST_FUNCTIONS):
+            projections, previous = autodiff.kept_vjp(
+                graph, kept, lambda i: r.pre[it * parts + i],
+                [r.sp[it * states + k] for k in range(states)], seeds,
+                autodiff.PrimExprs("float32"))
+        if spec.lengths:
+            live = at < T.Cast("int64", ln[it])
+            projections = [T.if_then_else(live, v, T.float32(0)) for v in projections]
+            passed = [rec + carry[0]] + carry[1:]
+            previous = [T.if_then_else(live, v, p) for v, p in zip(previous, passed)]
+        projections = [T.Bind(v) for v in projections]
+        previous = [T.Bind(v) for v in previous]
+        row = spec.batch_row(bx, n)
+        for g in range(gates):
+            store(dgi, projections[g], at, row, g * h + j)
+            if not summed:
+                store(dgh, projections[gates + g], at, row, g * h + j)
+            publish(projections[g if summed else gates + g], spec.state_row(bx, n), g * h + j)
+        for k in range(states):
+            store(r.carry, previous[k], it * states + k)
+    each_pair(spec, bx, tx, body)
+
+
+def store_initial(spec, d_initial, hs, r, bx, tx):
+    """The initial states' gradients: the carries, h's plus its part through the first step's
+    recurrent product (in ``hs``)."""
+    states, units = spec.states, spec.plan.units
+
+    def body(it, n, j):
+        u = j - spec.place(bx) * units
+        for k in range(states):
+            value = r.carry[it * states + k]
+            if k == 0:
+                value = value + hs[u * spec.local_batch + n]
+            store(d_initial[k], T.Cast(spec.dtype, value), 0, spec.batch_row(bx, n), j)
+    each_pair(spec, bx, tx, body)
