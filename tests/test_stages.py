@@ -62,11 +62,12 @@ def _llvm(func, *arrays):
     return [t.numpy() for t in tensors]
 
 
-def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None):
+def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()):
     """y and the final states of the persistent kernel of plan ``p`` on ``x`` [T, N, C], run
     on the interpreter with rnncc's own packings (built for this CPU); ``lengths``: the
     kernel takes the samples' lengths. With two directions (``p.directions``), ``weights``
-    has the ``_reverse`` ones too, initial states are [2, N, H] and y [T, N, 2*H]."""
+    has the ``_reverse`` ones too, initial states are [2, N, H] and y [T, N, 2*H]. ``kept``:
+    a training forward's parts; then also the states of every step and ``pre``."""
     steps, n, c = x.shape
     g, h, dirs = cell.gates, weights["weight_hh_l0"].shape[1], p.directions
     suffixes = ("", "_reverse")[:dirs]
@@ -102,11 +103,18 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None):
         args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
     if lengths is not None:
         args["lengths"] = np.asarray(lengths, np.int32)
+    for k in range(len(cell.states)) if kept else ():
+        args[f"s{k}_steps"] = np.full((steps + 1, n, h), np.nan, np.float32)
+    if kept:
+        args["pre"] = np.full((steps, n, len(kept) * h), np.nan, np.float32)
     func = kernel(cell, h, n, p, dtype=dtype, chunk=chunk, input_size=c if p.fused else 0,
-                  lengths=lengths is not None)
+                  lengths=lengths is not None, kept=kept)
     Simulator(func, args).run()
-    return args["y"], {s: args[f"s{k}"][steps % 2].reshape(dirs, n, h)
-                       for k, s in enumerate(cell.states)}
+    finals = {s: args[f"s{k}"][steps % 2].reshape(dirs, n, h) for k, s in enumerate(cell.states)}
+    if kept:
+        return args["y"], finals, [args[f"s{k}_steps"] for k in range(len(cell.states))], \
+            args["pre"]
+    return args["y"], finals
 
 
 def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 5), chunk=1,
@@ -590,6 +598,48 @@ def test_input_projection_stage(name, steps, rng):
     run_stage(spec, body, args)
     expect = args["x"].astype(np.float64) @ w_ih.T.astype(np.float64) + args["b_ih"]
     np.testing.assert_allclose(args["xp"], expect, rtol=1e-5, atol=1e-5)
+
+
+# -- training: the forward that keeps, the backward kernel ------------------------------------
+
+@pytest.mark.parametrize("name", ["tagged, chunks of steps", "batch groups", "tensor cores",
+                                  "overlapped, staged x, barrier"])
+def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
+    """With ``kept`` the kernel also stores the states of every step (the initial ones first)
+    and the parts of each step's projections the backward pass takes (for GRU's n gate gi and
+    gh apart), as the float64 step computes them, with random lengths (states past a sample's
+    length are the last ones)."""
+    cell, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
+    cell = rnncc.cells.get(cell)
+    if p.fused:  # the training forward runs the input GEMM before the kernel
+        p = dataclasses.replace(p, input_rows=0, input_chunks=0, input_slab=0, input_steps=0)
+    kept = kept_parts(cell)
+    steps = 4
+    weights = {k: v.astype(dtype) for k, v in
+               random_weights(rng, cell.gates, input_size, hidden).items()}
+    x = rng.standard_normal((steps, batch, input_size)).astype(dtype)
+    initial = {s: rng.standard_normal((1, batch, hidden)).astype(dtype) for s in cell.states}
+    ln = rng.integers(1, steps + 1, batch)
+    ln[0], ln[-1] = 1, steps
+    y, _, kept_states, pre = simulate(cell, p, x, weights, initial, dtype, chunk, ln, kept)
+    f64 = {k: v.astype(np.float64) for k, v in weights.items()}
+    graph, backend, h = autodiff.trace(cell), autodiff.NumPy(), hidden
+    states = [initial[s][0].astype(np.float64) for s in cell.states]
+    for t in range(steps):
+        assert max(reference.relative_error(kept_states[k][t], states[k])
+                   for k in range(len(states))) < TOL[dtype]
+        gi = x[t].astype(np.float64) @ f64["weight_ih_l0"].T + f64["bias_ih_l0"]
+        gh = states[0] @ f64["weight_hh_l0"].T + f64["bias_hh_l0"]
+        gis = [gi[:, g * h:(g + 1) * h] for g in range(cell.gates)]
+        ghs = [gh[:, g * h:(g + 1) * h] for g in range(cell.gates)]
+        parts = {"sum": [i + j for i, j in zip(gis, ghs)], "gi": gis, "gh": ghs}
+        want = np.concatenate([parts[part][g] for g, part in kept], axis=1)
+        assert reference.relative_error(pre[t], want) < TOL[dtype], f"step {t}"
+        value = autodiff.forward(graph, gis + ghs + states, backend)
+        live = (t < ln)[:, None]
+        states = [np.where(live, value[id(o)], s) for o, s in zip(graph.outputs, states)]
+    assert max(reference.relative_error(kept_states[k][steps], states[k])
+               for k in range(len(states))) < TOL[dtype]
 
 
 # -- the backward kernel ----------------------------------------------------------------------

@@ -337,12 +337,15 @@ class _Builder:
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 
-    def persistent_entry(self, plan):
+    def persistent_entry(self, plan, history: bool = False):
         """The persistent entry: the input GEMM of all steps (both directions' at once), then
         the kernel. With two directions the states and the tagged h are [2, D*N, H] (direction
         d's sample n at row d*N + n) and the kernel runs the reverse direction backwards. With
         L layers (a wavefront) the same with L for D, every layer's y in a workspace [T, N,
-        L*H] whose last H columns are copied to y at the end."""
+        L*H] whose last H columns are copied to y at the end. ``history`` (one direction, one
+        layer): ``persistent_train_forward``, the training forward on the kernel: it takes
+        ``train_forward``'s packed weights (W_hh packed for the kernel each call; the input
+        GEMM before the kernel, whatever the plan says) and has its outputs."""
         from ..schedules.persistent import buffers, kernel
         from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
@@ -350,8 +353,12 @@ class _Builder:
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         tags, layers = _grid_tags(p), p.layers
         dirs = len(tags)  # the grids: D directions or L layers
-        self.pack("persistent_pack_w_hh", "hh", h,
-                  comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
+        name = "persistent_train_forward" if history else "persistent_forward"
+        if history:
+            plan = replace(plan, input_rows=0, input_chunks=0, input_slab=0, input_steps=0)
+        else:
+            self.pack("persistent_pack_w_hh", "hh", h,
+                      comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
         if layers > 1:
             self.pack_biases()
         w_ih_shape = None
@@ -363,8 +370,16 @@ class _Builder:
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(sig, t_len, w_shape, w_ih_shape)
+        x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(
+            sig, t_len, self.layout.weight_shape(g, h, h) if history else w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
+        parts, kept, packed = (), [], w_hh
+        if history:
+            parts = training.kept_parts(p.cell)
+            kept = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
+                    for s in p.cell.states]
+            kept.append(self.param(sig, "pre", (t_len, n, len(parts) * h), "output", acc))
+            packed = self.param(sig, "w_hh_packed", w_shape, "workspace")
         chunk = 1 if plan.fused else self.layout.chunk
         xp_shape = (t_len, n, dirs * g * h) if plan.fused else self.layout.projections_shape(
             t_len, n, dirs * g, h)
@@ -391,8 +406,13 @@ class _Builder:
         prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
                                      [Region(s, (0, of(d), ALL)) for s in sw],
                                      f"init_states_{tags[d]}") for d in range(dirs)]
+        if history:
+            func = self.scheduled("persistent_pack_w_hh_train",
+                                  comp.pack_persistent(g, h, plan, p.dtype), "elementwise")
+            prologue.append(Stage("persistent_pack_w_hh_train", func, [
+                Region(w_hh, (ALL, ALL)), Region(packed, (ALL,) * 6)], 1))
         views = []
-        recurrent = [Region(w_hh, (ALL,) * 6), Region(b_hh, (ALL,))]
+        recurrent = [Region(packed, (ALL,) * 6), Region(b_hh, (ALL,))]
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
         if plan.fused:  # the kernel reads x and W_ih and writes xp
             inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
@@ -406,8 +426,8 @@ class _Builder:
             inputs.append(Region(lengths, (ALL,)))
         prologue += sync_stages
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c,
-                               lengths=lengths is not None)
-        self.lowered.rules["persistent"] = f"persistent.{plan.sync}" + (
+                               lengths=lengths is not None, kept=parts)
+        self.lowered.rules[name.removesuffix("_forward")] = f"persistent.{plan.sync}" + (
             "+input" if plan.fused else "") + ("+wavefront" if layers > 1 else "")
         stacked, more = y, []
         if layers > 1:  # every layer's y, and the layers' progress counters
@@ -419,6 +439,7 @@ class _Builder:
             prologue.append(Stage("zero_progress", zero, [Region(progress, (ALL,))], 1))
             more = [progress]
         outputs = [Region(stacked, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
+        outputs += [Region(b, (ALL,) * 3) for b in kept]
         outputs += [Region(b, (ALL,) * len(b.shape)) for b in (sync, *more)]
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
@@ -433,10 +454,11 @@ class _Builder:
                 Region(stacked, (ALL, ALL, slice((layers - 1) * h, layers * h))),
                 Region(y, (ALL,) * 3)], 1))
         given = [lengths] if lengths is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, *sw, sync,
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, *kept,
+                  *([packed] if history else []), xp, *sw, sync,
                   *([stacked] if layers > 1 else []), *more]
-        self.add("persistent_forward", sequence_function(
-            "persistent_forward", params, prologue, None, None, [], epilogue, views), sig)
+        self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
+                                         views), sig)
 
 
 #: Suffix of direction d's weights (torch's names) and stages.
@@ -470,6 +492,8 @@ def build(problem: Problem, options: Options, target, persistent_plan=None,
         training.build(builder, backward_plan)
     if persistent_plan is not None:
         builder.persistent_entry(persistent_plan)
+        if problem.training:
+            builder.persistent_entry(persistent_plan, history=True)
     return builder.lowered
 
 

@@ -387,7 +387,7 @@ class Module:
         if steps < 1:
             raise InputError("x has 0 time steps; it needs at least 1")
         if function.startswith("persistent"):
-            kernel = "persistent_backward" if function == "persistent_backward" else "persistent"
+            kernel = "persistent_backward" if function.endswith("backward") else "persistent"
             limit = (2**32 - 1) // self.metadata["schedule"][kernel]["plan"]["blocks"]
             if steps > limit:
                 raise InputError(f"x has {steps} time steps; the persistent kernel of this "
@@ -430,21 +430,23 @@ class Module:
             raise InputError(f"this module ({self._key}) was compiled without training "
                              "entries; compile it with training=True")
 
-    def _backward_function(self, family: Family) -> str:
-        """"persistent_backward" where the module has the backward kernel and this device can
-        run its grid at once, else "backward" (said once where the kernel cannot run here)."""
-        key = ("backward", family.device_kind, family.device_index)
+    def _training_function(self, family: Family, name: str) -> str:
+        """``name`` ("train_forward" or "backward") or its persistent kernel's entry where the
+        module has it and this device can run its grid at once (said once where it cannot)."""
+        key = (name, family.device_kind, family.device_index)
         if key not in self._entries:
-            self._entries[key] = "backward"
-            plan = self.metadata["schedule"].get("persistent_backward", {}).get("plan")
-            if plan is not None and family.device_kind == "cuda":
+            self._entries[key] = name
+            entry, kernel = {"train_forward": ("persistent_train_forward", "persistent"),
+                             "backward": ("persistent_backward", "persistent_backward")}[name]
+            plan = self.metadata["schedule"].get(kernel, {}).get("plan")
+            if entry in self.metadata["functions"] and family.device_kind == "cuda":
                 why = tvm_runtime.persistent_unfit(plan, self.metadata["target"],
                                                    family.device_index)
                 if why is None:
-                    self._entries[key] = "persistent_backward"
+                    self._entries[key] = entry
                 else:
-                    warn(f"rnncc: {why}; this module's backward pass runs its non-persistent "
-                         f"schedule on {family.describe_device()}")
+                    warn(f"rnncc: {why}; this module's {name} runs its non-persistent schedule "
+                         f"on {family.describe_device()}")
         return self._entries[key]
 
     def _kept_names(self) -> list[str]:
@@ -465,7 +467,8 @@ class Module:
         given = self._initial(h0, c0, lengths, initial)
         with faults.guard(family, f"a training step of {self._key}"):
             packed = self._packed_for(family, weights, "sequence")
-            results = self._invoke(family, "train_forward", x, packed, given, lengths)
+            results = self._invoke(family, self._training_function(family, "train_forward"), x,
+                                   packed, given, lengths)
             y, finals = self._forward_results(results)
             kept = {k: v for k, v in results.items() if k in self._kept_names()}
         return y, finals, kept
@@ -493,8 +496,8 @@ class Module:
         given = {**kept, "dy": dy, **{f"d{s}_n": g for s, g in zip(self.states, finals_grad)}}
         with faults.guard(family, f"a training step of {self._key}"):
             packed = self._packed_for(family, weights, "sequence")
-            results = self._invoke(family, self._backward_function(family), x, packed, given,
-                                   lengths)
+            results = self._invoke(family, self._training_function(family, "backward"), x,
+                                   packed, given, lengths)
             dgi = results.pop("dgi")  # the projections' gradients, for dx
             if input_grad:
                 results.update(self._invoke(family, "backward_input", None, packed,

@@ -34,25 +34,28 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
     projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
     (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read
-    otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (with lengths: the
-    samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h
-    first), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
-    group. T is the symbolic length ``T_len``. With D = 2 directions (planner: "Directions"),
-    both directions side by side: xp [T,N,D*G*H], W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y
-    [T,N,D*H], the states and the tagged h [2,D*N,H], the counters [D*NG]. With L layers
-    (planner: "Layers as a wavefront") the same with L for D (W_ih and b_ih too; y holds every
-    layer's outputs, and layer l > 0 reads layer l - 1's as its x), and last the layers'
-    progress counters ``prog`` [L*NG] uint32."""
+    otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (with lengths: the samples'
+    lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h first), (a
+    training forward's, ``spec.kept``: the states of every step [T+1,N,H] each and the kept
+    parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or the barrier counters
+    [NG] uint32, one a batch group. T is the symbolic length ``T_len``. With D = 2 directions
+    (planner: "Directions"), both directions side by side: xp [T,N,D*G*H], W_hh [D*B/(D*NG),
+    ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H], the counters [D*NG].
+    With L layers (planner: "Layers as a wavefront") the same with L for D (W_ih and b_ih too; y
+    holds every layer's outputs, and layer l > 0 reads layer l - 1's as its x), and last the
+    layers' progress counters ``prog`` [L*NG] uint32."""
     p, dt, n = spec.plan, spec.dtype, spec.batch
     d, gh, rows = spec.grids, spec.grids * spec.gate_rows, spec.state_rows
     names = ["x", "wi", "bi", "w", "b", "xp"] if p.fused else ["xp", "w", "b"]
     names += ["len"] if spec.lengths else []
-    names += ["y"] + [f"s{k}" for k in range(spec.states)] + ["hw" if spec.tagged else "cnt"]
+    names += ["y"] + [f"s{k}" for k in range(spec.states)]
+    names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
+    names += ["hw" if spec.tagged else "cnt"]
     names += ["prog"] if spec.layers > 1 else []
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
     out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, lengths=None, hw=None,
-                          cnt=None, prog=None)
+                          cnt=None, prog=None, steps=None, pre=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -76,6 +79,10 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     match("y", "y", (t_len, n, d * spec.hidden), dt)
     out.s = [match(f"s{k}", f"s{k}", (2, rows, spec.hidden), "float32")
              for k in range(spec.states)]
+    if spec.kept:
+        out.steps = [match(f"s{k}_steps", f"steps{k}", (t_len + 1, n, spec.hidden), "float32")
+                     for k in range(spec.states)]
+        match("pre", "pre", (t_len, n, len(spec.kept) * spec.hidden), "float32")
     if spec.tagged:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
     else:

@@ -44,6 +44,7 @@ from .stages import cell as cell_stage
 from .stages import (
     cuda_cores,
     exchange,
+    history,
     input_projection,
     reduction,
     tensor_cores,
@@ -73,14 +74,16 @@ def gate_sums(spec, b, w, blk, warp, lane):
 
 
 def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", chunk: int = 1,
-           input_size: int = 0, lengths: bool = False):
+           input_size: int = 0, lengths: bool = False, kept: tuple = ()):
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
     PrimFunc named "persistent" whose parameters :func:`.buffers.parameters` lists. ``dtype``:
     the storage dtype of the weights, the biases and y; ``chunk`` S > 1: the input projections
     come in chunks of S steps; ``input_size`` C: for a fused input projection; ``batch``: N,
-    all batch groups together; ``lengths``: the samples' lengths are a parameter."""
+    all batch groups together; ``lengths``: the samples' lengths are a parameter; ``kept``: a
+    training forward's, which keeps every step's states and these parts of its projections
+    (:mod:`.stages.history`)."""
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
-                      input_size, lengths)
+                      input_size, lengths, kept=kept)
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -101,6 +104,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
                     cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
                                               bx, tx)
+                    if len(spec.kept) > 0:
+                        history.keep_initial(spec, g.steps, b.st, bx, tx)
                     for t in range(g.T_len):
                         cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx)
                         if p.input_steps > 0:
@@ -110,7 +115,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
-                            exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx)
+                            exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx,
+                            history.keeper(spec, g.pre, g.steps))
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

@@ -27,7 +27,8 @@ class KernelSpec:
     ``input_size`` C, which a fused input projection needs; ``lengths``: the kernel takes each
     sample's length and stops its states there (outputs past it zero); ``exchanged``: the
     length of the vector the blocks exchange each step (the products' K), if not H (the
-    backward pass's G*H, planner: "Backward through time")."""
+    backward pass's G*H, planner: "Backward through time"); ``kept``: a training forward's, the
+    parts of the projections it keeps (:mod:`.stages.history`; one grid)."""
 
     plan: Plan
     gates: int
@@ -39,9 +40,12 @@ class KernelSpec:
     input_size: int = 0
     lengths: bool = False
     exchanged: int = 0
+    kept: tuple = ()
 
     def __post_init__(self):
         p = self.plan
+        if self.kept and p.grids > 1:
+            raise ValueError("a training forward runs one direction of one layer")
         if p.fused and p.directions > 1:
             raise ValueError("a fused input projection runs one direction")
         if p.layers > 1 and (not p.input_steps or self.input_size != self.hidden):

@@ -105,12 +105,13 @@ def prefetch(spec, xp, gi, ln, t, t_len, bx, tx):
     each_pair(spec, bx, tx, body)
 
 
-def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx):
+def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
     (``ln``), past its sample's length a pair keeps its states (and publishes them) and writes
-    zero to y. y[t] is the pair's sequence step (the reverse direction's runs back)."""
+    zero to y. y[t] is the pair's sequence step (the reverse direction's runs back).
+    ``keep(gates_i, gates_h, new, step, row, j)``: a training forward's (:mod:`.history`)."""
     g_count, states, units = spec.gates, spec.states, spec.plan.units
 
     def body(it, n, j):
@@ -125,12 +126,15 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx):
             new = [T.if_then_else(live, v, st[it * states + k]) for k, v in enumerate(new)]
         # the states are stored in order: a new state that reads a previous one stored before
         # it (a user's c' from h) is bound first, as it reads the previous value
-        new = [T.Bind(v) if any(_reads(v, st, it * states + j) for j in range(k)) else v
-               for k, v in enumerate(new)]
+        new = [T.Bind(v) if keep is not None or any(
+            _reads(v, st, it * states + j) for j in range(k)) else v for k, v in enumerate(new)]
         out = new[0] if live is None else T.if_then_else(live, new[0], T.float32(0))
         store(y, T.Cast(spec.dtype, out), spec.step(bx, t, t_len, _length(spec, ln, it)),
                spec.batch_row(bx, n), spec.output_column(bx, j))
         publish(new[0], spec.state_row(bx, n), j)
+        if keep is not None:
+            keep(gates_i, gates_h, new, spec.step(bx, t, t_len, _length(spec, ln, it)),
+                 spec.batch_row(bx, n), j)
         for k in range(states):
             store(st, new[k], it * states + k)
     each_pair(spec, bx, tx, body)
