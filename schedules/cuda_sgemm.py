@@ -21,7 +21,15 @@ One step's grid alone is small (LSTM 1024 at batch 64: 32 tiles for 132 multipro
 its K is split in slices (:attr:`Product.splits`; blockIdx.z), each written to an [S, N, O]
 workspace, and a second kernel sums the slices in order and adds the bias (deterministic,
 unlike atomics). Slices of 128 to 256 deep measured best (H200, batch 64: LSTM 1024 and 1536,
-GRU 2048 8 slices, GRU 1024 16; 4 or 32 were slower), whence :data:`SPLIT_BLOCKS`.
+GRU 2048 8 slices, GRU 1024 16; 4 or 32 were slower), whence :data:`SPLIT_BLOCKS`. The
+products of all steps split K the same way where T*N rows leave their grid small (a training
+step's dx at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), the count chosen
+at run time from T: the host launches the unsplit kernel, or the split one and the sum.
+
+The kernel is composed of stages (``@T.macro``) that close over a :class:`_Tile`, the
+product's tile arithmetic: ``_load`` (a chunk's global reads into registers), ``_store`` (to
+shared memory, transposed), ``_products`` (a chunk's FMAs), ``_tile`` (a block's whole tile, its
+chunks double-buffered, and its epilogue), ``_grid`` and ``_sum_slices``.
 
 Why not a schedule of the component's loops (:mod:`.cuda_tiled_gemm` does that): TVM's buffer
 compaction gave no layout that was both double-buffered and free of bank conflicts from the
@@ -33,9 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir
+from tvm import s_tir, tirx
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
-from ._common import gemm_blocks, prim_func_from_text, static_extent, weights_are_rows
+from ._common import gemm_blocks, static_extent, weights_are_rows
 from ._rule import Rule
 
 #: Fewest batch rows one step's product this rule takes. The products of all steps (T*N rows)
@@ -60,6 +70,10 @@ PAD = 4
 MAX_SPLITS = 16
 MIN_SLICE = 64
 SPLIT_BLOCKS = 384
+#: The products of all steps split K too where T*N leaves their grid small (dx of a training
+#: step at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), into as many
+#: slices as keep the grid within two blocks of 256 threads a multiprocessor of an H100/H200.
+ALL_STEPS_SPLIT_BLOCKS = 264
 
 
 @dataclass(frozen=True)
@@ -83,17 +97,20 @@ class Product:
 
     @property
     def splits(self) -> int:
-        """Slices of K (one step's product, whose grid alone is small), each summed into the
-        output by a second kernel."""
+        """Slices of K of one step's product (whose grid alone is small), each summed into the
+        output by a second kernel: the most of :meth:`split_choices` within
+        :data:`SPLIT_BLOCKS` blocks. The products of all steps choose theirs at run time."""
         if self.all_steps:
             return 1
         tiles = -(-self.batch // self.tile_rows) * (self.outputs // TILE)
-        splits = 1
-        while (splits * 2 <= MAX_SPLITS and tiles * splits * 2 <= SPLIT_BLOCKS
-               and self.depth % (splits * 4 * BK) == 0
-               and self.depth // (splits * 2) >= MIN_SLICE):
-            splits *= 2
-        return splits
+        return max(s for s in self.split_choices() if s == 1 or tiles * s <= SPLIT_BLOCKS)
+
+    def split_choices(self) -> tuple[int, ...]:
+        """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS`, each
+        slice whole pairs of chunks and at least :data:`MIN_SLICE` deep."""
+        return tuple(s for s in (2 ** i for i in range(MAX_SPLITS.bit_length()))
+                     if s <= MAX_SPLITS and self.depth % (s * 2 * BK) == 0
+                     and (s == 1 or self.depth // s >= MIN_SLICE))
 
 
 def sizes(func) -> Product | None:
@@ -119,168 +136,253 @@ def sizes(func) -> Product | None:
     return Product(batch, depth, outputs, all_steps)
 
 
-def source(product: Product, name: str = "sgemm") -> str:
-    """TVMScript text of the kernel(s) for ``product``."""
-    n_, k_, o_ = product.batch, product.depth, product.outputs
-    tile_m, threads, splits = product.tile_rows, product.threads, product.splits
-    strides = {"a": tile_m + PAD, "w": TILE + PAD}  # floats a k-row of a shared tile
-    halves = {"a": tile_m // 2, "w": TILE // 2}
-    # elements of an operand a thread stages a chunk, and threads a row of a chunk
-    per = {"a": tile_m * BK // threads, "w": TILE * BK // threads}
-    lanes = {op: BK // per[op] for op in "aw"}
-    chunks = k_ // BK // splits
-    w_rows, w_cols = WARP_ROWS, 32 // WARP_ROWS
-    # the thread's place (ty, tq) in the (tile_m / 8) x 16 grid: warp w covers rows
-    # (w // (16/WC)) * WR .. + WR - 1 and columns (w % (16/WC)) * WC .. + WC - 1 (WR x WC = 32)
-    ty = f"(tx // 32 // {16 // w_cols} * {w_rows} + tx % 32 // {w_cols})"
-    tq = f"(tx // 32 % {16 // w_cols} * {w_cols} + tx % {w_cols})"
-    if product.all_steps:
-        lead, rows = "T_len, ", f"T_len * {n_}"
+class _Tile:
+    """A product's tile arithmetic: the thread layout of the tile, the staging of K chunks
+    through shared memory, and the rows M (T*N, a run-time size, or N)."""
 
-        def at(m: str) -> str:
-            return f"({m}) // {n_}, ({m}) % {n_}"
-    else:
-        lead, rows = "", str(n_)
+    def __init__(self, product: Product):
+        self.product = product
+        self.m, self.threads = product.tile_rows, product.threads
+        self.t_len = tirx.Var("T_len", "int64") if product.all_steps else None
+        self.rows = self.t_len * product.batch if product.all_steps else product.batch
+        self.stride = {"a": self.m + PAD, "w": TILE + PAD}  # floats a k-row of a shared tile
+        self.half = {"a": self.m // 2, "w": TILE // 2}
+        # 16-byte vectors of an operand a thread stages a chunk, and threads a row of a chunk
+        per = {"a": self.m * BK // self.threads, "w": TILE * BK // self.threads}
+        self.vectors = {op: per[op] // 4 for op in "aw"}
+        self.lanes = {op: BK // per[op] for op in "aw"}
+        self.most = max(self.vectors.values())
 
-        def at(m: str) -> str:
-            return m
-    lines = [
-        "@T.prim_func(s_tir=True)",
-        f"def {name}(a_h: T.handle, w_h: T.handle, b_h: T.handle, out_h: T.handle):",
-        '    T.func_attr({"tirx.noalias": True})',
-    ]
-    if product.all_steps:
-        lines += ["    T_len = T.int64()"]
-    lines += [
-        f'    a = T.match_buffer(a_h, ({lead}{n_}, {k_}), "float32")',
-        f'    w = T.match_buffer(w_h, ({o_}, {k_}), "float32")',
-        f'    b = T.match_buffer(b_h, ({o_},), "float32")',
-        f'    out = T.match_buffer(out_h, ({lead}{n_}, {o_}), "float32")',
-        '    with T.sblock("root"):',
-    ]
+    def ty(self, tx):
+        """The thread's row group in the (M/8) x 16 grid: warp w covers row groups (w //
+        (16/WC)) * WR .. + WR - 1 (WR x WC = 32 threads)."""
+        cols = 32 // WARP_ROWS
+        return tx // 32 // (16 // cols) * WARP_ROWS + tx % 32 // cols
+
+    def tq(self, tx):
+        """The thread's column group: (w % (16/WC)) * WC .. + WC - 1."""
+        cols = 32 // WARP_ROWS
+        return tx // 32 % (16 // cols) * cols + tx % cols
+
+    def col(self, op: str, p, tx):
+        """The K column (in a chunk) of a thread's vector p of ``op``: interleaved, p * 4 *
+        lanes + (tx % lanes) * 4, so that a warp's transposed stores hit all 32 banks."""
+        return p * 4 * self.lanes[op] + tx % self.lanes[op] * 4
+
+    def row(self, op: str, by, bx, tx):
+        """The row of ``op`` a thread stages: of a (rows past M read row M - 1), or of w."""
+        if op == "a":
+            return tirx.min(by * self.m + tx // self.lanes["a"], self.rows - 1)
+        return bx * TILE + tx // self.lanes["w"]
+
+    def at(self, m):
+        """The leading indices of row m of a or out: (t, n) for all steps, else (n,)."""
+        n_ = self.product.batch
+        return [m // n_, m % n_] if self.product.all_steps else [m]
+
+    @staticmethod
+    def load(buffer, lead: list, k):
+        """``buffer[*lead, k]``."""
+        return tirx.BufferLoad(buffer, [*lead, k])
+
+    def splits(self, of=lambda s: s):
+        """Slices of K (``of(S)`` for S slices): one step's as :attr:`Product.splits` plans
+        them; all steps' chosen at run time from the tiles of T*N rows, the most of
+        :meth:`Product.split_choices` whose grid stays within :data:`ALL_STEPS_SPLIT_BLOCKS`
+        (a choice among constants: nothing divides by a run-time S)."""
+        p = self.product
+        if not p.all_steps or len(p.split_choices()) == 1:
+            return of(p.splits)
+        tiles = (self.rows + (self.m - 1)) // self.m * (p.outputs // TILE)
+        value = tirx.const(of(1), "int32")
+        for s in p.split_choices()[1:]:
+            value = tirx.Select(tiles * s <= ALL_STEPS_SPLIT_BLOCKS, tirx.const(of(s), "int32"),
+                                value)
+        return value
+
+    def chunks(self):
+        """K chunks a slice."""
+        return self.splits(lambda s: self.product.depth // BK // s)
+
+
+def _parameters(t: _Tile):
+    """The gemm component's parameters: a [.., N, K], w [O, K], b [O], out [.., N, O]."""
+    p = t.product
+    lead = (t.t_len,) if p.all_steps else ()
+    shapes = {"a": lead + (p.batch, p.depth), "w": (p.outputs, p.depth), "b": (p.outputs,),
+              "out": lead + (p.batch, p.outputs)}
+    buffers = []
+    for name, shape in shapes.items():
+        buffer = T.match_buffer(T.arg(f"{name}_h", T.handle()), shape, "float32")
+        IRBuilder.name(name, buffer)
+        buffers.append(buffer)
+    return buffers
+
+
+@T.macro
+def _load(t, a, w, ar, wr, k0, by, bx, tx):
+    """A chunk's global reads, from K column ``k0`` on, into registers (16-byte vectors of
+    both operands interleaved: with separate loops the all-steps kernel took 130 registers,
+    one block a multiprocessor instead of two)."""
+    for p in T.unroll(t.most):
+        if p < t.vectors["a"]:
+            for v in T.vectorized(4):
+                ar[p * 4 + v] = t.load(a, t.at(t.row("a", by, bx, tx)), k0 + t.col("a", p, tx)
+                                       + v)
+        if p < t.vectors["w"]:
+            for v in T.vectorized(4):
+                wr[p * 4 + v] = w[t.row("w", by, bx, tx), k0 + t.col("w", p, tx) + v]
+
+
+@T.macro
+def _store(t, ar, wr, a_s, w_s, tx):
+    """The registers of a chunk to shared memory, k-major (transposed)."""
+    for p in T.unroll(t.most):
+        for v in T.unroll(4):
+            if p < t.vectors["a"]:
+                a_s[(t.col("a", p, tx) + v) * t.stride["a"] + tx // t.lanes["a"]] = ar[p * 4 + v]
+            if p < t.vectors["w"]:
+                w_s[(t.col("w", p, tx) + v) * t.stride["w"] + tx // t.lanes["w"]] = wr[p * 4 + v]
+
+
+@T.macro
+def _products(t, a_s, w_s, af, wf, acc, tx):
+    """A chunk's products: 8 x 8 outputs a thread, its operands as 16-byte shared loads."""
+    for kk in T.unroll(BK):
+        for h in T.unroll(2):
+            for v in T.vectorized(4):
+                af[h * 4 + v] = a_s[kk * t.stride["a"] + h * t.half["a"] + t.ty(tx) * 4 + v]
+            for v in T.vectorized(4):
+                wf[h * 4 + v] = w_s[kk * t.stride["w"] + h * t.half["w"] + t.tq(tx) * 4 + v]
+        for r in T.unroll(8):
+            for q in T.unroll(8):
+                acc[r * 8 + q] = acc[r * 8 + q] + af[r] * wf[q]
+
+
+def _first_column(bz, chunks):
+    """A slice's first column of K: bound to a variable where the slices are counted at run
+    time (an expression of T in the index would keep the loads from being 16-byte vectors)."""
+    return bz * chunks * BK if isinstance(chunks, int) else T.bind(bz * chunks * BK)
+
+
+@T.macro
+def _tile(t, io, chunks, slices, bz, by, bx, tx):
+    """A block's tile over its slice of K (all of it where ``slices`` is None): the chunks
+    double-buffered, chunk c's products from buffer c % 2, chunk c + 1's loads issued before
+    them and stored after (the last chunk again at the end, stored where nothing reads it);
+    then the tile (plus b) to out, or without b to its slice's part of ``slices``."""
+    a, w, b, out = T.meta_var(io)
     # two buffers an operand (not one of two halves: TVM's barrier insertion cannot tell the
     # halves apart, and adds a second barrier a chunk)
-    lines += [f'        {op}_s{j} = T.sblock_alloc_buffer(({BK * strides[op]},), "float32", '
-              'scope="shared")' for op in "aw" for j in range(2)]
-    if splits > 1:
-        lines += [f'        slices = T.sblock_alloc_buffer(({splits}, {n_}, {o_}), "float32")']
-    lines += [
-        '        acc = T.sblock_alloc_buffer((64,), "float32", scope="local")',
-        '        af = T.sblock_alloc_buffer((8,), "float32", scope="local")',
-        '        wf = T.sblock_alloc_buffer((8,), "float32", scope="local")',
-        f'        ar = T.sblock_alloc_buffer(({per["a"]},), "float32", scope="local")',
-        f'        wr = T.sblock_alloc_buffer(({per["w"]},), "float32", scope="local")',
-    ]
-    i = " " * 16
-    if splits > 1:
-        lines += [f'        for bz in T.thread_binding({splits}, thread="blockIdx.z"):']
-        i += "    "
-    lines += [
-        f'{i[:-8]}for by in T.thread_binding(({rows} + {tile_m - 1}) // {tile_m}, '
-        'thread="blockIdx.y"):',
-        f'{i[:-4]}for bx in T.thread_binding({o_ // TILE}, thread="blockIdx.x"):',
-        f'{i}for tx in T.thread_binding({threads}, thread="threadIdx.x"):',
-    ]
-    i += "    "
-    slice0 = f"bz * {k_ // splits} + " if splits > 1 else ""
-    # the row of a and of w a thread stages, and its columns in a chunk: 16-byte vectors p
-    # at p * 4 * lanes + (tx % lanes) * 4 (interleaved, so that each vector's transposed
-    # stores from a warp's threads hit all 32 banks)
-    row = {"a": f"T.min(by * {tile_m} + tx // {lanes['a']}, {rows} - 1)",
-           "w": f"bx * {TILE} + tx // {lanes['w']}"}
-
-    def col(op: str, p: int) -> str:
-        return f"{p * 4 * lanes[op]} + tx % {lanes[op]} * 4"
-
-    # a thread's vectors of both operands interleaved (with separate loops the all-steps
-    # kernel took 130 registers, one block a multiprocessor instead of two)
-    vectors = [[op for op in "aw" if p < per[op] // 4] for p in range(max(per.values()) // 4)]
-
-    def load(ind: str, k0: str) -> list[str]:
-        out = []
-        for p, ops in enumerate(vectors):
-            src = {"a": f"a[{at(row['a'])}, ", "w": f"w[{row['w']}, "}
-            for op in ops:
-                out += [f"{ind}for v in T.vectorized(4):",
-                        f"{ind}    {op}r[{p * 4} + v] = {src[op]}{slice0}{k0} + {col(op, p)} + v]"]
-        return out
-
-    def store(ind: str, buf: int) -> list[str]:
-        out = []
-        for p, ops in enumerate(vectors):
-            out += [f"{ind}for v in T.unroll(4):"]
-            out += [f"{ind}    {op}_s{buf}[({col(op, p)} + v) * {strides[op]} + tx // {lanes[op]}]"
-                    f" = {op}r[{p * 4} + v]" for op in ops]
-        return out
-
-    def products(ind: str, buf: int) -> list[str]:
-        return [
-            f"{ind}for kk in T.unroll({BK}):",
-            f"{ind}    for h in T.unroll(2):",
-            f"{ind}        for v in T.vectorized(4):",
-            f"{ind}            af[h * 4 + v] = a_s{buf}[kk * {strides['a']} + h * {halves['a']} "
-            f"+ {ty} * 4 + v]",
-            f"{ind}        for v in T.vectorized(4):",
-            f"{ind}            wf[h * 4 + v] = w_s{buf}[kk * {strides['w']} + h * {halves['w']} "
-            f"+ {tq} * 4 + v]",
-            f"{ind}    for r in T.unroll(8):",
-            f"{ind}        for q in T.unroll(8):",
-            f"{ind}            acc[r * 8 + q] = acc[r * 8 + q] + af[r] * wf[q]",
-        ]
-
-    lines += [f"{i}for e in T.unroll(64):", f"{i}    acc[e] = T.float32(0)"]
-    lines += load(i, "0") + store(i, 0) + [f"{i}T.tvm_storage_sync('shared')"]
-    # chunk c's products from buffer c % 2; chunk c + 1 (the last chunk again at the end,
-    # stored where nothing reads it) loaded before them and stored after
-    lines += [f"{i}for c in range({chunks // 2}):"]
-    for j in range(2):
-        lines += load(i + "    ", f"T.min(c * 2 + {j + 1}, {chunks - 1}) * {BK}")
-        lines += products(i + "    ", j) + store(i + "    ", 1 - j)
-        lines += [f"{i}    T.tvm_storage_sync('shared')"]
-    m = f"by * {tile_m} + r // 4 * {halves['a']} + {ty} * 4 + r % 4"
-    o = f"bx * {TILE} + h * {halves['w']} + {tq} * 4 + v"
-    value = f"acc[r * 8 + h * 4 + v] + b[{o}]"
-    dest = f"out[{at(m)}, {o}]"
-    if splits > 1:
-        value, dest = "acc[r * 8 + h * 4 + v]", f"slices[bz, {m}, {o}]"
-    lines += [
-        f"{i}for r in T.unroll(8):",
-        f"{i}    with T.If({m} < {rows}):",
-        f"{i}        with T.Then():",
-        f"{i}            for h in T.unroll(2):",
-        f"{i}                for v in T.vectorized(4):",
-        f"{i}                    {dest} = {value}",
-    ]
-    if splits > 1:
-        lines += _sum_slices(n_, o_, splits)
-    return "\n".join(lines) + "\n"
+    a_s0 = T.alloc_buffer((BK * t.stride["a"],), "float32", scope="shared")
+    a_s1 = T.alloc_buffer((BK * t.stride["a"],), "float32", scope="shared")
+    w_s0 = T.alloc_buffer((BK * t.stride["w"],), "float32", scope="shared")
+    w_s1 = T.alloc_buffer((BK * t.stride["w"],), "float32", scope="shared")
+    acc = T.alloc_buffer((64,), "float32", scope="local")
+    af = T.alloc_buffer((8,), "float32", scope="local")
+    wf = T.alloc_buffer((8,), "float32", scope="local")
+    ar = T.alloc_buffer((t.vectors["a"] * 4,), "float32", scope="local")
+    wr = T.alloc_buffer((t.vectors["w"] * 4,), "float32", scope="local")
+    first = T.meta_var(_first_column(bz, chunks))
+    for e in T.unroll(64):
+        acc[e] = T.float32(0)
+    _load(t, a, w, ar, wr, first, by, bx, tx)
+    _store(t, ar, wr, a_s0, w_s0, tx)
+    T.tvm_storage_sync("shared")
+    for c in range(chunks // 2):
+        _load(t, a, w, ar, wr, first + T.min(c * 2 + 1, chunks - 1) * BK, by, bx, tx)
+        _products(t, a_s0, w_s0, af, wf, acc, tx)
+        _store(t, ar, wr, a_s1, w_s1, tx)
+        T.tvm_storage_sync("shared")
+        _load(t, a, w, ar, wr, first + T.min(c * 2 + 2, chunks - 1) * BK, by, bx, tx)
+        _products(t, a_s1, w_s1, af, wf, acc, tx)
+        _store(t, ar, wr, a_s0, w_s0, tx)
+        T.tvm_storage_sync("shared")
+    for r in T.unroll(8):
+        m = T.meta_var(by * t.m + r // 4 * t.half["a"] + t.ty(tx) * 4 + r % 4)
+        if m < t.rows:
+            for h in T.unroll(2):
+                for v in T.vectorized(4):
+                    o = T.meta_var(bx * TILE + h * t.half["w"] + t.tq(tx) * 4 + v)
+                    if slices is None:
+                        T.buffer_store(out, acc[r * 8 + h * 4 + v] + b[o], t.at(m) + [o])
+                    else:
+                        slices[(bz * t.rows + m) * t.product.outputs + o] = acc[r * 8 + h * 4
+                                                                                 + v]
 
 
-def _sum_slices(n_: int, o_: int, splits: int) -> list[str]:
+@T.macro
+def _grid(t, io, splits, slices):
+    """The tiles of M x O (and the slices of K, blockIdx.z, where ``slices`` is given)."""
+    if slices is None:
+        for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
+            for bx in T.thread_binding(t.product.outputs // TILE, thread="blockIdx.x"):
+                for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
+                    _tile(t, io, t.product.depth // BK, None, 0, by, bx, tx)
+    else:
+        for bz in T.thread_binding(splits, thread="blockIdx.z"):
+            for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
+                for bx in T.thread_binding(t.product.outputs // TILE, thread="blockIdx.x"):
+                    for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
+                        _tile(t, io, t.chunks(), slices, bz, by, bx, tx)
+
+
+def _slice_loop(splits):
+    """Slices 1 to S - 1: unrolled where S is static."""
+    return T.unroll(1, splits) if isinstance(splits, int) else T.serial(1, splits)
+
+
+@T.macro
+def _sum_slices(t, io, splits, slices):
     """The second kernel of a split product: out = the slices summed in order, plus b; 4
     outputs a thread."""
-    quads = n_ * o_ // 4
-    i = " " * 16
-    e = "(bx * 256 + tx) * 4"
-    return [
-        '        s = T.sblock_alloc_buffer((4,), "float32", scope="local")',
-        f'        for bx in T.thread_binding({-(-quads // 256)}, thread="blockIdx.x"):',
-        '            for tx in T.thread_binding(256, thread="threadIdx.x"):',
-        f"{i}with T.If(bx * 256 + tx < {quads}):",
-        f"{i}    with T.Then():",
-        f"{i}        for v in T.vectorized(4):",
-        f"{i}            s[v] = slices[0, {e} // {o_}, {e} % {o_} + v]",
-        f"{i}        for z in T.unroll(1, {splits}):",
-        f"{i}            for v in T.vectorized(4):",
-        f"{i}                s[v] = s[v] + slices[z, {e} // {o_}, {e} % {o_} + v]",
-        f"{i}        for v in T.vectorized(4):",
-        f"{i}            out[{e} // {o_}, {e} % {o_} + v] = s[v] + b[{e} % {o_} + v]",
-    ]
+    a, w, b, out = T.meta_var(io)
+    o_ = T.meta_var(t.product.outputs)
+    quads = T.meta_var(t.rows * o_ // 4)
+    for bx in T.thread_binding((quads + 255) // 256, thread="blockIdx.x"):
+        for tx in T.thread_binding(256, thread="threadIdx.x"):
+            s = T.alloc_buffer((4,), "float32", scope="local")
+            e = T.meta_var((bx * 256 + tx) * 4)
+            if bx * 256 + tx < quads:
+                for v in T.vectorized(4):
+                    s[v] = slices[e + v]
+                for z in _slice_loop(splits):
+                    for v in T.vectorized(4):
+                        s[v] = s[v] + slices[z * t.rows * o_ + e + v]
+                for v in T.vectorized(4):
+                    T.buffer_store(out, s[v] + b[e % o_ + v], t.at(e // o_) + [e % o_ + v])
 
 
 def kernel(product: Product):
-    """The kernel(s) as a PrimFunc with the gemm component's parameters (a, w, b, out)."""
-    return prim_func_from_text(source(product))
+    """The kernel(s) as a PrimFunc with the gemm component's parameters (a, w, b, out). One
+    step's split product: the tiles into slices, then their sum. All steps': the unsplit grid
+    where the run-time split is 1, else the split grid and the sum (the host chooses)."""
+    t = _Tile(product)
+    splits = t.splits()
+    static = isinstance(splits, int)
+    slice_floats = (splits * product.batch * product.outputs if static else
+                    tirx.Select(splits > 1, splits * t.rows * product.outputs,
+                                tirx.const(1, "int64")))
+
+    @T.prim_func(s_tir=True)
+    def sgemm():
+        T.func_attr({"tirx.noalias": True})
+        io = T.meta_var(_parameters(t))
+        with T.sblock("root"):
+            if static and splits == 1:
+                _grid(t, io, 1, None)
+            else:
+                slices = T.sblock_alloc_buffer((slice_floats,), "float32")
+                if static:
+                    _grid(t, io, splits, slices)
+                    _sum_slices(t, io, splits, slices)
+                elif splits == 1:
+                    _grid(t, io, 1, None)
+                else:
+                    _grid(t, io, splits, slices)
+                    _sum_slices(t, io, splits, slices)
+
+    return sgemm
 
 
 def apply(func, target):

@@ -381,6 +381,34 @@ def test_sgemm_matches_reference(cell, input_size, hidden, batch, rng):
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("batch, depth, outputs", [(1, 4096, 1024), (3, 256, 128),
+                                                   (64, 1024, 512)])
+def test_sgemm_of_all_steps_matches_reference_split_or_not(torch, batch, depth, outputs, rng):
+    """The SGEMM of all steps with its slices of K chosen at run time: T = 1 and 7 (the most
+    slices), 100 (fewer, or none at batch 64) and 2000 (none), the output poisoned, against
+    float64."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    from rnncc.lowering import components as comp
+    from rnncc.schedules import cuda_sgemm
+    from rnncc.target import TargetSpec
+
+    gemm = comp.gemm((tirx.Var("T", "int64"), batch), depth, outputs, "rows", "float32")
+    func = cuda_sgemm.kernel(cuda_sgemm.sizes(gemm)).with_attr("global_symbol", "g")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=TargetSpec("cuda").tvm_target())
+    w, b = rng.standard_normal((outputs, depth)), rng.standard_normal(outputs)
+    for steps in (1, 7, 100, 2000):
+        a = rng.standard_normal((steps, batch, depth))
+        out = torch.full((steps, batch, outputs), float("nan"), device="cuda")
+        args = [torch.tensor(v, dtype=torch.float32, device="cuda") for v in (a, w, b)]
+        lib["g"](*(tvm_ffi.from_dlpack(t) for t in (*args, out)))
+        torch.cuda.synchronize()
+        err = reference.relative_error(out.cpu().double().numpy(), a @ w.T + b)
+        assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [
     ("lstm", 32, 257, 7, "float32", {"sync": "tagged"}, "on"),
     ("gru", 1024, 1024, 4, "float32", None, "on"),  # overlapped input projection

@@ -152,12 +152,14 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits):
         assert total.count("slices_ptr[") == splits and "b_ptr" in total
 
 
-@pytest.mark.parametrize("lead, pairs", [(("T", 64), 64), ((64,), 8)], ids=["all_steps", "step"])
+@pytest.mark.parametrize("lead, pairs", [(("T", 64), "64"), ((64,), "8")],
+                         ids=["all_steps", "step"])
 def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs):
     """Two shared tiles an operand (k-major, rows padded), 16-byte loads, one barrier a chunk
     (TVM's barrier insertion adds none of its own), and registers for two blocks of 256
     threads (all steps) or four of 128 (one step) a multiprocessor, no spills (ptxas, via
-    nvcc). K = 1024: 64 pairs of chunks, or 8 in each of one step's 8 slices."""
+    nvcc). K = 1024: 64 pairs of chunks, or 8 in each of one step's 8 slices; all steps' split
+    kernel (a run-time count of slices, so of chunks) the same."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_sgemm
 
@@ -169,19 +171,56 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs):
     func = result.func.with_attr("global_symbol", "sgemm")
     source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
     source = source.inspect_source()
-    shared = re.findall(r"__shared__ alignas\(\d+\) float (\w+)_ptr\[(\d+)\]", source)
-    sizes = {op: (cuda_sgemm.BK - 1) * (tile + cuda_sgemm.PAD) + tile
-             for op, tile in (("a", product.tile_rows), ("w", cuda_sgemm.TILE))}
-    assert sorted(shared) == [(f"{op}_s{j}", str(sizes[op])) for op in "aw" for j in range(2)]
-    loop = source.split(f"for (int c = 0; c < {pairs}; ++c)")[1]
-    assert loop.count("__syncthreads()") == 2  # one a chunk
-    assert source.count("__syncthreads()") == 3  # and one after the first chunk's stores
-    assert loop.count("*(float4*)(af_ptr") == 2 * 2 * cuda_sgemm.BK
+    bodies = kernel_bodies(source)
     _, report = compile_cubin(source, "sm_90")
-    kernel = report["sgemm_kernel"]
-    assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
-    blocks = 2 if product.all_steps else 4
-    assert kernel["registers"] <= 65536 // (blocks * product.threads)
+    tiles = ["sgemm_kernel"] + (["sgemm_kernel_1"] if product.all_steps else [])
+    for name, chunk_pairs in zip(tiles, [pairs, None]):
+        body = bodies[name]
+        shared = re.findall(r"__shared__ alignas\(\d+\) float (\w+)_ptr\[(\d+)\]", body)
+        sizes = {op: (cuda_sgemm.BK - 1) * (tile + cuda_sgemm.PAD) + tile
+                 for op, tile in (("a", product.tile_rows), ("w", cuda_sgemm.TILE))}
+        assert sorted(shared) == [(f"{op}_s{j}", str(sizes[op])) for op in "aw"
+                                  for j in range(2)]
+        loop = body.split(f"for (int c = 0; c < {chunk_pairs or ''}")[1]
+        assert loop.count("__syncthreads()") == 2  # one a chunk
+        assert body.count("__syncthreads()") == 3  # and one after the first chunk's stores
+        assert loop.count("*(float4*)(af_ptr") == 2 * 2 * cuda_sgemm.BK
+        assert loop.count("*(float4*)(ar_ptr") == 2 and "make_" not in loop  # whole vectors
+        kernel = report[name]
+        assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
+        blocks = 2 if product.all_steps else 4
+        assert kernel["registers"] <= 65536 // (blocks * product.threads)
+
+
+@pytest.mark.parametrize("batch, depth, outputs, choices", [
+    (1, 4096, 1024, (1, 2, 4, 8, 16)), (64, 1024, 4096, (1, 2, 4, 8, 16)),
+    (33, 48, 384, (1,)), (3, 256, 128, (1, 2, 4))])
+def test_sgemm_of_all_steps_splits_k_where_t_leaves_few_tiles(batch, depth, outputs, choices):
+    """The products of all steps (dx of a training step: [T*N, G*H] x [G*H, C]) choose their
+    slices of K at run time: the unsplit kernel where the tiles of T*N rows fill the GPU, else
+    the most slices (whole pairs of chunks, at least MIN_SLICE deep) within
+    ALL_STEPS_SPLIT_BLOCKS blocks, summed in order with the bias by a third kernel; a product
+    that K does not divide has the one kernel."""
+    from rnncc.schedules import cuda_sgemm
+
+    t_len = tirx.Var("T", "int64")
+    product = cuda_sgemm.sizes(comp.gemm((t_len, batch), depth, outputs, "rows", "float32"))
+    assert product.split_choices() == choices and product.splits == 1
+    tile = cuda_sgemm._Tile(product)
+    for steps in (1, 7, 100, 1000):
+        analyzer = tvm.sym.Analyzer()
+        analyzer.bind(tile.t_len, tirx.const(steps, "int64"))
+        count = analyzer.simplify(tile.splits())
+        tiles = -(-steps * batch // product.tile_rows) * (outputs // cuda_sgemm.TILE)
+        fits = [s for s in choices if s == 1 or tiles * s <= cuda_sgemm.ALL_STEPS_SPLIT_BLOCKS]
+        assert int(count) == max(fits), steps
+    func = cuda_sgemm.kernel(product).with_attr("global_symbol", "g")
+    bodies = kernel_bodies(tvm.compile(tvm.IRModule({"main": func}), target=CUDA)
+                           .mod.imports[0].inspect_source())
+    assert len(bodies) == (1 if choices == (1,) else 3)
+    if len(bodies) == 3:
+        assert "blockIdx.z" in bodies["g_kernel_1"] and "blockIdx.z" not in bodies["g_kernel"]
+        assert "slices_ptr" in bodies["g_kernel_2"] and "b_ptr" in bodies["g_kernel_2"]
 
 
 @pytest.mark.parametrize("lead", [(64,), ("T", 96)], ids=["step", "all_steps"])
