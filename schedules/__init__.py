@@ -28,6 +28,7 @@ from . import (
     cuda_sgemm,
     cuda_small_batch_gemv,
     cuda_tiled_gemm,
+    cuda_weight_grad,
     tuned,
 )
 from ._rule import Rule
@@ -40,7 +41,7 @@ RULES: dict[tuple[str, str], list[Rule]] = {
                        cuda_sgemm.RULE, cuda_tiled_gemm.RULE, cuda_matmul.RULE,
                        cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_fallback.RULE],
-    ("cuda", "reduction"): [cuda_matmul.RULE, cuda_fallback.RULE],
+    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_matmul.RULE, cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],
     ("llvm", "reduction"): [cpu_elementwise.SERIAL],

@@ -28,7 +28,7 @@ at run time from T: the host launches the unsplit kernel, or the split one and t
 
 The kernel is composed of stages (``@T.macro``) that close over a :class:`_Tile`, the
 product's tile arithmetic: ``_load`` (a chunk's global reads into registers), ``_store`` (to
-shared memory, transposed), ``_products`` (a chunk's FMAs), ``_tile`` (a block's whole tile, its
+shared memory, transposed), ``products`` (a chunk's FMAs), ``_tile`` (a block's whole tile, its
 chunks double-buffered, and its epilogue), ``_grid`` and ``_sum_slices``.
 
 Why not a schedule of the component's loops (:mod:`.cuda_tiled_gemm` does that): TVM's buffer
@@ -136,6 +136,19 @@ def sizes(func) -> Product | None:
     return Product(batch, depth, outputs, all_steps)
 
 
+def thread_row(tx):
+    """A thread's row group (of 4 rows a half tile) in the 16 x 16 grid of a 128-column tile:
+    warp w covers row groups (w // (16/WC)) * WR .. + WR - 1 (WR x WC = 32 threads)."""
+    cols = 32 // WARP_ROWS
+    return tx // 32 // (16 // cols) * WARP_ROWS + tx % 32 // cols
+
+
+def thread_col(tx):
+    """A thread's column group (of 4 columns a half tile): (w % (16/WC)) * WC .. + WC - 1."""
+    cols = 32 // WARP_ROWS
+    return tx // 32 % (16 // cols) * cols + tx % cols
+
+
 class _Tile:
     """A product's tile arithmetic: the thread layout of the tile, the staging of K chunks
     through shared memory, and the rows M (T*N, a run-time size, or N)."""
@@ -153,16 +166,8 @@ class _Tile:
         self.lanes = {op: BK // per[op] for op in "aw"}
         self.most = max(self.vectors.values())
 
-    def ty(self, tx):
-        """The thread's row group in the (M/8) x 16 grid: warp w covers row groups (w //
-        (16/WC)) * WR .. + WR - 1 (WR x WC = 32 threads)."""
-        cols = 32 // WARP_ROWS
-        return tx // 32 // (16 // cols) * WARP_ROWS + tx % 32 // cols
-
-    def tq(self, tx):
-        """The thread's column group: (w % (16/WC)) * WC .. + WC - 1."""
-        cols = 32 // WARP_ROWS
-        return tx // 32 % (16 // cols) * cols + tx % cols
+    ty = staticmethod(thread_row)
+    tq = staticmethod(thread_col)
 
     def col(self, op: str, p, tx):
         """The K column (in a chunk) of a thread's vector p of ``op``: interleaved, p * 4 *
@@ -246,8 +251,10 @@ def _store(t, ar, wr, a_s, w_s, tx):
 
 
 @T.macro
-def _products(t, a_s, w_s, af, wf, acc, tx):
-    """A chunk's products: 8 x 8 outputs a thread, its operands as 16-byte shared loads."""
+def products(t, a_s, w_s, af, wf, acc, tx):
+    """A chunk's products: 8 x 8 outputs a thread, its operands as 16-byte shared loads from
+    k-major tiles (``t``: ``stride`` and ``half`` by operand, ``ty`` and ``tq``; a stage
+    :mod:`.cuda_weight_grad` shares)."""
     for kk in T.unroll(BK):
         for h in T.unroll(2):
             for v in T.vectorized(4):
@@ -291,11 +298,11 @@ def _tile(t, io, chunks, slices, bz, by, bx, tx):
     T.tvm_storage_sync("shared")
     for c in range(chunks // 2):
         _load(t, a, w, ar, wr, first + T.min(c * 2 + 1, chunks - 1) * BK, by, bx, tx)
-        _products(t, a_s0, w_s0, af, wf, acc, tx)
+        products(t, a_s0, w_s0, af, wf, acc, tx)
         _store(t, ar, wr, a_s1, w_s1, tx)
         T.tvm_storage_sync("shared")
         _load(t, a, w, ar, wr, first + T.min(c * 2 + 2, chunks - 1) * BK, by, bx, tx)
-        _products(t, a_s1, w_s1, af, wf, acc, tx)
+        products(t, a_s1, w_s1, af, wf, acc, tx)
         _store(t, ar, wr, a_s0, w_s0, tx)
         T.tvm_storage_sync("shared")
     for r in T.unroll(8):
@@ -360,9 +367,10 @@ def kernel(product: Product):
     t = _Tile(product)
     splits = t.splits()
     static = isinstance(splits, int)
+    # all steps: S slices of T*N rows only where S * tiles <= ALL_STEPS_SPLIT_BLOCKS, so that
+    # S * T*N * O <= ALL_STEPS_SPLIT_BLOCKS * TILE * TILE floats (a static size)
     slice_floats = (splits * product.batch * product.outputs if static else
-                    tirx.Select(splits > 1, splits * t.rows * product.outputs,
-                                tirx.const(1, "int64")))
+                    ALL_STEPS_SPLIT_BLOCKS * TILE * TILE)
 
     @T.prim_func(s_tir=True)
     def sgemm():

@@ -409,6 +409,36 @@ def test_sgemm_of_all_steps_matches_reference_split_or_not(torch, batch, depth, 
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("outputs, depth", [(4096, 1024), (512, 256)])
+def test_weight_grad_matches_reference(torch, outputs, depth, rng):
+    """A weight's gradient dw = g^T a over M = 1, 7, 100 and 3001 rows (whole chunks, part of
+    one, slices with nothing past M), unsplit and split along M, dw poisoned, against
+    float64."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    from rnncc import schedules
+    from rnncc.lowering import components as comp
+    from rnncc.target import TargetSpec
+
+    target = TargetSpec("cuda").tvm_target()
+    scheduled = schedules.schedule(comp.weight_gradient(tirx.Var("M", "int64"), outputs, depth,
+                                                        "float32", "float32"), target,
+                                   "reduction")
+    assert scheduled.rule == "cuda.weight_grad"
+    lib = tvm.compile(tvm.IRModule({"main": scheduled.func.with_attr("global_symbol", "g")}),
+                      target=target)
+    for rows in (1, 7, 100, 3001):
+        g, a = rng.standard_normal((rows, outputs)), rng.standard_normal((rows, depth))
+        dw = torch.full((outputs, depth), float("nan"), device="cuda")
+        args = [torch.tensor(v, dtype=torch.float32, device="cuda") for v in (g, a)]
+        lib["g"](*(tvm_ffi.from_dlpack(t) for t in (*args, dw)))
+        torch.cuda.synchronize()
+        err = reference.relative_error(dw.cpu().double().numpy(), g.T @ a)
+        assert err < TOL_F32, f"M={rows}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [
     ("lstm", 32, 257, 7, "float32", {"sync": "tagged"}, "on"),
     ("gru", 1024, 1024, 4, "float32", None, "on"),  # overlapped input projection

@@ -223,6 +223,66 @@ def test_sgemm_of_all_steps_splits_k_where_t_leaves_few_tiles(batch, depth, outp
         assert "slices_ptr" in bodies["g_kernel_2"] and "b_ptr" in bodies["g_kernel_2"]
 
 
+@pytest.mark.parametrize("outputs, depth, splits", [(4096, 1024, 1), (2048, 512, 4),
+                                                   (384, 128, 16)])
+def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs, depth,
+                                                                         splits):
+    """A weight's gradient over the T*N rows of all steps: 128 x 128 tiles of dw, M in
+    double-buffered chunks (one barrier a chunk, 16-byte loads and stores, registers for two
+    blocks of 256 threads, no spills), sliced along M into a workspace summed by a second
+    kernel where the tiles alone fill too few blocks; sizes off the tiles, other dtypes and the
+    biases' column sums go to the next rule."""
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import cuda_weight_grad
+
+    m = tirx.Var("M", "int64")
+    result = schedules.schedule(comp.weight_gradient(m, outputs, depth, "float32", "float32"),
+                                CUDA, "reduction")
+    assert result.rule == "cuda.weight_grad"
+    assert cuda_weight_grad.Gradient(outputs, depth).splits == splits
+    source = tvm.compile(tvm.IRModule({"main": result.func.with_attr("global_symbol", "wg")}),
+                         target=CUDA).mod.imports[0].inspect_source()
+    bodies = kernel_bodies(source)
+    assert len(bodies) == (1 if splits == 1 else 2)
+    body = bodies["wg_kernel"]
+    assert ("blockIdx.z" in body) == (splits > 1)
+    loop = body.split("for (int64_t c = (int64_t)0; c < ")[1]
+    assert loop.count("__syncthreads()") == 2 and body.count("__syncthreads()") == 3
+    assert loop.count("condval_") and loop.count("*(float4*)(g_ptr") == 2
+    _, report = compile_cubin(source, "sm_90")
+    kernel = report["wg_kernel"]
+    assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
+    assert kernel["registers"] <= 65536 // (2 * cuda_weight_grad.THREADS)
+    for args in ((outputs, depth + 8, "float32", "float32"), (outputs, depth, "float16",
+                                                              "float16")):
+        assert cuda_weight_grad.apply(comp.weight_gradient(m, *args), CUDA) is None
+    assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
+
+
+def test_a_stages_scratch_buffers_are_parameters_the_caller_allocates():
+    """A split product's slices (and any stage's own global buffer of a static size) become
+    trailing parameters of the entry, signed as workspaces: TVM's own workspace pool, where a
+    thread other than Python's main one (torch's autograd) allocated, is freed only as the
+    process exits, after CUDA has shut down (the process then aborted)."""
+    from rnncc.lowering.assemble import Region, Stage, scratch_signature, sequence_function
+
+    m = tirx.Var("M", "int64")
+    scheduled = schedules.schedule(comp.weight_gradient(m, 256, 128, "float32", "float32"),
+                                   CUDA, "reduction")
+    assert scheduled.rule == "cuda.weight_grad"
+    g, a = tirx.decl_buffer((m, 256), "float32", "g"), tirx.decl_buffer((m, 128), "float32", "a")
+    dw = tirx.decl_buffer((256, 128), "float32", "dw")
+    stage = Stage("weight_grad_hh", scheduled.func, [Region(b, (slice(None),) * 2)
+                                                     for b in (g, a, dw)], 1)
+    func = sequence_function("grads", [g, a, dw], [stage], None, None, [])
+    assert len(func.params) == 4
+    assert scratch_signature(func, 3) == [{"name": "scratch_0_slices", "shape": [16, 256, 128],
+                                           "dtype": "float32", "kind": "workspace"}]
+    script = func.script()
+    assert 'slices: T.Buffer((16, 256, 128), "float32"' in script  # a parameter
+    assert "alloc_buffer(" not in script and "alloc_local((64,)" in script  # not allocated
+
+
 @pytest.mark.parametrize("lead", [(64,), ("T", 96)], ids=["step", "all_steps"])
 def test_tiled_gemm_stages_k_major_tiles(lead):
     """Both operands go through shared memory k-major and 4 values at a time into registers;

@@ -103,8 +103,15 @@ def _bound_buffer(param, region: Region, remap: dict):
     return tirx.decl_buffer(shape, param.dtype, param.name, strides=strides, offset_factor=1)
 
 
-def stage_block(stage: Stage):
-    """The stage's component as a block over regions of the sequence buffers."""
+def _is_scratch(buffer) -> bool:
+    """A stage's own global buffer of a static size (a split product's slices)."""
+    return buffer.scope() == "global" and all(isinstance(d, tirx.IntImm) for d in buffer.shape)
+
+
+def stage_block(stage: Stage, scratch: list | None = None):
+    """The stage's component as a block over regions of the sequence buffers. Its own global
+    buffers of a static size go to ``scratch`` (when given) instead of the block, for the
+    caller to pass in."""
     func = s_tir.renew_defs(stage.func)  # a component may serve several stages (one a gate)
     params = list(func.params)
     if len(params) != len(stage.args):
@@ -117,11 +124,14 @@ def stage_block(stage: Stage):
     for p, r in zip(params, stage.args):
         remap[p] = _bound_buffer(p, r, remap)
     root = _remapped(func.body.block, remap)
+    allocs = list(root.alloc_buffers)
+    if scratch is not None:
+        scratch += [b for b in allocs if _is_scratch(b)]
+        allocs = [b for b in allocs if not _is_scratch(b)]
     regions = [r.tensor_region() for r in stage.args]
     n_in = len(regions) - stage.n_outputs
     block = s_tir.SBlock(
-        [], regions[:n_in], regions[n_in:], stage.name, root.body,
-        alloc_buffers=list(root.alloc_buffers),
+        [], regions[:n_in], regions[n_in:], stage.name, root.body, alloc_buffers=allocs,
         match_buffers=[s_tir.MatchBufferRegion(remap[p], r) for p, r in zip(params, regions)],
     )
     return s_tir.SBlockRealize([], True, block)
@@ -137,15 +147,27 @@ def sequence_function(name: str, params: Sequence, prologue: Sequence[Stage],
     """``prologue`` once, ``steps`` for t_var in [0, t_extent) (if any), then ``epilogue``,
     as one PrimFunc. ``views``: (view, buffer) pairs, a view being a buffer declared on another
     buffer's memory in another shape (e.g. x [T, N, C] seen as [T*N, C]); stages' regions may
-    use it."""
+    use it. The stages' own global buffers of a static size (a split product's slices) become
+    parameters after ``params``, for the caller to allocate (see :func:`scratch_signature`):
+    TVM would take them from its own workspace pool, whose memory a thread that is not Python's
+    main one (torch's autograd) frees only as the process exits, after CUDA has shut down."""
+    scratch = []
+    blocks = [stage_block(s, scratch) for s in prologue]
     loop = [tirx.For(t_var, i64(0), t_extent, tirx.ForKind.SERIAL,
-                     _seq([stage_block(s) for s in steps]))] if steps else []
-    body = _seq([tirx.DeclBuffer(view, data=of.data) for view, of in views]
-                + [stage_block(s) for s in prologue] + loop
-                + [stage_block(s) for s in epilogue])
+                     _seq([stage_block(s, scratch) for s in steps]))] if steps else []
+    blocks += loop + [stage_block(s, scratch) for s in epilogue]
+    body = _seq([tirx.DeclBuffer(view, data=of.data) for view, of in views] + blocks)
     root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
-    func = tirx.PrimFunc(list(params), root)
+    func = tirx.PrimFunc(list(params) + scratch, root)
     return func.with_attr("global_symbol", name).with_attr("tirx.noalias", True)
+
+
+def scratch_signature(func: tirx.PrimFunc, signed: int) -> list[dict]:
+    """Signature entries (workspaces) of ``func``'s parameters after the first ``signed``: the
+    stages' scratch buffers that :func:`sequence_function` made parameters."""
+    return [{"name": f"scratch_{i}_{buffer.name}", "shape": [int(d) for d in buffer.shape],
+             "dtype": str(buffer.dtype), "kind": "workspace"}
+            for i, buffer in enumerate(func.params[signed:])]
 
 
 def standalone_function(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:

@@ -36,7 +36,7 @@ from ..dtypes import accum_dtype
 from ..spec import Options, Problem
 from . import components as comp
 from . import training
-from .assemble import Region, Stage, sequence_function, standalone_function
+from .assemble import Region, Stage, scratch_signature, sequence_function, standalone_function
 from .components import ALL, Layout, i64
 
 
@@ -97,6 +97,7 @@ class _Builder:
                                 dtype, name)
 
     def add(self, name, func, sig):
+        sig += scratch_signature(func, len(sig))
         self.lowered.mod[name] = func
         self.lowered.signatures[name] = sig
 
