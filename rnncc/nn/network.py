@@ -68,8 +68,8 @@ class Network:
                 lengths = torch.cat([lengths, lengths.new_ones(rows - n)])
         packed = self._weights((rows, str(x.dtype), lengths is not None, between is not None),
                                network, weights)
-        y, finals = network.run(_aligned(x), states,
-                                None if lengths is None else _aligned(lengths), packed, between)
+        y, finals = network.run(aligned(x), states,
+                                None if lengths is None else aligned(lengths), packed, between)
         if rows == n:
             return y, finals
         return y[:, :n].contiguous(), [f[:, :n].contiguous() for f in finals]
@@ -101,7 +101,7 @@ class Network:
         return found[1]
 
 
-def _aligned(t):
+def aligned(t):
     """``t``, or a contiguous copy where it is not contiguous or not 64-byte aligned (as the
     modules' generated code assumes)."""
     import torch

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .network import _aligned, bucket
+from .network import aligned, bucket
 
 
 class _Layer(torch.autograd.Function):
@@ -45,7 +45,7 @@ class _Layer(torch.autograd.Function):
         x, *kept = ctx.saved_tensors
         module = ctx.module
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
-                                _aligned(dy), tuple(_aligned(g) for g in finals_grad),
+                                aligned(dy), tuple(aligned(g) for g in finals_grad),
                                 lengths=ctx.lengths, input_grad=ctx.needs_input_grad[1])
         biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
         return (None, grads.get("x"), None, None, *(grads[f"{s}0"] for s in module.states),
@@ -82,7 +82,7 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
         if lengths is not None:
             lengths = torch.cat([lengths, lengths.new_ones(rows - n)])
     if lengths is not None:
-        lengths = _aligned(lengths.to(torch.int32))
+        lengths = aligned(lengths.to(torch.int32))
     dtype = str(x.dtype).replace("torch.", "")
     finals: list = [[] for _ in states]
     layer_input = x
@@ -96,8 +96,8 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
                      for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
             row = layer * lay.directions + d
             seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)
-            y, *last = _Layer.apply(module, _aligned(seq), lengths, len(states),
-                                    *(_aligned(s[row:row + 1]) for s in states), *given)
+            y, *last = _Layer.apply(module, aligned(seq), lengths, len(states),
+                                    *(aligned(s[row:row + 1]) for s in states), *given)
             outputs.append(y if d == 0 else reversed_steps(y, lengths))
             for found, value in zip(finals, last):
                 found.append(value)
