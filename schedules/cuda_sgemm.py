@@ -26,7 +26,7 @@ products of all steps split K the same way where T*N rows leave their grid small
 step's dx at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), the count chosen
 at run time from T: the host launches the unsplit kernel, or the split one and the sum.
 
-The kernel is composed of stages (``@T.macro``) that close over a :class:`_Tile`, the
+The kernel is composed of stages (``@T.macro``) that close over a :class:`Tile`, the
 product's tile arithmetic: ``_load`` (a chunk's global reads into registers), ``_store`` (to
 shared memory, transposed), ``products`` (a chunk's FMAs), ``_tile`` (a block's whole tile, its
 chunks double-buffered, and its epilogue), ``_grid`` and ``_sum_slices``.
@@ -149,7 +149,7 @@ def thread_col(tx):
     return tx // 32 % (16 // cols) * cols + tx % cols
 
 
-class _Tile:
+class Tile:
     """A product's tile arithmetic: the thread layout of the tile, the staging of K chunks
     through shared memory, and the rows M (T*N, a run-time size, or N)."""
 
@@ -210,7 +210,7 @@ class _Tile:
         return self.splits(lambda s: self.product.depth // BK // s)
 
 
-def _parameters(t: _Tile):
+def _parameters(t: Tile):
     """The gemm component's parameters: a [.., N, K], w [O, K], b [O], out [.., N, O]."""
     p = t.product
     lead = (t.t_len,) if p.all_steps else ()
@@ -364,7 +364,7 @@ def kernel(product: Product):
     """The kernel(s) as a PrimFunc with the gemm component's parameters (a, w, b, out). One
     step's split product: the tiles into slices, then their sum. All steps': the unsplit grid
     where the run-time split is 1, else the split grid and the sum (the host chooses)."""
-    t = _Tile(product)
+    t = Tile(product)
     splits = t.splits()
     static = isinstance(splits, int)
     # all steps: S slices of T*N rows only where S * tiles <= ALL_STEPS_SPLIT_BLOCKS, so that

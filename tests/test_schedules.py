@@ -206,7 +206,7 @@ def test_sgemm_of_all_steps_splits_k_where_t_leaves_few_tiles(batch, depth, outp
     t_len = tirx.Var("T", "int64")
     product = cuda_sgemm.sizes(comp.gemm((t_len, batch), depth, outputs, "rows", "float32"))
     assert product.split_choices() == choices and product.splits == 1
-    tile = cuda_sgemm._Tile(product)
+    tile = cuda_sgemm.Tile(product)
     for steps in (1, 7, 100, 1000):
         analyzer = tvm.sym.Analyzer()
         analyzer.bind(tile.t_len, tirx.const(steps, "int64"))
