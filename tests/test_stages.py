@@ -18,6 +18,7 @@ from helpers import TOL
 from rnncc import reference
 from rnncc.cells import autodiff
 from rnncc.lowering import components as comp
+from rnncc.lowering.sequence import sums_in_place
 from rnncc.lowering.training import kept_parts
 from rnncc.schedules.persistent import backward as backward_kernel
 from rnncc.schedules.persistent import buffers, fuse_input, gpu_for_arch, overlap_input, planner
@@ -105,8 +106,9 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
         args["lengths"] = np.asarray(lengths, np.int32)
     for k in range(len(cell.states)) if kept else ():
         args[f"s{k}_steps"] = np.full((steps + 1, n, h), np.nan, np.float32)
-    if kept:
-        args["pre"] = np.full((steps, n, len(kept) * h), np.nan, np.float32)
+    if kept:  # the sums over the input projections, where the entry keeps them there
+        args["pre"] = (args["xp"] if not p.fused and sums_in_place(kept, chunk)
+                       else np.full((steps, n, len(kept) * h), np.nan, np.float32))
     func = kernel(cell, h, n, p, dtype=dtype, chunk=chunk, input_size=c if p.fused else 0,
                   lengths=lengths is not None, kept=kept)
     Simulator(func, args).run()
@@ -686,10 +688,13 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
         if lengths:
             ln = rng.integers(1, t_len + 1, n)
             ln[0], ln[-1] = 1, t_len
-        args = {"w": w, "pre": pre, "dy": dy, "xch": np.zeros((2, n, g * h), np.float32),
-                "dgi": np.full((t_len, n, g * h), np.nan, np.float32)}
+        args = {"w": w, "pre": pre.copy(), "dy": dy,
+                "xch": np.zeros((2, n, g * h), np.float32)}
         args["xch"][1] = np.nan
-        if not summed:
+        if summed:  # dGI written over the sums, as the entry has it
+            args["dgi"] = args["pre"]
+        else:
+            args["dgi"] = np.full((t_len, n, g * h), np.nan, np.float32)
             args["dgh"] = np.full((t_len, n, g * h), np.nan, np.float32)
         for k in range(len(cell.states)):
             args[f"s{k}_steps"] = states[k]

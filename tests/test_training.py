@@ -330,6 +330,28 @@ def test_double_backward_says_it_is_not_supported():
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
+@pytest.mark.parametrize("kind, consumed", [("LSTM", ["pre"]), ("GRU", [])])
+def test_a_second_backward_through_overwritten_sums_is_refused(kind, consumed):
+    """Where every gate is kept as its sum (LSTM), the backward pass writes the projections'
+    gradients over the kept sums (Module.consumed): a second backward through the same graph
+    (retain_graph=True) is refused by torch's in-place check, not computed from what was
+    overwritten; GRU keeps n's gi and gh apart, so its sums stay and it gives the same
+    gradients twice."""
+    net = getattr(rnncc.nn, kind)(3, 4)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    y, _ = net(x)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    module = rnncc.compile(kind.lower(), 3, 4, 2, target="llvm", training=True)
+    assert module.consumed == consumed
+    if consumed:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    else:
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, 2 * first)
+
+
 def test_a_compiled_module_trains():
     """torch.compile of an rnncc.nn module: a call that needs gradients runs rnncc's part
     eagerly and gives torch's gradients."""

@@ -251,15 +251,19 @@ class _Builder:
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
-        xp = self.param(sig, "xp", per_direction(xp_shape), "workspace", acc)
+        kept_parts = training.kept_parts(p.cell) if history else ()
+        in_place = (history and options.input_gemm and not per_gate
+                    and sums_in_place(kept_parts, layout.chunk))
+        xp = None if in_place else self.param(sig, "xp", per_direction(xp_shape), "workspace",
+                                              acc)
         hp = self.param(sig, "hp", per_direction((g, n, h) if per_gate else (n, g * h)),
                         "workspace", acc)
         pre = None
-        kept_parts = training.kept_parts(p.cell) if history else ()
         if history:
             sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
                   for s in p.cell.states]
             pre = self.param(sig, "pre", (t_len, n, len(kept_parts) * h), "output", acc)
+            xp = pre if in_place else xp
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
                   for s in p.cell.states]
@@ -333,8 +337,8 @@ class _Builder:
                                                 Region(y, (ALL, ALL, slice(h, 2 * h))), lengths))
         given = [lengths] if lengths is not None else []
         reversed_ = [x_rev, y_rev] if x_rev is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, xp, hp, *sw,
-                  *([pre] if pre is not None else []), *reversed_, *active]
+        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, *([] if in_place else [xp]),
+                  hp, *sw, *([pre] if pre is not None else []), *reversed_, *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 
@@ -384,7 +388,8 @@ class _Builder:
         chunk = 1 if plan.fused else self.layout.chunk
         xp_shape = (t_len, n, dirs * g * h) if plan.fused else self.layout.projections_shape(
             t_len, n, dirs * g, h)
-        xp = self.param(sig, "xp", xp_shape, "workspace", acc)
+        in_place = history and not plan.fused and sums_in_place(parts, chunk)
+        xp = kept[-1] if in_place else self.param(sig, "xp", xp_shape, "workspace", acc)
         rows = dirs * n
         sw = [self.param(sig, f"{s}_ws", (2, rows, h), "workspace", acc) for s in p.cell.states]
 
@@ -456,10 +461,20 @@ class _Builder:
                 Region(y, (ALL,) * 3)], 1))
         given = [lengths] if lengths is not None else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, *kept,
-                  *([packed] if history else []), xp, *sw, sync,
+                  *([packed] if history else []), *([] if in_place else [xp]), *sw, sync,
                   *([stacked] if layers > 1 else []), *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)
+
+
+def sums_in_place(parts: tuple, chunk: int) -> bool:
+    """Whether the training forward keeps each step's projection sums ``pre`` [T, N, G*H]
+    where its input projections were: where every gate is kept as its sum (:func:`rnncc.
+    lowering.training.kept_parts`) and the projections are laid out step by step (``chunk``
+    1), a gate's sum goes where its input projection was, which the cell reads first (one
+    thread an element, the sums stored last; the persistent kernel prefetches a step's
+    projections), and the backward pass writes the projections' gradients there in turn."""
+    return chunk == 1 and len(parts) > 0 and all(part == "sum" for _, part in parts)
 
 
 #: Suffix of direction d's weights (torch's names) and stages.

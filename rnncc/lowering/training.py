@@ -130,7 +130,10 @@ class _Backward:
         io.w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, h), "input")
         io.kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
                    for s in states]
-        io.pre = b.param(sig, "pre", (t_len, n, len(io.parts) * h), "input", acc)
+        # where every gate is kept as its sum, pre [T, N, G*H] is laid out as dGI: the pass
+        # writes dGI over it (an "inout": the caller's pre is consumed)
+        io.pre = b.param(sig, "pre", (t_len, n, len(io.parts) * h),
+                         "inout" if io.summed else "input", acc)
         io.lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
         io.dy = b.param(sig, "dy", (t_len, n, h), "input")
         io.d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
@@ -138,13 +141,13 @@ class _Backward:
         io.dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
                  for which, k in (("ih", c), ("hh", h))}
         io.db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
-        io.dgi = b.param(sig, "dgi", (t_len, n, gh), "output", acc)
+        io.dgi = io.pre if io.summed else b.param(sig, "dgi", (t_len, n, gh), "output", acc)
         io.dgh = (io.dgi if io.summed
                   else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc))
         io.given = [io.lengths] if io.lengths is not None else []
         io.params = [io.x, io.w_hh, *io.kept, io.pre, *io.given, io.dy, *io.d_final,
-                     *io.d_initial, io.dw["ih"], io.dw["hh"], io.db["ih"], io.db["hh"], io.dgi,
-                     *([io.dgh] if not io.summed else [])]
+                     *io.d_initial, io.dw["ih"], io.dw["hh"], io.db["ih"], io.db["hh"],
+                     *([io.dgi, io.dgh] if not io.summed else [])]
         return io
 
     def _weight_grads(self, io):
@@ -204,10 +207,17 @@ class _Backward:
             prologue.append(self.elementwise("activity", comp.activity(n, t_len), [
                 Region(io.lengths, (ALL,)), Region(active, (ALL, ALL))]))
         slot, nxt = tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2))
+        steps, pre_step = [], Region(io.pre, (step, ALL, ALL))
+        if summed:  # the cell's derivative reads every gate's sums before any dGI is written
+            copy = b.param(sig, "pre_step", (n, gh), "workspace", acc)
+            steps.append(self.elementwise("pre_step", comp.copy(g, n, h, acc, acc), [
+                Region(io.pre, (step, ALL, slice(i * h, (i + 1) * h))) for i in range(g)] + [
+                Region(copy, (ALL, slice(i * h, (i + 1) * h))) for i in range(g)], g))
+            pre_step = Region(copy, (ALL, ALL))
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
                                                      active is not None),
-            [Region(io.pre, (step, ALL, ALL))] + [Region(s, (step, ALL, ALL)) for s in io.kept]
+            [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept]
             + [Region(io.dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
             + [Region(cr, (slot, ALL, ALL)) for cr in carry]
             + ([Region(active, (step, ALL))] if active is not None else [])
@@ -215,7 +225,7 @@ class _Backward:
                for d in ((io.dgi,) if summed else (io.dgi, io.dgh)) for i in range(g)]
             + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
             (1 if summed else 2) * g + len(states))
-        steps = [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
+        steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
             Region(io.dgh, (step, ALL, ALL)), Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)),
             Region(dh_rec, (ALL, ALL))])]
 
@@ -226,7 +236,7 @@ class _Backward:
             + [Region(d, (0, ALL, ALL)) for d in io.d_initial], len(states))]
         grads, views = self._weight_grads(io)
         params = [*io.params, *carry, dh_rec, w_hh_t, zero,
-                  *([active] if active is not None else [])]
+                  *([active] if active is not None else []), *([copy] if summed else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
 

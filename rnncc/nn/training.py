@@ -7,12 +7,15 @@ runs its module on each sample's steps reversed (from its own last step), its y 
 The batch is padded to the bucket the inference path uses (:func:`.network.bucket`). A layer's
 forward keeps its states of every step and what the cell's derivative needs of its projections
 (``Module.train_forward``); its backward (``Module.backward``) computes the gates again from
-them.
+them, and where the cell uses every gate as a sum writes their gradients over the kept sums
+(a second backward through the same graph is then refused, as torch refuses one through a
+tensor changed in place).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..errors import InputError
 from .network import aligned, bucket
@@ -47,6 +50,9 @@ class _Layer(torch.autograd.Function):
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
                                 aligned(dy), tuple(aligned(g) for g in finals_grad),
                                 lengths=ctx.lengths, input_grad=ctx.needs_input_grad[1])
+        for name, tensor in zip(ctx.kept_names, kept):
+            if name in module.consumed:  # overwritten: a second backward says so (torch)
+                increment_version(tensor)
         biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
         return (None, grads.get("x"), None, None, *(grads[f"{s}0"] for s in module.states),
                 grads["weight_ih_l0"], grads["weight_hh_l0"], *biases)

@@ -106,6 +106,19 @@ class Family:
             tensor.copyto(out)
         return arr, out
 
+    def view(self, tensor):
+        """The TVM tensor ``tensor`` as an array of this family, its memory shared (what
+        :meth:`result` takes)."""
+        if self.name == "torch":
+            import torch
+
+            return torch.from_dlpack(tensor)
+        if self.name == "cupy":
+            import cupy
+
+            return cupy.from_dlpack(tensor)
+        return tensor
+
     def result(self, arr):
         return arr.numpy() if self.name == "numpy" else arr
 

@@ -405,13 +405,15 @@ class Module:
                 args.append(_lengths(lengths, steps, self.batch, family))
             elif name in packed.tensors:
                 args.append(packed.tensors[name])
-            elif kind == "input":  # an initial state, a kept state or a gradient
+            elif kind in ("input", "inout"):  # a state, a kept state or a gradient
                 value = given.get(name)
                 if value is None:
                     args.append(family.zeros(concrete(p["shape"]), p["dtype"])[1])
                 else:
                     args.append(to_tensor(name, value, concrete(p["shape"]), p["dtype"],
                                           family))
+                if kind == "inout":  # the call overwrites it: returned, as it is after
+                    results[name] = family.view(args[-1])
             else:
                 float_out = p["dtype"].startswith("float")
                 alloc = family.poisoned if self.poison and float_out else family.empty
@@ -449,9 +451,16 @@ class Module:
                          f"on {family.describe_device()}")
         return self._entries[key]
 
+    @property
+    def consumed(self) -> list[str]:
+        """The tensors of train_forward's ``kept`` that :meth:`backward` overwrites."""
+        self._check_training()
+        return [p["name"] for p in self._signature("backward") if p["kind"] == "inout"]
+
     def _kept_names(self) -> list[str]:
         """What train_forward keeps for backward: its outputs that backward takes."""
-        taken = {p["name"] for p in self._signature("backward") if p["kind"] == "input"}
+        taken = {p["name"] for p in self._signature("backward")
+                 if p["kind"] in ("input", "inout")}
         return [p["name"] for p in self._signature("train_forward")
                 if p["kind"] == "output" and p["name"] in taken]
 
@@ -481,7 +490,9 @@ class Module:
         states (one tensor, or a tuple in the cell's state order; None or a None item: zero).
         Returns a dict: ``x`` [T, N, C] (unless ``input_grad`` is False: then it is not
         computed), ``<s>0`` [1, N, H] each, and the weights' by torch's names (``weight_ih_l0``
-        [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H])."""
+        [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H]).
+        The tensors of ``kept`` that :attr:`consumed` names are overwritten (the projections'
+        gradients take their memory): pass a step's kept to one backward."""
         self._check_training()
         family = family_of(x, self.device_kind)
         if finals_grad is None or not isinstance(finals_grad, (tuple, list)):
@@ -498,7 +509,8 @@ class Module:
             packed = self._packed_for(family, weights, "sequence")
             results = self._invoke(family, self._training_function(family, "backward"), x,
                                    packed, given, lengths)
-            dgi = results.pop("dgi")  # the projections' gradients, for dx
+            # the projections' gradients, for dx: written over pre where it is laid out so
+            dgi = results.pop("dgi") if "dgi" in results else results.pop("pre")
             if input_grad:
                 results.update(self._invoke(family, "backward_input", None, packed,
                                             {"dgi": dgi}, None))
