@@ -1,19 +1,22 @@
 """Small helpers shared by the rules: loop nests of a PrimFunc and their sizes, and the
-PrimFuncs that rules write as TVMScript text."""
+parameters of the kernels that rules write in TVMScript."""
 
 from __future__ import annotations
 
 from tvm import s_tir
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 
-def prim_func_from_text(text: str, **names):
-    """The PrimFunc that TVMScript ``text`` defines, with ``T`` (``tvm.script.tirx``) and
-    ``names`` in scope. The one place the rules call TVM's TVMScript parser entry
-    (``tvm.script.parser.core.entry.parse``, an internal module of TVM 0.27)."""
-    from tvm.script.parser.core.entry import parse
-
-    return parse(text, extra_vars={"T": T, **names})
+def float32_parameters(shapes: dict) -> list:
+    """Inside a ``@T.prim_func`` being built: its float32 buffer parameters, in the order of
+    ``shapes`` (name: shape), each from a handle ``<name>_h`` and named ``name``."""
+    buffers = []
+    for name, shape in shapes.items():
+        buffer = T.match_buffer(T.arg(f"{name}_h", T.handle()), shape, "float32")
+        IRBuilder.name(name, buffer)
+        buffers.append(buffer)
+    return buffers
 
 
 def loop_nests(sch: s_tir.Schedule):

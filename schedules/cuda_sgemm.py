@@ -43,9 +43,8 @@ from dataclasses import dataclass
 
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
-from tvm.script.ir_builder import IRBuilder
 
-from ._common import gemm_blocks, static_extent, weights_are_rows
+from ._common import float32_parameters, gemm_blocks, static_extent, weights_are_rows
 from ._rule import Rule
 
 #: Fewest batch rows one step's product this rule takes. The products of all steps (T*N rows)
@@ -214,14 +213,8 @@ def _parameters(t: Tile):
     """The gemm component's parameters: a [.., N, K], w [O, K], b [O], out [.., N, O]."""
     p = t.product
     lead = (t.t_len,) if p.all_steps else ()
-    shapes = {"a": lead + (p.batch, p.depth), "w": (p.outputs, p.depth), "b": (p.outputs,),
-              "out": lead + (p.batch, p.outputs)}
-    buffers = []
-    for name, shape in shapes.items():
-        buffer = T.match_buffer(T.arg(f"{name}_h", T.handle()), shape, "float32")
-        IRBuilder.name(name, buffer)
-        buffers.append(buffer)
-    return buffers
+    return float32_parameters({"a": lead + (p.batch, p.depth), "w": (p.outputs, p.depth),
+                               "b": (p.outputs,), "out": lead + (p.batch, p.outputs)})
 
 
 @T.macro

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
-from tvm.script.ir_builder import IRBuilder
 
-from ._common import block_named, static_extent
+from ._common import block_named, float32_parameters, static_extent
 from ._rule import Rule
 from .cuda_sgemm import PAD, TILE, products, thread_col, thread_row
 
@@ -94,12 +93,7 @@ class _Tile:
 def _parameters(t: _Tile):
     """The component's parameters: g [M, O], a [M, K], dw [O, K]."""
     o_, k_ = t.gradient.outputs, t.gradient.depth
-    buffers = []
-    for name, shape in (("g", (t.rows, o_)), ("a", (t.rows, k_)), ("dw", (o_, k_))):
-        buffer = T.match_buffer(T.arg(f"{name}_h", T.handle()), shape, "float32")
-        IRBuilder.name(name, buffer)
-        buffers.append(buffer)
-    return buffers
+    return float32_parameters({"g": (t.rows, o_), "a": (t.rows, k_), "dw": (o_, k_)})
 
 
 @T.macro

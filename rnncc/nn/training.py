@@ -50,8 +50,9 @@ class _Layer(torch.autograd.Function):
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
                                 aligned(dy), tuple(aligned(g) for g in finals_grad),
                                 lengths=ctx.lengths, input_grad=ctx.needs_input_grad[1])
+        consumed = module.consumed
         for name, tensor in zip(ctx.kept_names, kept):
-            if name in module.consumed:  # overwritten: a second backward says so (torch)
+            if name in consumed:  # overwritten: a second backward says so (torch)
                 increment_version(tensor)
         biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
         return (None, grads.get("x"), None, None, *(grads[f"{s}0"] for s in module.states),
