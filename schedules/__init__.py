@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from . import (
     cpu_elementwise,
     cpu_gemm,
+    cuda_column_sum,
     cuda_elementwise,
     cuda_fallback,
     cuda_gemm_simple,
@@ -41,7 +42,8 @@ RULES: dict[tuple[str, str], list[Rule]] = {
                        cuda_sgemm.RULE, cuda_tiled_gemm.RULE, cuda_matmul.RULE,
                        cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_fallback.RULE],
-    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_matmul.RULE, cuda_fallback.RULE],
+    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_column_sum.RULE, cuda_matmul.RULE,
+                           cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],
     ("llvm", "reduction"): [cpu_elementwise.SERIAL],

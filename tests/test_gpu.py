@@ -439,6 +439,39 @@ def test_weight_grad_matches_reference(torch, outputs, depth, rng):
         assert err < TOL_F32, f"M={rows}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (33, "float32"),
+                                            (132, "float16")])
+def test_column_sum_matches_reference(torch, outputs, dtype, rng):
+    """A bias's gradient db = sum of g's rows over M = 1, 7, 100 and 3001 rows (fewer rows than
+    lanes, part of an unrolled round, many rounds), db poisoned, against float64; nothing
+    written past O."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    from rnncc import schedules
+    from rnncc.lowering import components as comp
+    from rnncc.target import TargetSpec
+
+    target = TargetSpec("cuda").tvm_target()
+    scheduled = schedules.schedule(comp.column_sum(tirx.Var("M", "int64"), outputs, dtype),
+                                   target, "reduction")
+    assert scheduled.rule == "cuda.column_sum"
+    lib = tvm.compile(tvm.IRModule({"main": scheduled.func.with_attr("global_symbol", "cs")}),
+                      target=target)
+    for rows in (1, 7, 100, 3001):
+        g = rng.standard_normal((rows, outputs))
+        poisoned = torch.full((outputs + 64,), float("nan"), dtype=getattr(torch, dtype),
+                              device="cuda")
+        db = poisoned[:outputs]
+        arg = torch.tensor(g, dtype=torch.float32, device="cuda")
+        lib["cs"](tvm_ffi.from_dlpack(arg), tvm_ffi.from_dlpack(db))
+        torch.cuda.synchronize()
+        assert poisoned[outputs:].isnan().all()
+        err = reference.relative_error(db.cpu().double().numpy(), g.sum(axis=0))
+        assert err < (TOL_F32 if dtype == "float32" else 2e-3), f"M={rows}: {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [
     ("lstm", 32, 257, 7, "float32", {"sync": "tagged"}, "on"),
     ("gru", 1024, 1024, 4, "float32", None, "on"),  # overlapped input projection

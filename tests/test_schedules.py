@@ -259,6 +259,35 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
 
 
+@pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (4, "float32"),
+                                            (132, "float16")])
+def test_column_sum_spreads_the_columns_over_blocks_and_the_rows_over_lanes(outputs, dtype):
+    """A bias's gradient over the T*N rows of all steps: 32 columns a block (a warp reads a
+    row's contiguous floats), rows over 32 lanes, 4 in flight a thread, the lanes' sums added in
+    shared memory (no atomics), columns past O guarded; no spills; weight gradients and other
+    shapes go to the other rules."""
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import cuda_column_sum
+
+    m = tirx.Var("M", "int64")
+    result = schedules.schedule(comp.column_sum(m, outputs, dtype), CUDA, "reduction")
+    assert result.rule == "cuda.column_sum"
+    source = tvm.compile(tvm.IRModule({"main": result.func.with_attr("global_symbol", "cs")}),
+                         target=CUDA).mod.imports[0].inspect_source()
+    body = kernel_bodies(source)["cs_kernel"]
+    assert "__launch_bounds__(1024)" in source and "atomic" not in body
+    assert body.count("__syncthreads()") == 1 and body.count("g_ptr[") == 4
+    assert body.count("< M)") == 4  # rows past M
+    assert body.count("if (") == 5 + (2 if outputs % 32 else 0)  # and columns past O
+    _, report = compile_cubin(source, "sm_90")
+    kernel = report["cs_kernel"]
+    assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
+    assert cuda_column_sum.apply(comp.weight_gradient(m, 128, 128, "float32", "float32"),
+                                 CUDA) is None
+    g = tirx.decl_buffer((m, outputs), "float16", "g")
+    assert cuda_column_sum.sizes(tvm.tirx.PrimFunc([g], tvm.tirx.Evaluate(0))) is None
+
+
 def test_a_stages_scratch_buffers_are_parameters_the_caller_allocates():
     """A split product's slices (and any stage's own global buffer of a static size) become
     trailing parameters of the entry, signed as workspaces: TVM's own workspace pool, where a
