@@ -428,10 +428,11 @@ def test_a_training_run_follows_torch(kind):
 @pytest.mark.gpu
 def test_a_training_step_runs_in_a_cuda_graph():
     """A whole training step (forward, backward, optimizer) captured in a CUDA graph and
-    replayed: the same parameters as the same steps run eagerly."""
+    replayed: the same parameters as the same steps run eagerly (a bidirectional network: the
+    reverse direction on a stream of its own, in the capture too)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    nets = [rnncc.nn.GRU(16, 32, num_layers=2).cuda() for _ in range(2)]
+    nets = [rnncc.nn.GRU(16, 32, num_layers=2, bidirectional=True).cuda() for _ in range(2)]
     nets[1].load_state_dict(nets[0].state_dict())
     opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
     xs = [torch.randn(12, 5, 16, device="cuda") for _ in range(4)]

@@ -3,7 +3,8 @@
 
 Shapes as in :mod:`.network`: x [T, N, C], states [L*D, N, H], y [T, N, D*H]. The layers run
 one after another (dropout between them in training mode, as torch's); the reverse direction
-runs its module on each sample's steps reversed (from its own last step), its y reversed back.
+runs its module on each sample's steps reversed (from its own last step), its y reversed back,
+on CUDA on a stream of its own beside the forward direction's (in both passes).
 The batch is padded to the bucket the inference path uses (:func:`.network.bucket`). A layer's
 forward keeps its states of every step and what the cell's derivative needs of its projections
 (``Module.train_forward``); its backward (``Module.backward``) computes the gates again from
@@ -71,6 +72,35 @@ def reversed_steps(x, lengths):
     return x.gather(0, index[:, :, None].expand(-1, -1, x.shape[2]))
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    """The stream the reverse direction runs on, one a device: both directions' kernels at
+    once, each direction's backward on its forward's stream (torch's autograd does that)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
+def _on_side(side, module, args):
+    """``_Layer.apply(module, *args)`` on the stream ``side``, after the work queued so far on
+    the current stream; the current stream then waits for it. Tensors made on one stream and
+    used on the other are recorded there (the allocator keeps them until both are done)."""
+    main = torch.cuda.current_stream(side.device)
+    side.wait_stream(main)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a.record_stream(side)
+    with torch.cuda.stream(side):
+        results = _Layer.apply(module, *args)
+    main.wait_stream(side)
+    for r in results:
+        r.record_stream(main)
+    return results
+
+
 @torch.compiler.disable
 def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
     """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
@@ -91,20 +121,25 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
     if lengths is not None:
         lengths = aligned(lengths.to(torch.int32))
     dtype = str(x.dtype).replace("torch.", "")
+    side = _side_stream(x.device) if x.is_cuda and lay.directions == 2 else None
     finals: list = [[] for _ in states]
     layer_input = x
     for layer in range(lay.layers):
+        module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
+                                dtype=dtype, target=target, arch=arch,
+                                lengths=lengths is not None, training=True)
         outputs = []
         for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
-            module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
-                                    dtype=dtype, target=target, arch=arch,
-                                    lengths=lengths is not None, training=True)
             given = [weights.get(f"{name}_l{layer}{suffix}")
                      for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
             row = layer * lay.directions + d
             seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)
-            y, *last = _Layer.apply(module, aligned(seq), lengths, len(states),
-                                    *(aligned(s[row:row + 1]) for s in states), *given)
+            args = (aligned(seq), lengths, len(states),
+                    *(aligned(s[row:row + 1]) for s in states), *given)
+            if d == 1 and side is not None:
+                y, *last = _on_side(side, module, args)
+            else:
+                y, *last = _Layer.apply(module, *args)
             outputs.append(y if d == 0 else reversed_steps(y, lengths))
             for found, value in zip(finals, last):
                 found.append(value)
