@@ -88,3 +88,13 @@ ptxas info    : Function properties for k1
 ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]"""
     assert parse_ptxas(report) == {"k1": {"stack": 8, "spill_stores": 4, "spill_loads": 4,
                                           "registers": 255, "smem": 1024}}
+
+
+def test_the_pack_entries_say_where_a_packed_weight_is_the_given_one():
+    """CUDA's packed weights are PyTorch's [G*H, K] as they are: the pack entries name the
+    given weight (pack(copy=False) then lends its memory); the CPU's are transposed."""
+    for target, same in (("cuda", True), ("llvm", False)):
+        module = compiled("lstm", 17, 33, 3, target)
+        for which in ("ih", "hh"):
+            out = module._signature(f"pack_w_{which}")[-1]
+            assert out.get("same_as") == (f"weight_{which}_l0" if same else None), target

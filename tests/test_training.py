@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rnncc
+from conftest import random_weights
 from rnncc import cells, reference
 from rnncc.cells import autodiff
 from rnncc.errors import ConfigError, InputError
@@ -353,6 +354,53 @@ def test_a_second_backward_through_overwritten_sums_is_refused(kind, consumed):
         torch.testing.assert_close(x.grad, 2 * first)
 
 
+@pytest.mark.parametrize("cell, hidden, batch, shared", [("gru", 16, 4, True),
+                                                         ("lstm", 3, 7, False)])
+def test_y_is_kept_in_the_states_of_every_step_where_they_agree(cell, hidden, batch, shared,
+                                                                rng):
+    """Without lengths (torch tensors, float32), a training forward's y is h_steps from its
+    step 1 on, one buffer (less memory kept for the backward pass), where that view is
+    64-byte aligned (N*H a multiple of 16); either way y is the call's y, and with lengths
+    (zeros past a sample's end) it is a tensor of its own."""
+    module = rnncc.compile(cell, 5, hidden, batch, target="llvm", training=True, lengths=True)
+    module.poison = True
+    weights = {k: torch.from_numpy(v).float() for k, v in random_weights(
+        rng, cells.get(cell).gates, 5, hidden).items()}
+    x = torch.from_numpy(rng.standard_normal((6, batch, 5))).float()
+    y, _, kept = module.train_forward(x, weights)
+    assert (y.data_ptr() == kept["h_steps"][1].data_ptr()) == shared
+    torch.testing.assert_close(y, module(x, weights)[0], rtol=0, atol=0)
+    torch.testing.assert_close(kept["h_steps"][1:], y, rtol=0, atol=0)
+    full = torch.full((batch,), 6, dtype=torch.int32)
+    y_own, _, kept_own = module.train_forward(x, weights, lengths=full)
+    assert y_own.data_ptr() != kept_own["h_steps"][1].data_ptr()
+    torch.testing.assert_close(y_own, y, rtol=0, atol=0)
+
+
+def test_y_modified_in_place_in_training_is_refused():
+    """A training forward's y shares the memory the backward pass reads (as cuDNN's, whose
+    backward refuses an output changed in place): changing it in place says so at once."""
+    net = rnncc.nn.GRU(5, 16)
+    y, _ = net(torch.randn(7, 4, 5, requires_grad=True))
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        y.add_(1.0)
+
+
+@pytest.mark.parametrize("name", ["weight_hh_l0", "bias_ih_l0"])
+def test_a_weight_changed_in_place_before_backward_is_refused(name):
+    """The training forward may use the weights' own memory (no packed copy, on CUDA): a
+    weight changed in place between the forward and the backward pass (an optimizer step too
+    early) is refused by torch's in-place check, as torch.nn.LSTM's, not differentiated with
+    the new values."""
+    net = rnncc.nn.LSTM(3, 4)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    y, _ = net(x)
+    with torch.no_grad():
+        getattr(net, name).add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_a_compiled_module_trains():
     """torch.compile of an rnncc.nn module: a call that needs gradients runs rnncc's part
     eagerly and gives torch's gradients."""
@@ -423,6 +471,22 @@ def test_a_training_run_follows_torch(kind):
         curves.append(np.array(losses))
     assert curves[0][-1] < curves[0][0]  # it learns
     np.testing.assert_allclose(curves[1], curves[0], rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_training_packs_the_weights_without_a_copy_on_cuda():
+    """On CUDA the packed weights are PyTorch's as they are: pack(copy=False) (what training
+    uses) lends the given memory, pack() copies."""
+    module = rnncc.compile("lstm", 8, 16, 2, target="cuda", training=True)
+    weights = {name: torch.randn(shape, device="cuda") for name, shape in (
+        ("weight_ih_l0", (64, 8)), ("weight_hh_l0", (64, 16)), ("bias_ih_l0", (64,)),
+        ("bias_hh_l0", (64,)))}
+    lent = module.pack(weights, entry="sequence", copy=False)
+    copied = module.pack(weights, entry="sequence")
+    for packed, given in (("w_ih", "weight_ih_l0"), ("w_hh", "weight_hh_l0"),
+                          ("b_ih", "bias_ih_l0")):
+        assert lent.tensors[packed].data_ptr() == weights[given].data_ptr()
+        assert copied.tensors[packed].data_ptr() != weights[given].data_ptr()
 
 
 @pytest.mark.gpu

@@ -71,6 +71,11 @@ class Layout:
         return (tvm.tirx.floordiv(t, i64(self.chunk)), tvm.tirx.floormod(t, i64(self.chunk)),
                 ALL, ALL)
 
+    @property
+    def packs_as_given(self) -> bool:
+        """True when a packed weight is PyTorch's [G*H, K] as it is (element for element)."""
+        return self.gates == "combined" and self.weights == "rows"
+
     def weight_shape(self, gates: int, hidden: int, k: int) -> tuple[int, ...]:
         """Shape of a packed [G*H, K] weight."""
         if self.gates == "combined":

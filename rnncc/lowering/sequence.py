@@ -116,6 +116,9 @@ class _Builder:
         tags = _grid_tags(p)
         srcs = [self.param(sig, f"weight_{which}_{tag}", (g * h, k), "input") for tag in tags]
         dst = self.param(sig, f"w_{which}", (len(tags) * shape[0], *shape[1:]), "output")
+        if (len(tags) == 1 and isinstance(layout_or_func, Layout)
+                and layout_or_func.packs_as_given):
+            sig[-1]["same_as"] = sig[0]["name"]  # a copy: the runtime may use the given one
         if len(tags) == 1:
             self.add(name, standalone_function(name, _rename_params(func, [*srcs, dst])), sig)
             return

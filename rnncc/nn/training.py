@@ -32,12 +32,13 @@ class _Layer(torch.autograd.Function):
         weights = {"weight_ih_l0": w_ih, "weight_hh_l0": w_hh}
         if b_ih is not None:
             weights.update(bias_ih_l0=b_ih, bias_hh_l0=b_hh)
-        packed = module.pack(weights, entry="sequence")
+        packed = module.pack(weights, entry="sequence", copy=False)
         initial = {f"{s}0": v for s, v in zip(module.states, states)}
         y, finals, kept = module.train_forward(x, packed, lengths=lengths, **initial)
         ctx.module, ctx.packed, ctx.lengths = module, packed, lengths
         ctx.biases = b_ih is not None
-        ctx.save_for_backward(x, *kept.values())
+        # the weights, which packed may share: changed in place before backward, torch says so
+        ctx.save_for_backward(x, *kept.values(), w_ih, w_hh, b_ih, b_hh)
         ctx.kept_names = list(kept)
         return (y, *(finals if isinstance(finals, tuple) else (finals,)))
 
@@ -46,7 +47,7 @@ class _Layer(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise InputError("rnncc's gradients cannot be differentiated again (double "
                              "backward, create_graph=True): not supported")
-        x, *kept = ctx.saved_tensors
+        x, *kept = ctx.saved_tensors[:-4]
         module = ctx.module
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
                                 aligned(dy), tuple(aligned(g) for g in finals_grad),

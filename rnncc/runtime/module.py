@@ -23,10 +23,12 @@ import shutil
 import tempfile
 import weakref
 
+import numpy as np
+
 from ..errors import InputError, ModuleFileError, warn
 from . import faults, tvm_runtime
 from . import metadata as md
-from .arrays import Family, family_of, to_tensor
+from .arrays import ALIGNMENT, Family, family_of, to_tensor
 from .files import write_atomically
 
 WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
@@ -50,7 +52,7 @@ def check_packed(packed, packed_for: str, owner: str, key: str, family: Family) 
 class PackedWeights:
     """Weights laid out for one module's entry ("persistent" or "sequence") on one device
     (from :meth:`Module.pack`): a copy, which later in-place changes of the weights it was
-    packed from do not reach (pack them again)."""
+    packed from do not reach (pack them again), unless packed with ``copy=False``."""
 
     def __init__(self, module: Module, family: Family, entry: str, tensors: dict, keep: list):
         self._module_key = module._key
@@ -238,12 +240,14 @@ class Module:
                              "biases)")
         return dict(weights)
 
-    def pack(self, weights, device: str | None = None, entry: str | None = None
-             ) -> PackedWeights:
+    def pack(self, weights, device: str | None = None, entry: str | None = None,
+             copy: bool = True) -> PackedWeights:
         """Lay ``weights`` out for this module, on the device of the weights (or ``device``,
         for NumPy weights: "cuda:1"), once, for repeated calls. ``entry`` forces "sequence"
         (the non-persistent schedule) or "persistent" (for comparisons); by default the
-        module picks the persistent kernel where it has one that this device can run."""
+        module picks the persistent kernel where it has one that this device can run.
+        ``copy=False``: where a packed weight is the given one as it is, use the given memory
+        (no copy; later in-place changes of the weights then reach the packed ones)."""
         weights = self._weights_mapping(weights)
         if isinstance(weights, PackedWeights):
             return weights
@@ -257,7 +261,7 @@ class Module:
                                  f"{family.describe_device()} (see its metadata)")
             chosen = entry
         with faults.guard(family, f"packing the weights of {self._key}"):
-            return self._pack(weights, family, chosen)
+            return self._pack(weights, family, chosen, copy)
 
     def _family_for(self, first, device: str | None) -> Family:
         family = family_of(first, self.device_kind)
@@ -268,14 +272,22 @@ class Module:
             family = Family("numpy", kind, int(index or 0))
         return family
 
-    def _pack(self, weights: dict, family: Family, entry: str) -> PackedWeights:
+    def _pack(self, weights: dict, family: Family, entry: str, copy: bool = True
+              ) -> PackedWeights:
         lib = self._library()
         dtype, gh = self.dtype, self.metadata["gates"] * self.hidden_size
         tensors, keep = {}, []
 
         def run(function, ready=None):  # a module function on the weights, into new outputs
-            args = []
-            for p in self._signature(function):
+            args, sig = [], self._signature(function)
+            same = [p for p in sig if p.get("same_as")]
+            if not copy and len(same) == 1 and len(sig) == 2:  # the given weight as it is
+                given = same[0]["same_as"]
+                tensors[same[0]["name"]] = to_tensor(given, weights[given], sig[0]["shape"],
+                                                     dtype, family)
+                keep.append(weights[given])
+                return
+            for p in sig:
                 name = p["name"]
                 if ready and name in ready:
                     args.append(ready[name])
@@ -302,11 +314,13 @@ class Module:
             name = f"bias_{which}_l0"
             if name in zeros:
                 tensors[f"b_{which}"] = zeros[name]
-            else:  # a copy, as the packed matrices are
+            else:  # a copy, as the packed matrices are (unless not copied)
                 given = to_tensor(name, weights[name], [gh], dtype, family)
-                with family.stream():
-                    arr, tensors[f"b_{which}"] = family.copy(given)
-                keep.append(arr)
+                if copy:
+                    with family.stream():
+                        arr, given = family.copy(given)
+                keep.append(arr if copy else weights[name])
+                tensors[f"b_{which}"] = given
         return PackedWeights(self, family, entry, tensors, keep)
 
     _said_no_grad = False
@@ -369,10 +383,12 @@ class Module:
         return (results["y"], finals[0]) if len(finals) == 1 else (results["y"], finals)
 
     def _invoke(self, family: Family, function: str, x, packed: PackedWeights, given: dict,
-                lengths) -> dict:
+                lengths, lent=None) -> dict:
         """Run the module function ``function`` on x [T, N, C] and the packed weights; the
         other inputs from ``given`` by name (an absent initial state, or gradient of one, is
-        zero), outputs and workspaces made here. Returns the outputs by name, as the caller's
+        zero), outputs and workspaces made here, or by ``lent(steps)`` (a dict of outputs by
+        name, the caller's arrays, contiguous and aligned). Returns the outputs by name, as the
+        caller's
         kind of array (read here, while this frame holds the call's memory: a kernel that
         faulted is seen before any of it is freed, see :mod:`.faults`)."""
         sig = self._signature(function)
@@ -397,9 +413,13 @@ class Module:
             return [md.concrete_dim(d, steps) for d in shape]
 
         args, results = [], {}
+        lent = lent(steps) if lent else {}
         for p in sig:
             name, kind = p["name"], p["kind"]
-            if name == "x":
+            if name in lent:
+                args.append(to_tensor(name, lent[name], concrete(p["shape"]), p["dtype"], family))
+                results[name] = lent[name]
+            elif name == "x":
                 args.append(x_t)
             elif name == "lengths":
                 args.append(_lengths(lengths, steps, self.batch, family))
@@ -476,11 +496,32 @@ class Module:
         given = self._initial(h0, c0, lengths, initial)
         with faults.guard(family, f"a training step of {self._key}"):
             packed = self._packed_for(family, weights, "sequence")
-            results = self._invoke(family, self._training_function(family, "train_forward"), x,
-                                   packed, given, lengths)
+            function = self._training_function(family, "train_forward")
+            results = self._invoke(family, function, x, packed, given, lengths,
+                                   self._y_in_h_steps(family, function, lengths))
             y, finals = self._forward_results(results)
             kept = {k: v for k, v in results.items() if k in self._kept_names()}
         return y, finals, kept
+
+    def _y_in_h_steps(self, family: Family, function: str, lengths):
+        """Where y [T, N, H] holds what h_steps [T+1, N, H] holds from its step 1 on (no
+        lengths: no zeros past a sample's end; one dtype), a function of T that makes h_steps
+        and lends y as its view there (a quarter less kept memory for LSTM, a half for RNNs),
+        else None. PyTorch tensors only, where the view is aligned."""
+        sig = {p["name"]: p for p in self._signature(function)}
+        if (family.name != "torch" or lengths is not None or "h_steps" not in sig
+                or sig["h_steps"]["dtype"] != sig["y"]["dtype"]):
+            return None
+        dtype = sig["y"]["dtype"]
+        if self.batch * self.hidden_size * np.dtype(dtype).itemsize % ALIGNMENT:
+            return None
+
+        def lent(steps):
+            alloc = family.poisoned if self.poison else family.empty
+            h_steps, _ = alloc([steps + 1, self.batch, self.hidden_size], dtype)
+            return {"h_steps": h_steps, "y": h_steps[1:]}
+
+        return lent
 
     def backward(self, x, weights, kept: dict, dy=None, finals_grad=None, lengths=None,
                  input_grad: bool = True) -> dict:
