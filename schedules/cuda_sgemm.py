@@ -65,13 +65,17 @@ WARP_ROWS = 4
 PAD = 4
 #: Split-K of one step's product: at most MAX_SPLITS slices (a power of two), each at least
 #: MIN_SLICE deep, the grid at most SPLIT_BLOCKS blocks (about three of 128 threads a
-#: multiprocessor of an H200; 512 made LSTM 1024 take 16 slices, 16% slower).
-MAX_SPLITS = 16
+#: multiprocessor of an H200; 512 made LSTM 1024 take 16 slices, 16% slower). 32 slices
+#: serve the deep products of few tiles, a training step's dh = dGH W_hh ([N, G*H] x [G*H, H]:
+#: LSTM 1024's 8 tiles, K = 4096).
+MAX_SPLITS = 32
 MIN_SLICE = 64
 SPLIT_BLOCKS = 384
 #: The products of all steps split K too where T*N leaves their grid small (dx of a training
-#: step at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), into as many
-#: slices as keep the grid within two blocks of 256 threads a multiprocessor of an H100/H200.
+#: step at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), into at most
+#: ALL_STEPS_MAX_SPLITS slices, as many as keep the grid within two blocks of 256 threads a
+#: multiprocessor of an H100/H200.
+ALL_STEPS_MAX_SPLITS = 16
 ALL_STEPS_SPLIT_BLOCKS = 264
 
 
@@ -105,10 +109,12 @@ class Product:
         return max(s for s in self.split_choices() if s == 1 or tiles * s <= SPLIT_BLOCKS)
 
     def split_choices(self) -> tuple[int, ...]:
-        """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS`, each
-        slice whole pairs of chunks and at least :data:`MIN_SLICE` deep."""
-        return tuple(s for s in (2 ** i for i in range(MAX_SPLITS.bit_length()))
-                     if s <= MAX_SPLITS and self.depth % (s * 2 * BK) == 0
+        """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS` (all steps:
+        :data:`ALL_STEPS_MAX_SPLITS`), each slice whole pairs of chunks and at least
+        :data:`MIN_SLICE` deep."""
+        most = ALL_STEPS_MAX_SPLITS if self.all_steps else MAX_SPLITS
+        return tuple(s for s in (2 ** i for i in range(most.bit_length()))
+                     if s <= most and self.depth % (s * 2 * BK) == 0
                      and (s == 1 or self.depth // s >= MIN_SLICE))
 
 

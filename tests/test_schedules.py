@@ -127,12 +127,13 @@ def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
 
 @pytest.mark.parametrize("batch, depth, outputs, splits", [
     (64, 1024, 4096, 8), (64, 1536, 6144, 8), (64, 1024, 3072, 16), (64, 2048, 6144, 8),
-    (96, 256, 1024, 4), (33, 128, 128, 2), (40, 32, 128, 1)])
+    (64, 4096, 1024, 32), (64, 8192, 2048, 16), (96, 256, 1024, 4), (33, 128, 128, 2),
+    (40, 32, 128, 1)])
 def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits):
     """One step's product: 64-row tiles of 128 threads, K in slices (the four standard batch-64
-    sizes as measured best, H200) of whole pairs of chunks, at least MIN_SLICE deep, the grid
-    within SPLIT_BLOCKS; the slices go to a workspace that a second kernel sums in order with
-    the bias."""
+    sizes as measured best, H200; a training step's dh of LSTM 1024 and 2048) of whole pairs
+    of chunks, at least MIN_SLICE deep, the grid within SPLIT_BLOCKS; the slices go to a
+    workspace that a second kernel sums in order with the bias."""
     from rnncc.schedules import cuda_sgemm
 
     product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
