@@ -2,7 +2,9 @@
 double-buffered register-blocked kernel): the input projection of all steps, and each step's
 recurrent projection at a large batch.
 
-out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] for N static batch rows (at least
+out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] (w [O, K], PyTorch's rows; or w[k, o], w
+[K, O]: a training step's dx = dGI W_ih reads W_ih [G*H, C] as it is) for N static batch rows
+(at least
 :data:`MIN_BATCH` for one step's product), O outputs, K deep; the rows M are the T*N rows of
 all steps (T a run-time size) or one step's N. A block computes a tile of M x O, 128 columns by
 128 rows (all steps, 256 threads) or by 64 rows (one step, 128 threads: a batch of 64 in one
@@ -88,6 +90,7 @@ class Product:
     depth: int
     outputs: int
     all_steps: bool
+    w_rows: bool = True
 
     @property
     def tile_rows(self) -> int:
@@ -120,17 +123,16 @@ class Product:
 
 def sizes(func) -> Product | None:
     """The product of rnncc's gemm component ``func`` when this rule takes it, else None: in
-    float32, weights as rows [O, K], N >= MIN_BATCH for one step's, O a multiple of
-    :data:`TILE` and K of 2 * :data:`BK` (chunks go in pairs, one a buffer); lead (T, N) or
-    (N,)."""
+    float32, weights as rows [O, K] or columns [K, O], N >= MIN_BATCH for one step's, O a
+    multiple of :data:`TILE` and K of 2 * :data:`BK` (chunks go in pairs, one a buffer); lead
+    (T, N) or (N,)."""
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
     if blocks is None or len(sch.get_loops(blocks[0])) not in (3, 4):
         return None
     if any(str(buf.dtype) != "float32" for buf in func.params):
         return None
-    if not weights_are_rows(sch, blocks[0]):
-        return None
+    w_rows = weights_are_rows(sch, blocks[0])
     *_, n_loop, o_loop, k_loop = sch.get_loops(blocks[0])
     batch, outputs, depth = (static_extent(sch, x) for x in (n_loop, o_loop, k_loop))
     all_steps = len(sch.get_loops(blocks[0])) == 4
@@ -138,7 +140,7 @@ def sizes(func) -> Product | None:
         return None
     if outputs % TILE or depth % (2 * BK):
         return None
-    return Product(batch, depth, outputs, all_steps)
+    return Product(batch, depth, outputs, all_steps, w_rows)
 
 
 def thread_row(tx):
@@ -185,6 +187,23 @@ class Tile:
             return tirx.min(by * self.m + tx // self.lanes["a"], self.rows - 1)
         return bx * TILE + tx // self.lanes["w"]
 
+    def w_load(self, w, p, v, k0, bx, tx):
+        """Element v of the thread's vector p of w in the chunk from K column ``k0`` on: 4
+        consecutive k of a row of w [O, K] (transposed when stored), or 4 consecutive o of a
+        row of w [K, O] (stored as they are: a warp reads 512 contiguous bytes)."""
+        if self.product.w_rows:
+            return tirx.BufferLoad(w, [self.row("w", None, bx, tx), k0 + self.col("w", p, tx)
+                                       + v])
+        f = (p * self.threads + tx) * 4
+        return tirx.BufferLoad(w, [k0 + f // TILE, bx * TILE + f % TILE + v])
+
+    def w_slot(self, p, v, tx):
+        """Where element v of the thread's vector p of w goes in a k-major shared tile."""
+        if self.product.w_rows:
+            return (self.col("w", p, tx) + v) * self.stride["w"] + tx // self.lanes["w"]
+        f = (p * self.threads + tx) * 4
+        return f // TILE * self.stride["w"] + f % TILE + v
+
     def at(self, m):
         """The leading indices of row m of a or out: (t, n) for all steps, else (n,)."""
         n_ = self.product.batch
@@ -216,10 +235,12 @@ class Tile:
 
 
 def _parameters(t: Tile):
-    """The gemm component's parameters: a [.., N, K], w [O, K], b [O], out [.., N, O]."""
+    """The gemm component's parameters: a [.., N, K], w [O, K] (or [K, O]), b [O], out [.., N,
+    O]."""
     p = t.product
     lead = (t.t_len,) if p.all_steps else ()
-    return float32_parameters({"a": lead + (p.batch, p.depth), "w": (p.outputs, p.depth),
+    w_shape = (p.outputs, p.depth) if p.w_rows else (p.depth, p.outputs)
+    return float32_parameters({"a": lead + (p.batch, p.depth), "w": w_shape,
                                "b": (p.outputs,), "out": lead + (p.batch, p.outputs)})
 
 
@@ -235,7 +256,7 @@ def _load(t, a, w, ar, wr, k0, by, bx, tx):
                                        + v)
         if p < t.vectors["w"]:
             for v in T.vectorized(4):
-                wr[p * 4 + v] = w[t.row("w", by, bx, tx), k0 + t.col("w", p, tx) + v]
+                wr[p * 4 + v] = t.w_load(w, p, v, k0, bx, tx)
 
 
 @T.macro
@@ -246,7 +267,7 @@ def _store(t, ar, wr, a_s, w_s, tx):
             if p < t.vectors["a"]:
                 a_s[(t.col("a", p, tx) + v) * t.stride["a"] + tx // t.lanes["a"]] = ar[p * 4 + v]
             if p < t.vectors["w"]:
-                w_s[(t.col("w", p, tx) + v) * t.stride["w"] + tx // t.lanes["w"]] = wr[p * 4 + v]
+                w_s[t.w_slot(p, v, tx)] = wr[p * 4 + v]
 
 
 @T.macro

@@ -381,12 +381,14 @@ def test_sgemm_matches_reference(cell, input_size, hidden, batch, rng):
         assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("batch, depth, outputs", [(1, 4096, 1024), (3, 256, 128),
-                                                   (64, 1024, 512)])
-def test_sgemm_of_all_steps_matches_reference_split_or_not(torch, batch, depth, outputs, rng):
+@pytest.mark.parametrize("batch, depth, outputs, weights", [
+    (1, 4096, 1024, "rows"), (3, 256, 128, "rows"), (64, 1024, 512, "rows"),
+    (1, 4096, 1024, "cols"), (64, 1024, 512, "cols")])
+def test_sgemm_of_all_steps_matches_reference_split_or_not(torch, batch, depth, outputs,
+                                                           weights, rng):
     """The SGEMM of all steps with its slices of K chosen at run time: T = 1 and 7 (the most
     slices), 100 (fewer, or none at batch 64) and 2000 (none), the output poisoned, against
-    float64."""
+    float64; weights as PyTorch's rows [O, K] or as columns [K, O] (dx = dGI W_ih)."""
     import tvm
     import tvm_ffi
     from tvm import tirx
@@ -395,14 +397,15 @@ def test_sgemm_of_all_steps_matches_reference_split_or_not(torch, batch, depth, 
     from rnncc.schedules import cuda_sgemm
     from rnncc.target import TargetSpec
 
-    gemm = comp.gemm((tirx.Var("T", "int64"), batch), depth, outputs, "rows", "float32")
+    gemm = comp.gemm((tirx.Var("T", "int64"), batch), depth, outputs, weights, "float32")
     func = cuda_sgemm.kernel(cuda_sgemm.sizes(gemm)).with_attr("global_symbol", "g")
     lib = tvm.compile(tvm.IRModule({"main": func}), target=TargetSpec("cuda").tvm_target())
     w, b = rng.standard_normal((outputs, depth)), rng.standard_normal(outputs)
     for steps in (1, 7, 100, 2000):
         a = rng.standard_normal((steps, batch, depth))
         out = torch.full((steps, batch, outputs), float("nan"), device="cuda")
-        args = [torch.tensor(v, dtype=torch.float32, device="cuda") for v in (a, w, b)]
+        given = w if weights == "rows" else np.ascontiguousarray(w.T)
+        args = [torch.tensor(v, dtype=torch.float32, device="cuda") for v in (a, given, b)]
         lib["g"](*(tvm_ffi.from_dlpack(t) for t in (*args, out)))
         torch.cuda.synchronize()
         err = reference.relative_error(out.cpu().double().numpy(), a @ w.T + b)

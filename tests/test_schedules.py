@@ -113,13 +113,14 @@ def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
              ((t_len, 16), 1024, 4096), ((t_len, 3), 2048, 6144), ((t_len, 1), 16, 128),
              ((64,), 1024, 4096), ((33,), 48, 384), ((96,), 256, 1024)]
     for lead, k, o in taken:
-        product = cuda_sgemm.sizes(comp.gemm(lead, k, o, "rows", "float32"))
-        assert product == cuda_sgemm.Product(lead[-1], k, o, len(lead) == 2), lead
+        for weights in ("rows", "cols"):
+            product = cuda_sgemm.sizes(comp.gemm(lead, k, o, weights, "float32"))
+            assert product == cuda_sgemm.Product(lead[-1], k, o, len(lead) == 2,
+                                                 weights == "rows"), lead
     declined = [((16,), 1024, 4096, "rows", "float32"),  # one step's, batch under 32
                 ((t_len, 64), 1024, 4000, "rows", "float32"),  # O not whole tiles
                 ((64,), 1032, 4096, "rows", "float32"),  # K not whole pairs of chunks
                 ((t_len * 64,), 1024, 4096, "rows", "float32"),  # flat rows
-                ((t_len, 64), 1024, 4096, "cols", "float32"),
                 ((64,), 1024, 4096, "rows", "float16")]
     for lead, k, o, weights, dtype in declined:
         assert cuda_sgemm.apply(comp.gemm(lead, k, o, weights, dtype), CUDA) is None, lead
@@ -153,9 +154,10 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits):
         assert total.count("slices_ptr[") == splits and "b_ptr" in total
 
 
-@pytest.mark.parametrize("lead, pairs", [(("T", 64), "64"), ((64,), "8")],
-                         ids=["all_steps", "step"])
-def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs):
+@pytest.mark.parametrize("lead, pairs, weights", [(("T", 64), "64", "rows"), ((64,), "8", "rows"),
+                                                  (("T", 64), "64", "cols")],
+                         ids=["all_steps", "step", "all_steps_cols"])
+def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights):
     """Two shared tiles an operand (k-major, rows padded), 16-byte loads, one barrier a chunk
     (TVM's barrier insertion adds none of its own), and registers for two blocks of 256
     threads (all steps) or four of 128 (one step) a multiprocessor, no spills (ptxas, via
@@ -165,7 +167,7 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs):
     from rnncc.schedules import cuda_sgemm
 
     lead = tuple(tirx.Var("T", "int64") if d == "T" else d for d in lead)
-    gemm = comp.gemm(lead, 1024, 4096, "rows", "float32")
+    gemm = comp.gemm(lead, 1024, 4096, weights, "float32")
     result = schedules.schedule(gemm, CUDA, "gemm")
     assert result.rule == "cuda.sgemm"
     product = cuda_sgemm.sizes(gemm)

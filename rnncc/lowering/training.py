@@ -72,9 +72,10 @@ class _Backward:
         self.b, self.p, self.layout = builder, builder.p, builder.layout
         self.acc = accum_dtype(self.p.dtype)
 
-    def gemm(self, key, lead, k, o, a_dtype, args):
-        func = self.b.scheduled(key, comp.gemm(lead, k, o, self.layout.weights, self.p.dtype,
-                                               a_dtype), "gemm")
+    def gemm(self, key, lead, k, o, a_dtype, args, weights=None):
+        """A stage: a product of the layout's weights (or of ``weights``: "rows", "cols")."""
+        func = self.b.scheduled(key, comp.gemm(lead, k, o, weights or self.layout.weights,
+                                               self.p.dtype, a_dtype), "gemm")
         return Stage(key, func, args, 1)
 
     def elementwise(self, key, func, args, outputs=1):
@@ -99,22 +100,22 @@ class _Backward:
         dgi = b.param(sig, "dgi", (t_len, n, g * h), "input", acc)
         w_ih = b.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
         dx = b.param(sig, "dx", (t_len, n, c), "output")
-        w_ih_t = b.param(sig, "w_ih_t", tuple(reversed(layout.weight_shape(g, h, c))),
-                         "workspace")
         zero = b.param(sig, "zero_bias_c", (c,), "workspace")
         dx_acc = (b.param(sig, "dx_acc", (t_len, n, c), "workspace", acc)
                   if acc != p.dtype else None)
-        stages = [self.transposed("w_ih", w_ih, w_ih_t, c),
-                  self.elementwise("zero_bias_c", comp.zeros((c,), p.dtype),
+        # W_ih as packed, [G*H, C] (rows) or [C, G*H]: the product's [K, O] or [O, K], read as
+        # it is (no transposed copy)
+        stages = [self.elementwise("zero_bias_c", comp.zeros((c,), p.dtype),
                                    [Region(zero, (ALL,))]),
                   self.gemm("input_gemm_backward", (t_len, n), g * h, c, acc, [
-                      Region(dgi, (ALL, ALL, ALL)), Region(w_ih_t, (ALL, ALL)),
+                      Region(dgi, (ALL, ALL, ALL)), Region(w_ih, (ALL, ALL)),
                       Region(zero, (ALL,)),
-                      Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))])]
+                      Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))],
+                      "cols" if layout.weights == "rows" else "rows")]
         if dx_acc is not None:
             stages.append(self.elementwise("dx_cast", comp.copy_steps(n, c, acc, t_len, p.dtype),
                                            [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
-        params = [dgi, w_ih, dx, w_ih_t, zero, *([dx_acc] if dx_acc is not None else [])]
+        params = [dgi, w_ih, dx, zero, *([dx_acc] if dx_acc is not None else [])]
         b.add("backward_input", sequence_function("backward_input", params, stages, None, None,
                                                   []), sig)
 
