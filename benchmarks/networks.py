@@ -13,10 +13,11 @@ worker processes, into the on-disk cache the timed modules then load from.
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+
+from rnncc.runtime.files import write_json
 
 NETWORKS = [("LSTM", 512, 2, False), ("LSTM", 512, 4, False), ("LSTM", 512, 1, True),
             ("LSTM", 1024, 3, True), ("GRU", 512, 2, True)]
@@ -144,9 +145,8 @@ def main():
         f"{k} {v:.2f}" for k, v in packed.items()))
     print("LSTM 512, 1 layer, N = 13:", ", ".join(f"{k} {v:.2f}" for k, v in any_batch.items()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "rows": rows, "packed": packed,
-                       "any_batch": any_batch}, f, indent=1)
+        write_json(args.json, {"device": device, "rows": rows, "packed": packed,
+                               "any_batch": any_batch})
 
 
 if __name__ == "__main__":

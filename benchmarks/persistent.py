@@ -12,13 +12,13 @@ are compiled first, ``--jobs`` at a time in worker processes, then timed one by 
 
 import argparse
 import datetime
-import json
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 import rnncc
 from rnncc.bench import time_gpu
+from rnncc.runtime.files import write_json
 
 CONFIGS = [("lstm", h, n, "float32") for h in (256, 512, 1024, 1536) for n in (1, 4)] + [
     ("gru", h, n, "float32") for h in (512, 1024, 2048) for n in (1, 4)] + [
@@ -76,8 +76,7 @@ def main():
               f"| {r['rnncc_us']:.2f} | {r['sequence_us']:.2f} | {r['cudnn_us']:.2f} "
               f"| {r['cudnn_us'] / r['rnncc_us']:.2f}x |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "rows": rows}, f, indent=1)
+        write_json(args.json, {"device": device, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
+from rnncc.runtime.files import write_json
+
 HIDDEN = (256, 512, 1024, 2048, 4096)
 BATCHES = (1, 4, 16, 64, 256)
 #: (cell, C, H, N, dtype): float32 over the whole grid, float16 and C != H on a part of it.
@@ -154,9 +156,8 @@ def main():
     print(f"\n{device}, {datetime.date.today()}, T = {STEPS}, us a step, TF32 off\n")
     print(_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "date": str(datetime.date.today()), "rows": rows}, f,
-                      indent=1)
+        write_json(args.json, {"device": device, "date": str(datetime.date.today()),
+                               "rows": rows})
 
 
 if __name__ == "__main__":

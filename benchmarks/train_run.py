@@ -11,11 +11,11 @@ import codecs
 import contextlib
 import copy
 import io
-import json
 
 import torch
 
 import rnncc.nn
+from rnncc.runtime.files import write_json
 
 
 def zen() -> str:
@@ -87,8 +87,7 @@ def main():
     print(f"final: torch {curves['torch'][-1]:.5f}, rnncc {curves['rnncc'][-1]:.5f}; largest "
           f"relative gap over {args.steps} steps: {gap:.2e} ({args.device})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": args.device, "steps": args.steps, **curves}, f)
+        write_json(args.json, {"device": args.device, "steps": args.steps, **curves})
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ of one step (same weights, same x and dy) are compared. The training modules com
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+
+from rnncc.runtime.files import write_json
 
 #: (torch class, hidden size, layers, bidirectional, batch): the training issue's table.
 CONFIGS = [("LSTM", 1024, 1, False, 1), ("LSTM", 1024, 1, False, 4),
@@ -138,8 +139,7 @@ def main():
         print(f"| {r['network']} | {r['H']} | {r['N']} | {r['T']} | {r['rnncc_mib']:.0f} | "
               f"{r['cudnn_mib']:.0f} | {r['rnncc_mib'] / r['cudnn_mib']:.2f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "rows": rows, "memory": memory}, f, indent=1)
+        write_json(args.json, {"device": device, "rows": rows, "memory": memory})
 
 
 if __name__ == "__main__":

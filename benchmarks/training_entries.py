@@ -16,6 +16,8 @@ import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+from rnncc.runtime.files import write_json
+
 #: (cell, H = C, N, dtype, lengths)
 CONFIGS = [("lstm", 1024, 1, "float32", False), ("lstm", 1024, 4, "float32", False),
            ("gru", 1024, 1, "float32", False), ("gru", 1024, 4, "float32", False),
@@ -170,8 +172,7 @@ def main():
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.json, {"device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ docs/benchmarks.md shows.
 
 import argparse
 import datetime
-import json
 
+from rnncc.runtime.files import write_json
 from rnncc.tuning import tune
 
 HIDDEN = {"lstm": (256, 512, 1024, 1536), "gru": (512, 1024, 2048)}
@@ -47,8 +47,7 @@ def main():
                              "tuned_us": s["tuned_ms"] * per,
                              "cudnn_us": s["cudnn_ms"] * per, "seconds": s["seconds"]})
                 if args.json:  # after each configuration, so a cut-off run keeps its rows
-                    with open(args.json, "w") as f:
-                        json.dump(rows, f, indent=1)
+                    write_json(args.json, rows)
     print(f"\n{datetime.date.today().isoformat()}, T=100, float32 (TF32 off)\n")
     print("| cell | H | N | schedule | tuned with | default us/step | tuned us/step "
           "| cuDNN us/step | tuned vs cuDNN | tune s |")

@@ -236,3 +236,18 @@ def test_tune_refuses_bad_destinations_before_measuring(extra, match, capsys, tm
                  "--work-dir", str(tmp_path), *extra])
     err = capsys.readouterr().err
     assert code == 2 and match in err
+
+
+def test_json_files_are_whole_or_untouched(tmp_path):
+    """A JSON file rnncc or its benchmarks write (a build refusal, --json) is replaced whole:
+    a value that fails half way leaves the previous file as it was and no temporary file."""
+    import json
+
+    from rnncc.runtime.files import write_json
+
+    path = tmp_path / "rows.json"
+    write_json(path, {"rows": [1, 2]})
+    with pytest.raises(TypeError):
+        write_json(path, {"rows": [3], "bad": object()})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    assert os.listdir(tmp_path) == ["rows.json"]

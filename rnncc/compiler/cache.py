@@ -25,7 +25,7 @@ import time
 
 from .._version import __version__
 from ..errors import BuildError, ModuleFileError
-from ..runtime.files import write_atomically
+from ..runtime.files import write_json
 
 ENV = "RNNCC_CACHE_DIR"
 #: A compile that takes longer than this many seconds is reported on stderr.
@@ -155,13 +155,9 @@ def _store_refusal(err: BuildError, path: str) -> None:
     """Keep a build that fails for every build of its configuration (a wavefront that spills
     with every plan) as a refusal, so that the next process is told at once instead of
     building it again."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump({"error": "BuildError", "message": str(err)}, f)
-
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomically(path, write)
+        write_json(path, {"error": "BuildError", "message": str(err)})
     except (OSError, ModuleFileError):
         pass  # a cache that cannot be written: the build is tried again next time
 

@@ -3,6 +3,7 @@ never sees half of one."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -27,3 +28,13 @@ def write_atomically(path: str, write) -> str:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def write_json(path: str, value) -> str:
+    """``value`` as JSON (indented) into ``path``, atomically (:func:`write_atomically`)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=1)
+            f.write("\n")
+
+    return write_atomically(path, write)
