@@ -27,7 +27,8 @@ def _add_problem_args(p):
     p.add_argument("--hidden-size", "-H", type=int, required=True, help="H, hidden units")
     p.add_argument("--batch", "-N", type=int, required=True, help="N, batch size")
     p.add_argument("--dtype", default="float32",
-                   help="storage dtype: float32, or float16 (half storage, float32 math)")
+                   help="storage dtype: float32, float16 or bfloat16 (half storage, float32 "
+                        "math)")
     p.add_argument("--target", default="cuda", help="cuda or llvm (this CPU)")
     p.add_argument("--arch", default=None, help="CUDA architecture (default sm_90)")
     p.add_argument("--cpu", default=None, help="LLVM CPU name for --target llvm (default: host)")

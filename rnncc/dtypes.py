@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from .errors import ConfigError
 
-#: Storage dtypes rnncc compiles today (float16: half storage, float32 accumulation).
-SUPPORTED = ("float32", "float16")
-#: Storage dtypes the design takes next (half-precision storage, float32 accumulation).
-PLANNED = ("bfloat16",)
+#: Storage dtypes rnncc compiles (float16, bfloat16: half storage, float32 accumulation).
+SUPPORTED = ("float32", "float16", "bfloat16")
+#: Storage dtypes the design takes next.
+PLANNED: tuple[str, ...] = ()
 
 
 def check_dtype(dtype: str) -> str:

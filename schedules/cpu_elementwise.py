@@ -4,7 +4,7 @@
 fallback of every CPU role.
 """
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 
 from ._common import divisor, is_spatial, loop_nests, static_extent
 from ._rule import Rule
@@ -18,12 +18,13 @@ def apply(func, target):
     nests = loop_nests(sch)
     if not nests or any(not is_spatial(sch, b) for _, blocks in nests for b in blocks):
         return None
-    for loops, _ in nests:
+    for loops, blocks in nests:
         if not loops:
             continue
         fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         total = static_extent(sch, fused)
-        vec = divisor(total, (16, 8, 4))
+        vec = 1 if any(_bfloat16_constant(sch, b) for b in blocks) else divisor(
+            total, (16, 8, 4))
         if vec > 1:
             outer, inner = sch.split(fused, [None, vec])
             sch.vectorize(inner)
@@ -32,6 +33,15 @@ def apply(func, target):
         if total is None or total >= PARALLEL_MIN:
             sch.parallel(outer)
     return sch
+
+
+def _bfloat16_constant(sch, block) -> bool:
+    """True where the block stores a constant into a bfloat16 buffer: TVM's LLVM backend
+    cannot store a vector of bfloat16 constants (it lowers bfloat16 to uint16 storage, but not
+    such a vector)."""
+    body = sch.get(block).body
+    return (isinstance(body, tirx.BufferStore) and str(body.buffer.dtype) == "bfloat16"
+            and isinstance(body.value, (tirx.FloatImm, tirx.IntImm)))
 
 
 RULE = Rule("cpu.elementwise", apply)

@@ -44,14 +44,15 @@ def test_compile_inspect_bench(capsys, tmp_path):
     assert result["rnncc"] > 0 and result["cudnn"] is None
 
 
-def test_compile_float16_and_bench_it(capsys, tmp_path):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_compile_half_storage_and_bench_it(dtype, capsys, tmp_path):
     path = str(tmp_path / "lstm16.so")
     code, out, err = run(capsys, "compile", "lstm", "-C", "3", "-H", "5", "-N", "2",
-                         "--dtype", "float16", "--target", "llvm", "-o", path)
+                         "--dtype", dtype, "--target", "llvm", "-o", path)
     assert code == 0, err
-    assert "compiled lstm C=3 H=5 N=2 float16 llvm" in out
+    assert f"compiled lstm C=3 H=5 N=2 {dtype} llvm" in out
     meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
-    assert meta["dtype"] == "float16"
+    assert meta["dtype"] == dtype
     assert {p["name"]: p["dtype"] for p in meta["functions"]["forward"]}["xp"] == "float32"
     code, out, _ = run(capsys, "bench", path, "--steps", "3", "--repeat", "2", "--json")
     assert code == 0 and json.loads(out)["rnncc"] > 0

@@ -60,6 +60,24 @@ def test_padded_matches_torch(kind, kwargs, layers, bidirectional, rng):
         _close(ours(x), theirs(x.double()))
 
 
+@pytest.mark.parametrize("half, bound", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_half_parameters_match_torch_from_the_same_rounded_weights(half, bound):
+    """A module converted to float16 or bfloat16 (``.half()``, ``.bfloat16()``) runs modules
+    of that storage dtype: y and the final states in it, within half precision of torch's
+    float64 from the same rounded weights, input and states (2 layers, bidirectional)."""
+    theirs, ours = _torch_and_ours("LSTM", 6, 9, num_layers=2, bidirectional=True)
+    ours = ours.to(half)
+    theirs.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
+    x = torch.randn(7, 3, 6).to(half)
+    with torch.no_grad():
+        y, (h, c) = ours(x)
+        ref_y, (ref_h, ref_c) = theirs(x.double())
+    assert y.dtype == h.dtype == c.dtype == half
+    for mine, ref in ((y, ref_y), (h, ref_h), (c, ref_c)):
+        err = reference.relative_error(mine.double().numpy(), ref.numpy())
+        assert err < bound, f"relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 @pytest.mark.parametrize("sort", [True, False])
 def test_packed_matches_torch(kind, sort, rng):
@@ -245,7 +263,7 @@ def test_compiled_modules_are_kept_on_disk(monkeypatch):
     (lambda: rnncc.nn.GRU(3, 4), lambda m: m(torch.randn(2, 2, 3), lengths=[0, 1]),
      r"lengths must be from 1 to T = 2 .* from 0 to 1"),
     (lambda: rnncc.nn.GRU(3, 4).double(), lambda m: m(torch.randn(2, 1, 3).double()),
-     "rnncc runs float32 or float16 parameters, got torch.float64"),
+     "rnncc runs float32, float16 or bfloat16 parameters, got torch.float64"),
     (lambda: rnncc.nn.GRU(3, 4), lambda m: m(torch.randn(2, 1, 3).double()),
      "input is torch.float64, but the parameters are torch.float32"),
     (lambda: rnncc.nn.GRU(3, 4), lambda m: m(torch.randn(2, 1, 1, 3)), "input must be 3-D"),

@@ -29,11 +29,14 @@ def test_matches_reference(cell, hidden, batch, target, rng):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("hidden,batch", [(1, 1), (33, 7), (257, 3)])
 @pytest.mark.parametrize("cell", CELLS)
-def test_float16_matches_reference(cell, hidden, batch, target, rng):
-    module = compiled(cell, 5, hidden, batch, target, dtype="float16")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_storage_matches_reference(dtype, cell, hidden, batch, target, rng):
+    """float16 and bfloat16 storage (float32 math) against float64 from the same rounded
+    inputs (bfloat16 arrays: ml_dtypes)."""
+    module = compiled(cell, 5, hidden, batch, target, dtype=dtype)
     for steps, initial in ((1, True), (37, True), (37, False)):
         err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL["float16"], f"T={steps} initial={initial}: relative error {err:.3e}"
+        assert err < TOL[dtype], f"T={steps} initial={initial}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("target", TARGETS)

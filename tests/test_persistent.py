@@ -76,7 +76,8 @@ def test_large_weights_use_shared_memory():
     (4, 2048, 4, "float32", "more than their registers and shared memory hold"),
     (4, 512, 32, "float32", "batch 32 is over the persistent kernel's 16"),
     (3, 2816, 1, "float16", r"need 352 KiB on each of 132 multiprocessors"),
-    (4, 512, 1, "bfloat16", "takes float32 or float16, not bfloat16"),
+    (3, 2816, 1, "bfloat16", r"need 352 KiB on each of 132 multiprocessors"),
+    (4, 512, 1, "int8", "takes float32 or float16 or bfloat16, not int8"),
 ])
 def test_plans_that_do_not_fit(gates, hidden, batch, dtype, match):
     with pytest.raises(Unfit, match=match):

@@ -175,6 +175,8 @@ KERNELS = {
         4, 64, 4, "float32", 8, 4, groups=2, sync="barrier"), 16),
     "float16": lambda: ("gru", 6, 70, 2, "float16", crafted(3, 70, 2, "float16", 10, 2,
                                                              sync="barrier"), 1),
+    "bfloat16": lambda: ("lstm", 6, 70, 2, "bfloat16", crafted(4, 70, 2, "bfloat16", 10, 2,
+                                                                sync="barrier"), 1),
     "tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(4, 64, 3, "float16", 2, 1,
                                                                   mma=True), 1),
     "tensor cores, shared memory, batch groups": lambda: (
@@ -547,7 +549,7 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_cell_stage_of_every_cell(cell, dtype, rng):
     _cell_stage_run(rnncc.cells.get(cell), rng, dtype=dtype)
 

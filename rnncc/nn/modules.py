@@ -27,7 +27,7 @@ from ..errors import ConfigError, InputError
 from . import op, training
 from .network import Layout, Network
 
-DTYPES = (torch.float32, torch.float16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Recurrent(torch.nn.Module):
@@ -123,7 +123,7 @@ class Recurrent(torch.nn.Module):
         states = self._initial_states(hx, x, unbatched)
         weights = [getattr(self, n) for n in self._weight_names()]
         half = self._autocast_dtype(x)
-        if half is not None:  # torch.autocast: float16 modules, as torch's would run
+        if half is not None:  # torch.autocast: float16 or bfloat16 modules, as torch's run
             x, states = x.to(half), [s.to(half) for s in states]
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
@@ -181,20 +181,20 @@ class Recurrent(torch.nn.Module):
             t.requires_grad for t in (x, *states, *weights))
 
     def _autocast_dtype(self, x):
-        """float16 where torch.autocast asks for it on x's device and the module and x are
-        float32, else None (bfloat16 is not supported yet: the module runs float32, and says
-        so once)."""
+        """float16 or bfloat16 where torch.autocast asks for it on x's device and the module
+        and x are float32, else None (another autocast dtype: the module runs float32, and
+        says so once)."""
         kind = x.device.type
         if not torch.is_autocast_enabled(kind) or x.dtype != torch.float32 or next(
                 self.parameters()).dtype != torch.float32:
             return None
         dtype = torch.get_autocast_dtype(kind)
-        if dtype == torch.float16:
+        if dtype in (torch.float16, torch.bfloat16):
             return dtype
         if not self._said_autocast:
             self._said_autocast = True
-            warnings.warn(f"rnncc.nn: autocast to {dtype} is not supported yet (float16 is); "
-                          "this module runs in float32", stacklevel=3)
+            warnings.warn(f"rnncc.nn: autocast to {dtype} is not supported (float16 and "
+                          "bfloat16 are); this module runs in float32", stacklevel=3)
         return None
 
     def _initial_states(self, hx, x, unbatched):
@@ -228,8 +228,8 @@ class Recurrent(torch.nn.Module):
         parameters')."""
         dtype = dtype or next(self.parameters()).dtype
         if dtype not in DTYPES:
-            raise InputError(f"rnncc runs float32 or float16 parameters, got {dtype}; convert "
-                             "with .float() or .half()")
+            raise InputError(f"rnncc runs float32, float16 or bfloat16 parameters, got {dtype}; "
+                             "convert with .float(), .half() or .bfloat16()")
         if x.dtype != dtype:
             raise InputError(f"input is {x.dtype}, but the parameters are {dtype}")
         device = next(self.parameters()).device

@@ -106,7 +106,7 @@ def _on_side(side, module, args):
 def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
     """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
     rnncc.nn module) on x [T, N, C] from ``states``, with ``weights`` by torch's names (the
-    parameters, or their float16 copies under autocast), with gradients. Under ``torch.compile``
+    parameters, or their half copies under autocast), with gradients. Under ``torch.compile``
     it runs eagerly (a graph break; inference is one custom op, :mod:`.op`)."""
     from ..compiler import cache
 

@@ -24,7 +24,7 @@ import time
 from ..errors import RnnccError
 
 #: Relative error against float64 (of the same rounded inputs) a candidate must stay under.
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 #: Seconds a candidate's check and timing may take before it counts as hung.
 MEASURE_TIMEOUT = 40.0
 

@@ -449,7 +449,7 @@ def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: 
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
-ELEMENT_BYTES = {"float32": 4, "float16": 2}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 #: Warps a block the planner tries (threads = 32 * warps).
 WARPS = (8, 16, 4)
