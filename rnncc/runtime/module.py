@@ -388,9 +388,8 @@ class Module:
         other inputs from ``given`` by name (an absent initial state, or gradient of one, is
         zero), outputs and workspaces made here, or by ``lent(steps)`` (a dict of outputs by
         name, the caller's arrays, contiguous and aligned). Returns the outputs by name, as the
-        caller's
-        kind of array (read here, while this frame holds the call's memory: a kernel that
-        faulted is seen before any of it is freed, see :mod:`.faults`)."""
+        caller's kind of array (read here, while this frame holds the call's memory: a kernel
+        that faulted is seen before any of it is freed, see :mod:`.faults`)."""
         sig = self._signature(function)
         shapes = {p["name"]: p["shape"] for p in sig}
         if "x" in shapes:
@@ -506,8 +505,8 @@ class Module:
     def _y_in_h_steps(self, family: Family, function: str, lengths):
         """Where y [T, N, H] holds what h_steps [T+1, N, H] holds from its step 1 on (no
         lengths: no zeros past a sample's end; one dtype), a function of T that makes h_steps
-        and lends y as its view there (a quarter less kept memory for LSTM, a half for RNNs),
-        else None. PyTorch tensors only, where the view is aligned."""
+        and lends y as its view there (one [T, N, H] buffer less for the backward pass to
+        keep), else None. PyTorch tensors only, where the view is aligned."""
         sig = {p["name"]: p for p in self._signature(function)}
         if (family.name != "torch" or lengths is not None or "h_steps" not in sig
                 or sig["h_steps"]["dtype"] != sig["y"]["dtype"]):
