@@ -110,13 +110,15 @@ def _sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals):
     return grads
 
 
+@pytest.mark.parametrize("target", ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cell", CELLS)
-def test_layer_gradients_match_finite_differences(cell, rng):
+def test_layer_gradients_match_finite_differences(cell, target, rng):
     """Module.train_forward / backward of every cell (built-in and user files), on random
-    lengths, against central differences of the float64 reference sequence."""
+    lengths, against central differences of the float64 reference sequence (on CUDA: the
+    persistent training kernels, which these sizes fit)."""
     cell = _cell(cell)
     c, h, n, steps = 2, 3, 3, 4
-    module = rnncc.compile(cell, c, h, n, target="llvm", training=True, lengths=True)
+    module = rnncc.compile(cell, c, h, n, target=target, training=True, lengths=True)
     k = 1 / np.sqrt(h)
     g = cell.gates
     weights = {"weight_ih_l0": rng.uniform(-k, k, (g * h, c)),
