@@ -1,5 +1,6 @@
 """One training step (forward and backward): rnncc.nn against cuDNN through torch.nn, T = 100,
-C = H, IEEE float32 (TF32 off on both sides), both captured in CUDA graphs, in one process;
+C = H, IEEE float32 (TF32 off on both sides; and one bfloat16 row, the whole network in
+bfloat16 on both sides), both captured in CUDA graphs, in one process;
 microseconds a time step, and the peak memory a step adds. Run on a GPU machine from the
 repository root:
 
@@ -19,11 +20,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 from rnncc.runtime.files import write_json
 
-#: (torch class, hidden size, layers, bidirectional, batch): the training issue's table.
-CONFIGS = [("LSTM", 1024, 1, False, 1), ("LSTM", 1024, 1, False, 4),
-           ("LSTM", 1024, 1, False, 64), ("GRU", 1024, 1, False, 1),
-           ("GRU", 1024, 1, False, 4), ("GRU", 1024, 1, False, 64),
-           ("LSTM", 512, 2, True, 64)]
+#: (torch class, hidden size, layers, bidirectional, batch, dtype): the training issue's table.
+CONFIGS = [("LSTM", 1024, 1, False, 1, "float32"), ("LSTM", 1024, 1, False, 4, "float32"),
+           ("LSTM", 1024, 1, False, 64, "float32"), ("GRU", 1024, 1, False, 1, "float32"),
+           ("GRU", 1024, 1, False, 4, "float32"), ("GRU", 1024, 1, False, 64, "float32"),
+           ("LSTM", 512, 2, True, 64, "float32"), ("LSTM", 1024, 1, False, 64, "bfloat16")]
 #: (torch class, hidden size, batch, steps): the peak memory of a step.
 MEMORY = [("LSTM", 1024, 64, 100), ("LSTM", 1024, 64, 1000)]
 STEPS = 100
@@ -33,28 +34,29 @@ def _jobs(arch):
     from rnncc.nn.network import bucket
 
     jobs = set()
-    for kind, hidden, layers, bidirectional, batch in CONFIGS + [
-            (k, h, 1, False, n) for k, h, n, _ in MEMORY]:
+    for kind, hidden, layers, bidirectional, batch, dtype in CONFIGS + [
+            (k, h, 1, False, n, "float32") for k, h, n, _ in MEMORY]:
         for layer in range(layers):
             width = hidden * (2 if bidirectional else 1) if layer else hidden
-            jobs.add((kind.lower(), width, hidden, bucket(batch), arch))
+            jobs.add((kind.lower(), width, hidden, bucket(batch), dtype, arch))
     return sorted(jobs)
 
 
 def _compile(job):
     from rnncc.compiler import cache
 
-    cell, width, hidden, batch, arch = job
-    cache.compiled(cell, width, hidden, batch, target="cuda", arch=arch, training=True)
+    cell, width, hidden, batch, dtype, arch = job
+    cache.compiled(cell, width, hidden, batch, dtype=dtype, target="cuda", arch=arch,
+                   training=True)
     return job
 
 
-def _nets(torch, kind, hidden, layers, bidirectional):
+def _nets(torch, kind, hidden, layers, bidirectional, dtype="float32"):
     import rnncc.nn
 
     torch.manual_seed(0)
     theirs = getattr(torch.nn, kind)(hidden, hidden, num_layers=layers,
-                                     bidirectional=bidirectional).cuda()
+                                     bidirectional=bidirectional).cuda().to(getattr(torch, dtype))
     return rnncc.nn.from_torch(theirs), theirs
 
 
@@ -65,9 +67,11 @@ def _step(net, x, dy):
     return step
 
 
-def _inputs(torch, hidden, batch, steps, bidirectional):
-    x = torch.randn(steps, batch, hidden, device="cuda", requires_grad=True)
-    return x, torch.randn(steps, batch, hidden * (2 if bidirectional else 1), device="cuda")
+def _inputs(torch, hidden, batch, steps, bidirectional, dtype="float32"):
+    dt = getattr(torch, dtype)
+    x = torch.randn(steps, batch, hidden, device="cuda", dtype=dt, requires_grad=True)
+    return x, torch.randn(steps, batch, hidden * (2 if bidirectional else 1), device="cuda",
+                          dtype=dt)
 
 
 def _gradients(net, x, step):
@@ -105,15 +109,16 @@ def main():
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         list(pool.map(_compile, _jobs(f"sm_{major}{minor}")))
     rows, memory = [], []
-    for kind, hidden, layers, bidirectional, batch in CONFIGS:
-        ours, theirs = _nets(torch, kind, hidden, layers, bidirectional)
-        x, dy = _inputs(torch, hidden, batch, STEPS, bidirectional)
+    for kind, hidden, layers, bidirectional, batch, dtype in CONFIGS:
+        ours, theirs = _nets(torch, kind, hidden, layers, bidirectional, dtype)
+        x, dy = _inputs(torch, hidden, batch, STEPS, bidirectional, dtype)
         steps = {"rnncc": _step(ours, x, dy), "cudnn": _step(theirs, x, dy)}
         mine, ref = (_gradients(net, x, steps[k]) for net, k in ((ours, "rnncc"),
                                                                  (theirs, "cudnn")))
         row = {"network": kind, "H": hidden, "layers": layers, "bidirectional": bidirectional,
-               "N": batch, "max_rel_diff": max(float((a - b).norm() / b.norm())
-                                               for a, b in zip(mine, ref))}
+               "N": batch, "dtype": dtype,
+               "max_rel_diff": max(float((a - b).float().norm() / b.float().norm())
+                                   for a, b in zip(mine, ref))}
         for name, net in (("rnncc", ours), ("cudnn", theirs)):
             net.zero_grad(set_to_none=True)
             row[f"{name}_us"] = _graph_ms(torch, steps[name], args.repeat) * 1e3 / STEPS
@@ -127,11 +132,12 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H, TF32 off, us per time step "
           "of a training step (forward and backward, all layers and directions)\n")
-    print("| network | H | layers | directions | N | rnncc | cuDNN | speed-up | grads vs cuDNN |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| network | H | layers | directions | N | dtype | rnncc | cuDNN | speed-up | "
+          "grads vs cuDNN |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['network']} | {r['H']} | {r['layers']} | {2 if r['bidirectional'] else 1} "
-              f"| {r['N']} | {r['rnncc_us']:.1f} | {r['cudnn_us']:.1f} | "
+              f"| {r['N']} | {r['dtype']} | {r['rnncc_us']:.1f} | {r['cudnn_us']:.1f} | "
               f"{r['cudnn_us'] / r['rnncc_us']:.2f}x | {r['max_rel_diff']:.1e} |")
     print("\n| network | H | N | T | rnncc peak MiB | cuDNN peak MiB | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
