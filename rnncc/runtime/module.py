@@ -281,7 +281,7 @@ class Module:
         def run(function, ready=None):  # a module function on the weights, into new outputs
             args, sig = [], self._signature(function)
             same = [p for p in sig if p.get("same_as")]
-            if not copy and len(same) == 1 and len(sig) == 2:  # the given weight as it is
+            if not copy and same:  # the given weight as it is (a pack with one input)
                 given = same[0]["same_as"]
                 tensors[same[0]["name"]] = to_tensor(given, weights[given], sig[0]["shape"],
                                                      dtype, family)
