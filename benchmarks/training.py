@@ -30,12 +30,12 @@ MEMORY = [("LSTM", 1024, 64, 100), ("LSTM", 1024, 64, 1000)]
 STEPS = 100
 
 
-def _jobs(arch):
+def _jobs(arch, configs=CONFIGS, memory=MEMORY):
     from rnncc.nn.network import bucket
 
     jobs = set()
-    for kind, hidden, layers, bidirectional, batch, dtype in CONFIGS + [
-            (k, h, 1, False, n, "float32") for k, h, n, _ in MEMORY]:
+    for kind, hidden, layers, bidirectional, batch, dtype in configs + [
+            (k, h, 1, False, n, "float32") for k, h, n, _ in memory]:
         for layer in range(layers):
             width = hidden * (2 if bidirectional else 1) if layer else hidden
             jobs.add((kind.lower(), width, hidden, bucket(batch), dtype, arch))
@@ -98,7 +98,11 @@ def main():
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--json")
+    parser.add_argument("--dtype", choices=sorted({c[-1] for c in CONFIGS}),
+                        help="only the rows of this dtype (the memory rows are float32)")
     args = parser.parse_args()
+    configs = [c for c in CONFIGS if args.dtype in (None, c[-1])]
+    measured = MEMORY if args.dtype in (None, "float32") else []
     import torch
 
     from rnncc.bench import _graph_ms
@@ -107,9 +111,9 @@ def main():
     major, minor = torch.cuda.get_device_capability()
     spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
-        list(pool.map(_compile, _jobs(f"sm_{major}{minor}")))
+        list(pool.map(_compile, _jobs(f"sm_{major}{minor}", configs, measured)))
     rows, memory = [], []
-    for kind, hidden, layers, bidirectional, batch, dtype in CONFIGS:
+    for kind, hidden, layers, bidirectional, batch, dtype in configs:
         ours, theirs = _nets(torch, kind, hidden, layers, bidirectional, dtype)
         x, dy = _inputs(torch, hidden, batch, STEPS, bidirectional, dtype)
         steps = {"rnncc": _step(ours, x, dy), "cudnn": _step(theirs, x, dy)}
@@ -123,7 +127,7 @@ def main():
             net.zero_grad(set_to_none=True)
             row[f"{name}_us"] = _graph_ms(torch, steps[name], args.repeat) * 1e3 / STEPS
         rows.append(row)
-    for kind, hidden, batch, steps in MEMORY:
+    for kind, hidden, batch, steps in measured:
         ours, theirs = _nets(torch, kind, hidden, 1, False)
         x, dy = _inputs(torch, hidden, batch, steps, False)
         memory.append({"network": kind, "H": hidden, "N": batch, "T": steps, **{
@@ -139,8 +143,9 @@ def main():
         print(f"| {r['network']} | {r['H']} | {r['layers']} | {2 if r['bidirectional'] else 1} "
               f"| {r['N']} | {r['dtype']} | {r['rnncc_us']:.1f} | {r['cudnn_us']:.1f} | "
               f"{r['cudnn_us'] / r['rnncc_us']:.2f}x | {r['max_rel_diff']:.1e} |")
-    print("\n| network | H | N | T | rnncc peak MiB | cuDNN peak MiB | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    if memory:
+        print("\n| network | H | N | T | rnncc peak MiB | cuDNN peak MiB | ratio |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in memory:
         print(f"| {r['network']} | {r['H']} | {r['N']} | {r['T']} | {r['rnncc_mib']:.0f} | "
               f"{r['cudnn_mib']:.0f} | {r['rnncc_mib'] / r['cudnn_mib']:.2f} |")

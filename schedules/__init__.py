@@ -25,6 +25,7 @@ from . import (
     cuda_gemm_simple,
     cuda_gemv,
     cuda_matmul,
+    cuda_mma_gemm,
     cuda_mma_gemv,
     cuda_sgemm,
     cuda_small_batch_gemv,
@@ -39,11 +40,11 @@ ROLES = ("gemm", "elementwise", "reduction")
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
     ("cuda", "gemm"): [cuda_mma_gemv.RULE, cuda_small_batch_gemv.RULE, cuda_gemv.RULE,
-                       cuda_sgemm.RULE, cuda_tiled_gemm.RULE, cuda_matmul.RULE,
-                       cuda_gemm_simple.RULE],
+                       cuda_sgemm.RULE, cuda_mma_gemm.RULE, cuda_tiled_gemm.RULE,
+                       cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_fallback.RULE],
-    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_column_sum.RULE, cuda_matmul.RULE,
-                           cuda_fallback.RULE],
+    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_mma_gemm.RULE, cuda_column_sum.RULE,
+                           cuda_matmul.RULE, cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],
     ("llvm", "reduction"): [cpu_elementwise.SERIAL],

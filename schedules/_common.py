@@ -8,15 +8,20 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 
-def float32_parameters(shapes: dict) -> list:
-    """Inside a ``@T.prim_func`` being built: its float32 buffer parameters, in the order of
-    ``shapes`` (name: shape), each from a handle ``<name>_h`` and named ``name``."""
+def buffer_parameters(specs: dict) -> list:
+    """Inside a ``@T.prim_func`` being built: its buffer parameters, in the order of ``specs``
+    (name: (shape, dtype)), each from a handle ``<name>_h`` and named ``name``."""
     buffers = []
-    for name, shape in shapes.items():
-        buffer = T.match_buffer(T.arg(f"{name}_h", T.handle()), shape, "float32")
+    for name, (shape, dtype) in specs.items():
+        buffer = T.match_buffer(T.arg(f"{name}_h", T.handle()), shape, dtype)
         IRBuilder.name(name, buffer)
         buffers.append(buffer)
     return buffers
+
+
+def float32_parameters(shapes: dict) -> list:
+    """:func:`buffer_parameters` of float32 buffers (name: shape)."""
+    return buffer_parameters({name: (shape, "float32") for name, shape in shapes.items()})
 
 
 def loop_nests(sch: s_tir.Schedule):

@@ -1,16 +1,16 @@
-"""CUDA: one step's recurrent projection with float16 weights, on tensor cores.
+"""CUDA: one step's recurrent projection with float16 or bfloat16 weights, on tensor cores.
 
-out[n, o] = sum_k h[n, k] * W[o, k] + b[o], W and b float16, h float32 or float16 [N, K], out
-float32. h is rounded to float16 for the product (as cuDNN's float16 RNNs and rnncc's
-persistent kernel keep it); the sums are float32. ``mma.sync`` m16n8k16: the batch is the
-instruction's M (MT = ceil(N/16) tiles, rows past N zero), 8 output rows of W its N, 16 k a
-step.
+out[n, o] = sum_k h[n, k] * W[o, k] + b[o], W and b float16 (or bfloat16), h float32 or the
+weights' type [N, K], out float32. h is rounded to the weights' type for the product (as
+cuDNN's half-precision RNNs and rnncc's persistent kernel keep it); the sums are float32.
+``mma.sync`` m16n8k16: the batch is the instruction's M (MT = ceil(N/16) tiles, rows past N
+zero), 8 output rows of W its N, 16 k a step.
 
 A block of :data:`WARPS` warps owns WARPS * NT * 8 output rows (NT n-tiles a warp). K goes
-through shared memory in chunks of KC: the block stages h[:, chunk] there in float16, row-major
+through shared memory in chunks of KC: the block stages h[:, chunk] there in 16 bits, row-major
 with rows padded by 16 bytes (a warp's 16-byte reads then hit every bank group), and each warp
 multiplies it by its rows of W, read straight from global memory (L2: a step's weights, read
-once a step, fit there up to 4096 hidden units of an LSTM in float16).
+once a step, fit there up to 4096 hidden units of an LSTM in 16 bits).
 
 Fragments. Any permutation of k that A and B share leaves the sums unchanged; this one lets a
 lane take 16 contiguous bytes of W and of each of its two rows of h for two k-steps of 16: of
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from ._common import gemm_blocks, static_extent, weights_are_rows
 from ._rule import Rule
+from .cuda_mma_gemm import HALF
 
 WARPS = 4
 #: Fewest and most batch rows: below, a persistent plan or cuda.small_batch_gemv; the sums of
@@ -43,7 +44,8 @@ PAD = 8  # halves after each staged row of h
 
 @dataclass(frozen=True)
 class Plan:
-    """N batch rows, K deep, O outputs, h's dtype; NT n-tiles a warp, KC k a chunk."""
+    """N batch rows, K deep, O outputs, h's dtype; NT n-tiles a warp, KC k a chunk; the
+    weights' type."""
 
     batch: int
     depth: int
@@ -51,6 +53,7 @@ class Plan:
     a_dtype: str
     n_tiles: int
     chunk: int
+    half: str = "float16"
 
     @property
     def m_tiles(self) -> int:
@@ -67,7 +70,8 @@ class Plan:
         return self.chunk + PAD
 
 
-def plan(batch: int, depth: int, outputs: int, a_dtype: str) -> Plan | None:
+def plan(batch: int, depth: int, outputs: int, a_dtype: str, half: str = "float16"
+         ) -> Plan | None:
     """The plan for a product, or None where this rule does not take it (see the limits)."""
     if not MIN_BATCH <= batch <= MAX_BATCH or depth % 32 or outputs % (WARPS * 8):
         return None
@@ -76,7 +80,7 @@ def plan(batch: int, depth: int, outputs: int, a_dtype: str) -> Plan | None:
                     and rows // 16 * 2 * 4 <= MAX_SUMS) else 1
     chunk = next((c for c in (256, 128, 64, 32)
                   if depth % c == 0 and rows * (c + PAD) * 2 <= STAGE_BYTES), None)
-    return None if chunk is None else Plan(batch, depth, outputs, a_dtype, n_tiles, chunk)
+    return None if chunk is None else Plan(batch, depth, outputs, a_dtype, n_tiles, chunk, half)
 
 
 def kernel(p: Plan):
@@ -90,16 +94,16 @@ def kernel(p: Plan):
         for e in T.serial((rows - n_) * kc // threads + 1):
             if e * threads + tx < (rows - n_) * kc:
                 hs[(n_ + (e * threads + tx) // kc) * stride + (e * threads + tx) % kc] = (
-                    T.float16(0))
+                    tirx.const(0, p.half))
 
     @T.macro
     def stage(a, hs, c, tx):
-        """h[:N, chunk c] into shared memory, in float16."""
+        """h[:N, chunk c] into shared memory, in the weights' type."""
         for e in T.serial(-(-(n_ * kc // 4) // threads)):
             if (e * threads + tx) * 4 < n_ * kc:
                 for v in T.vectorized(4):
                     hs[(e * threads + tx) * 4 // kc * stride + (e * threads + tx) * 4 % kc + v] = (
-                        T.Cast("float16", a[(e * threads + tx) * 4 // kc,
+                        T.Cast(p.half, a[(e * threads + tx) * 4 // kc,
                                             c * kc + (e * threads + tx) * 4 % kc + v]))
 
     @T.macro
@@ -128,7 +132,8 @@ def kernel(p: Plan):
                         for v in T.vectorized(4):
                             wb[v] = wf[j * 8 + s * 4 + v]
                         T.evaluate(T.ptx_legacy.mma(
-                            "m16n8k16", "row", "col", "fp16", "fp16", "fp32", af.data, 0,
+                            "m16n8k16", "row", "col", HALF[p.half], HALF[p.half], "fp32",
+                            af.data, 0,
                             wb.data, 0, acc.data, (m * nt + j) * 4, False, dtype="float32"))
 
     @T.macro
@@ -146,17 +151,17 @@ def kernel(p: Plan):
                                 + T.Cast("float32", b[col0 + j * 8 + q * 2 + v]))
 
     @T.prim_func(s_tir=True)
-    def mma_gemv(a: T.Buffer((n_, k_), p.a_dtype), w: T.Buffer((o_, k_), "float16"),
-                 b: T.Buffer((o_,), "float16"), gemm_bias: T.Buffer((n_, o_), "float32")):
+    def mma_gemv(a: T.Buffer((n_, k_), p.a_dtype), w: T.Buffer((o_, k_), p.half),
+                 b: T.Buffer((o_,), p.half), gemm_bias: T.Buffer((n_, o_), "float32")):
         T.func_attr({"tirx.noalias": True})
         with T.sblock("root"):
-            hs = T.sblock_alloc_buffer((rows * stride,), "float16", scope="shared")
+            hs = T.sblock_alloc_buffer((rows * stride,), p.half, scope="shared")
             acc = T.sblock_alloc_buffer((mt * nt * 4,), "float32", scope="local")
-            wf = T.sblock_alloc_buffer((nt * 8,), "float16", scope="local")
-            ha = T.sblock_alloc_buffer((8,), "float16", scope="local")
-            hb = T.sblock_alloc_buffer((8,), "float16", scope="local")
-            af = T.sblock_alloc_buffer((8,), "float16", scope="local")
-            wb = T.sblock_alloc_buffer((4,), "float16", scope="local")
+            wf = T.sblock_alloc_buffer((nt * 8,), p.half, scope="local")
+            ha = T.sblock_alloc_buffer((8,), p.half, scope="local")
+            hb = T.sblock_alloc_buffer((8,), p.half, scope="local")
+            af = T.sblock_alloc_buffer((8,), p.half, scope="local")
+            wb = T.sblock_alloc_buffer((4,), p.half, scope="local")
             for bx in T.thread_binding(o_ // p.columns, thread="blockIdx.x"):
                 for tx in T.thread_binding(threads, thread="threadIdx.x"):
                     col0 = T.meta_var(bx * p.columns + tx // 32 * nt * 8)
@@ -180,7 +185,7 @@ def apply(func, target):
     if blocks is None or len(sch.get_loops(blocks[0])) != 3:
         return None  # one step's product [N, K] x [O, K] only
     a_dtype, w_dtype = (str(r.source.dtype) for r in sch.get(blocks[0]).reads[:2])
-    if w_dtype != "float16" or a_dtype not in ("float16", "float32"):
+    if w_dtype not in HALF or a_dtype not in (w_dtype, "float32"):
         return None
     if not weights_are_rows(sch, blocks[0]):
         return None
@@ -190,7 +195,7 @@ def apply(func, target):
     batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
     if None in (batch, outputs, depth):
         return None
-    found = plan(batch, depth, outputs, a_dtype)
+    found = plan(batch, depth, outputs, a_dtype, w_dtype)
     return None if found is None else s_tir.Schedule(kernel(found))
 
 

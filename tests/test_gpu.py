@@ -332,6 +332,21 @@ def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rn
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
+    ("lstm", 128, 64, 33, "float16"), ("gru", 256, 128, 64, "bfloat16"),
+    ("rnn_tanh", 64, 128, 9, "bfloat16")])
+def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_size, hidden,
+                                                                    batch, dtype, rng):
+    """float16 / bfloat16: the input projection of all steps on cuda.mma_gemm (flat rows in
+    float16, T x N in bfloat16; a partial last row tile) and each step's on cuda.mma_gemv."""
+    module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype, persistent="off")
+    rules = module.metadata["schedule"]["rules"]
+    assert (rules["input_gemm"], rules["recurrent_gemm"]) == ("cuda.mma_gemm", "cuda.mma_gemv")
+    for steps, initial in ((1, True), (37, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
     ("lstm", 64, 256, 9), ("gru", 48, 512, 33), ("rnn_tanh", 32, 128, 100),
     ("lstm", 40, 1024, 64), ("rnn_relu", 16, 96, 17), ("gru", 32, 256, 200)])

@@ -3,6 +3,7 @@
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import tvm
 import tvm_ffi
@@ -260,6 +261,76 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
                                                               "float16")):
         assert cuda_weight_grad.apply(comp.weight_gradient(m, *args), CUDA) is None
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(dtype):
+    """Half-precision training at batch 64 (no persistent kernel): the input projection of
+    all steps, dx and both weight gradients on tensor cores (cuda.mma_gemm, no spills), each
+    step's products on cuda.mma_gemv; float32, sizes off its tiles, one step's product and
+    GPUs before sm_80 go to the next rule."""
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import cuda_mma_gemm
+
+    problem = Problem(rnncc.cells.get("lstm"), 128, 256, 64, dtype, training=True)
+    rules = sequence.build(problem, Options(), CUDA).rules
+    tensor_cores = {"input_gemm": "cuda.mma_gemm", "input_gemm_backward": "cuda.mma_gemm",
+                    "weight_grad_ih": "cuda.mma_gemm", "weight_grad_hh": "cuda.mma_gemm",
+                    "recurrent_gemm": "cuda.mma_gemv", "recurrent_gemm_backward": "cuda.mma_gemv"}
+    assert {key: rules[key] for key in tensor_cores} == tensor_cores
+    t_len, m = tirx.Var("T", "int64"), tirx.Var("M", "int64")
+    for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", dtype, "float32"),
+                 comp.weight_gradient(m, 4096, 1024, dtype, "float32")):
+        source = tvm.compile(tvm.IRModule({"main": cuda_mma_gemm.apply(func, CUDA).mod[
+            "main"].with_attr("global_symbol", "mg")}), target=CUDA).mod.imports[0]
+        _, report = compile_cubin(source.inspect_source(), "sm_90")
+        assert report["mg_kernel"]["spill_stores"] == report["mg_kernel"]["stack"] == 0
+    declined = [comp.gemm((t_len, 64), 1024, 4096, "rows", "float32", "float32"),
+                comp.gemm((t_len, 64), 1024, 4000, "rows", dtype, dtype),  # O % 128
+                comp.gemm((t_len, 64), 1056, 4096, "rows", dtype, dtype),  # K % 64
+                comp.gemm((64,), 1024, 4096, "rows", dtype, "float32"),  # one step
+                comp.weight_gradient(m, 4096, 1000, dtype, "float32"),
+                comp.weight_gradient(m, 4096, 1024, "float32", "float32")]
+    for func in declined:
+        assert cuda_mma_gemm.apply(func, CUDA) is None
+    old_gpu = TargetSpec("cuda", arch="sm_75").tvm_target()
+    assert cuda_mma_gemm.apply(comp.weight_gradient(m, 128, 128, dtype, dtype), old_gpu) is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient"])
+def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
+    """cuda.mma_gemm's kernel on the NumPy interpreter of TIR (tests/tir_sim.py): a
+    projection of T*N = 135 rows (two row tiles, the second partial) with weights [O, K] and
+    a of the weights' type, [K, O] and float32 a, flat rows; a gradient over M = 70 rows (the
+    last chunk pair partly past M); against NumPy's product of the same rounded operands."""
+    from rnncc.schedules import cuda_mma_gemm
+    from tir_sim import Simulator
+
+    def rounded(x):
+        return x.astype(dtype).astype(np.float64)
+
+    steps, n, k, o = 3, 45, 128, 256
+    m = tirx.Var("M", "int64")
+    if form == "gradient":
+        func = comp.weight_gradient(m, o, k, dtype, "float32")
+        g, a = (rng.standard_normal(s).astype(np.float32) for s in ((70, o), (70, k)))
+        args = [g, a, np.full((o, k), np.nan, dtype)]
+        want = rounded(g).T @ rounded(a)
+    else:
+        lead = (m,) if form == "flat" else (tirx.Var("T", "int64"), n)
+        a_dtype = "float32" if form == "cols" else dtype
+        func = comp.gemm(lead, k, o, "cols" if form == "cols" else "rows", dtype, a_dtype)
+        a = rng.standard_normal((steps * n, k) if form == "flat" else (steps, n, k))
+        w, b = rng.standard_normal((o, k)), rng.standard_normal(o)
+        args = [a.astype(a_dtype), (w.T if form == "cols" else w).astype(dtype), b.astype(dtype),
+                np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
+        want = rounded(args[0]) @ rounded(w.astype(dtype)).T + rounded(args[2])
+    kernel = cuda_mma_gemm.apply(func, CUDA).mod["main"]
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = args[-1].astype(np.float64)
+    bound = TOL_F32 if form != "gradient" else 2.0 ** -(8 if dtype == "bfloat16" else 11)
+    assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
 @pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (4, "float32"),

@@ -326,6 +326,36 @@ def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirection
         assert _err(got.cpu(), want.numpy()) < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("half, bound", [(torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
+def test_half_network_gradients_on_cuda_match_float64(half, bound, rng):
+    """float16 / bfloat16 on the GPU at batch 40 (no persistent kernel: the products of all
+    steps and the weight gradients on tensor cores), bidirectional with unequal lengths: every
+    gradient within half precision of torch's float64 ones from the same rounded weights,
+    inputs and loss."""
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    steps, n, c, h = 20, 40, 128, 128
+    theirs = torch.nn.LSTM(c, h, bidirectional=True).to(half).double()
+    ours = rnncc.nn.from_torch(theirs.to(half)).cuda()
+    theirs.double()
+    lengths = torch.as_tensor(rng.integers(1, steps + 1, n))
+    lengths[0] = steps
+    x = torch.randn(steps, n, c).to(half).double().requires_grad_()
+    grads = []
+    for net, inp in ((theirs, x), (ours, x.detach().to(half).cuda().requires_grad_())):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(inp, lengths, enforce_sorted=False)
+        y, finals = net(packed)
+        y = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=steps)[0]
+        gen = torch.Generator().manual_seed(3)
+        loss = sum((t * torch.randn(t.shape, generator=gen).to(half).to(t.device, t.dtype))
+                   .sum() for t in (y, *finals))
+        loss.backward()
+        grads.append([inp.grad] + [p.grad for p in net.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        assert got.dtype == half
+        assert _err(got.float().cpu(), want.numpy()) < bound
+
+
 def test_double_backward_says_it_is_not_supported():
     net = rnncc.nn.LSTM(3, 4)
     x = torch.randn(5, 2, 3, requires_grad=True)

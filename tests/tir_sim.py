@@ -51,14 +51,14 @@ class Simulator:
 
     def __init__(self, func, args: dict, preset: dict | None = None):
         self.func, self.env, self.store = func, {}, {}
-        self.blocks, self.threads = self._grid(func.body)
-        self.lanes = self.blocks * self.threads
-        self.lane = np.arange(self.lanes)
-        self.chip = {}
         for buffer in func.params:
             for dim, size in zip(buffer.ty.shape, args[buffer.name].shape):
                 if isinstance(dim, tirx.Var):
                     self.env[dim] = int(size)
+        self.blocks, self.threads = self._grid(func.body)
+        self.lanes = self.blocks * self.threads
+        self.lane = np.arange(self.lanes)
+        self.chip = {}
         for buffer in func.params:
             array = args[buffer.name]
             for dim, size in zip(buffer.ty.shape, array.shape):
@@ -74,13 +74,14 @@ class Simulator:
 
     # -- the grid and the buffers ------------------------------------------------------------
 
-    @staticmethod
-    def _grid(body):
+    def _grid(self, body):
+        """(blocks, threads): the extents of blockIdx.x and threadIdx.x (of run-time sizes
+        too, bound from the arguments' shapes)."""
         extents = {}
 
         def visit(node):
             if isinstance(node, tirx.For) and node.thread_binding is not None:
-                extents[str(node.thread_binding.thread_tag)] = int(node.extent)
+                extents[str(node.thread_binding.thread_tag)] = int(self._expr(node.extent))
 
         tvm_ffi.structural_walk(body, (tirx.For, visit))
         return extents.get("blockIdx.x", 1), extents.get("threadIdx.x", 1)
