@@ -79,15 +79,17 @@ def test_float16_step_products_on_tensor_cores():
                                     CUDA, "gemm")
         assert result.rule == "cuda.mma_gemv", (batch, result.notes)
         assert '"m16n8k16"' in result.func.script()
-    # (N, K, O): NT 8-row tiles a warp, KC k a staged chunk (its rows of h under 40 KiB)
-    plans = {(64, 1024, 4096): (1, 256), (64, 2048, 8192): (2, 256), (100, 128, 128): (1, 128),
-             (256, 2048, 8192): (1, 64), (128, 2048, 8192): (2, 128)}
+    # (N, K, O): NT, KC and S warps a column group (K split among them where O alone leaves
+    # under 128 blocks; the chunk of h and the split sums in 48 KiB)
+    plans = {(64, 1024, 4096): (1, 256, 2), (64, 4096, 1024): (1, 256, 8),
+             (64, 2048, 16384): (2, 256, 1), (100, 128, 128): (1, 128, 2),
+             (256, 2048, 8192): (1, 64, 1), (128, 4096, 1024): (1, 64, 2)}
     found = {key: cuda_mma_gemv.plan(*key, "float32") for key in plans}
-    assert {key: (p.n_tiles, p.chunk) for key, p in found.items()} == plans
+    assert {key: (p.n_tiles, p.chunk, p.k_split) for key, p in found.items()} == plans
     t_len = tirx.Var("T", "int64")
     declined = [((8,), 1024, 4096, "float16"),  # batch 8: persistent or small_batch_gemv
                 ((257,), 1024, 4096, "float16"), ((64,), 1000, 4096, "float16"),  # K % 32
-                ((64,), 1024, 4100, "float16"),  # O % 32
+                ((64,), 1024, 4100, "float16"),  # O % 8
                 ((64,), 1024, 4096, "float32"), ((t_len, 64), 1024, 4096, "float16")]
     for lead, k, o, dtype in declined:
         func = comp.gemm(lead, k, o, "rows", dtype, "float32")
@@ -95,6 +97,28 @@ def test_float16_step_products_on_tensor_cores():
     old_gpu = TargetSpec("cuda", arch="sm_75").tvm_target()
     assert cuda_mma_gemv.apply(comp.gemm((64,), 1024, 4096, "rows", "float16", "float32"),
                                old_gpu) is None
+
+
+@pytest.mark.parametrize("batch, depth, outputs, k_split", [(33, 256, 64, 8), (64, 128, 256, 4),
+                                                            (9, 64, 8192, 1)])
+def test_mma_gemv_splits_k_among_a_blocks_warps_on_the_simulator(batch, depth, outputs, k_split,
+                                                                 rng):
+    """One step's product on tensor cores where O gives few blocks: S warps share a block's
+    columns, each a 1/S of every chunk, their sums added through shared memory; on the NumPy
+    interpreter of TIR against NumPy's product of the same bfloat16-rounded operands."""
+    from rnncc.schedules import cuda_mma_gemv
+    from tir_sim import Simulator
+
+    assert cuda_mma_gemv.plan(batch, depth, outputs, "float32", "bfloat16").k_split == k_split
+    kernel = cuda_mma_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "bfloat16",
+                                           "float32"), CUDA).mod["main"]
+    a = rng.standard_normal((batch, depth)).astype(np.float32)
+    w, b = (rng.standard_normal(s).astype("bfloat16") for s in ((outputs, depth), outputs))
+    out = np.full((batch, outputs), np.nan, np.float32)
+    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
+    want = (a.astype("bfloat16").astype(np.float64) @ w.astype(np.float64).T
+            + b.astype(np.float64))
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
 def test_small_batch_gemv_rows_a_warp():
