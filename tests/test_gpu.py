@@ -143,11 +143,13 @@ def test_float16_persistent_matches_reference_and_repeats_exactly(sync, rng):
         np.testing.assert_array_equal(module(x, packed)[0], first)
 
 
-@pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
-def test_float16_tensor_cores_match_reference_and_repeat_exactly(sync, rng):
+@pytest.mark.parametrize("sync, dtype", [("tagged", "float16"), ("barrier", "float16"),
+                                         ("grid", "float16"), ("tagged", "bfloat16"),
+                                         ("barrier", "bfloat16")])
+def test_half_tensor_cores_match_reference_and_repeat_exactly(sync, dtype, rng):
     """Products on tensor cores (mma.sync): batch 7 of the instruction's 8 rows, H = 1000 (K
-    padded to 1024 with zeros), each exchange of h."""
-    module = rnncc.compile("lstm", 33, 1000, 7, target="cuda", dtype="float16",
+    padded to 1024 with zeros), each exchange of h, float16 and bfloat16."""
+    module = rnncc.compile("lstm", 33, 1000, 7, target="cuda", dtype=dtype,
                            knobs={"warps": 4, "mma": True, "sync": sync})
     assert module.metadata["schedule"]["persistent"]["plan"]["mma"]
     check_across_steps(module, rng)

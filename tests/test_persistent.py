@@ -385,10 +385,11 @@ class TestPersistentBuild:
         assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.matmul"
 
 
-def test_tensor_cores_for_float16_warps_of_eight_rows():
-    """float16, 8 rows a warp, at most 8 batch rows a group, at least MMA_MIN_CHUNKS chunks of
-    K and no fused input: products on tensor cores, whose freed registers take weight chunks
-    from shared memory; h's float16 fragments fit next to them. Anything else: None."""
+def test_tensor_cores_for_half_types_warps_of_eight_rows():
+    """float16 or bfloat16, 8 rows a warp, at most 8 batch rows a group, at least
+    MMA_MIN_CHUNKS chunks of K and no fused input: products on tensor cores, whose freed
+    registers take weight chunks from shared memory; h's 16-bit fragments fit next to them.
+    Anything else: None."""
     from rnncc.schedules.persistent import planner, tensor_cores
 
     base = plan(4, 2048, 4, "float16", H100, states=2)
@@ -400,6 +401,7 @@ def test_tensor_cores_for_float16_warps_of_eight_rows():
     assert mma.smem_bytes == (mma.smem_chunks * mma.chunk_bytes
                               + planner.mma_staging_bytes(mma, 4)) <= H100.smem_per_block
     assert mma.reg_estimate <= 255 - mma.reg_margin
+    assert tensor_cores(base, "bfloat16", 4, H100) == mma
     assert tensor_cores(base, "float32", 4, H100) is None
     assert tensor_cores(base, "float16", 9 * base.batch_groups, H100) is None
     small = plan(4, 512, 2, "float16", H100, states=2, batch_groups=2)

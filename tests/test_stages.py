@@ -418,15 +418,17 @@ def _check_sums(spec, hs, w_hh, hv, rtol):
         np.testing.assert_allclose(got, expect, rtol=rtol, atol=rtol)
 
 
-@pytest.mark.parametrize("batch, groups", [(3, 1), (16, 2)])
-def test_tensor_core_products(batch, groups, rng):
-    """h staged in float16 fragments (``tensor_cores.store_h`` through the exchange's
+@pytest.mark.parametrize("batch, groups, dtype", [(3, 1, "float16"), (16, 2, "float16"),
+                                                  (5, 1, "bfloat16")])
+def test_tensor_core_products(batch, groups, dtype, rng):
+    """h staged in 16-bit fragments (``tensor_cores.store_h`` through the exchange's
     staging), then ``chunk`` as mma.sync over every chunk (registers and shared memory) and
-    the chains' sums into shared memory: the block's W_hh rows by h rounded to float16."""
-    p = crafted(4, 300, batch, "float16", 4, 2, (1, 1, 0), groups=groups, mma=True,
+    the chains' sums into shared memory: the block's W_hh rows by h rounded to the weights'
+    type."""
+    p = crafted(4, 300, batch, dtype, 4, 2, (1, 1, 0), groups=groups, mma=True,
                 sync="barrier")
-    spec = KernelSpec(p, 4, 1, 300, batch, "float16")
-    w_hh = rng.standard_normal((4 * 300, 300)).astype(np.float16)
+    spec = KernelSpec(p, 4, 1, 300, batch, dtype)
+    w_hh = rng.standard_normal((4 * 300, 300)).astype(dtype)
     hv = rng.standard_normal((batch, 300)).astype(np.float32)
     args = kernel_args(spec, 1)
     args["w"] = packed_w_hh(spec, w_hh)
@@ -445,7 +447,7 @@ def test_tensor_core_products(batch, groups, rng):
         tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
 
     sim = run_stage(spec, body, args)
-    _check_sums(spec, sim.chip["hs"], w_hh.astype(np.float32), hv.astype(np.float16), 1e-4)
+    _check_sums(spec, sim.chip["hs"], w_hh.astype(np.float32), hv.astype(dtype), 1e-4)
 
 
 @pytest.mark.parametrize("sync", ["tagged", "barrier"])

@@ -152,7 +152,7 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
     - ``wreg``: the weight chunks held in registers; ``wsm``: those in shared memory;
     - ``acc`` (a lane's sums) and ``hv`` (its chunk of h, every batch row) for the CUDA-core
       products, or for tensor cores ``af`` / ``wb`` (the mma's A and B fragments), ``dacc``
-      (the chains' sums) and ``hs16`` (h staged in float16 fragment order);
+      (the chains' sums) and ``hs16`` (h staged in the weights' 16-bit type, fragment order);
     - ``wv``: one chunk of a row of weights; ``gi``, ``bh``, ``st``: the thread's pairs'
       input projections, b_hh and states (unless ``pairs`` is False: the backward kernel's
       are :func:`backward_pairs`); ``ln``: their samples' lengths; ``tv``: tagged words in
@@ -179,10 +179,10 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
     if p.reg_chunks:
         alloc("wreg", p.reg_chunks * rw * vec, dt)
     if p.mma:
-        alloc("af", 8, "float16")
+        alloc("af", 8, dt)
         alloc("wb", 4, dt)
         alloc("dacc", 4 * planner.MMA_CHAINS, "float32")
-        alloc("hs16", planner.MMA_ROWS * spec.width, "float16", "shared.dyn")
+        alloc("hs16", planner.MMA_ROWS * spec.width, dt, "shared.dyn")
     else:
         alloc("acc", spec.accumulators, "float32")
         alloc("hv", n * vec, "float32")

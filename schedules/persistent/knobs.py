@@ -216,8 +216,8 @@ def products(request: _Request, found: Plan) -> Plan:
     tensor = planner.tensor_cores(found, problem.dtype, problem.batch, request.gpu)
     if tensor is None and mma:
         raise Unfit(
-            f"mma=True, but tensor-core products need float16, {planner.MMA_ROWS} rows a warp, "
-            f"at most {planner.MMA_MAX_BATCH} batch rows a group, at least "
+            f"mma=True, but tensor-core products need float16 or bfloat16, {planner.MMA_ROWS} "
+            f"rows a warp, at most {planner.MMA_MAX_BATCH} batch rows a group, at least "
             f"{planner.MMA_MIN_CHUNKS} chunks of K, no fused input projection and no streamed "
             f"chunks; this plan has {problem.dtype}, {found.rows_per_warp} rows a warp, "
             f"{problem.batch // found.batch_groups} batch row(s) a group, {found.chunks} "

@@ -45,16 +45,17 @@ for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15). Pa
 64 in 16 groups 3.59 us a step against 9.59 for the non-persistent schedule, GRU 512 in 8
 groups 10.42 against 15.79).
 
-Tensor cores (:func:`tensor_cores`; float16 weights, 8 rows a warp, at most 8 batch rows a
-group, at least :data:`MMA_MIN_CHUNKS` chunks of K, no fused input projection or streamed
-chunks): a warp's products are ``mma.sync`` m16n8k16 instructions (float16 operands, float32
-sums): the warp's 8 rows are the instruction's N, the batch its M (rows past N are zeros), 16
-k a step. Lane l holds, of each 16 k, the weights W[row l // 4][k0 + (l % 4)*2 + {0, 1, 8, 9}]
-(the instruction's B fragment; same registers and shared memory as the CUDA-core layout,
-another order), h_{t-1} is staged in float16 in the fragment order of A, and the instruction
-sums over k: no per-element conversion of the weights and no reduction over the lanes, and the
-registers of the CUDA cores' accumulators hold weights instead. h is rounded to float16 for
-the product (as cuDNN's float16 RNNs keep it); the sums, the cell and the states stay float32.
+Tensor cores (:func:`tensor_cores`; float16 or bfloat16 weights, 8 rows a warp, at most 8
+batch rows a group, at least :data:`MMA_MIN_CHUNKS` chunks of K, no fused input projection or
+streamed chunks): a warp's products are ``mma.sync`` m16n8k16 instructions (16-bit operands,
+float32 sums): the warp's 8 rows are the instruction's N, the batch its M (rows past N are
+zeros), 16 k a step. Lane l holds, of each 16 k, the weights W[row l // 4][k0 + (l % 4)*2 +
+{0, 1, 8, 9}] (the instruction's B fragment; same registers and shared memory as the CUDA-core
+layout, another order), h_{t-1} is staged in 16 bits in the fragment order of A, and the
+instruction sums over k: no per-element conversion of the weights and no reduction over the
+lanes, and the registers of the CUDA cores' accumulators hold weights instead. h is rounded to
+the weights' type for the product (as cuDNN's half-precision RNNs keep it); the sums, the cell
+and the states stay float32.
 
 Directions (``directions`` D = 2, a bidirectional layer): the grid is D grids side by side,
 one a direction, each planned as the layer alone would be on a D-th of the multiprocessors
@@ -405,20 +406,21 @@ MMA_MIN_CHUNKS = 4
 
 
 def mma_staging_bytes(p: Plan, batch: int) -> int:
-    """Shared memory for h_{t-1} in float16 fragment order (8 batch rows, zeros past N), and
+    """Shared memory for h_{t-1} in 16-bit fragment order (8 batch rows, zeros past N), and
     the gates' sums (float32) in a buffer of their own."""
     return 2 * MMA_ROWS * p.chunks * 32 * p.vec + 4 * p.warps * p.rows_per_warp * batch
 
 
 def tensor_cores(p: Plan, dtype: str, batch: int, gpu: GPU) -> Plan | None:
     """``p`` with its products on tensor cores (see "Tensor cores"), or None where they do not
-    apply: float16 storage, :data:`MMA_ROWS` rows a warp, at most :data:`MMA_MAX_BATCH` batch
-    rows a group (``batch``: all groups), at least :data:`MMA_MIN_CHUNKS` chunks of K, no fused
-    input projection, no streamed chunks (not measured on a GPU yet), and shared memory for h's
-    float16 fragments. The registers the CUDA-core products needed for their accumulators
-    and h (RW*N and 4*N) hold further weight chunks instead (fewer in shared memory)."""
+    apply: float16 or bfloat16 storage, :data:`MMA_ROWS` rows a warp, at most
+    :data:`MMA_MAX_BATCH` batch rows a group (``batch``: all groups), at least
+    :data:`MMA_MIN_CHUNKS` chunks of K, no fused input projection, no streamed chunks (not
+    measured on a GPU yet), and shared memory for h's 16-bit fragments. The registers the
+    CUDA-core products needed for their accumulators and h (RW*N and 4*N) hold further weight
+    chunks instead (fewer in shared memory)."""
     local = batch // p.batch_groups
-    if (dtype != "float16" or p.rows_per_warp != MMA_ROWS or local > MMA_MAX_BATCH
+    if (dtype not in ("float16", "bfloat16") or p.rows_per_warp != MMA_ROWS or local > MMA_MAX_BATCH
             or p.fused or p.global_chunks or p.chunks < MMA_MIN_CHUNKS):
         return None
     per_chunk = p.rows_per_warp * p.vec * 2 // 4

@@ -1,8 +1,9 @@
 """Stage: the recurrent products on tensor cores (plans with ``mma``; planner: "Tensor cores").
 
-A warp's products are ``mma.sync`` m16n8k16 instructions (float16 operands, float32 sums): the
-warp's 8 rows are the instruction's N, the batch its M (rows past N are zeros), 16 k a step.
-h_{t-1} is staged once a step in float16, in the A fragment's order (``hs16``); lane l holds, of
+A warp's products are ``mma.sync`` m16n8k16 instructions (float16 or bfloat16 operands, as the
+weights, float32 sums): the warp's 8 rows are the instruction's N, the batch its M (rows past N
+are zeros), 16 k a step. h_{t-1} is staged once a step in the weights' 16-bit type, in the A
+fragment's order (``hs16``); lane l holds, of
 each 16 k, the weights W[row l // 4][k0 + (l % 4)*2 + {0, 1, 8, 9}] (the B fragment: the
 packing's order for ``mma``). k-step f adds into chain f % ``MMA_CHAINS`` (``dacc``), so that an
 instruction does not wait for the previous one; the chains are summed in a fixed order. No
@@ -15,8 +16,10 @@ be wrong.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
+from ...cuda_mma_gemm import HALF
 from ..planner import MMA_CHAINS, MMA_ROWS
 
 
@@ -27,18 +30,18 @@ def prepare(spec, hs16, af, tx):
     size, threads = T.meta_var((MMA_ROWS * spec.width, spec.plan.threads))
     for e in spec.spread(size):
         if e * threads + tx < size:
-            hs16[e * threads + tx] = T.float16(0)
+            hs16[e * threads + tx] = tirx.const(0, spec.dtype)
     for c in T.unroll(8):
-        af[c] = T.float16(0)
+        af[c] = tirx.const(0, spec.dtype)
     T.tvm_storage_sync("shared.dyn")
 
 
 @T.macro
 def store_h(spec, hs16, e, value):
-    """Element e = n*KP + k of h_{t-1}, rounded to float16, in A fragment order."""
+    """Element e = n*KP + k of h_{t-1}, rounded to the weights' type, in A fragment order."""
     kp = T.meta_var(spec.width)
     hs16[(e % kp // 16 * 32 + e // kp * 4 + e % kp % 8 // 2) * 4 + e % kp % 16 // 8 * 2
-         + e % kp % 2] = T.Cast("float16", value)
+         + e % kp % 2] = T.Cast(spec.dtype, value)
 
 
 @T.macro
@@ -62,8 +65,8 @@ def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
             for v in T.vectorized(4):
                 wb[v] = wv[s * 4 + v]
             T.evaluate(T.ptx_legacy.mma(
-                "m16n8k16", "row", "col", "fp16", "fp16", "fp32", af.data, 0, wb.data, 0,
-                dacc.data, (q * 2 + s) % MMA_CHAINS * 4, False, dtype="float32"))
+                "m16n8k16", "row", "col", HALF[spec.dtype], HALF[spec.dtype], "fp32", af.data, 0,
+                wb.data, 0, dacc.data, (q * 2 + s) % MMA_CHAINS * 4, False, dtype="float32"))
 
 
 def _chain_sum(dacc, c):
