@@ -582,6 +582,60 @@ def test_chunked_projection_values(steps, rng):
     np.testing.assert_allclose(args[3].numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
+    """Where cuda.sgemm splits one step's product anyway, the sequence leaves it in its S
+    slices of K (comp.gemm_parts) for the cell step, its derivative and the initial states'
+    gradients to add (with the bias): its own sum kernel is saved. Those components, built for
+    this CPU, give what the summed product gives."""
+    problem = Problem(rnncc.cells.get("lstm"), 256, 256, 64, training=True)
+    rules = sequence.build(problem, Options(), CUDA).rules
+    assert rules["recurrent_gemm_parts"] == rules["recurrent_gemm_backward_parts"] == "cuda.sgemm"
+    from rnncc.schedules import cuda_sgemm
+
+    assert cuda_sgemm.parts(comp.gemm((64,), 256, 1024, "rows", "float32", "float32")) == 4
+    n, h, parts, cell = 5, 8, 4, rnncc.cells.get("lstm")
+
+    def run(func, *arrays):
+        tensors = [tvm.runtime.tensor(a) for a in arrays]
+        tvm.compile(func, target="llvm")(*tensors)
+        return [t.numpy() for t in tensors]
+
+    a, w = rng.standard_normal((n, 4 * h)).astype("float32"), rng.standard_normal(
+        (h, 4 * h)).astype("float32")
+    sliced = run(comp.gemm_parts(n, 4 * h, h, parts, "rows", "float32"), a, w,
+                 np.full((parts, n, h), np.nan, "float32"))[-1]
+    np.testing.assert_allclose(sliced.sum(0), a @ w.T, rtol=1e-5, atol=1e-5)
+    gi, b = (rng.standard_normal(s).astype("float32") for s in ((n, 4 * h), 4 * h))
+    gh_parts = rng.standard_normal((parts, n, 4 * h)).astype("float32")
+    states = [rng.standard_normal((n, h)).astype("float32") for _ in range(2)]
+    outs = [np.full((n, h), np.nan, "float32") for _ in range(3)]
+    whole = run(comp.cell_step(cell, n, h, "float32", "combined", True), gi,
+                gh_parts.sum(0) + b, *states, *outs)[-3:]
+    split = run(comp.cell_step(cell, n, h, "float32", "combined", True, rec_parts=parts), gi,
+                gh_parts, b, *states, *outs)[-3:]
+    for x, y in zip(split, whole):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    kept = ((0, "sum"), (1, "sum"), (2, "sum"), (3, "sum"))
+    dh_parts = rng.standard_normal((parts, n, h)).astype("float32")
+    ins = [rng.standard_normal((n, 4 * h)).astype("float32"), *states,
+           rng.standard_normal((n, h)).astype("float32")]
+    carry = [rng.standard_normal((n, h)).astype("float32") for _ in range(2)]
+    grads = [np.full((n, h), np.nan, "float32") for _ in range(6)]
+    whole = run(comp.cell_step_backward(cell, n, h, "float32", kept), *ins, dh_parts.sum(0),
+                *carry, *grads)[-6:]
+    split = run(comp.cell_step_backward(cell, n, h, "float32", kept, rec_parts=parts), *ins,
+                dh_parts, *carry, *grads)[-6:]
+    for x, y in zip(split, whole):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    initial = [np.full((n, h), np.nan, "float32") for _ in range(2)]
+    whole = run(comp.initial_state_grads(2, n, h, "float32"), *carry, dh_parts.sum(0),
+                *initial)[-2:]
+    split = run(comp.initial_state_grads(2, n, h, "float32", parts), *carry, dh_parts,
+                *initial)[-2:]
+    for x, y in zip(split, whole):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_gemm_is_parallel_and_vectorised():
     result = schedules.schedule(comp.gemm((3,), 64, 128, "cols", "float32"), LLVM, "gemm")
     assert result.rule == "cpu.gemm"

@@ -139,13 +139,48 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
     return te.create_prim_func([a, w, b, out])
 
 
+def gemm_parts(batch: int, k: int, o: int, parts: int, weights: str, dtype: str,
+               a_dtype: str | None = None) -> tirx.PrimFunc:
+    """One step's product in S = ``parts`` slices of K, unsummed and without the bias:
+    ``out[s, n, j] = sum over k of slice s (K/S deep) of a[n, k] * w[j, k]``, ``a`` [N, K],
+    ``w`` as :func:`gemm`'s, ``out`` [S, N, O] in the accumulation dtype. Its reader adds the
+    slices (in order) and the bias (:func:`parts_sum`), which saves the product's own sum
+    kernel. Block "gemm_parts"."""
+    acc = accum_dtype(dtype)
+    a = te.placeholder((i64(batch), i64(k)), a_dtype or dtype, "a")
+    w_shape = (i64(o), i64(k)) if weights == "rows" else (i64(k), i64(o))
+    w = te.placeholder(w_shape, dtype, "w")
+    depth = k // parts
+    r = te.reduce_axis((i64(0), i64(depth)), "k")
+
+    def weight(j, kk):
+        return w[j, kk] if weights == "rows" else w[kk, j]
+
+    out = te.compute(
+        (i64(parts), i64(batch), i64(o)),
+        lambda s, n, j: te.sum(_cast(a[n, s * depth + r], acc) * _cast(weight(j, s * depth + r),
+                                                                       acc), axis=r),
+        name="gemm_parts")
+    return te.create_prim_func([a, w, out])
+
+
+def parts_sum(t: te.Tensor, n, j):
+    """``t[0, n, j] + t[1, n, j] + ...``: the slices of a :func:`gemm_parts` product, in
+    order (the same sums, in the same order, as the product's own sum kernel would add)."""
+    total = t[0, n, j]
+    for s in range(1, int(t.shape[0])):
+        total = total + t[s, n, j]
+    return total
+
+
 def chunks(t_len, chunk: int):
     """ceil(T / S): the chunks of S steps that hold T steps."""
     return tvm.tirx.floordiv(t_len + i64(chunk - 1), i64(chunk))
 
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
-              fused: bool, masked: bool = False, kept: tuple = ()) -> tirx.PrimFunc:
+              fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1
+              ) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -158,21 +193,30 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     baseline). ``kept`` (fused, gates "combined"; the training forward): then also one output
     [N, H] (accumulation dtype) for each of its parts ``(g, "sum" | "gi" | "gh")``: gate g's
     ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]`` (see :func:`rnncc.lowering.training.kept_parts`).
+    ``rec_parts`` S > 1 ("combined"): ``gh`` is the recurrent product's S slices [S, N, G*H]
+    (:func:`gemm_parts`) and ``b_hh`` [G*H] (``dtype``) follows it; the step adds them.
     """
     acc = accum_dtype(dtype)
     g_count = cell.gates
     n_, h_ = i64(batch), i64(hidden)
     if gates_layout == "combined":
         gi = te.placeholder((n_, i64(g_count * hidden)), acc, "gi")
-        gh = te.placeholder((n_, i64(g_count * hidden)), acc, "gh")
-        inputs = [gi, gh]
+        width = i64(g_count * hidden)
+        gh = te.placeholder((i64(rec_parts), n_, width) if rec_parts > 1 else (n_, width), acc,
+                            "gh")
+        b_hh = te.placeholder((width,), dtype, "b_hh") if rec_parts > 1 else None
+        inputs = [gi, gh] + ([b_hh] if rec_parts > 1 else [])
 
         def read_i(g, n, j):
             return gi[n, g * hidden + j]
 
         def read_h(g, n, j):
-            return gh[n, g * hidden + j]
+            if b_hh is None:
+                return gh[n, g * hidden + j]
+            return parts_sum(gh, n, g * hidden + j) + _cast(b_hh[g * hidden + j], acc)
     else:
+        if rec_parts > 1:
+            raise ValueError("a recurrent product in parts needs the gates combined")
         gis = [te.placeholder((n_, h_), acc, f"gi{g}") for g in range(g_count)]
         ghs = [te.placeholder((n_, h_), acc, f"gh{g}") for g in range(g_count)]
         inputs = gis + ghs
@@ -402,7 +446,7 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 
 
 def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tuple,
-                       masked: bool = False) -> tirx.PrimFunc:
+                       masked: bool = False, rec_parts: int = 1) -> tirx.PrimFunc:
     """The vector-Jacobian product of the cell's step for one time step, derived from the step
     (:mod:`rnncc.cells.autodiff`).
 
@@ -416,7 +460,8 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     dgh{G-1}`` [N, H]; then the gradients of the previous states through this step's cell
     [N, H] each. Where a step is past its sample's length the states went through unchanged:
     the gradients of the projections are zero and those of the states pass through. All but
-    ``dy`` in the accumulation dtype.
+    ``dy`` in the accumulation dtype. ``rec_parts`` S > 1: ``dh_rec`` is [S, N, H], the
+    recurrent product's slices (:func:`gemm_parts`), added here.
     """
     from ..cells import autodiff
 
@@ -425,21 +470,25 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     pre = te.placeholder((i64(batch), i64(len(kept) * hidden)), acc, "pre")
     states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
     dy = te.placeholder(shape, dtype, "dy")
-    dh_rec = te.placeholder(shape, acc, "dh_rec")
+    dh_rec = te.placeholder((i64(rec_parts),) + shape if rec_parts > 1 else shape, acc,
+                            "dh_rec")
     carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in cell.states]
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
     graph = autodiff.trace(cell)
     backend = autodiff.PrimExprs(acc)
 
+    def rec(n, j):
+        return parts_sum(dh_rec, n, j) if rec_parts > 1 else dh_rec[n, j]
+
     def body(n, j):
-        d_h = _cast(dy[n, j], acc) + dh_rec[n, j] + carry[0][n, j]
+        d_h = _cast(dy[n, j], acc) + rec(n, j) + carry[0][n, j]
         projections, previous = autodiff.kept_vjp(
             graph, kept, lambda i: pre[n, i * hidden + j], [s[n, j] for s in states],
             [d_h] + [c[n, j] for c in carry[1:]], backend)
         if active is None:
             return projections + previous
         live, zero = active[n] != 0, tirx.const(0, acc)
-        passed = [dh_rec[n, j] + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
+        passed = [rec(n, j) + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
         return ([tvm.tirx.if_then_else(live, v, zero) for v in projections]
                 + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)])
 
@@ -449,15 +498,21 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     return te.create_prim_func([pre, *states, dy, dh_rec, *carry, *extra, *outs])
 
 
-def initial_state_grads(count: int, batch: int, hidden: int, dtype: str) -> tirx.PrimFunc:
+def initial_state_grads(count: int, batch: int, hidden: int, dtype: str, rec_parts: int = 1
+                        ) -> tirx.PrimFunc:
     """The gradients of the initial states, in ``dtype``, from the first step's: ``carry``
     [N, H] a state (through the cell) and ``dh_rec`` [N, H] (through the recurrent product,
-    added to h's)."""
+    added to h's; [S, N, H] slices where ``rec_parts`` S > 1)."""
     acc = accum_dtype(dtype)
     shape = (i64(batch), i64(hidden))
     carry = [te.placeholder(shape, acc, f"carry{i}") for i in range(count)]
-    dh_rec = te.placeholder(shape, acc, "dh_rec")
-    outs = te.compute(shape, lambda n, j: [_cast(carry[0][n, j] + dh_rec[n, j], dtype)]
+    dh_rec = te.placeholder((i64(rec_parts),) + shape if rec_parts > 1 else shape, acc,
+                            "dh_rec")
+
+    def rec(n, j):
+        return parts_sum(dh_rec, n, j) if rec_parts > 1 else dh_rec[n, j]
+
+    outs = te.compute(shape, lambda n, j: [_cast(carry[0][n, j] + rec(n, j), dtype)]
                       + [_cast(c[n, j], dtype) for c in carry[1:]], name="initial_grads")
     return te.create_prim_func([*carry, dh_rec, *(outs if count > 1 else [outs])])
 

@@ -89,6 +89,15 @@ class _Builder:
         self.lowered.notes += [f"{key}: {note}" for note in result.notes]
         return result.func
 
+    def product_parts(self, key: str, func) -> int:
+        """The slices S > 1 that one step's product ``func`` (gemm component ``key``) is left
+        in for its reader to add (:func:`comp.gemm_parts`), where the rule that schedules it
+        splits K anyway (cuda.sgemm: its own sum kernel is then saved), else 1."""
+        if self.target.kind.name != "cuda" or self.layout.gates != "combined":
+            return 1
+        self.scheduled(key, func, "gemm")
+        return schedules.cuda_sgemm.parts(func) if self.lowered.rules[key] == "cuda.sgemm" else 1
+
     def param(self, sig, name, shape, kind, dtype=None):
         dtype = dtype or self.p.dtype
         sig.append({"name": name, "shape": [_signature_dim(d) for d in shape],
@@ -254,13 +263,16 @@ class _Builder:
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
+        rec_parts = self.product_parts("recurrent_gemm", comp.gemm(
+            (n,), h, g * h, layout.weights, p.dtype, acc))
         kept_parts = training.kept_parts(p.cell) if history else ()
         in_place = (history and options.input_gemm and not per_gate
                     and sums_in_place(kept_parts, layout.chunk))
         xp = None if in_place else self.param(sig, "xp", per_direction(xp_shape), "workspace",
                                               acc)
-        hp = self.param(sig, "hp", per_direction((g, n, h) if per_gate else (n, g * h)),
-                        "workspace", acc)
+        hp_shape = (g, n, h) if per_gate else (rec_parts, n, g * h) if rec_parts > 1 else (
+            n, g * h)
+        hp = self.param(sig, "hp", per_direction(hp_shape), "workspace", acc)
         pre = None
         if history:
             sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
@@ -309,14 +321,27 @@ class _Builder:
                     Region(xp, at(d, (ALL, ALL))), d), suffix)
                 gi = ([Region(xp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(xp, at(d, (ALL, ALL)))])
-            steps += _named(self.projections(
-                "recurrent_gemm", Region(sw[0], at(d, (slot, ALL, ALL))), (n,), h, w_hh, b_hh,
-                lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))), Region(hp, at(d, (ALL, ALL))),
-                d), suffix)
+            h_prev = Region(sw[0], at(d, (slot, ALL, ALL)))
+            if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
+                rows = int(w_hh.shape[0]) // dirs
+                parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
+                    n, h, g * h, rec_parts, layout.weights, p.dtype, acc), "gemm")
+                steps.append(Stage(f"recurrent_gemm{suffix}", parts_func, [
+                    h_prev, Region(w_hh, (slice(d * rows, (d + 1) * rows), ALL)),
+                    Region(hp, at(d, (ALL, ALL, ALL)))], 1))
+                gh = [Region(hp, at(d, (ALL, ALL, ALL))),
+                      Region(b_hh, (slice(d * g * h, (d + 1) * g * h),))]
+            else:
+                steps += _named(self.projections(
+                    "recurrent_gemm", h_prev, (n,), h, w_hh, b_hh,
+                    lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))),
+                    Region(hp, at(d, (ALL, ALL))), d), suffix)
+                gh = ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
+                      else [Region(hp, at(d, (ALL, ALL)))])
             step_func = self.scheduled(
                 "cell_step_kept" if history else "cell_step",
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
-                               masked=bool(active), kept=kept_parts),
+                               masked=bool(active), kept=kept_parts, rec_parts=rec_parts),
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
@@ -324,9 +349,7 @@ class _Builder:
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
             steps.append(Stage(
                 f"cell_step{suffix}", step_func,
-                gi + ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
-                      else [Region(hp, at(d, (ALL, ALL)))])
-                + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
+                gi + gh + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
                 + [Region(a, (t, ALL)) for a in active]
                 + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw] + kept,
                 1 + len(sw) + len(kept)))

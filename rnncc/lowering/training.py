@@ -189,18 +189,24 @@ class _Backward:
         t_len, parts, summed = io.t_len, io.parts, io.summed
         step = t_len - i64(1) - t  # the loop runs the steps backwards
         carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
-        dh_rec = b.param(sig, "dh_rec", (n, h), "workspace", acc)
+        # dh through the recurrent product: its K slices where the product is left in them
+        rec_parts = b.product_parts("recurrent_gemm_backward", comp.gemm(
+            (n,), gh, h, self.layout.weights, p.dtype, acc))
+        rec_shape = (rec_parts, n, h) if rec_parts > 1 else (n, h)
+        dh_rec = b.param(sig, "dh_rec", rec_shape, "workspace", acc)
+        dh_all = Region(dh_rec, (ALL,) * len(rec_shape))
         w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(self.layout.weight_shape(g, h, h))),
                          "workspace")
-        zero = b.param(sig, "zero_bias", (h,), "workspace")
+        # the product's bias (none: zeros), where its reader does not add the slices
+        zero = b.param(sig, "zero_bias", (h,), "workspace") if rec_parts == 1 else None
         active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
                   if io.lengths is not None else None)
 
-        prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, h),
-                    self.elementwise("zero_bias", comp.zeros((h,), p.dtype),
-                                     [Region(zero, (ALL,))])]
-        prologue.append(self.elementwise("zero_dh_rec", comp.zeros((n, h), acc),
-                                         [Region(dh_rec, (ALL, ALL))]))
+        prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, h)]
+        if zero is not None:
+            prologue.append(self.elementwise("zero_bias", comp.zeros((h,), p.dtype),
+                                             [Region(zero, (ALL,))]))
+        prologue.append(self.elementwise("zero_dh_rec", comp.zeros(rec_shape, acc), [dh_all]))
         prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL))
                                                     for d in io.d_final],
                                       [Region(cr, (0, ALL, ALL)) for cr in carry]))
@@ -217,26 +223,32 @@ class _Backward:
             pre_step = Region(copy, (ALL, ALL))
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
-                                                     active is not None),
+                                                     active is not None, rec_parts),
             [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept]
-            + [Region(io.dy, (step, ALL, ALL)), Region(dh_rec, (ALL, ALL))]
+            + [Region(io.dy, (step, ALL, ALL)), dh_all]
             + [Region(cr, (slot, ALL, ALL)) for cr in carry]
             + ([Region(active, (step, ALL))] if active is not None else [])
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
                for d in ((io.dgi,) if summed else (io.dgi, io.dgh)) for i in range(g)]
             + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
             (1 if summed else 2) * g + len(states))
-        steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
-            Region(io.dgh, (step, ALL, ALL)), Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)),
-            Region(dh_rec, (ALL, ALL))])]
+        dgh_step = Region(io.dgh, (step, ALL, ALL))
+        if rec_parts > 1:
+            steps += [cell, Stage("recurrent_gemm_backward", b.scheduled(
+                "recurrent_gemm_backward_parts", comp.gemm_parts(
+                    n, gh, h, rec_parts, self.layout.weights, p.dtype, acc), "gemm"),
+                [dgh_step, Region(w_hh_t, (ALL, ALL)), dh_all], 1)]
+        else:
+            steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
+                dgh_step, Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)), dh_all])]
 
         final = tirx.floormod(t_len, i64(2))
         epilogue = [self.elementwise(
-            "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype),
-            [Region(cr, (final, ALL, ALL)) for cr in carry] + [Region(dh_rec, (ALL, ALL))]
+            "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype, rec_parts),
+            [Region(cr, (final, ALL, ALL)) for cr in carry] + [dh_all]
             + [Region(d, (0, ALL, ALL)) for d in io.d_initial], len(states))]
         grads, views = self._weight_grads(io)
-        params = [*io.params, *carry, dh_rec, w_hh_t, zero,
+        params = [*io.params, *carry, dh_rec, w_hh_t, *([zero] if zero is not None else []),
                   *([active] if active is not None else []), *([copy] if summed else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
