@@ -53,7 +53,8 @@ class Product:
     """A product this rule computes: ``form`` "projection" or "gradient"; ``specs`` the
     component's parameters (name, shape, dtype) with run-time sizes as None; ``inner``
     whether A and B each have k as their buffer's last index; J ``columns``; for a projection
-    its K ``depth`` (a gradient's K, its rows M, is a run-time size)."""
+    its K ``depth`` (a gradient's K, its rows M, is a run-time size); ``half`` the weights'
+    type."""
 
     form: str
     specs: tuple
@@ -85,7 +86,7 @@ def sizes(func, target) -> Product | None:
         rows = weights_are_rows(sch, blocks[0])
         return Product("projection", specs, (True, rows), outputs, depth, w_dtype)
     if block_named(sch, "weight_grad") is not None:
-        (_, g_shape, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
+        (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
         if dw_dtype not in HALF or g_dtype != "float32" or a_dtype not in ("float32", dw_dtype):
             return None
         if dw_shape[0] % TILE or dw_shape[1] % TILE:
