@@ -1,8 +1,8 @@
 """The sweep: one layer of rnncc against cuDNN through PyTorch over the regimes a new user
 meets (on-chip persistent, streamed weights, batch groups, per-step GEMMs): cells lstm and
-gru, hidden 256 to 4096, batch 1 to 256, float32 (TF32 off on both sides) and float16, C = H
-and C = H/2, T = 100, each side captured in a CUDA graph, median of ``--repeat`` replays, in
-one process. Run on a GPU machine from the repository root:
+gru, hidden 256 to 4096, batch 1 to 256, float32 (TF32 off on both sides), float16 and
+bfloat16, C = H and C = H/2, T = 100, each side captured in a CUDA graph, median of
+``--repeat`` replays, in one process. Run on a GPU machine from the repository root:
 
     python3 benchmarks/sweep.py [--jobs 16] [--part 1/2] [--where H=2048 N=4,16] [--json out.json]
     python3 benchmarks/sweep.py --plot sweep.json [sweep2.json ...] --out docs/sweep.png
@@ -24,11 +24,11 @@ from rnncc.runtime.files import write_json
 
 HIDDEN = (256, 512, 1024, 2048, 4096)
 BATCHES = (1, 4, 16, 64, 256)
-#: (cell, C, H, N, dtype): float32 over the whole grid, float16 and C != H on a part of it.
+#: (cell, C, H, N, dtype): float32 over the whole grid, the half types and C != H on a part.
 CONFIGS = ([(cell, h, h, n, "float32") for cell in ("lstm", "gru") for h in HIDDEN
             for n in BATCHES]
-           + [(cell, h, h, n, "float16") for cell, hs in (("lstm", (512, 1024, 2048)),
-                                                          ("gru", (1024,)))
+           + [(cell, h, h, n, dtype) for dtype in ("float16", "bfloat16")
+              for cell, hs in (("lstm", (512, 1024, 2048)), ("gru", (1024,)))
               for h in hs for n in (1, 8, 64)]
            + [(cell, h // 2, h, n, "float32") for cell in ("lstm", "gru") for h in (1024,)
               for n in (1, 32, 128)])
