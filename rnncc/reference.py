@@ -11,16 +11,17 @@ def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None)
     """Run ``cell`` over ``x`` [T, N, C] in float64.
 
     ``weights`` has ``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0`` and
-    ``bias_hh_l0`` [G*H]; ``initial`` maps state names to [1, N, H] arrays (zeros if absent).
-    ``lengths`` [N]: sample n runs its first lengths[n] steps only (its final states are those
-    of its own last step, its outputs past it zero). Returns ``(y [T, N, H], {state: [1, N,
-    H]})``.
+    ``bias_hh_l0`` [G*H], and ``<p>_l0`` [H] for each of the cell's ``params``; ``initial``
+    maps state names to [1, N, H] arrays (zeros if absent). ``lengths`` [N]: sample n runs its
+    first lengths[n] steps only (its final states are those of its own last step, its outputs
+    past it zero). Returns ``(y [T, N, H], {state: [1, N, H]})``.
     """
     x = np.asarray(x, np.float64)
     w_ih = np.asarray(weights["weight_ih_l0"], np.float64)
     w_hh = np.asarray(weights["weight_hh_l0"], np.float64)
     b_ih = np.asarray(weights["bias_ih_l0"], np.float64)
     b_hh = np.asarray(weights["bias_hh_l0"], np.float64)
+    params = [np.asarray(weights[f"{p}_l0"], np.float64) for p in cell.params]
     steps, batch, _ = x.shape
     hidden = w_hh.shape[1]
     initial = initial or {}
@@ -33,7 +34,8 @@ def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None)
         gi = x[t] @ w_ih.T + b_ih
         gh = state[0] @ w_hh.T + b_hh
         split = [slice(g * hidden, (g + 1) * hidden) for g in range(cell.gates)]
-        new = cell.reference([gi[:, s] for s in split], [gh[:, s] for s in split], state)
+        new = cell.reference_step([gi[:, s] for s in split], [gh[:, s] for s in split], state,
+                                  params)
         state = [np.where(active[t][:, None], np.asarray(v, np.float64), old)
                  for v, old in zip(new, state)]
         ys[t] = np.where(active[t][:, None], state[0], 0.0)
@@ -70,7 +72,8 @@ def run_bidirectional(cell: Cell, x, weights: dict, initial: dict | None = None,
     ys, finals = [], []
     for d, suffix in enumerate(("", "_reverse")):
         own = {name: weights[name + suffix] for name in
-               ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")}
+               ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0",
+                *(f"{p}_l0" for p in cell.params))}
         start = {s: np.asarray(v)[d:d + 1] for s, v in initial.items()}
         seq = x if d == 0 else reverse_steps(x, lengths)
         y, states = run(cell, seq, own, start, lengths)

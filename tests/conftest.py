@@ -26,14 +26,16 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def random_weights(rng, gates, input_size, hidden_size, dtype="float64"):
-    """PyTorch-named weights, uniform in [-1/sqrt(H), 1/sqrt(H)] like torch.nn.LSTM."""
+def random_weights(rng, gates, input_size, hidden_size, dtype="float64", params=()):
+    """PyTorch-named weights, uniform in [-1/sqrt(H), 1/sqrt(H)] like torch.nn.LSTM, and a
+    cell's per-unit ``params`` (``<name>_l0`` [H], uniform in [-1, 1])."""
     k = 1.0 / np.sqrt(hidden_size)
     return {
         "weight_ih_l0": rng.uniform(-k, k, (gates * hidden_size, input_size)).astype(dtype),
         "weight_hh_l0": rng.uniform(-k, k, (gates * hidden_size, hidden_size)).astype(dtype),
         "bias_ih_l0": rng.uniform(-k, k, gates * hidden_size).astype(dtype),
         "bias_hh_l0": rng.uniform(-k, k, gates * hidden_size).astype(dtype),
+        **{f"{p}_l0": rng.uniform(-1, 1, hidden_size).astype(dtype) for p in params},
     }
 
 

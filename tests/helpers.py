@@ -83,12 +83,12 @@ def _random_weights(module, rng) -> dict:
     ``module``, in its dtype."""
     from conftest import random_weights
 
-    gates = rnncc.cells.get(module.cell).gates
+    cell = rnncc.cells.get(module.cell)
     tags = ([f"_l{k}" for k in range(module.layers)] if module.layers > 1
             else ["_l0", "_l0_reverse"][:module.directions])
     return {k.replace("_l0", tag): v.astype(module.dtype) for tag in tags
-            for k, v in random_weights(rng, gates, module.input_size,
-                                       module.hidden_size).items()}
+            for k, v in random_weights(rng, cell.gates, module.input_size, module.hidden_size,
+                                       params=cell.params).items()}
 
 
 def _run_layers(cell, layers, x, weights, initial, lengths):

@@ -39,6 +39,25 @@ def test_bad_cell_definitions(bad, match):
         cells.Cell(**{**args, **bad})
 
 
+@pytest.mark.parametrize("params, match", [
+    (("w", "w"), "distinct names"), (("W",), "distinct names"),
+    (("bias_ih_extra",), "not starting with weight_ih or weight_hh or bias_ih or bias_hh")])
+def test_bad_cell_parameters(params, match):
+    with pytest.raises(CellError, match=match):
+        cells.Cell("x", 1, ("h",), lambda gi, gh, s, p: (gi[0] * p[0],),
+                   lambda gi, gh, s, p: (gi[0] * p[0],), params=params)
+
+
+def test_a_parameter_the_step_never_uses_is_refused():
+    cell = cells.Cell("unused_param", 1, ("h",), lambda gi, gh, s, p: (gi[0] * p[0] + gh[0],),
+                      lambda gi, gh, s, p: (gi[0] * p[0] + gh[0],), params=("a", "b"))
+    with pytest.raises(CellError, match="cell 'unused_param' declares parameter.s. b that its "
+                                        "step never uses"):
+        cells.register(cell)
+    with pytest.raises(CellError, match="1 parameter values for its params"):
+        cell.evaluate([1.0], [2.0], [0.0], [3.0])
+
+
 def test_duplicate_name_refused():
     with pytest.raises(CellError, match="already registered"):
         cells.register(cells.Cell("lstm", 1, ("h",), lambda *a: a, lambda *a: a))
@@ -51,7 +70,8 @@ def test_step_with_wrong_arity_is_reported():
         rnncc.compile(cell, 3, 4, 1, target="llvm")
 
 
-@pytest.mark.parametrize("fname, name", [("mgu.py", "mgu"), ("coupled.py", "coupled")])
+@pytest.mark.parametrize("fname, name", [("mgu.py", "mgu"), ("coupled.py", "coupled"),
+                                         ("peephole.py", "peephole")])
 def test_cell_file_compiles_and_matches_reference(fname, name, rng):
     path = os.path.join(DATA, fname)
     (cell,) = cells.load_file(path)

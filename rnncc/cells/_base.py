@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from ..errors import CellError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+#: Prefixes of the weights every cell has (a parameter's weight is ``<name>_l0``).
+_RESERVED = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,15 @@ class Cell:
         ``step(gi, gh, state) -> new_state``: ``gi`` and ``gh`` are sequences of G scalars (the
         input and recurrent projections of each gate, biases included), ``state`` a sequence of
         the previous states; returns a tuple of the new states, in the order of ``states``.
-        Written with :mod:`rnncc.cells.ops` and arithmetic operators.
+        Written with :mod:`rnncc.cells.ops` and arithmetic operators. A cell with ``params``
+        takes them too: ``step(gi, gh, state, params)``, one scalar each (the unit's).
     reference:
         The same step in NumPy, on float64 arrays of shape [N, H] (an independent check of
-        ``step``, not derived from it).
+        ``step``, not derived from it); with ``params``, ``reference(gi, gh, state, params)``,
+        each param an array [H].
+    params:
+        Names of the cell's learned per-unit parameters beyond W_ih, W_hh and the biases, each
+        a vector [H] (peephole weights, say); a module takes them as ``<name>_l0`` weights.
     torch:
         ``(class name, kwargs)`` of the equivalent ``torch.nn`` module, e.g. ``("LSTM", {})``,
         or None. Used by the parity tests and by ``rnncc bench`` for the cuDNN comparison.
@@ -58,6 +65,7 @@ class Cell:
     reference: Callable
     torch: tuple[str, dict] | None = None
     doc: str = ""
+    params: tuple[str, ...] = ()
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -75,10 +83,24 @@ class Cell:
             raise CellError(f"cell {self.name!r}: state names repeat: {tuple(self.states)!r}")
         if not callable(self.step) or not callable(self.reference):
             raise CellError(f"cell {self.name!r}: step and reference must be callables")
+        params = tuple(self.params)
+        bad = [p for p in params if not isinstance(p, str) or not _NAME.match(p)
+               or p.startswith(_RESERVED)]
+        if bad or len(set(params)) != len(params):
+            raise CellError(
+                f"cell {self.name!r}: params must be distinct names of lower case letters, "
+                f"digits and _, not starting with {' or '.join(_RESERVED)}; got {params!r}")
+        object.__setattr__(self, "params", params)
 
-    def evaluate(self, gi: Sequence, gh: Sequence, state: Sequence) -> tuple:
-        """Call ``step`` and check that it returned one value per state."""
-        out = self.step(list(gi), list(gh), list(state))
+    def evaluate(self, gi: Sequence, gh: Sequence, state: Sequence,
+                 params: Sequence = ()) -> tuple:
+        """Call ``step`` (with the unit's ``params`` where the cell has them) and check that it
+        returned one value per state."""
+        if len(params) != len(self.params):
+            raise CellError(f"cell {self.name!r}: {len(params)} parameter values for its "
+                            f"params {self.params}")
+        args = (list(gi), list(gh), list(state)) + ((list(params),) if self.params else ())
+        out = self.step(*args)
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(self.states):
@@ -88,6 +110,12 @@ class Cell:
             )
         return tuple(out)
 
+    def reference_step(self, gi: Sequence, gh: Sequence, state: Sequence,
+                       params: Sequence = ()) -> tuple:
+        """Call ``reference`` (with ``params``, arrays [H], where the cell has them)."""
+        return self.reference(gi, gh, state, params) if self.params else self.reference(
+            gi, gh, state)
+
 
 _REGISTRY: dict[str, Cell] = {}
 
@@ -96,6 +124,7 @@ def register(cell: Cell, *, replace: bool = False) -> Cell:
     """Add ``cell`` to the registry (API, command line and test suite) and return it."""
     if not isinstance(cell, Cell):
         raise CellError(f"register() takes an rnncc Cell, got {type(cell).__name__}")
+    _check_params_used(cell)
     old = _REGISTRY.get(cell.name)
     if old is not None and old is not cell and not replace:
         raise CellError(
@@ -105,6 +134,20 @@ def register(cell: Cell, *, replace: bool = False) -> Cell:
         )
     _REGISTRY[cell.name] = cell
     return cell
+
+
+def _check_params_used(cell: Cell) -> None:
+    """A parameter the step never uses is a mistake in the cell file: say which."""
+    if not cell.params:
+        return
+    from .autodiff import trace, uses
+
+    graph = trace(cell)
+    first = 2 * cell.gates + len(cell.states)
+    unused = [p for p, node in zip(cell.params, graph.inputs[first:]) if not uses(graph, node)]
+    if unused:
+        raise CellError(f"cell {cell.name!r} declares parameter(s) {', '.join(unused)} that "
+                        "its step never uses")
 
 
 def unregister(name: str) -> None:

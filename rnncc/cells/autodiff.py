@@ -76,8 +76,8 @@ class Traced:
 
 @dataclass
 class Graph:
-    """A traced step: its inputs (the G values of ``gi``, the G of ``gh``, then one a state)
-    and its outputs (one a new state)."""
+    """A traced step: its inputs (the G values of ``gi``, the G of ``gh``, one a state, then
+    one a parameter of the cell) and its outputs (one a new state)."""
 
     cell: Cell
     inputs: list
@@ -88,8 +88,11 @@ class Graph:
 def trace(cell: Cell) -> Graph:
     """The graph of ``cell``'s step."""
     g_count, s_count = cell.gates, len(cell.states)
-    inputs = [Traced("input", value=i) for i in range(2 * g_count + s_count)]
-    out = cell.evaluate(inputs[:g_count], inputs[g_count:2 * g_count], inputs[2 * g_count:])
+    inputs = [Traced("input", value=i)
+              for i in range(2 * g_count + s_count + len(cell.params))]
+    first = 2 * g_count + s_count
+    out = cell.evaluate(inputs[:g_count], inputs[g_count:2 * g_count],
+                        inputs[2 * g_count:first], inputs[first:])
     outputs = [Traced._of(v) for v in out]
     order, seen = [], set()
     for root in outputs:  # depth first, arguments before the node, without recursion
@@ -105,6 +108,12 @@ def trace(cell: Cell) -> Graph:
             stack.append((node, True))
             stack.extend((a, False) for a in node.args if id(a) not in seen)
     return Graph(cell, inputs, outputs, order)
+
+
+def uses(graph: Graph, node) -> bool:
+    """Whether any output of the step depends on ``node`` (an input)."""
+    return any(node is arg for n in graph.order for arg in n.args) or any(
+        node is out for out in graph.outputs)
 
 
 def summed_gates(graph: Graph) -> list[bool]:
@@ -256,6 +265,9 @@ def kept_vjp(graph: Graph, kept: Sequence, part, states: Sequence, seeds: Sequen
     where some gate is kept apart, G of gh; where none is, gi's equal gh's; the previous
     states' gradients)."""
     g_count = graph.cell.gates
+    if graph.cell.params:
+        raise CellError(f"cell {graph.cell.name!r}: the derivative of a step with per-unit "
+                        f"parameters ({', '.join(graph.cell.params)}) is not supported yet")
     slot = {p: i for i, p in enumerate(kept)}
     if sorted(g for g, which in kept if which != "gh") != list(range(g_count)):
         raise CellError(f"cell {graph.cell.name!r}: kept parts {tuple(kept)} do not cover its "

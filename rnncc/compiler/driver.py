@@ -75,6 +75,15 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         if opts.persistent == "on":
             raise ConfigError(why)
         return None, why
+    if problem.cell.params:
+        why = (f"cell {problem.cell.name!r} has per-unit parameters "
+               f"({', '.join(problem.cell.params)}), which the persistent kernel does not take "
+               "yet")
+        if problem.layers > 1:
+            raise ConfigError(_wavefront_only(problem, why))
+        if opts.persistent == "on":
+            raise ConfigError(f"persistent=on, but {why}")
+        return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
         return persistent.knobs.plan_for(problem, gpu, knobs, reg_margin, tight), gpu
@@ -141,6 +150,10 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                       directions, layers, training)
     if training and not _options(options).all_optimisations:
         raise ConfigError("training=True needs input_gemm, gate_gemm and fuse_pointwise on")
+    if training and problem.cell.params:
+        raise ConfigError(f"training=True: cell {problem.cell.name!r} has per-unit parameters "
+                          f"({', '.join(problem.cell.params)}), whose gradients rnncc does not "
+                          "derive yet; such a cell runs forward only")
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)
@@ -281,6 +294,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=N
         "cell_source": problem.cell.source or "builtin",
         "gates": problem.gates,
         "states": list(problem.cell.states),
+        "params": list(problem.cell.params),
         "input_size": problem.input_size,
         "hidden_size": problem.hidden_size,
         "batch": problem.batch,

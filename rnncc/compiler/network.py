@@ -66,6 +66,7 @@ def compile_network(cell, input_size: int, hidden_size: int, batch: int, *, laye
         stages.append(Stage("layers", first, layers - first, wave, module(hidden_size, 1)))
     meta = stages[0].module.metadata
     return Network({"cell": cell.name, "states": list(cell.states), "gates": cell.gates,
+                    "params": list(cell.params),
                     "input_size": input_size, "hidden_size": hidden_size, "layers": layers,
                     "directions": directions, "batch": batch, "dtype": dtype,
                     "lengths": bool(lengths), "target": meta["target"],

@@ -194,7 +194,8 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     [N, H] (accumulation dtype) for each of its parts ``(g, "sum" | "gi" | "gh")``: gate g's
     ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]`` (see :func:`rnncc.lowering.training.kept_parts`).
     ``rec_parts`` S > 1 ("combined"): ``gh`` is the recurrent product's S slices [S, N, G*H]
-    (:func:`gemm_parts`) and ``b_hh`` [G*H] (``dtype``) follows it; the step adds them.
+    (:func:`gemm_parts`) and ``b_hh`` [G*H] (``dtype``) follows it; the step adds them. A cell
+    with ``params``: then one vector [H] (``dtype``) each, before the states.
     """
     acc = accum_dtype(dtype)
     g_count = cell.gates
@@ -227,6 +228,8 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def read_h(g, n, j):
             return ghs[g][n, j]
 
+    params = [te.placeholder((h_,), dtype, f"param_{p}") for p in cell.params]
+    inputs += params
     states = [te.placeholder((n_, h_), acc, f"{s}_prev") for s in cell.states]
     active = te.placeholder((n_,), "int32", "active") if masked else None
 
@@ -242,7 +245,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def body(n, j):
             new = cell.evaluate([read_i(g, n, j) for g in range(g_count)],
                                 [read_h(g, n, j) for g in range(g_count)],
-                                [s[n, j] for s in states])
+                                [s[n, j] for s in states], [_cast(p[j], acc) for p in params])
             _check_scalars(cell, new)
             parts = {"sum": lambda g: read_i(g, n, j) + read_h(g, n, j),
                      "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j)}
@@ -254,10 +257,15 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def gate(read, g):
             return Staged(te.compute((n_, h_), lambda n, j: read(g, n, j), name=f"gate{g}"))
 
+        def param(vector):  # a per-unit parameter, the same for every batch row
+            return Staged(te.compute((n_, h_), lambda n, j: _cast(vector[j], acc),
+                                     name="param"))
+
         new = cell.evaluate(
             [gate(read_i, g) for g in range(g_count)],
             [gate(read_h, g) for g in range(g_count)],
             [Staged(_elementwise(s, acc, "state")) for s in states],
+            [param(p) for p in params],
         )
         if not all(isinstance(v, Staged) for v in new):
             raise CellError(

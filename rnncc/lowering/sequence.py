@@ -138,27 +138,30 @@ class _Builder:
 
     def pack_biases(self):
         """With two directions or layers, the entry that puts their biases side by side:
-        b_ih and b_hh [D*G*H] (or [L*G*H])."""
+        b_ih and b_hh [D*G*H] (or [L*G*H]), and the cell's per-unit parameters, p_<name>
+        [D*H] each."""
         p = self.p
-        gh, tags = p.gates * p.hidden_size, _grid_tags(p)
-        func = self.scheduled("pack_biases", comp.concat(len(tags), gh, p.dtype),
-                              "elementwise")
-        sig = []
-        srcs = {which: [self.param(sig, f"bias_{which}_{tag}", (gh,), "input") for tag in tags]
-                for which in ("ih", "hh")}
-        dsts = {which: self.param(sig, f"b_{which}", (len(tags) * gh,), "output")
-                for which in ("ih", "hh")}
-        stages = [Stage(f"pack_b_{which}", func, [Region(b, (ALL,)) for b in srcs[which]]
-                        + [Region(dsts[which], (ALL,))], 1) for which in ("ih", "hh")]
-        self.add("pack_biases", sequence_function(
-            "pack_biases", [*srcs["ih"], *srcs["hh"], dsts["ih"], dsts["hh"]], stages, None,
-            None, []), sig)
+        gh, h, tags = p.gates * p.hidden_size, p.hidden_size, _grid_tags(p)
+        vectors = [(f"bias_{which}", f"b_{which}", gh) for which in ("ih", "hh")]
+        vectors += [(name, f"p_{name}", h) for name in p.cell.params]
+        sig, srcs, dsts, stages = [], [], [], []
+        for given, packed, width in vectors:
+            func = self.scheduled(f"pack_{width}", comp.concat(len(tags), width, p.dtype),
+                                  "elementwise")
+            ins = [self.param(sig, f"{given}_{tag}", (width,), "input") for tag in tags]
+            srcs += ins
+            dsts.append(self.param(sig, packed, (len(tags) * width,), "output"))
+            stages.append(Stage(f"pack_{packed}", func, [Region(b, (ALL,)) for b in ins]
+                                + [Region(dsts[-1], (ALL,))], 1))
+        sig.sort(key=lambda entry: entry["kind"] == "output")  # the inputs first
+        self.add("pack_biases", sequence_function("pack_biases", [*srcs, *dsts], stages, None,
+                                                  None, []), sig)
 
     def io(self, sig, t_len, w_hh_shape, w_ih_shape=None):
         """The parameters both forward functions start with (``lengths`` [N] int32, the
         samples' lengths, where the problem takes them, else None). With D directions: the
-        weights stacked along their first dimension, the biases [D*G*H], the states [D, N, H]
-        and y [T, N, D*H]."""
+        weights stacked along their first dimension, the biases [D*G*H], the cell's per-unit
+        parameters [D*H] each (``p_<name>``), the states [D, N, H] and y [T, N, D*H]."""
         p, layout = self.p, self.layout
         n, c, h, g, d = p.batch, p.input_size, p.hidden_size, p.gates, len(_grid_tags(p))
 
@@ -171,11 +174,12 @@ class _Builder:
         w_hh = self.param(sig, "w_hh", stacked(w_hh_shape), "input")
         b_ih = self.param(sig, "b_ih", (d * g * h,), "input")
         b_hh = self.param(sig, "b_hh", (d * g * h,), "input")
+        per_unit = [self.param(sig, f"p_{name}", (d * h,), "input") for name in p.cell.params]
         s0 = [self.param(sig, f"{s}0", (d, n, h), "input") for s in p.cell.states]
         lengths = self.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
         y = self.param(sig, "y", (t_len, n, p.directions * h), "output")
         sn = [self.param(sig, f"{s}_n", (d, n, h), "output") for s in p.cell.states]
-        return x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn
+        return x, w_ih, w_hh, b_ih, b_hh, per_unit, s0, lengths, y, sn
 
     def states_copy(self, key, src, dst, name=None):
         p = self.p
@@ -249,7 +253,7 @@ class _Builder:
             self.pack_biases()
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
         sig = []
-        x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(sig, t_len,
+        x, w_ih, w_hh, b_ih, b_hh, per_unit, s0, lengths, y, sn = self.io(sig, t_len,
                                                                 layout.weight_shape(g, h, h))
 
         def per_direction(shape):
@@ -349,7 +353,8 @@ class _Builder:
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
             steps.append(Stage(
                 f"cell_step{suffix}", step_func,
-                gi + gh + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
+                gi + gh + [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
+                + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
                 + [Region(a, (t, ALL)) for a in active]
                 + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw] + kept,
                 1 + len(sw) + len(kept)))
@@ -363,7 +368,8 @@ class _Builder:
                                                 Region(y, (ALL, ALL, slice(h, 2 * h))), lengths))
         given = [lengths] if lengths is not None else []
         reversed_ = [x_rev, y_rev] if x_rev is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, *([] if in_place else [xp]),
+        params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *s0, *given, y, *sn,
+                  *([] if in_place else [xp]),
                   hp, *sw, *([pre] if pre is not None else []), *reversed_, *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
@@ -401,7 +407,7 @@ class _Builder:
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, s0, lengths, y, sn = self.io(
+        x, w_ih, w_hh, b_ih, b_hh, _, s0, lengths, y, sn = self.io(
             sig, t_len, self.layout.weight_shape(g, h, h) if history else w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         parts, kept, packed = (), [], w_hh

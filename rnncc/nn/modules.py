@@ -74,13 +74,17 @@ class Recurrent(torch.nn.Module):
                     for which in ("ih", "hh"):
                         self.register_parameter(f"bias_{which}_l{layer}{suffix}",
                                                 torch.nn.Parameter(torch.empty(rows, **kw)))
+                for name in self.cell.params:  # the cell's per-unit parameters, [H] each
+                    self.register_parameter(f"{name}_l{layer}{suffix}", torch.nn.Parameter(
+                        torch.empty(hidden_size, **kw)))
         self.reset_parameters()
 
     def _suffixes(self):
         return ("", "_reverse") if self.bidirectional else ("",)
 
     def reset_parameters(self) -> None:
-        """Every weight and bias uniform in [-1/sqrt(H), 1/sqrt(H)], as torch does."""
+        """Every weight and bias uniform in [-1/sqrt(H), 1/sqrt(H)], as torch does (and so
+        are a cell's per-unit parameters)."""
         bound = 1.0 / math.sqrt(self.hidden_size)
         for p in self.parameters():
             torch.nn.init.uniform_(p, -bound, bound)
@@ -97,7 +101,8 @@ class Recurrent(torch.nn.Module):
 
     def _weight_names(self):
         """The parameters' names in order: layer by layer, direction by direction."""
-        names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+        names = (("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+                 + self.cell.params)
         return [f"{name}_l{layer}{suffix}" for layer in range(self.num_layers)
                 for suffix in self._suffixes() for name in names]
 
@@ -127,6 +132,12 @@ class Recurrent(torch.nn.Module):
             x, states = x.to(half), [s.to(half) for s in states]
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
+            if self.cell.params:
+                raise InputError(
+                    f"cell {self.cell.name!r} has per-unit parameters "
+                    f"({', '.join(self.cell.params)}), whose gradients rnncc does not derive "
+                    "yet: run it under torch.no_grad() (or with input, states and parameters "
+                    "that do not require grad)")
             network = self._network(x, weights[0].dtype)
             y, finals = training.run(self, x, states, lengths,
                                      dict(zip(self._weight_names(), weights)), network.target,

@@ -9,7 +9,8 @@ x is [T, N, C], y [T, N, D*H], states [D, N, H] (D = 2 directions for a bidirect
 else 1); ``lengths`` [N] (1 to T) stops each sample at its own length (final states of its own
 last step, y zero past it; the reverse direction starts at it); ``weights`` is a mapping with
 PyTorch's names (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``,
-``bias_hh_l0`` [G*H], and the same with ``_reverse`` for a bidirectional module; a
+``bias_hh_l0`` [G*H], a cell's per-unit parameters ``<name>_l0`` [H] (its ``params``), and
+the same with ``_reverse`` for a bidirectional module; a
 ``state_dict()`` of a one-layer torch module works as it is, and so does the torch module
 itself), or the result of :meth:`Module.pack`, which lays the weights out for the kernels once
 and keeps them on the device. A module of L > 1 layers (``layers=L``: unidirectional, C = H)
@@ -32,8 +33,6 @@ from .arrays import ALIGNMENT, Family, family_of, to_tensor
 from .files import write_atomically
 
 WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
-#: The weights of a bidirectional module's reverse direction.
-REVERSE = tuple(f"{name}_reverse" for name in WEIGHTS)
 
 
 
@@ -131,16 +130,22 @@ class Module:
         return int(self.metadata.get("layers", 1))
 
     @property
+    def params(self) -> tuple[str, ...]:
+        """The cell's per-unit parameters (each a weight ``<name>_l0`` [H])."""
+        return tuple(self.metadata.get("params", ()))
+
+    @property
     def weight_names(self) -> tuple[str, ...]:
         """The weights the module takes, by PyTorch's names."""
         return sum(self._weight_groups(), ())
 
     def _weight_groups(self) -> list[tuple[str, ...]]:
         """The weights of each direction, or of each layer."""
+        own = WEIGHTS + tuple(f"{p}_l0" for p in self.params)
         if self.layers > 1:
-            return [tuple(name.replace("_l0", f"_l{k}") for name in WEIGHTS)
+            return [tuple(name.replace("_l0", f"_l{k}") for name in own)
                     for k in range(self.layers)]
-        return [WEIGHTS, REVERSE][:self.directions]
+        return [own, tuple(f"{name}_reverse" for name in own)][:self.directions]
 
     @property
     def target(self) -> str:
@@ -226,12 +231,12 @@ class Module:
                              f"takes {', '.join(names)}")
         groups = self._weight_groups()
         for group in groups:
-            missing = [k for k in group[:2] if k not in keys]
-            biases = [k for k in group[2:] if k in keys]
+            missing = [k for k in group[:2] + group[4:] if k not in keys]
+            biases = [k for k in group[2:4] if k in keys]
             if missing:
                 raise InputError(f"missing weight {missing[0]!r}; expected {', '.join(names)}")
             if len(biases) == 1:
-                other = ({*group[2:]} - {*biases}).pop()
+                other = ({*group[2:4]} - {*biases}).pop()
                 raise InputError(f"missing weight {other!r}: pass both biases or neither "
                                  "(neither means zero biases)")
         if len({group[2] in keys for group in groups}) > 1:
@@ -310,17 +315,18 @@ class Module:
         if len(self._weight_groups()) > 1:
             run("pack_biases", zeros)
             return PackedWeights(self, family, entry, tensors, keep)
-        for which in ("ih", "hh"):
-            name = f"bias_{which}_l0"
+        vectors = [(f"bias_{which}_l0", f"b_{which}", gh) for which in ("ih", "hh")]
+        vectors += [(f"{p}_l0", f"p_{p}", self.hidden_size) for p in self.params]
+        for name, packed, width in vectors:
             if name in zeros:
-                tensors[f"b_{which}"] = zeros[name]
+                tensors[packed] = zeros[name]
             else:  # a copy, as the packed matrices are (unless not copied)
-                given = to_tensor(name, weights[name], [gh], dtype, family)
+                given = to_tensor(name, weights[name], [width], dtype, family)
                 if copy:
                     with family.stream():
                         arr, given = family.copy(given)
                 keep.append(arr if copy else weights[name])
-                tensors[f"b_{which}"] = given
+                tensors[packed] = given
         return PackedWeights(self, family, entry, tensors, keep)
 
     _said_no_grad = False

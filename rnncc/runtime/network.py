@@ -101,11 +101,16 @@ class Network:
         return tuple(self.metadata["states"])
 
     @property
+    def _names(self) -> tuple[str, ...]:
+        """A layer's weights (torch's, then the cell's per-unit parameters), without suffix."""
+        return NAMES + tuple(self.metadata.get("params", ()))
+
+    @property
     def weight_names(self) -> tuple[str, ...]:
         """The weights by torch's names, layer by layer, direction by direction."""
         suffixes = ("", "_reverse")[:self.directions]
         return tuple(f"{name}_l{layer}{suffix}" for layer in range(self.layers)
-                     for suffix in suffixes for name in NAMES)
+                     for suffix in suffixes for name in self._names)
 
     def __repr__(self):
         kinds = ", ".join(f"{s.kind} {s.first}" + (f"-{s.first + s.count - 1}" if s.count > 1
@@ -153,7 +158,7 @@ class Network:
                              f"{self.layers} layer{'s' if self.layers > 1 else ''}"
                              f"{' of 2 directions' if self.directions == 2 else ''} and takes "
                              f"{', '.join(names)}")
-        missing = [n for n in names if n.startswith("weight_") and n not in keys]
+        missing = [n for n in names if not n.startswith("bias_") and n not in keys]
         if missing:
             raise InputError(f"missing weight {missing[0]!r}; expected {', '.join(names)}")
         absent = [n for n in names if n.startswith("bias_") and n not in keys]
@@ -195,7 +200,7 @@ class Network:
         for k in range(count):
             for d in range(module.directions):
                 suffix = ("", "_reverse")[d if direction is None else direction]
-                for name in NAMES:
+                for name in self._names:
                     source = f"{name}_l{layer + k}{suffix}"
                     if source in weights:
                         out[f"{name}_l{k}{('', '_reverse')[d]}"] = weights[source]

@@ -1,0 +1,94 @@
+"""Cells with per-unit parameters (the contract's ``params``: learned vectors [H] such as
+peephole weights), through the non-persistent schedule, the module API and rnncc.nn, against
+the float64 reference; what does not take them yet (the persistent kernel, training) says so."""
+
+import os
+
+import numpy as np
+import pytest
+
+import rnncc
+from conftest import has_nvcc, random_weights
+from helpers import TOL_F32, check_against_reference
+from rnncc import cells, reference
+from rnncc.errors import ConfigError, InputError
+
+PEEPHOLE = os.path.join(os.path.dirname(__file__), "data", "peephole.py")
+
+
+@pytest.fixture(scope="module")
+def peephole():
+    (cell,) = cells.load_file(PEEPHOLE)
+    return cell
+
+
+@pytest.mark.parametrize("hidden, batch, directions, lengths", [
+    (1, 1, 1, False), (33, 7, 1, True), (3, 3, 2, True), (257, 1, 2, False)])
+def test_parameters_reach_the_step(peephole, hidden, batch, directions, lengths, rng):
+    """Every size and direction, lengths or not, at T = 1, 37 and 5 (without initial
+    states); all-zero peepholes are a plain LSTM's step, so nonzero ones must show."""
+    module = rnncc.compile(PEEPHOLE, 5, hidden, batch, target="llvm", directions=directions,
+                           lengths=lengths)
+    assert module.params == ("w_ci", "w_cf", "w_co")
+    for steps, initial in ((1, True), (37, True), (5, False)):
+        assert check_against_reference(module, rng, steps, initial, lengths=lengths) < TOL_F32
+    w = random_weights(rng, 4, 5, hidden, "float32", peephole.params)
+    x = rng.standard_normal((4, batch, 5)).astype("float32")
+    lstm = rnncc.compile("lstm", 5, hidden, batch, target="llvm", lengths=lengths)
+    plain = {k: v for k, v in w.items() if k.startswith(("weight", "bias"))}
+    if directions == 1:
+        extra = {"lengths": np.full(batch, 4)} if lengths else {}
+        zero = {**w, **{f"{p}_l0": np.zeros(hidden, "float32") for p in peephole.params}}
+        np.testing.assert_allclose(module(x, zero, **extra)[0], lstm(x, plain, **extra)[0],
+                                   rtol=1e-6, atol=1e-6)
+        assert not np.allclose(module(x, w, **extra)[0], lstm(x, plain, **extra)[0])
+
+
+def test_missing_or_misshapen_parameters_are_refused(peephole, rng):
+    module = rnncc.compile(PEEPHOLE, 4, 6, 2, target="llvm")
+    w = random_weights(rng, 4, 4, 6, "float32", peephole.params)
+    x = np.zeros((3, 2, 4), "float32")
+    with pytest.raises(InputError, match="missing weight 'w_cf_l0'; expected .*w_ci_l0, "
+                                         "w_cf_l0, w_co_l0"):
+        module(x, {k: v for k, v in w.items() if k != "w_cf_l0"})
+    with pytest.raises(InputError, match="w_co_l0"):
+        module(x, {**w, "w_co_l0": np.zeros(5, "float32")})
+
+
+def test_what_does_not_take_parameters_yet_says_so(peephole):
+    with pytest.raises(ConfigError, match="training=True: cell 'peephole' has per-unit "
+                                          "parameters .w_ci, w_cf, w_co., whose gradients"):
+        rnncc.compile(PEEPHOLE, 4, 6, 2, target="llvm", training=True)
+    if not has_nvcc():
+        pytest.skip("the CUDA build needs nvcc")
+    module = rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda")
+    assert module.metadata["schedule"]["kind"] == "sequence"
+    assert "which the persistent kernel does not take yet" in module.metadata["schedule"][
+        "persistent"]["reason"]
+    with pytest.raises(ConfigError, match="persistent=on, but cell 'peephole' has per-unit"):
+        rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda", persistent="on")
+
+
+def test_rnncc_nn_creates_and_runs_the_parameters(peephole, module_cache):
+    """``rnncc.nn.Recurrent`` of the cell file: the parameters ``<name>_l{k}[_reverse]`` [H]
+    next to torch's; 2 layers, bidirectional, under no_grad, against the reference layer by
+    layer; a call that needs gradients is refused (not yet derived)."""
+    torch = pytest.importorskip("torch")
+    import rnncc.nn
+
+    net = rnncc.nn.Recurrent(PEEPHOLE, 5, 7, num_layers=2, bidirectional=True)
+    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    assert shapes["w_ci_l1_reverse"] == (7,) and shapes["weight_ih_l1"] == (28, 14)
+    x = torch.randn(6, 3, 5)
+    with torch.no_grad():
+        y, (h, c) = net(x)
+    state = {k: v.double().numpy() for k, v in net.state_dict().items()}
+    want = x.double().numpy()
+    for layer in range(2):
+        own = {k.replace(f"_l{layer}", "_l0"): v for k, v in state.items()
+               if f"_l{layer}" in k}
+        want, finals = reference.run_bidirectional(peephole, want, own)
+    assert reference.relative_error(y.numpy(), want) < TOL_F32
+    assert reference.relative_error(c[2:].numpy(), finals["c"]) < TOL_F32
+    with pytest.raises(InputError, match="run it under torch.no_grad"):
+        net(x)
