@@ -1,6 +1,7 @@
 """Cells with per-unit parameters (the contract's ``params``: learned vectors [H] such as
-peephole weights), through the non-persistent schedule, the module API and rnncc.nn, against
-the float64 reference; what does not take them yet (the persistent kernel, training) says so."""
+peephole weights), through the non-persistent schedule, the module API and rnncc.nn (forward
+and gradients), against float64 references; the persistent kernels say they do not take them
+yet. (Every cell's layer gradients against finite differences: tests/test_training.py.)"""
 
 import os
 
@@ -55,24 +56,59 @@ def test_missing_or_misshapen_parameters_are_refused(peephole, rng):
         module(x, {**w, "w_co_l0": np.zeros(5, "float32")})
 
 
-def test_what_does_not_take_parameters_yet_says_so(peephole):
-    with pytest.raises(ConfigError, match="training=True: cell 'peephole' has per-unit "
-                                          "parameters .w_ci, w_cf, w_co., whose gradients"):
-        rnncc.compile(PEEPHOLE, 4, 6, 2, target="llvm", training=True)
+def test_the_persistent_kernel_says_it_does_not_take_them_yet(peephole):
     if not has_nvcc():
         pytest.skip("the CUDA build needs nvcc")
-    module = rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda")
-    assert module.metadata["schedule"]["kind"] == "sequence"
-    assert "which the persistent kernel does not take yet" in module.metadata["schedule"][
-        "persistent"]["reason"]
+    module = rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda", training=True)
+    schedule = module.metadata["schedule"]
+    assert schedule["kind"] == "sequence"
+    assert "which the persistent kernel does not take yet" in schedule["persistent"]["reason"]
+    assert "persistent backward kernel does not take" in schedule["persistent_backward"][
+        "reason"]
     with pytest.raises(ConfigError, match="persistent=on, but cell 'peephole' has per-unit"):
         rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda", persistent="on")
 
 
-def test_rnncc_nn_creates_and_runs_the_parameters(peephole, module_cache):
+def _torch_peephole(torch, x, w, layers, lengths):
+    """The peephole network in float64 torch (autograd), layer by layer, both directions,
+    each sample's reverse direction from its own last step."""
+    def layer(seq, p, reverse):
+        steps, n, _ = seq.shape
+        h_, c_ = seq.new_zeros(n, p["weight_hh"].shape[1]), seq.new_zeros(
+            n, p["weight_hh"].shape[1])
+        out = [None] * steps
+        order = range(steps - 1, -1, -1) if reverse else range(steps)
+        for t in order:
+            live = (t < lengths)[:, None].to(seq.dtype)
+            g = seq[t] @ p["weight_ih"].T + p["bias_ih"] + h_ @ p["weight_hh"].T + p["bias_hh"]
+            gi, gf, gg, go = g.chunk(4, dim=1)
+            i = torch.sigmoid(gi + p["w_ci"] * c_)
+            f = torch.sigmoid(gf + p["w_cf"] * c_)
+            c_new = f * c_ + i * torch.tanh(gg)
+            h_new = torch.sigmoid(go + p["w_co"] * c_new) * torch.tanh(c_new)
+            h_, c_ = live * h_new + (1 - live) * h_, live * c_new + (1 - live) * c_
+            out[t] = live * h_new
+        return torch.stack(out)
+
+    def reverse(seq):  # each sample's steps reversed within its length
+        steps = seq.shape[0]
+        t = torch.arange(steps)[:, None]
+        index = torch.where(t < lengths[None, :], lengths[None, :] - 1 - t, t)
+        return seq.gather(0, index[:, :, None].expand(-1, -1, seq.shape[2]))
+
+    for k in range(layers):
+        own = [{n.split("_l")[0]: v for n, v in w.items()
+                if n.endswith(f"_l{k}{suffix}")} for suffix in ("", "_reverse")]
+        x = torch.cat([layer(x, own[0], False), reverse(layer(reverse(x), own[1], False))],
+                      dim=2)
+    return x
+
+
+def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, module_cache):
     """``rnncc.nn.Recurrent`` of the cell file: the parameters ``<name>_l{k}[_reverse]`` [H]
-    next to torch's; 2 layers, bidirectional, under no_grad, against the reference layer by
-    layer; a call that needs gradients is refused (not yet derived)."""
+    next to torch's; 2 layers, bidirectional, unequal lengths: outputs under no_grad against
+    the float64 reference, and every gradient (input and parameters) against float64 torch
+    autograd of the same network written out."""
     torch = pytest.importorskip("torch")
     import rnncc.nn
 
@@ -90,5 +126,18 @@ def test_rnncc_nn_creates_and_runs_the_parameters(peephole, module_cache):
         want, finals = reference.run_bidirectional(peephole, want, own)
     assert reference.relative_error(y.numpy(), want) < TOL_F32
     assert reference.relative_error(c[2:].numpy(), finals["c"]) < TOL_F32
-    with pytest.raises(InputError, match="run it under torch.no_grad"):
-        net(x)
+
+    lengths = torch.tensor([6, 2, 4])
+    mine = x.clone().requires_grad_()
+    packed = torch.nn.utils.rnn.pack_padded_sequence(mine, lengths, enforce_sorted=False)
+    out = torch.nn.utils.rnn.pad_packed_sequence(net(packed)[0], total_length=6)[0]
+    dy = torch.randn(out.shape)
+    (out * dy).sum().backward()
+    w64 = {n: p.detach().double().requires_grad_() for n, p in net.named_parameters()}
+    theirs = x.double().requires_grad_()
+    ref = _torch_peephole(torch, theirs, w64, 2, lengths)
+    (ref * dy.double()).sum().backward()
+    assert reference.relative_error(out.detach().numpy(), ref.detach().numpy()) < TOL_F32
+    assert reference.relative_error(mine.grad.numpy(), theirs.grad.numpy()) < 1e-4
+    for name, p in net.named_parameters():
+        assert reference.relative_error(p.grad.numpy(), w64[name].grad.numpy()) < 1e-4, name

@@ -661,7 +661,7 @@ def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths):
     rec = np.zeros((n, h))
     dgi, dgh = np.zeros((steps, n, g * h)), np.zeros((steps, n, g * h))
     for t in reversed(range(steps)):
-        proj, prev = autodiff.kept_vjp(
+        proj, prev, _ = autodiff.kept_vjp(
             graph, kept, lambda i, t=t: pre[t][:, i * h:(i + 1) * h], [s[t] for s in states],
             [dy[t] + rec + carry[0]] + carry[1:], backend)
         live = (t < np.asarray(lengths))[:, None] if lengths is not None else np.True_

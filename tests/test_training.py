@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 #: Every built-in cell and the test suite's user cell files.
-CELLS = cells.names() + [os.path.join(DATA, f) for f in ("mgu.py", "coupled.py")]
+CELLS = cells.names() + [os.path.join(DATA, f) for f in ("mgu.py", "coupled.py",
+                                                         "peephole.py")]
 TORCH = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN,
          "rnn_relu": torch.nn.RNN}
 #: Gradients in float32 against float64: relative error (the issue's bound is 1e-4).
@@ -39,16 +40,17 @@ def _err(out, ref) -> float:
 @pytest.mark.parametrize("cell", CELLS)
 def test_cell_derivative_matches_finite_differences(cell, rng):
     """The derivative traced from a cell's step (NumPy backend) against central differences
-    of the cell's own float64 reference."""
+    of the cell's own float64 reference (per-unit parameters included)."""
     cell = _cell(cell)
     graph = autodiff.trace(cell)
     g, s = cell.gates, len(cell.states)
-    values = [rng.standard_normal((3, 4)) for _ in range(2 * g + s)]
+    values = [rng.standard_normal((3, 4)) for _ in range(2 * g + s + len(cell.params))]
     seeds = [rng.standard_normal((3, 4)) for _ in range(s)]
     grads = autodiff.vjp(graph, values, seeds, autodiff.NumPy())
 
     def loss(vals):
-        out = cell.reference(vals[:g], vals[g:2 * g], vals[2 * g:])
+        out = cell.reference_step(vals[:g], vals[g:2 * g], vals[2 * g:2 * g + s],
+                                  vals[2 * g + s:])
         return sum(float((o * w).sum()) for o, w in zip(out, seeds))
 
     for i, grad in enumerate(grads):
@@ -123,7 +125,8 @@ def test_layer_gradients_match_finite_differences(cell, target, rng):
     g = cell.gates
     weights = {"weight_ih_l0": rng.uniform(-k, k, (g * h, c)),
                "weight_hh_l0": rng.uniform(-k, k, (g * h, h)),
-               "bias_ih_l0": rng.uniform(-k, k, g * h), "bias_hh_l0": rng.uniform(-k, k, g * h)}
+               "bias_ih_l0": rng.uniform(-k, k, g * h), "bias_hh_l0": rng.uniform(-k, k, g * h),
+               **{f"{p}_l0": rng.uniform(-1, 1, h) for p in cell.params}}
     x = rng.standard_normal((steps, n, c)).astype(np.float32).astype(np.float64)
     weights = {k_: v.astype(np.float32).astype(np.float64) for k_, v in weights.items()}
     initial = {s: rng.standard_normal((1, n, h)).astype(np.float32).astype(np.float64)

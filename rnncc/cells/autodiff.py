@@ -257,17 +257,18 @@ def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend) -> li
 
 
 def kept_vjp(graph: Graph, kept: Sequence, part, states: Sequence, seeds: Sequence,
-             backend: Backend) -> tuple[list, list]:
+             backend: Backend, params: Sequence = ()) -> tuple[list, list, list]:
     """The step's VJP from what a training forward kept of its projections: ``kept`` its parts
     in order, ``(g, "sum")`` (gi[g] + gh[g], for a gate used only as that sum) or ``(g, "gi")``
     and ``(g, "gh")``; ``part(i)`` the value of part i; ``states`` the previous states' values,
-    ``seeds`` the new states' gradients. Returns (the projections' gradients: G of gi, then,
-    where some gate is kept apart, G of gh; where none is, gi's equal gh's; the previous
-    states' gradients)."""
-    g_count = graph.cell.gates
-    if graph.cell.params:
-        raise CellError(f"cell {graph.cell.name!r}: the derivative of a step with per-unit "
-                        f"parameters ({', '.join(graph.cell.params)}) is not supported yet")
+    ``seeds`` the new states' gradients, ``params`` the values of the cell's per-unit
+    parameters. Returns (the projections' gradients: G of gi, then, where some gate is kept
+    apart, G of gh; where none is, gi's equal gh's; the previous states' gradients; the
+    parameters' gradients at this element)."""
+    g_count, s_count = graph.cell.gates, len(graph.cell.states)
+    if len(params) != len(graph.cell.params):
+        raise CellError(f"cell {graph.cell.name!r}: {len(params)} parameter values for its "
+                        f"params {graph.cell.params}")
     slot = {p: i for i, p in enumerate(kept)}
     if sorted(g for g, which in kept if which != "gh") != list(range(g_count)):
         raise CellError(f"cell {graph.cell.name!r}: kept parts {tuple(kept)} do not cover its "
@@ -277,7 +278,8 @@ def kept_vjp(graph: Graph, kept: Sequence, part, states: Sequence, seeds: Sequen
     values = ([part(slot[(g, "gi")] if (g, "gi") in slot else slot[(g, "sum")])
                for g in range(g_count)]
               + [part(slot[(g, "gh")]) if (g, "gh") in slot else zero for g in range(g_count)]
-              + list(states))
+              + list(states) + list(params))
     grads = vjp(graph, values, seeds, backend)
     both = any(which == "gh" for _, which in kept)
-    return grads[:2 * g_count if both else g_count], grads[2 * g_count:]
+    first = 2 * g_count + s_count
+    return grads[:2 * g_count if both else g_count], grads[2 * g_count:first], grads[first:]

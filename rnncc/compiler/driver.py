@@ -102,6 +102,9 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
 
     if tspec.kind != "cuda" or opts.persistent == "off":
         return None, "the persistent backward kernel is CUDA only, and not with persistent=off"
+    if problem.cell.params:
+        return None, (f"cell {problem.cell.name!r} has per-unit parameters, which the "
+                      "persistent backward kernel does not take yet")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
         return persistent.planner.backward(
@@ -150,10 +153,6 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                       directions, layers, training)
     if training and not _options(options).all_optimisations:
         raise ConfigError("training=True needs input_gemm, gate_gemm and fuse_pointwise on")
-    if training and problem.cell.params:
-        raise ConfigError(f"training=True: cell {problem.cell.name!r} has per-unit parameters "
-                          f"({', '.join(problem.cell.params)}), whose gradients rnncc does not "
-                          "derive yet; such a cell runs forward only")
     tspec = TargetSpec(target, arch, cpu)
     opts = _options(options)
     knobs = check_knobs(knobs)

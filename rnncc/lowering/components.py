@@ -469,7 +469,9 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     [N, H] each. Where a step is past its sample's length the states went through unchanged:
     the gradients of the projections are zero and those of the states pass through. All but
     ``dy`` in the accumulation dtype. ``rec_parts`` S > 1: ``dh_rec`` is [S, N, H], the
-    recurrent product's slices (:func:`gemm_parts`), added here.
+    recurrent product's slices (:func:`gemm_parts`), added here. A cell with ``params``: then
+    the inputs go on with its parameters [H] each (``dtype``) and the sums of their gradients
+    over the steps so far [N, H] each, and the outputs with those sums plus this step's.
     """
     from ..cells import autodiff
 
@@ -482,6 +484,8 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
                             "dh_rec")
     carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in cell.states]
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
+    params = [te.placeholder((i64(hidden),), dtype, f"param_{p}") for p in cell.params]
+    summed = [te.placeholder(shape, acc, f"d{p}_sum") for p in cell.params]
     graph = autodiff.trace(cell)
     backend = autodiff.PrimExprs(acc)
 
@@ -490,20 +494,22 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
 
     def body(n, j):
         d_h = _cast(dy[n, j], acc) + rec(n, j) + carry[0][n, j]
-        projections, previous = autodiff.kept_vjp(
+        projections, previous, of_params = autodiff.kept_vjp(
             graph, kept, lambda i: pre[n, i * hidden + j], [s[n, j] for s in states],
-            [d_h] + [c[n, j] for c in carry[1:]], backend)
-        if active is None:
-            return projections + previous
-        live, zero = active[n] != 0, tirx.const(0, acc)
-        passed = [rec(n, j) + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
-        return ([tvm.tirx.if_then_else(live, v, zero) for v in projections]
-                + [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)])
+            [d_h] + [c[n, j] for c in carry[1:]], backend, [_cast(p[j], acc) for p in params])
+        if active is not None:
+            live, zero = active[n] != 0, tirx.const(0, acc)
+            passed = [rec(n, j) + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
+            projections = [tvm.tirx.if_then_else(live, v, zero) for v in projections]
+            previous = [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)]
+            of_params = [tvm.tirx.if_then_else(live, v, zero) for v in of_params]
+        return projections + previous + [s[n, j] + v for s, v in zip(summed, of_params)]
 
     outs = te.compute(shape, body, name="cell_backward")
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     extra = [active] if masked else []
-    return te.create_prim_func([pre, *states, dy, dh_rec, *carry, *extra, *outs])
+    return te.create_prim_func([pre, *states, dy, dh_rec, *carry, *extra, *params, *summed,
+                                *outs])
 
 
 def initial_state_grads(count: int, batch: int, hidden: int, dtype: str, rec_parts: int = 1

@@ -129,6 +129,7 @@ class _Backward:
         io.summed = all(part == "sum" for _, part in io.parts)  # one gradient for gi and gh
         io.x = b.param(sig, "x", (t_len, n, c), "input")
         io.w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, h), "input")
+        io.per_unit = [b.param(sig, f"p_{name}", (h,), "input") for name in p.cell.params]
         io.kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
                    for s in states]
         # where every gate is kept as its sum, pre [T, N, G*H] is laid out as dGI: the pass
@@ -142,13 +143,14 @@ class _Backward:
         io.dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
                  for which, k in (("ih", c), ("hh", h))}
         io.db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
+        io.dparams = [b.param(sig, f"d{name}", (h,), "output") for name in p.cell.params]
         io.dgi = io.pre if io.summed else b.param(sig, "dgi", (t_len, n, gh), "output", acc)
         io.dgh = (io.dgi if io.summed
                   else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc))
         io.given = [io.lengths] if io.lengths is not None else []
-        io.params = [io.x, io.w_hh, *io.kept, io.pre, *io.given, io.dy, *io.d_final,
-                     *io.d_initial, io.dw["ih"], io.dw["hh"], io.db["ih"], io.db["hh"],
-                     *([io.dgi, io.dgh] if not io.summed else [])]
+        io.params = [io.x, io.w_hh, *io.per_unit, *io.kept, io.pre, *io.given, io.dy,
+                     *io.d_final, *io.d_initial, io.dw["ih"], io.dw["hh"], io.db["ih"],
+                     io.db["hh"], *io.dparams, *([io.dgi, io.dgh] if not io.summed else [])]
         return io
 
     def _weight_grads(self, io):
@@ -201,12 +203,19 @@ class _Backward:
         zero = b.param(sig, "zero_bias", (h,), "workspace") if rec_parts == 1 else None
         active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
                   if io.lengths is not None else None)
+        # the cell's per-unit parameters: their gradients summed over the steps, a row of the
+        # batch each, then over the rows
+        count = len(io.per_unit)
+        sums = b.param(sig, "dparam_sums", (count, n, h), "workspace", acc) if count else None
 
         prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, h)]
         if zero is not None:
             prologue.append(self.elementwise("zero_bias", comp.zeros((h,), p.dtype),
                                              [Region(zero, (ALL,))]))
         prologue.append(self.elementwise("zero_dh_rec", comp.zeros(rec_shape, acc), [dh_all]))
+        if sums is not None:
+            prologue.append(self.elementwise("zero_dparam_sums", comp.zeros((count, n, h), acc),
+                                             [Region(sums, (ALL,) * 3)]))
         prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL))
                                                     for d in io.d_final],
                                       [Region(cr, (0, ALL, ALL)) for cr in carry]))
@@ -228,10 +237,13 @@ class _Backward:
             + [Region(io.dy, (step, ALL, ALL)), dh_all]
             + [Region(cr, (slot, ALL, ALL)) for cr in carry]
             + ([Region(active, (step, ALL))] if active is not None else [])
+            + [Region(v, (ALL,)) for v in io.per_unit]
+            + [Region(sums, (i, ALL, ALL)) for i in range(count)]
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
                for d in ((io.dgi,) if summed else (io.dgi, io.dgh)) for i in range(g)]
-            + [Region(cr, (nxt, ALL, ALL)) for cr in carry],
-            (1 if summed else 2) * g + len(states))
+            + [Region(cr, (nxt, ALL, ALL)) for cr in carry]
+            + [Region(sums, (i, ALL, ALL)) for i in range(count)],
+            (1 if summed else 2) * g + len(states) + count)
         dgh_step = Region(io.dgh, (step, ALL, ALL))
         if rec_parts > 1:
             steps += [cell, Stage("recurrent_gemm_backward", b.scheduled(
@@ -247,9 +259,12 @@ class _Backward:
             "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype, rec_parts),
             [Region(cr, (final, ALL, ALL)) for cr in carry] + [dh_all]
             + [Region(d, (0, ALL, ALL)) for d in io.d_initial], len(states))]
+        epilogue += [self.reduction(f"dparam_{i}", comp.column_sum(i64(n), h, p.dtype), [
+            Region(sums, (i, ALL, ALL)), Region(d, (ALL,))]) for i, d in enumerate(io.dparams)]
         grads, views = self._weight_grads(io)
         params = [*io.params, *carry, dh_rec, w_hh_t, *([zero] if zero is not None else []),
-                  *([active] if active is not None else []), *([copy] if summed else [])]
+                  *([active] if active is not None else []),
+                  *([sums] if sums is not None else []), *([copy] if summed else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
 

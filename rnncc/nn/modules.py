@@ -132,12 +132,6 @@ class Recurrent(torch.nn.Module):
             x, states = x.to(half), [s.to(half) for s in states]
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
-            if self.cell.params:
-                raise InputError(
-                    f"cell {self.cell.name!r} has per-unit parameters "
-                    f"({', '.join(self.cell.params)}), whose gradients rnncc does not derive "
-                    "yet: run it under torch.no_grad() (or with input, states and parameters "
-                    "that do not require grad)")
             network = self._network(x, weights[0].dtype)
             y, finals = training.run(self, x, states, lengths,
                                      dict(zip(self._weight_names(), weights)), network.target,

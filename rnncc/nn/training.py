@@ -24,12 +24,14 @@ from .network import aligned, bucket
 
 class _Layer(torch.autograd.Function):
     """One layer, one direction: ``(y, *finals)`` of ``module`` on x [T, N, C] from the
-    states ([1, N, H] each), with the weights ``w_ih, w_hh, b_ih, b_hh`` (biases None: zero)."""
+    states ([1, N, H] each), with the weights ``w_ih, w_hh, b_ih, b_hh`` (biases None: zero)
+    and the cell's per-unit parameters."""
 
     @staticmethod
     def forward(ctx, module, x, lengths, count, *tensors):
-        states, (w_ih, w_hh, b_ih, b_hh) = tensors[:count], tensors[count:]
-        weights = {"weight_ih_l0": w_ih, "weight_hh_l0": w_hh}
+        states, (w_ih, w_hh, b_ih, b_hh, *params) = tensors[:count], tensors[count:]
+        weights = {"weight_ih_l0": w_ih, "weight_hh_l0": w_hh,
+                   **{f"{p}_l0": v for p, v in zip(module.params, params)}}
         if b_ih is not None:
             weights.update(bias_ih_l0=b_ih, bias_hh_l0=b_hh)
         packed = module.pack(weights, entry="sequence", copy=False)
@@ -38,7 +40,7 @@ class _Layer(torch.autograd.Function):
         ctx.module, ctx.packed, ctx.lengths = module, packed, lengths
         ctx.biases = b_ih is not None
         # the weights, which packed may share: changed in place before backward, torch says so
-        ctx.save_for_backward(x, *kept.values(), w_ih, w_hh, b_ih, b_hh)
+        ctx.save_for_backward(x, *kept.values(), w_ih, w_hh, b_ih, b_hh, *params)
         ctx.kept_names = list(kept)
         return (y, *(finals if isinstance(finals, tuple) else (finals,)))
 
@@ -47,8 +49,8 @@ class _Layer(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise InputError("rnncc's gradients cannot be differentiated again (double "
                              "backward, create_graph=True): not supported")
-        x, *kept = ctx.saved_tensors[:-4]
         module = ctx.module
+        x, *kept = ctx.saved_tensors[:-4 - len(module.params)]
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
                                 aligned(dy), tuple(aligned(g) for g in finals_grad),
                                 lengths=ctx.lengths, input_grad=ctx.needs_input_grad[1])
@@ -58,7 +60,8 @@ class _Layer(torch.autograd.Function):
                 increment_version(tensor)
         biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
         return (None, grads.get("x"), None, None, *(grads[f"{s}0"] for s in module.states),
-                grads["weight_ih_l0"], grads["weight_hh_l0"], *biases)
+                grads["weight_ih_l0"], grads["weight_hh_l0"], *biases,
+                *(grads[f"{p}_l0"] for p in module.params))
 
 
 def reversed_steps(x, lengths):
@@ -132,7 +135,8 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
         outputs = []
         for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
             given = [weights.get(f"{name}_l{layer}{suffix}")
-                     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+                     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
+                                  *lay.cell.params)]
             row = layer * lay.directions + d
             seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)
             args = (aligned(seq), lengths, len(states),

@@ -562,6 +562,7 @@ class Module:
                                             {"dgi": dgi}, None))
         names = {"dx": "x", "dweight_ih": "weight_ih_l0", "dweight_hh": "weight_hh_l0",
                  "dbias_ih": "bias_ih_l0", "dbias_hh": "bias_hh_l0",
+                 **{f"d{p}": f"{p}_l0" for p in self.params},
                  **{f"d{s}0": f"{s}0" for s in self.states}}
         return {names[k]: v for k, v in results.items()}
 

@@ -65,7 +65,7 @@ def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
         rec = hs[u * spec.local_batch + n]
         seeds = [r.dy[it] + rec + carry[0]] + carry[1:]
         with ops.lowered_with(FAST_FUNCTIONS):
-            projections, previous = autodiff.kept_vjp(
+            projections, previous, _ = autodiff.kept_vjp(
                 graph, kept, lambda i: r.pre[it * parts + i],
                 [r.sp[it * states + k] for k in range(states)], seeds,
                 autodiff.PrimExprs("float32"))
