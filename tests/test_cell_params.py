@@ -1,7 +1,8 @@
 """Cells with per-unit parameters (the contract's ``params``: learned vectors [H] such as
 peephole weights), through the non-persistent schedule, the module API and rnncc.nn (forward
-and gradients), against float64 references; the persistent kernels say they do not take them
-yet. (Every cell's layer gradients against finite differences: tests/test_training.py.)"""
+and gradients), against float64 references; the persistent kernels' builds. (Every cell's
+layer gradients against finite differences: tests/test_training.py; the persistent kernel on
+the TIR interpreter: tests/test_stages.py.)"""
 
 import os
 
@@ -12,7 +13,7 @@ import rnncc
 from conftest import has_nvcc, random_weights
 from helpers import TOL_F32, check_against_reference
 from rnncc import cells, reference
-from rnncc.errors import ConfigError, InputError
+from rnncc.errors import InputError
 
 PEEPHOLE = os.path.join(os.path.dirname(__file__), "data", "peephole.py")
 
@@ -56,17 +57,22 @@ def test_missing_or_misshapen_parameters_are_refused(peephole, rng):
         module(x, {**w, "w_co_l0": np.zeros(5, "float32")})
 
 
-def test_the_persistent_kernel_says_it_does_not_take_them_yet(peephole):
+def test_persistent_kernels_take_them_forward_and_say_the_backward_does_not(peephole):
+    """The persistent forward kernels (one layer, both directions, the wavefront of layers,
+    a training forward) load the parameters once a pair (their arithmetic: the TIR
+    interpreter's tests in tests/test_stages.py); the persistent backward kernel says it does
+    not take them, and the backward runs the non-persistent schedule."""
     if not has_nvcc():
         pytest.skip("the CUDA build needs nvcc")
     module = rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda", training=True)
     schedule = module.metadata["schedule"]
-    assert schedule["kind"] == "sequence"
-    assert "which the persistent kernel does not take yet" in schedule["persistent"]["reason"]
+    assert schedule["kind"] == "persistent" and "persistent_train_forward" in module.metadata[
+        "functions"]
     assert "persistent backward kernel does not take" in schedule["persistent_backward"][
         "reason"]
-    with pytest.raises(ConfigError, match="persistent=on, but cell 'peephole' has per-unit"):
-        rnncc.compile(PEEPHOLE, 16, 64, 4, target="cuda", persistent="on")
+    for options in ({"directions": 2}, {"layers": 2}):
+        module = rnncc.compile(PEEPHOLE, 64, 64, 4, target="cuda", **options)
+        assert module.metadata["schedule"]["kind"] == "persistent", options
 
 
 def _torch_peephole(torch, x, w, layers, lengths):

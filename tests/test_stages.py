@@ -78,6 +78,9 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
                                        np.zeros(shape, dtype))[1] for d in suffixes]),
             "b_hh": np.concatenate([weights["bias_hh_l0" + d].astype(dtype) for d in suffixes]),
             "y": np.full((steps, n, dirs * h), np.nan, dtype)}
+    for k, name in enumerate(cell.params):  # the cell's per-unit parameters, [D*H] each
+        args[f"p{k}"] = np.concatenate([weights[f"{name}_l0{d}"].astype(dtype)
+                                        for d in suffixes])
     if p.fused:
         shape = buffers.input_weight_shape(p, g)
         w_ih = weights["weight_ih_l0"].astype(dtype)
@@ -129,7 +132,8 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
         weights = {}
         for suffix in ("", "_reverse")[:dirs]:
             weights.update({k + suffix: v.astype(dtype) for k, v in
-                            random_weights(rng, cell.gates, input_size, hidden).items()})
+                            random_weights(rng, cell.gates, input_size, hidden,
+                                           params=cell.params).items()})
         x = rng.standard_normal((t, batch, input_size)).astype(dtype)
         initial = {s: rng.standard_normal((dirs, batch, hidden)).astype(dtype)
                    for s in cell.states}
@@ -245,6 +249,20 @@ def test_kernel_of_a_cell_whose_new_state_reads_the_previous_h(rng):
                                                  "coupled.py"))
     p = crafted(3, 40, 3, "float32", 5, 2)
     check_kernel(cell.name, p, 6, 40, 3, "float32", rng)
+
+
+@pytest.mark.parametrize("name", ["tagged, chunks of steps", "tensor cores", "fused, batch groups",
+                                  "overlapped, asynchronous copies",
+                                  "bidirectional, tagged, chunks of steps"])
+def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
+    """tests/data/peephole.py, whose step reads its peephole weights (one register a pair
+    and parameter, loaded once): LSTM-shaped plan variants, lengths included."""
+    (cell,) = rnncc.cells.load_file(os.path.join(os.path.dirname(__file__), "data",
+                                                 "peephole.py"))
+    lstm, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
+    assert lstm == "lstm"
+    check_kernel(cell.name, p, input_size, hidden, batch, dtype, rng, chunk=chunk,
+                 lengths=True)
 
 
 # -- one stage at a time --------------------------------------------------------------------

@@ -75,15 +75,6 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         if opts.persistent == "on":
             raise ConfigError(why)
         return None, why
-    if problem.cell.params:
-        why = (f"cell {problem.cell.name!r} has per-unit parameters "
-               f"({', '.join(problem.cell.params)}), which the persistent kernel does not take "
-               "yet")
-        if problem.layers > 1:
-            raise ConfigError(_wavefront_only(problem, why))
-        if opts.persistent == "on":
-            raise ConfigError(f"persistent=on, but {why}")
-        return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
         return persistent.knobs.plan_for(problem, gpu, knobs, reg_margin, tight), gpu

@@ -407,7 +407,7 @@ class _Builder:
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, _, s0, lengths, y, sn = self.io(
+        x, w_ih, w_hh, b_ih, b_hh, per_unit, s0, lengths, y, sn = self.io(
             sig, t_len, self.layout.weight_shape(g, h, h) if history else w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         parts, kept, packed = (), [], w_hh
@@ -451,6 +451,7 @@ class _Builder:
                 Region(w_hh, (ALL, ALL)), Region(packed, (ALL,) * 6)], 1))
         views = []
         recurrent = [Region(packed, (ALL,) * 6), Region(b_hh, (ALL,))]
+        recurrent += [Region(v, (ALL,)) for v in per_unit]
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
         if plan.fused:  # the kernel reads x and W_ih and writes xp
             inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
@@ -492,7 +493,7 @@ class _Builder:
                 Region(stacked, (ALL, ALL, slice((layers - 1) * h, layers * h))),
                 Region(y, (ALL,) * 3)], 1))
         given = [lengths] if lengths is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *s0, *given, y, *sn, *kept,
+        params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *s0, *given, y, *sn, *kept,
                   *([packed] if history else []), *([] if in_place else [xp]), *sw, sync,
                   *([stacked] if layers > 1 else []), *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,

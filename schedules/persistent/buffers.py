@@ -34,7 +34,9 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
     projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
     (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read
-    otherwise), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (with lengths: the samples'
+    otherwise; after the per-unit parameters where it is written), W_hh packed [B/NG, Wn, KI,
+    RW, 32, VEC], b_hh [G*H], (the cell's per-unit parameters p0 ... [H] each, where it has
+    them), (with lengths: the samples'
     lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h first), (a
     training forward's, ``spec.kept``: the states of every step [T+1,N,H] each and the kept
     parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or the barrier counters
@@ -46,7 +48,9 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     layers' progress counters ``prog`` [L*NG] uint32."""
     p, dt, n = spec.plan, spec.dtype, spec.batch
     d, gh, rows = spec.grids, spec.grids * spec.gate_rows, spec.state_rows
-    names = ["x", "wi", "bi", "w", "b", "xp"] if p.fused else ["xp", "w", "b"]
+    per_unit = [f"p{k}" for k in range(spec.params)]
+    names = (["x", "wi", "bi", "w", "b", *per_unit, "xp"] if p.fused
+             else ["xp", "w", "b", *per_unit])
     names += ["len"] if spec.lengths else []
     names += ["y"] + [f"s{k}" for k in range(spec.states)]
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
@@ -74,6 +78,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
               "float32")
     match("w", "w", (d * p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
     match("b_hh", "b", (gh,), dt)
+    out.params = [match(f"p{k}", f"p{k}", (d * spec.hidden,), dt) for k in range(spec.params)]
     if spec.lengths:
         match("lengths", "len", (n,), "int32")
     match("y", "y", (t_len, n, d * spec.hidden), dt)
@@ -155,8 +160,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
       (the chains' sums) and ``hs16`` (h staged in the weights' 16-bit type, fragment order);
     - ``wv``: one chunk of a row of weights; ``gi``, ``bh``, ``st``: the thread's pairs'
       input projections, b_hh and states (unless ``pairs`` is False: the backward kernel's
-      are :func:`backward_pairs`); ``ln``: their samples' lengths; ``tv``: tagged words in
-      flight;
+      are :func:`backward_pairs`); ``pv``: their units' per-unit parameters of the cell;
+      ``ln``: their samples' lengths; ``tv``: tagged words in flight;
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -173,7 +178,7 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         setattr(out, name, buffer)
 
     names = ("wreg", "af", "wb", "dacc", "hs16", "acc", "hv", "ln", "tv", "wsm", "pacc", "xv",
-             "wq", "xs", "wis", "xsl")
+             "wq", "xs", "wis", "xsl", "pv")
     for name in names:
         setattr(out, name, None)
     if p.reg_chunks:
@@ -189,6 +194,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
     alloc("wv", vec, dt)
     for name, per in (("gi", g), ("bh", g), ("st", spec.states)) if pairs else ():
         alloc(name, p.items * per, "float32")
+    if pairs and spec.params:
+        alloc("pv", p.items * spec.params, "float32")
     if spec.lengths:
         alloc("ln", p.items, "int32")
     if spec.tagged:

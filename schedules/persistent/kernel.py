@@ -83,7 +83,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     training forward's, which keeps every step's states and these parts of its projections
     (:mod:`.stages.history`)."""
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
-                      input_size, lengths, kept=kept)
+                      input_size, lengths, kept=kept, params=len(cell.params))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -103,7 +103,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                     if p.mma:
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
                     cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
-                                              bx, tx)
+                                              bx, tx, g.params, b.pv)
                     if len(spec.kept) > 0:
                         history.keep_initial(spec, g.steps, b.st, bx, tx)
                     for t in range(g.T_len):
@@ -116,7 +116,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
                             exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx,
-                            history.keeper(spec, g.pre, g.steps))
+                            history.keeper(spec, g.pre, g.steps), b.pv)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

@@ -102,7 +102,9 @@ class _Request:
                              len(p.cell.states), max_blocks=k.get("max_blocks"),
                              reg_margin=margin, warps=k.get("warps"), stream=stream,
                              batch_groups=k.get("batch_groups"),
-                             directions=p.directions, layers=p.layers)
+                             directions=p.directions, layers=p.layers,
+                             pair_regs=(2 * p.gates + len(p.cell.states) + len(p.cell.params)
+                                        if p.cell.params else None))
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
 
 

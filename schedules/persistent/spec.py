@@ -28,7 +28,8 @@ class KernelSpec:
     sample's length and stops its states there (outputs past it zero); ``exchanged``: the
     length of the vector the blocks exchange each step (the products' K), if not H (the
     backward pass's G*H, planner: "Backward through time"); ``kept``: a training forward's, the
-    parts of the projections it keeps (:mod:`.stages.history`; one grid)."""
+    parts of the projections it keeps (:mod:`.stages.history`; one grid); ``params``: the
+    cell's per-unit parameters (vectors [H], a grid's side by side)."""
 
     plan: Plan
     gates: int
@@ -41,6 +42,7 @@ class KernelSpec:
     lengths: bool = False
     exchanged: int = 0
     kept: tuple = ()
+    params: int = 0
 
     def __post_init__(self):
         p = self.plan

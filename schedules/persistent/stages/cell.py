@@ -73,14 +73,18 @@ def each_pair(spec, bx, tx, body):
                 body(it, n, j)
 
 
-def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx):
-    """The pairs' b_hh, initial states (``s``: the states' buffers) and, where the kernel
-    takes them, their samples' lengths into registers, once."""
+def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx, params=(), pv=None):
+    """The pairs' b_hh, initial states (``s``: the states' buffers), their units' per-unit
+    parameters of the cell (``params``, into ``pv``) and, where the kernel takes them, their
+    samples' lengths into registers, once."""
     g_count, states = spec.gates, spec.states
 
     def body(it, n, j):
         for g in range(g_count):
             store(bh, T.Cast("float32", b_hh[spec.gate_column(bx, g, j)]), it * g_count + g)
+        for k, vector in enumerate(params):
+            store(pv, T.Cast("float32", vector[spec.output_column(bx, j)]),
+                  it * spec.params + k)
         for k in range(states):
             store(st, s[k][0, spec.state_row(bx, n), j], it * states + k)
         if spec.lengths:
@@ -105,13 +109,14 @@ def prefetch(spec, xp, gi, ln, t, t_len, bx, tx):
     each_pair(spec, bx, tx, body)
 
 
-def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None):
+def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None, pv=None):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
     (``ln``), past its sample's length a pair keeps its states (and publishes them) and writes
     zero to y. y[t] is the pair's sequence step (the reverse direction's runs back).
-    ``keep(gates_i, gates_h, new, step, row, j)``: a training forward's (:mod:`.history`)."""
+    ``keep(gates_i, gates_h, new, step, row, j)``: a training forward's (:mod:`.history`).
+    ``pv``: the pairs' per-unit parameters of the cell (:func:`load_constants`)."""
     g_count, states, units = spec.gates, spec.states, spec.plan.units
 
     def body(it, n, j):
@@ -120,7 +125,8 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
         gates_h = [hs[(g * units + u) * spec.local_batch + n] + bh[it * g_count + g]
                    for g in range(g_count)]
         with ops.lowered_with(FAST_FUNCTIONS):
-            new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)])
+            new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)],
+                                [pv[it * spec.params + k] for k in range(spec.params)])
         live = t < T.Cast("int64", ln[it]) if spec.lengths else None
         if live is not None:
             new = [T.if_then_else(live, v, st[it * states + k]) for k, v in enumerate(new)]
