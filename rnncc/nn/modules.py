@@ -2,12 +2,13 @@
 
 Constructors, parameter names and shapes (``weight_ih_l{k}[_reverse]`` [G*H, C or D*H],
 ``weight_hh_l{k}[_reverse]`` [G*H, H], ``bias_ih_l{k}[_reverse]``, ``bias_hh_l{k}[_reverse]``
-[G*H]; gates in torch's order), initialisation (uniform in +-1/sqrt(H)), ``state_dict`` and
-``forward`` are torch's: input [T, N, C] (``batch_first``: [N, T, C]; unbatched: [T, C]) or a
-``PackedSequence``, ``hx`` optional ([L*D, N, H] a state; a tuple for cells with several states,
-in the cell's order: LSTM's (h, c)), outputs (y [T, N, D*H], h_n or the tuple of final states)
-of the same shapes and kinds (a ``PackedSequence`` in gives one out). rnncc adds ``lengths``
-([N], 1 to T) for padded input of samples of their own lengths.
+[G*H]; gates in torch's order; a cell's per-unit parameters ``<name>_l{k}[_reverse]`` [H]),
+initialisation (uniform in +-1/sqrt(H)), ``state_dict`` and ``forward`` are torch's: input
+[T, N, C] (``batch_first``: [N, T, C]; unbatched: [T, C]) or a ``PackedSequence``, ``hx``
+optional ([L*D, N, H] a state; a tuple for cells with several states, in the cell's order:
+LSTM's (h, c)), outputs (y [T, N, D*H], h_n or the tuple of final states) of the same shapes
+and kinds (a ``PackedSequence`` in gives one out). rnncc adds ``lengths`` ([N], 1 to T) for
+padded input of samples of their own lengths.
 
 The network runs on compiled layer modules (:mod:`.network`); they compile on first use for a
 device, dtype and sizes and are kept on disk. A call that needs gradients (grad mode on, and
