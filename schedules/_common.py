@@ -24,6 +24,12 @@ def float32_parameters(shapes: dict) -> list:
     return buffer_parameters({name: (shape, "float32") for name, shape in shapes.items()})
 
 
+def has_mma(target) -> bool:
+    """Whether ``target`` has ``mma.sync`` m16n8k16 with float32 sums (sm_80 and later)."""
+    arch = str(target.attrs.get("arch", ""))
+    return arch.startswith("sm_") and int(arch[3:].rstrip("a")) >= 80
+
+
 def loop_nests(sch: s_tir.Schedule):
     """The top-level loop nests: (outer loops, blocks in the nest) for each child of root."""
     root = sch.get_sblock("root")

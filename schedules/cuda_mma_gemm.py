@@ -35,7 +35,14 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ._common import block_named, buffer_parameters, gemm_blocks, static_extent, weights_are_rows
+from ._common import (
+    block_named,
+    buffer_parameters,
+    gemm_blocks,
+    has_mma,
+    static_extent,
+    weights_are_rows,
+)
 from ._rule import Rule
 
 HALF = {"float16": "fp16", "bfloat16": "bf16"}  # the weights' types: mma's operand types
@@ -69,9 +76,8 @@ def sizes(func, target) -> Product | None:
     rule takes it, else None: weights float16 or bfloat16 on sm_80 or later; a projection
     with a run-time row count, O a multiple of :data:`TILE` and K of 2 * :data:`BK`; a
     gradient with O and K multiples of TILE."""
-    arch = str(target.attrs.get("arch", ""))
-    if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
-        return None  # mma.sync m16n8k16 with float32 sums: sm_80 and later
+    if not has_mma(target):
+        return None
     specs = tuple((str(p.name), tuple(static(d) for d in p.shape), str(p.dtype))
                   for p in func.params)
     sch = s_tir.Schedule(func)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ._common import gemm_blocks, static_extent, weights_are_rows
+from ._common import gemm_blocks, has_mma, static_extent, weights_are_rows
 from ._rule import Rule
 from .cuda_mma_gemm import HALF
 
@@ -243,9 +243,8 @@ def apply(func, target):
         return None
     if not weights_are_rows(sch, blocks[0]):
         return None
-    arch = str(target.attrs.get("arch", ""))
-    if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
-        return None  # mma.sync m16n8k16 with float32 sums: sm_80 and later
+    if not has_mma(target):
+        return None
     batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
     if None in (batch, outputs, depth):
         return None

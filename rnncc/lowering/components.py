@@ -164,9 +164,21 @@ def gemm_parts(batch: int, k: int, o: int, parts: int, weights: str, dtype: str,
     return te.create_prim_func([a, w, out])
 
 
+def parts_shape(parts: int, shape: tuple) -> tuple:
+    """The shape of a one-step product's output ``shape`` [N, O] left in S = ``parts`` slices
+    ([S, N, O]; ``shape`` itself where S is 1), S of the kind of ``shape``'s sizes (ints for
+    a sequence's buffers, int64 constants for a component's)."""
+    if parts == 1:
+        return shape
+    return ((parts if isinstance(shape[0], int) else i64(parts)),) + tuple(shape)
+
+
 def parts_sum(t: te.Tensor, n, j):
     """``t[0, n, j] + t[1, n, j] + ...``: the slices of a :func:`gemm_parts` product, in
-    order (the same sums, in the same order, as the product's own sum kernel would add)."""
+    order (the same sums, in the same order, as the product's own sum kernel would add);
+    ``t[n, j]`` for a product read whole ([N, O])."""
+    if len(t.shape) == 2:
+        return t[n, j]
     total = t[0, n, j]
     for s in range(1, int(t.shape[0])):
         total = total + t[s, n, j]
@@ -203,8 +215,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     if gates_layout == "combined":
         gi = te.placeholder((n_, i64(g_count * hidden)), acc, "gi")
         width = i64(g_count * hidden)
-        gh = te.placeholder((i64(rec_parts), n_, width) if rec_parts > 1 else (n_, width), acc,
-                            "gh")
+        gh = te.placeholder(parts_shape(rec_parts, (n_, width)), acc, "gh")
         b_hh = te.placeholder((width,), dtype, "b_hh") if rec_parts > 1 else None
         inputs = [gi, gh] + ([b_hh] if rec_parts > 1 else [])
 
@@ -480,8 +491,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     pre = te.placeholder((i64(batch), i64(len(kept) * hidden)), acc, "pre")
     states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
     dy = te.placeholder(shape, dtype, "dy")
-    dh_rec = te.placeholder((i64(rec_parts),) + shape if rec_parts > 1 else shape, acc,
-                            "dh_rec")
+    dh_rec = te.placeholder(parts_shape(rec_parts, shape), acc, "dh_rec")
     carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in cell.states]
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
     params = [te.placeholder((i64(hidden),), dtype, f"param_{p}") for p in cell.params]
@@ -489,17 +499,14 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     graph = autodiff.trace(cell)
     backend = autodiff.PrimExprs(acc)
 
-    def rec(n, j):
-        return parts_sum(dh_rec, n, j) if rec_parts > 1 else dh_rec[n, j]
-
     def body(n, j):
-        d_h = _cast(dy[n, j], acc) + rec(n, j) + carry[0][n, j]
+        d_h = _cast(dy[n, j], acc) + parts_sum(dh_rec, n, j) + carry[0][n, j]
         projections, previous, of_params = autodiff.kept_vjp(
             graph, kept, lambda i: pre[n, i * hidden + j], [s[n, j] for s in states],
             [d_h] + [c[n, j] for c in carry[1:]], backend, [_cast(p[j], acc) for p in params])
         if active is not None:
             live, zero = active[n] != 0, tirx.const(0, acc)
-            passed = [rec(n, j) + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
+            passed = [parts_sum(dh_rec, n, j) + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
             projections = [tvm.tirx.if_then_else(live, v, zero) for v in projections]
             previous = [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)]
             of_params = [tvm.tirx.if_then_else(live, v, zero) for v in of_params]
@@ -520,13 +527,9 @@ def initial_state_grads(count: int, batch: int, hidden: int, dtype: str, rec_par
     acc = accum_dtype(dtype)
     shape = (i64(batch), i64(hidden))
     carry = [te.placeholder(shape, acc, f"carry{i}") for i in range(count)]
-    dh_rec = te.placeholder((i64(rec_parts),) + shape if rec_parts > 1 else shape, acc,
-                            "dh_rec")
-
-    def rec(n, j):
-        return parts_sum(dh_rec, n, j) if rec_parts > 1 else dh_rec[n, j]
-
-    outs = te.compute(shape, lambda n, j: [_cast(carry[0][n, j] + rec(n, j), dtype)]
+    dh_rec = te.placeholder(parts_shape(rec_parts, shape), acc, "dh_rec")
+    outs = te.compute(shape, lambda n, j: [_cast(carry[0][n, j] + parts_sum(dh_rec, n, j),
+                                                 dtype)]
                       + [_cast(c[n, j], dtype) for c in carry[1:]], name="initial_grads")
     return te.create_prim_func([*carry, dh_rec, *(outs if count > 1 else [outs])])
 

@@ -274,8 +274,7 @@ class _Builder:
                     and sums_in_place(kept_parts, layout.chunk))
         xp = None if in_place else self.param(sig, "xp", per_direction(xp_shape), "workspace",
                                               acc)
-        hp_shape = (g, n, h) if per_gate else (rec_parts, n, g * h) if rec_parts > 1 else (
-            n, g * h)
+        hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, g * h))
         hp = self.param(sig, "hp", per_direction(hp_shape), "workspace", acc)
         pre = None
         if history:

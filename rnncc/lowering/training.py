@@ -194,7 +194,7 @@ class _Backward:
         # dh through the recurrent product: its K slices where the product is left in them
         rec_parts = b.product_parts("recurrent_gemm_backward", comp.gemm(
             (n,), gh, h, self.layout.weights, p.dtype, acc))
-        rec_shape = (rec_parts, n, h) if rec_parts > 1 else (n, h)
+        rec_shape = comp.parts_shape(rec_parts, (n, h))
         dh_rec = b.param(sig, "dh_rec", rec_shape, "workspace", acc)
         dh_all = Region(dh_rec, (ALL,) * len(rec_shape))
         w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(self.layout.weight_shape(g, h, h))),
