@@ -668,8 +668,9 @@ def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
 
 # -- the backward kernel ----------------------------------------------------------------------
 
-def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths):
-    """dGI, dGH [T, N, G*H] and the initial states' gradients, in float64: the steps backwards,
+def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths, params=()):
+    """dGI, dGH [T, N, G*H], the initial states' gradients and the per-unit parameters' (of
+    ``params`` [H] each) summed over the steps [N, H] each, in float64: the steps backwards,
     the cell's derivative (autodiff, NumPy) from the kept parts ``pre`` and the previous
     states, dh through the recurrence dGH_t W_hh."""
     graph, backend = autodiff.trace(cell), autodiff.NumPy()
@@ -678,23 +679,28 @@ def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths):
     carry = [d[0] for d in d_final]
     rec = np.zeros((n, h))
     dgi, dgh = np.zeros((steps, n, g * h)), np.zeros((steps, n, g * h))
+    sums = [np.zeros((n, h)) for _ in params]
     for t in reversed(range(steps)):
-        proj, prev, _ = autodiff.kept_vjp(
+        proj, prev, of_params = autodiff.kept_vjp(
             graph, kept, lambda i, t=t: pre[t][:, i * h:(i + 1) * h], [s[t] for s in states],
-            [dy[t] + rec + carry[0]] + carry[1:], backend)
+            [dy[t] + rec + carry[0]] + carry[1:], backend, [np.broadcast_to(v, (n, h))
+                                                            for v in params])
         live = (t < np.asarray(lengths))[:, None] if lengths is not None else np.True_
         proj = [np.where(live, v, 0.0) for v in proj]
+        sums = [s + np.where(live, v, 0.0) for s, v in zip(sums, of_params)]
         carry = [np.where(live, v, p) for v, p in zip(prev, [rec + carry[0]] + carry[1:])]
         dgi[t] = np.concatenate(proj[:g], axis=1)
         dgh[t] = np.concatenate(proj[g:] or proj[:g], axis=1)
         rec = dgh[t] @ w_hh
-    return dgi, dgh, [carry[0] + rec] + carry[1:]
+    return dgi, dgh, [carry[0] + rec] + carry[1:], sums
 
 
 def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5), lengths=False):
     """The backward kernel of plan ``p`` on the interpreter against
-    :func:`backward_reference`, on random kept values, dy and final gradients."""
+    :func:`backward_reference`, on random kept values, dy, final gradients and per-unit
+    parameters (where the cell has them)."""
     cell = rnncc.cells.get(cell_name)
+    count = len(cell.params)
     g, h, n, kept = cell.gates, hidden, batch, kept_parts(cell)
     summed = all(which == "sum" for _, which in kept)
     shape = (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec)
@@ -730,16 +736,22 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
             args["cnt"] = np.zeros(p.batch_groups, np.uint32)
         if ln is not None:
             args["lengths"] = ln.astype(np.int32)
+        params = [rng.standard_normal(h).astype(dtype) for _ in range(count)]
+        args.update({f"p{k}": v for k, v in enumerate(params)})
+        if count:
+            args["dps"] = np.full((count, n, h), np.nan, np.float32)
         func = backward_kernel.kernel(autodiff.trace(cell), kept, h, n, p, dtype, ln is not None)
         Simulator(func, args).run()
         f64 = [a.astype(np.float64) for a in states]
-        dgi, dgh, d0 = backward_reference(cell, kept, pre.astype(np.float64), f64,
-                                          w_hh.astype(np.float64), dy.astype(np.float64),
-                                          [d.astype(np.float64) for d in d_final], ln)
+        dgi, dgh, d0, dps = backward_reference(
+            cell, kept, pre.astype(np.float64), f64, w_hh.astype(np.float64),
+            dy.astype(np.float64), [d.astype(np.float64) for d in d_final], ln,
+            [v.astype(np.float64) for v in params])
         errors = [reference.relative_error(args["dgi"], dgi)]
         errors += [] if summed else [reference.relative_error(args["dgh"], dgh)]
         errors += [reference.relative_error(args[f"d{k}_0"], d0[k])
                    for k in range(len(cell.states))]
+        errors += [reference.relative_error(args["dps"][k], dps[k]) for k in range(count)]
         assert max(errors) < TOL[dtype], f"T={t_len}: relative errors {errors}"
 
 
@@ -774,6 +786,17 @@ def test_backward_kernel_with_lengths_matches_reference(name, rng):
     through (lengths 1 to T)."""
     cell, hidden, batch, dtype, p = BACKWARD_KERNELS[name]()
     check_backward_kernel(cell, p, hidden, batch, dtype, rng, lengths=True)
+
+
+@pytest.mark.parametrize("name", ["tagged, planned", "batch groups"])
+def test_backward_kernel_of_a_cell_with_per_unit_parameters(name, rng):
+    """tests/data/peephole.py: the parameters' gradients summed over the steps (a batch row
+    each) and the other gradients through them, lengths 1 to T."""
+    (cell,) = rnncc.cells.load_file(os.path.join(os.path.dirname(__file__), "data",
+                                                 "peephole.py"))
+    lstm, hidden, batch, dtype, p = BACKWARD_KERNELS[name]()
+    assert lstm == "lstm"
+    check_backward_kernel(cell.name, p, hidden, batch, dtype, rng, lengths=True)
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())

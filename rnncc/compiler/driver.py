@@ -93,14 +93,12 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
 
     if tspec.kind != "cuda" or opts.persistent == "off":
         return None, "the persistent backward kernel is CUDA only, and not with persistent=off"
-    if problem.cell.params:
-        return None, (f"cell {problem.cell.name!r} has per-unit parameters, which the "
-                      "persistent backward kernel does not take yet")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
         return persistent.planner.backward(
             problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
-            len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin), None
+            len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin,
+            params=len(problem.cell.params)), None
     except persistent.Unfit as err:
         return None, str(err)
 

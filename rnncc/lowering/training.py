@@ -259,14 +259,19 @@ class _Backward:
             "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype, rec_parts),
             [Region(cr, (final, ALL, ALL)) for cr in carry] + [dh_all]
             + [Region(d, (0, ALL, ALL)) for d in io.d_initial], len(states))]
-        epilogue += [self.reduction(f"dparam_{i}", comp.column_sum(i64(n), h, p.dtype), [
-            Region(sums, (i, ALL, ALL)), Region(d, (ALL,))]) for i, d in enumerate(io.dparams)]
+        epilogue += self._param_sums(io, sums)
         grads, views = self._weight_grads(io)
         params = [*io.params, *carry, dh_rec, w_hh_t, *([zero] if zero is not None else []),
                   *([active] if active is not None else []),
                   *([sums] if sums is not None else []), *([copy] if summed else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
+
+    def _param_sums(self, io, sums):
+        """The per-unit parameters' gradients: ``sums`` [P, N, H] summed over the rows."""
+        n, h, dtype = self.p.batch, self.p.hidden_size, self.p.dtype
+        return [self.reduction(f"dparam_{i}", comp.column_sum(i64(n), h, dtype), [
+            Region(sums, (i, ALL, ALL)), Region(d, (ALL,))]) for i, d in enumerate(io.dparams)]
 
     def add_persistent(self, plan):
         """``persistent_backward``: the recurrence as one persistent kernel (W_hh^T packed for
@@ -306,11 +311,17 @@ class _Backward:
         inputs += [Region(s, (ALL,) * 3) for s in io.kept]
         inputs += [Region(io.lengths, (ALL,))] if io.lengths is not None else []
         inputs += [Region(io.dy, (ALL,) * 3)] + [Region(d, (ALL,) * 3) for d in io.d_final]
+        inputs += [Region(v, (ALL,)) for v in io.per_unit]
         outputs = [Region(d, (ALL,) * 3) for d in io.d_initial]
         outputs += [Region(d, (ALL,) * 3) for d in ((io.dgi,) if io.summed else (io.dgi, io.dgh))]
+        # the per-unit parameters' gradients, summed over the steps a batch row each
+        sums = (b.param(sig, "dparam_sums", (len(io.per_unit), n, h), "workspace", "float32")
+                if io.per_unit else None)
+        outputs += [Region(sums, (ALL,) * 3)] if sums is not None else []
         outputs += [Region(xch, (ALL,) * 3), Region(sync, (ALL,) * len(sync.shape))]
         prologue.append(Stage("persistent_backward", func, inputs + outputs, len(outputs)))
         grads, views = self._weight_grads(io)
-        params = [*io.params, w_t, xch, sync]
+        grads = self._param_sums(io, sums) + grads
+        params = [*io.params, w_t, xch, sync, *([sums] if sums is not None else [])]
         b.add("persistent_backward", sequence_function(
             "persistent_backward", params, prologue, None, None, [], grads, views), sig)

@@ -11,10 +11,12 @@ T - 1 - t; in it the block
 3. multiplies its rows of W_hh^T by it: dh_t's part through the recurrence, for its units
    (``cuda_cores``, ``reduction``), in shared memory;
 4. applies the cell's derivative to its pairs (``cell_backward``): dGI (and dGH) of the step
-   to global memory, dGH published for the next step, the states' gradients carried;
+   to global memory, dGH published for the next step, the states' gradients carried (and
+   the per-unit parameters' gradients summed, in registers);
 5. arrives at the exchange's barrier and waits for the other blocks' dGH.
 
-After the last step one more product, dGH_0 by W_hh^T, completes dh_0 (``store_initial``). The
+After the last step one more product, dGH_0 by W_hh^T, completes dh_0 (``store_initial``,
+which also writes the parameters' sums, a batch row each). The
 weight gradients are products over all steps after the kernel (:mod:`rnncc.lowering.training`).
 """
 
@@ -44,7 +46,7 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
         raise ValueError("the backward kernel runs one direction of one layer on CUDA cores, "
                          "its weights on-chip")
     spec = KernelSpec(plan, 1, len(cell.states), hidden, batch, dtype, lengths=lengths,
-                      exchanged=cell.gates * hidden)
+                      exchanged=cell.gates * hidden, params=len(cell.params))
     summed = all(which == "sum" for _, which in kept)
     p = plan
 
@@ -59,7 +61,8 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
                     weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
-                    cell_backward.load_constants(spec, g.d_final, g.lengths, r, b.ln, bx, tx)
+                    cell_backward.load_constants(spec, g.d_final, g.lengths, g.params, r, b.ln,
+                                                 bx, tx)
                     for t in range(g.T_len):
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)
@@ -75,6 +78,6 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                                      partial(cuda_cores.store_h, spec, b.hs), g.T_len, bx, tx)
                     T.tvm_storage_sync("shared.dyn")
                     gate_sums(spec, b, g.w, blk, warp, lane)
-                    cell_backward.store_initial(spec, g.d_initial, b.hs, r, bx, tx)
+                    cell_backward.store_initial(spec, g.d_initial, g.dps, b.hs, r, bx, tx)
 
     return persistent_backward

@@ -102,18 +102,23 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     """Declare the backward kernel's parameters (:mod:`..backward`; ``spec``: one row a unit,
     K = G*H), inputs first: W_hh^T packed [B/NG, Wn, KI, RW, 32, VEC], ``pre`` [T,N,P*H]
     (``parts`` P), the states of every step [T+1,N,H] each (float32), (the samples' lengths
-    [N] int32), dy [T,N,H], the final states' gradients [1,N,H] each; then the outputs: the
-    initial states' gradients [1,N,H] each, dGI [T,N,G*H] (and dGH, unless ``summed``: every
-    gate kept as a sum, where the two are equal), and the exchange: the published dGH [2,N,G*H]
-    float32, then the tagged words [2,N,G*H] uint64 or the barrier counters [NG] uint32."""
+    [N] int32), dy [T,N,H], the final states' gradients [1,N,H] each, (the cell's per-unit
+    parameters p0 ... [H] each, where it has them); then the outputs: the initial states'
+    gradients [1,N,H] each, dGI [T,N,G*H] (and dGH, unless ``summed``: every gate kept as a
+    sum, where the two are equal), (the per-unit parameters' gradients summed over the steps,
+    a batch row each, ``dps`` [params, N, H] float32), and the exchange: the published dGH
+    [2,N,G*H] float32, then the tagged words [2,N,G*H] uint64 or the barrier counters [NG]
+    uint32."""
     p, dt, n, h = spec.plan, spec.dtype, spec.batch, spec.hidden
     states, gh = spec.states, gates * h
+    per_unit = [f"p{k}" for k in range(spec.params)]
     names = ["w", "pre", *[f"s{k}" for k in range(states)]] + (["len"] if spec.lengths else [])
-    names += ["dy", *[f"dn{k}" for k in range(states)], *[f"d0{k}" for k in range(states)]]
-    names += ["dgi"] + ([] if summed else ["dgh"]) + ["xch", "hw" if spec.tagged else "cnt"]
+    names += ["dy", *[f"dn{k}" for k in range(states)], *per_unit]
+    names += [f"d0{k}" for k in range(states)] + ["dgi"] + ([] if summed else ["dgh"])
+    names += (["dps"] if spec.params else []) + ["xch", "hw" if spec.tagged else "cnt"]
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
-    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, hw=None, cnt=None)
+    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, dps=None, hw=None, cnt=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -127,9 +132,12 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
         out.lengths = match("lengths", "len", (n,), "int32")
     out.dy = match("dy", "dy", (t_len, n, h), dt)
     out.d_final = [match(f"d{k}_n", f"dn{k}", (1, n, h), dt) for k in range(states)]
+    out.params = [match(name, name, (h,), dt) for name in per_unit]
     out.d_initial = [match(f"d{k}_0", f"d0{k}", (1, n, h), dt) for k in range(states)]
     out.dgi = match("dgi", "dgi", (t_len, n, gh), "float32")
     out.dgh = out.dgi if summed else match("dgh", "dgh", (t_len, n, gh), "float32")
+    if spec.params:
+        out.dps = match("dps", "dps", (spec.params, n, h), "float32")
     out.xch = match("xch", "xch", (2, n, gh), "float32")
     if spec.tagged:
         out.hw = match("hw", "hw", (2, n, gh), "uint64")
@@ -141,10 +149,12 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
 def backward_pairs(spec: KernelSpec, parts: int) -> SimpleNamespace:
     """The backward kernel's registers for a thread's pairs: ``pre`` (P values a pair),
     ``sp`` (the previous states), ``dy``, ``carry`` (the states' gradients through the cell,
-    from step to step)."""
-    out = SimpleNamespace()
-    items, states = spec.plan.items, spec.states
-    for name, per in (("pre", parts), ("sp", states), ("dy", 1), ("carry", states)):
+    from step to step) and, for a cell with per-unit parameters, ``pv`` (their values at the
+    pair's unit) and ``dp`` (their gradients summed over the steps so far)."""
+    out = SimpleNamespace(pv=None, dp=None)
+    items, states, params = spec.plan.items, spec.states, spec.params
+    regs = (("pre", parts), ("sp", states), ("dy", 1), ("carry", states))
+    for name, per in regs + ((("pv", params), ("dp", params)) if params else ()):
         buffer = T.sblock_alloc_buffer((items * per,), "float32", scope="local")
         IRBuilder.name(f"{name}_r", buffer)
         setattr(out, name, buffer)

@@ -440,14 +440,15 @@ def tensor_cores(p: Plan, dtype: str, batch: int, gpu: GPU) -> Plan | None:
 def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
              kept: int | None = None, reg_margin: int = REG_MARGIN,
              batch_groups: int | None = None, warps: int | None = None,
-             max_blocks: int | None = None) -> Plan:
+             max_blocks: int | None = None, params: int = 0) -> Plan:
     """The plan of the backward recurrence of a layer of ``gates`` G (see "Backward through
     time"): one row a unit, K = G*H; a pair keeps ``kept`` P values of the step's projections
-    (default G), the previous states, the gradients carried through the cell and dy in
-    registers. Batch groups as :func:`plan` decides them (default: chosen)."""
+    (default G), the previous states, the gradients carried through the cell, dy and, for
+    each of the cell's ``params`` per-unit parameters, its value and its gradient summed over
+    the steps in registers. Batch groups as :func:`plan` decides them (default: chosen)."""
     return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
                 batch_groups=batch_groups, width=gates * hidden,
-                pair_regs=(kept or gates) + 2 * states + 2)
+                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params)
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).

@@ -8,9 +8,11 @@ step (the parts of its projections, ``pre``, and the previous states) and dy; on
 through the recurrence (dGH_{t+1} by W_hh) is in ``hs``, it computes the vector-Jacobian
 product of the cell's step (:mod:`rnncc.cells.autodiff`): the gradients of the step's
 projections, written to dGI (and dGH) and published (dGH's G values a pair) for the next
-step's product, and those of the previous states, carried. Past its sample's length a pair's
-step went through unchanged in the forward: its projections' gradients are zero and the
-states' pass through (dy there is dropped: y was zero).
+step's product, and those of the previous states, carried. A cell's per-unit parameters are
+loaded once a pair; their gradients are summed over the steps in registers and written once, a
+batch row each (the entry sums the rows). Past its sample's length a pair's step went through
+unchanged in the forward: its projections' and parameters' gradients are zero and the states'
+pass through (dy there is dropped: y was zero).
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ from rnncc.cells import autodiff, ops
 from .cell import FAST_FUNCTIONS, each_pair, store
 
 
-def load_constants(spec, d_final, lengths, r, ln, bx, tx):
-    """The final states' gradients (the first carries) and the samples' lengths, once."""
+def load_constants(spec, d_final, lengths, params, r, ln, bx, tx):
+    """The final states' gradients (the first carries), the samples' lengths and the cell's
+    per-unit parameters (``params``: their buffers [H]; their gradients' sums start at zero),
+    once."""
     states = spec.states
 
     def body(it, n, j):
         for k in range(states):
             store(r.carry, T.Cast("float32", d_final[k][0, spec.batch_row(bx, n), j]),
                    it * states + k)
+        for k, vector in enumerate(params):
+            store(r.pv, T.Cast("float32", vector[j]), it * spec.params + k)
+            store(r.dp, T.float32(0), it * spec.params + k)
         if spec.lengths:
             store(ln, lengths[spec.batch_row(bx, n)], it)
     each_pair(spec, bx, tx, body)
@@ -54,9 +61,10 @@ def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
     """The cell's derivative on the pairs (``graph``: the cell's traced step; ``kept``: the
     parts of ``pre``, :func:`rnncc.lowering.training.kept_parts`), dh's recurrent part from
     ``hs`` ([U, N/NG], row u); dGI[T-1-t] (and dGH, where ``dgh`` is another buffer) written,
-    dGH's values handed to ``publish(value, row, column)``, the carries replaced."""
+    dGH's values handed to ``publish(value, row, column)``, the carries replaced and the
+    per-unit parameters' gradients added to their sums."""
     gates, states, units, h = graph.cell.gates, spec.states, spec.plan.units, spec.hidden
-    parts, summed = len(kept), dgh.same_as(dgi)
+    parts, summed, count = len(kept), dgh.same_as(dgi), spec.params
     at = t_len - 1 - t
 
     def body(it, n, j):
@@ -65,17 +73,19 @@ def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
         rec = hs[u * spec.local_batch + n]
         seeds = [r.dy[it] + rec + carry[0]] + carry[1:]
         with ops.lowered_with(FAST_FUNCTIONS):
-            projections, previous, _ = autodiff.kept_vjp(
+            projections, previous, of_params = autodiff.kept_vjp(
                 graph, kept, lambda i: r.pre[it * parts + i],
                 [r.sp[it * states + k] for k in range(states)], seeds,
-                autodiff.PrimExprs("float32"))
+                autodiff.PrimExprs("float32"), [r.pv[it * count + k] for k in range(count)])
         if spec.lengths:
             live = at < T.Cast("int64", ln[it])
             projections = [T.if_then_else(live, v, T.float32(0)) for v in projections]
+            of_params = [T.if_then_else(live, v, T.float32(0)) for v in of_params]
             passed = [rec + carry[0]] + carry[1:]
             previous = [T.if_then_else(live, v, p) for v, p in zip(previous, passed)]
         projections = [T.Bind(v) for v in projections]
         previous = [T.Bind(v) for v in previous]
+        of_params = [T.Bind(v) for v in of_params]
         row = spec.batch_row(bx, n)
         for g in range(gates):
             store(dgi, projections[g], at, row, g * h + j)
@@ -84,12 +94,15 @@ def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
             publish(projections[g if summed else gates + g], spec.state_row(bx, n), g * h + j)
         for k in range(states):
             store(r.carry, previous[k], it * states + k)
+        for k in range(count):
+            store(r.dp, r.dp[it * count + k] + of_params[k], it * count + k)
     each_pair(spec, bx, tx, body)
 
 
-def store_initial(spec, d_initial, hs, r, bx, tx):
+def store_initial(spec, d_initial, dps, hs, r, bx, tx):
     """The initial states' gradients: the carries, h's plus its part through the first step's
-    recurrent product (in ``hs``)."""
+    recurrent product (in ``hs``); and the per-unit parameters' gradients summed over the
+    steps, to ``dps`` [params, N, H] (None without them)."""
     states, units = spec.states, spec.plan.units
 
     def body(it, n, j):
@@ -99,4 +112,6 @@ def store_initial(spec, d_initial, hs, r, bx, tx):
             if k == 0:
                 value = value + hs[u * spec.local_batch + n]
             store(d_initial[k], T.Cast(spec.dtype, value), 0, spec.batch_row(bx, n), j)
+        for k in range(spec.params):
+            store(dps, r.dp[it * spec.params + k], k, spec.batch_row(bx, n), j)
     each_pair(spec, bx, tx, body)
