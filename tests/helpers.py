@@ -48,9 +48,21 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
                        **{f"{s}0": to_array(v.astype(dt)) for s, v in initial.items()}, **extra)
     finals = finals if isinstance(finals, tuple) else (finals,)
     errors = [reference.relative_error(np.asarray(_host(y)), ref_y)]
-    errors += [reference.relative_error(np.asarray(_host(f)), ref_states[s])
+    step_norm = np.linalg.norm(ref_y) / np.sqrt(steps)
+    errors += [_state_error(np.asarray(_host(f)), ref_states[s], step_norm)
                for f, s in zip(finals, cell.states)]
     return max(errors)
+
+
+def _state_error(out, ref, floor: float) -> float:
+    """A final state's relative error, against its norm or ``floor`` (one step's output
+    norm) where that is larger: a state that ends near zero is a cancellation of far larger
+    terms (c = f * c + i * g), whose float32 error is absolute; at N = H = 1 that is one
+    scalar (seen: c_T = 0.0038 off by 5e-8, 1.4e-5 relative, where float32 NumPy gave 5e-6)."""
+    err, norm = reference.relative_error(out, ref), float(np.linalg.norm(ref))
+    if not np.isfinite(err) or norm >= floor or norm == 0.0:
+        return err
+    return err * norm / floor
 
 
 def check_across_steps(module, rng, lengths=False):

@@ -1,10 +1,9 @@
-"""Cells with per-unit parameters (the contract's ``params``: learned vectors [H] such as
-peephole weights), through the non-persistent schedule, the module API and rnncc.nn (forward
-and gradients), against float64 references; the persistent kernels' builds. (Every cell's
-layer gradients against finite differences: tests/test_training.py; the persistent kernel on
-the TIR interpreter: tests/test_stages.py.)"""
-
-import os
+"""Cells with per-unit parameters (the contract's ``params``: learned vectors [H], here the
+built-in peephole LSTM's), through the non-persistent schedule, the module API and rnncc.nn
+(forward and gradients), against float64 references; the persistent kernels' builds. (Every
+cell's layer gradients against finite differences, a user's cell file with a parameter
+included: tests/test_training.py; the persistent kernels on the TIR interpreter:
+tests/test_stages.py.)"""
 
 import numpy as np
 import pytest
@@ -15,13 +14,12 @@ from helpers import TOL_F32, check_against_reference
 from rnncc import cells, reference
 from rnncc.errors import InputError
 
-PEEPHOLE = os.path.join(os.path.dirname(__file__), "data", "peephole.py")
+PEEPHOLE = "peephole"
 
 
 @pytest.fixture(scope="module")
 def peephole():
-    (cell,) = cells.load_file(PEEPHOLE)
-    return cell
+    return cells.get(PEEPHOLE)
 
 
 @pytest.mark.parametrize("hidden, batch, directions, lengths", [
@@ -109,21 +107,23 @@ def _torch_peephole(torch, x, w, layers, lengths):
     return x
 
 
-def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, module_cache):
-    """``rnncc.nn.Recurrent`` of the cell file: the parameters ``<name>_l{k}[_reverse]`` [H]
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, device, module_cache):
+    """``rnncc.nn.Recurrent("peephole", ...)``: the parameters ``<name>_l{k}[_reverse]`` [H]
     next to torch's; 2 layers, bidirectional, unequal lengths: outputs under no_grad against
     the float64 reference, and every gradient (input and parameters) against float64 torch
-    autograd of the same network written out."""
+    autograd of the same network written out (on CUDA: the persistent kernels)."""
     torch = pytest.importorskip("torch")
     import rnncc.nn
 
-    net = rnncc.nn.Recurrent(PEEPHOLE, 5, 7, num_layers=2, bidirectional=True)
+    net = rnncc.nn.Recurrent(PEEPHOLE, 5, 7, num_layers=2, bidirectional=True).to(device)
     shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
     assert shapes["w_ci_l1_reverse"] == (7,) and shapes["weight_ih_l1"] == (28, 14)
     x = torch.randn(6, 3, 5)
     with torch.no_grad():
-        y, (h, c) = net(x)
-    state = {k: v.double().numpy() for k, v in net.state_dict().items()}
+        y, (h, c) = net(x.to(device))
+    y, c = y.cpu(), c.cpu()
+    state = {k: v.double().cpu().numpy() for k, v in net.state_dict().items()}
     want = x.double().numpy()
     for layer in range(2):
         own = {k.replace(f"_l{layer}", "_l0"): v for k, v in state.items()
@@ -133,16 +133,17 @@ def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, module_cache)
     assert reference.relative_error(c[2:].numpy(), finals["c"]) < TOL_F32
 
     lengths = torch.tensor([6, 2, 4])
-    mine = x.clone().requires_grad_()
+    mine = x.clone().to(device).requires_grad_()
     packed = torch.nn.utils.rnn.pack_padded_sequence(mine, lengths, enforce_sorted=False)
-    out = torch.nn.utils.rnn.pad_packed_sequence(net(packed)[0], total_length=6)[0]
+    out = torch.nn.utils.rnn.pad_packed_sequence(net(packed)[0], total_length=6)[0].cpu()
     dy = torch.randn(out.shape)
     (out * dy).sum().backward()
-    w64 = {n: p.detach().double().requires_grad_() for n, p in net.named_parameters()}
+    w64 = {n: p.detach().double().cpu().requires_grad_() for n, p in net.named_parameters()}
     theirs = x.double().requires_grad_()
     ref = _torch_peephole(torch, theirs, w64, 2, lengths)
     (ref * dy.double()).sum().backward()
     assert reference.relative_error(out.detach().numpy(), ref.detach().numpy()) < TOL_F32
-    assert reference.relative_error(mine.grad.numpy(), theirs.grad.numpy()) < 1e-4
+    assert reference.relative_error(mine.grad.cpu().numpy(), theirs.grad.numpy()) < 1e-4
     for name, p in net.named_parameters():
-        assert reference.relative_error(p.grad.numpy(), w64[name].grad.numpy()) < 1e-4, name
+        assert reference.relative_error(p.grad.cpu().numpy(), w64[name].grad.numpy()) < 1e-4, (
+            name)

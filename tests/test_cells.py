@@ -71,7 +71,7 @@ def test_step_with_wrong_arity_is_reported():
 
 
 @pytest.mark.parametrize("fname, name", [("mgu.py", "mgu"), ("coupled.py", "coupled"),
-                                         ("peephole.py", "peephole")])
+                                         ("leaky.py", "leaky")])
 def test_cell_file_compiles_and_matches_reference(fname, name, rng):
     path = os.path.join(DATA, fname)
     (cell,) = cells.load_file(path)

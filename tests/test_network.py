@@ -23,14 +23,15 @@ CELLS = sorted(rnncc.cells.registry()) + [os.path.join(DATA, "mgu.py")]
 
 
 def random_network_weights(rng, net, dtype="float32"):
-    """Fresh weights of every layer and direction by torch's names, uniform as torch's."""
+    """Fresh weights of every layer and direction by torch's names, uniform as torch's (a
+    cell's per-unit parameters too)."""
     g, h, k = net.metadata["gates"], net.hidden_size, 1.0 / np.sqrt(net.hidden_size)
     out = {}
     for name in net.weight_names:
         layer = int(name.split("_l")[1].split("_")[0])
         width = net.input_size if layer == 0 else net.directions * h
         shape = {"weight_ih": (g * h, width), "weight_hh": (g * h, h)}.get(
-            name.split("_l")[0], (g * h,))
+            name.split("_l")[0], (g * h,) if name.startswith("bias") else (h,))
         out[name] = rng.uniform(-k, k, shape).astype(dtype)
     return out
 
@@ -48,7 +49,7 @@ def network_reference(cell, net, x, weights, initial, lengths):
         for d in range(net.directions):
             suffix = "_reverse" if d else ""
             w = {f"{n}_l0": weights[f"{n}_l{layer}{suffix}"]
-                 for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+                 for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", *cell.params)}
             row = layer * net.directions + d
             seq = x if d == 0 else np.take_along_axis(x, rev, 0)
             y, states = reference.run(cell, seq, w, {s: v[row:row + 1]

@@ -661,7 +661,7 @@ def test_kernel_cell_uses_fast_exponential(cell, dtype):
     uses = set()
     with ops.lowered_with({name: lambda x, name=name: uses.add(name) for name in ops.UNARY}):
         c.evaluate(*([tirx.Var(f"v{i}", "float32") for i in range(k)]
-                     for k in (c.gates, c.gates, len(c.states))))
+                     for k in (c.gates, c.gates, len(c.states), len(c.params))))
     text = kernel(c, 33, 3, plan(c.gates, 33, 3, dtype, H100, states=len(c.states)),
                   dtype=dtype).script()
     assert ("__expf" in text) == bool(uses & {"sigmoid", "exp"})

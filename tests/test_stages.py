@@ -255,10 +255,9 @@ def test_kernel_of_a_cell_whose_new_state_reads_the_previous_h(rng):
                                   "overlapped, asynchronous copies",
                                   "bidirectional, tagged, chunks of steps"])
 def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
-    """tests/data/peephole.py, whose step reads its peephole weights (one register a pair
-    and parameter, loaded once): LSTM-shaped plan variants, lengths included."""
-    (cell,) = rnncc.cells.load_file(os.path.join(os.path.dirname(__file__), "data",
-                                                 "peephole.py"))
+    """The peephole LSTM, whose step reads its peephole weights (one register a pair and
+    parameter, loaded once): LSTM-shaped plan variants, lengths included."""
+    cell = rnncc.cells.get("peephole")
     lstm, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
     assert lstm == "lstm"
     check_kernel(cell.name, p, input_size, hidden, batch, dtype, rng, chunk=chunk,
@@ -525,15 +524,17 @@ def test_exchange_publishes_h_and_counts_arrivals(sync):
 
 
 def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
-    """The cell stage on one step: constants and initial states in, the step's input
-    projections prefetched, the gate sums preset where the products leave them; y, h_1
-    published and the final states, against the cell's float64 reference."""
+    """The cell stage on one step: constants, per-unit parameters and initial states in, the
+    step's input projections prefetched, the gate sums preset where the products leave them;
+    y, h_1 published and the final states, against the cell's float64 reference."""
     g, s_count = cell.gates, len(cell.states)
     p = crafted(g, hidden, batch, dtype, 5, 2)
-    spec = KernelSpec(p, g, s_count, hidden, batch, dtype)
+    spec = KernelSpec(p, g, s_count, hidden, batch, dtype, params=len(cell.params))
     args = kernel_args(spec, 1)
     xp = rng.standard_normal((batch, g * hidden)).astype(np.float32)
     b_hh = rng.standard_normal(g * hidden).astype(dtype)
+    params = [rng.standard_normal(hidden).astype(dtype) for _ in cell.params]
+    args.update({f"p{k}": v for k, v in enumerate(params)})
     states = [rng.standard_normal((batch, hidden)).astype(np.float32) for _ in cell.states]
     gh = rng.standard_normal((batch, g * hidden)).astype(np.float32)  # W_hh h, without b_hh
     args.update(xp=xp[None], b_hh=b_hh)
@@ -547,17 +548,21 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
                 sums[b, r * batch:(r + 1) * batch] = gh[:, r // p.units * hidden + j]
 
     def body(gl, b, bx, tx, out):
-        cell_stage.load_constants(spec, gl.b_hh, gl.s, gl.lengths, b.bh, b.st, b.ln, bx, tx)
+        cell_stage.load_constants(spec, gl.b_hh, gl.s, gl.lengths, b.bh, b.st, b.ln, bx, tx,
+                                  gl.params, b.pv)
         cell_stage.prefetch(spec, gl.xp, b.gi, b.ln, 0, 1, bx, tx)
         cell_stage.apply(spec, cell, gl.y, b.hs, b.gi, b.bh, b.st, b.ln,
-                         partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, 1, bx, tx)
+                         partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, 1, bx, tx,
+                         pv=b.pv)
         cell_stage.store_final_states(spec, gl.s, b.st, 1, bx, tx)
 
     run_stage(spec, body, args, preset={"hs": sums})
     parts = [slice(i * hidden, (i + 1) * hidden) for i in range(g)]
     gh64 = gh.astype(np.float64) + b_hh.astype(np.float64)
-    expect = cell.reference([xp[:, s].astype(np.float64) for s in parts],
-                            [gh64[:, s] for s in parts], [v.astype(np.float64) for v in states])
+    expect = cell.reference_step([xp[:, s].astype(np.float64) for s in parts],
+                                 [gh64[:, s] for s in parts],
+                                 [v.astype(np.float64) for v in states],
+                                 [v.astype(np.float64) for v in params])
     tol = TOL[dtype]
     assert reference.relative_error(args["y"][0], expect[0]) < tol
     for k, value in enumerate(expect):
@@ -790,10 +795,9 @@ def test_backward_kernel_with_lengths_matches_reference(name, rng):
 
 @pytest.mark.parametrize("name", ["tagged, planned", "batch groups"])
 def test_backward_kernel_of_a_cell_with_per_unit_parameters(name, rng):
-    """tests/data/peephole.py: the parameters' gradients summed over the steps (a batch row
-    each) and the other gradients through them, lengths 1 to T."""
-    (cell,) = rnncc.cells.load_file(os.path.join(os.path.dirname(__file__), "data",
-                                                 "peephole.py"))
+    """The peephole LSTM: the parameters' gradients summed over the steps (a batch row each)
+    and the other gradients through them, lengths 1 to T."""
+    cell = rnncc.cells.get("peephole")
     lstm, hidden, batch, dtype, p = BACKWARD_KERNELS[name]()
     assert lstm == "lstm"
     check_backward_kernel(cell.name, p, hidden, batch, dtype, rng, lengths=True)

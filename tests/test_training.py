@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 #: Every built-in cell and the test suite's user cell files.
 CELLS = cells.names() + [os.path.join(DATA, f) for f in ("mgu.py", "coupled.py",
-                                                         "peephole.py")]
+                                                         "leaky.py")]
 TORCH = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN,
          "rnn_relu": torch.nn.RNN}
 #: Gradients in float32 against float64: relative error (the issue's bound is 1e-4).

@@ -1,6 +1,7 @@
-"""A user's cell file with per-unit parameters: the peephole LSTM (Gers et al., "Learning
-precise timing with LSTM recurrent networks", JMLR 2002; TensorFlow's ``use_peepholes``),
-gates i, f, g, o, peephole weights w_ci, w_cf, w_co [H]: i and f see c_{t-1}, o sees c_t.
+"""The peephole LSTM (Gers et al., "Learning precise timing with LSTM recurrent networks",
+JMLR 2002; TensorFlow's ``LSTMCell(use_peepholes=True)``): gates i, f, g, o stacked in that
+order, as torch.nn.LSTM, and peephole weights w_ci, w_cf, w_co [H]: i and f see c_{t-1},
+o sees c_t.
 
     i = sigmoid(gi_i + gh_i + w_ci * c)     f = sigmoid(gi_f + gh_f + w_cf * c)
     g = tanh(gi_g + gh_g)                   c' = f * c + i * g
@@ -9,7 +10,8 @@ gates i, f, g, o, peephole weights w_ci, w_cf, w_co [H]: i and f see c_{t-1}, o 
 
 import numpy as np
 
-from rnncc.cells import Cell, ops, register
+from . import ops
+from ._base import Cell, register
 
 
 def step(gi, gh, state, params):
@@ -33,5 +35,14 @@ def reference(gi, gh, state, params):
     return sig(gi[3] + gh[3] + w_co * c_new) * np.tanh(c_new), c_new
 
 
-register(Cell(name="peephole", gates=4, states=("h", "c"), step=step, reference=reference,
-              params=("w_ci", "w_cf", "w_co"), doc="peephole LSTM (test cell)"))
+PEEPHOLE = register(
+    Cell(
+        name="peephole",
+        gates=4,
+        states=("h", "c"),
+        step=step,
+        reference=reference,
+        params=("w_ci", "w_cf", "w_co"),
+        doc="peephole LSTM, gates i, f, g, o; i, f see c, o sees c' (Gers et al. 2002)",
+    )
+)
