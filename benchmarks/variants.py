@@ -1,0 +1,154 @@
+"""LSTM variants cuDNN lacks (CIFG, peephole): rnncc.nn against the same cell written as a
+per-step PyTorch loop (the input projections of all steps in one matmul first) and against
+rnncc's plain LSTM of the same size, T = 100, C = H, IEEE float32 (TF32 off), all captured in
+CUDA graphs, in one process; microseconds a time step, for inference (no_grad) and for a
+training step (forward and backward of x and every weight). Run on a GPU machine from the
+repository root:
+
+    python3 benchmarks/variants.py [--repeat 50] [--jobs 16] [--hidden 1024] [--json out.json]
+
+Before timing, each variant's rnncc outputs are compared with its PyTorch loop's (same
+weights and input; the largest relative error is printed). The modules compile first,
+``--jobs`` at a time in worker processes, into the on-disk cache the timed modules load from.
+"""
+
+import argparse
+import datetime
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+from rnncc.runtime.files import write_json
+
+VARIANTS = ("cifg", "peephole")
+BATCHES = (1, 4, 64)
+STEPS = 100
+
+
+def _compile(job):
+    from rnncc.compiler import cache
+
+    cell, hidden, batch, training, arch = job
+    cache.compiled(cell, hidden, hidden, batch, target="cuda", arch=arch, training=training)
+    return job
+
+
+def _loop(torch, cell, net):
+    """The cell as a per-step PyTorch loop on ``net``'s parameters (one layer): x [T, N, C]
+    -> y [T, N, H]."""
+    p = dict(net.named_parameters())
+    w_ih, w_hh = p["weight_ih_l0"], p["weight_hh_l0"]
+    b_ih, b_hh = p["bias_ih_l0"], p["bias_hh_l0"]
+
+    def run(x):
+        steps, n, _ = x.shape
+        h = c = x.new_zeros(n, w_hh.shape[1])
+        xp = (x.reshape(steps * n, -1) @ w_ih.T + b_ih).reshape(steps, n, -1)
+        out = []
+        for t in range(steps):
+            g = (xp[t] + h @ w_hh.T + b_hh).chunk(w_hh.shape[0] // w_hh.shape[1], dim=1)
+            if cell == "cifg":
+                f = torch.sigmoid(g[0])
+                c = f * c + (1 - f) * torch.tanh(g[1])
+                h = torch.sigmoid(g[2]) * torch.tanh(c)
+            else:
+                i = torch.sigmoid(g[0] + p["w_ci_l0"] * c)
+                f = torch.sigmoid(g[1] + p["w_cf_l0"] * c)
+                c = f * c + i * torch.tanh(g[2])
+                h = torch.sigmoid(g[3] + p["w_co_l0"] * c) * torch.tanh(c)
+            out.append(h)
+        return torch.stack(out)
+    return run
+
+
+def _us(ms):
+    return ms * 1e3 / STEPS
+
+
+def _row(torch, cell, hidden, batch, repeat):
+    """{name: us/step} for one variant and batch, and the largest relative error of rnncc's
+    outputs and gradients against the loop's."""
+    import rnncc.nn
+    from rnncc.bench import _graph_ms
+
+    torch.manual_seed(0)
+    ours = rnncc.nn.Recurrent(cell, hidden, hidden).cuda()
+    plain = rnncc.nn.LSTM(hidden, hidden).cuda()
+    loop = _loop(torch, cell, ours)
+    x = torch.randn(STEPS, batch, hidden, device="cuda", requires_grad=True)
+    dy = torch.randn(STEPS, batch, hidden, device="cuda")
+    errors = []
+    for fn in (lambda: ours(x)[0], lambda: loop(x)):
+        ours.zero_grad(set_to_none=True)
+        x.grad = None
+        y = fn()
+        y.backward(dy)
+        errors.append([y.detach()] + [q.grad.clone() for q in ours.parameters()] + [x.grad])
+        del y  # no autograd graph kept alive into the captures
+    error = max(float((a - b).norm() / b.norm()) for a, b in zip(*errors))
+
+    def train(fn):
+        def step():
+            fn(x).backward(dy)
+        for net in (ours, plain):
+            net.zero_grad(set_to_none=True)
+        x.grad = None
+        return step
+
+    out = {}
+    with torch.no_grad():
+        out["rnncc"] = _us(_graph_ms(torch, lambda: ours(x), repeat))
+        out["loop"] = _us(_graph_ms(torch, lambda: loop(x), repeat))
+        out["rnncc lstm"] = _us(_graph_ms(torch, lambda: plain(x), repeat))
+    out["rnncc train"] = _us(_graph_ms(torch, train(lambda v: ours(v)[0]), repeat))
+    out["loop train"] = _us(_graph_ms(torch, train(loop), repeat))
+    out["rnncc lstm train"] = _us(_graph_ms(torch, train(lambda v: plain(v)[0]), repeat))
+    return out, error
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    import torch
+
+    from rnncc.nn.network import bucket
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    jobs = sorted({(cell, args.hidden, bucket(n), training, arch)
+                   for cell in VARIANTS + ("lstm",) for n in BATCHES
+                   for training in (False, True)})
+    spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
+    with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
+        list(pool.map(_compile, jobs))
+    rows = []
+    for cell in VARIANTS:
+        for batch in BATCHES:
+            times, error = _row(torch, cell, args.hidden, batch, args.repeat)
+            rows.append({"cell": cell, "H": args.hidden, "N": batch, "error": error, **times})
+    device = torch.cuda.get_device_name()
+    print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H={args.hidden}, TF32 off, us per "
+          "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs LSTM': rnncc's time "
+          "over its plain LSTM's\n")
+    print("| cell | N | rnncc | PyTorch loop | vs loop | rnncc LSTM | vs LSTM | train: rnncc | "
+          "loop | vs loop | LSTM | vs LSTM | max rel. error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['cell']} | {r['N']} | {r['rnncc']:.2f} | {r['loop']:.2f} | "
+              f"{r['loop'] / r['rnncc']:.1f}x | {r['rnncc lstm']:.2f} | "
+              f"{r['rnncc'] / r['rnncc lstm']:.2f} | {r['rnncc train']:.2f} | "
+              f"{r['loop train']:.2f} | {r['loop train'] / r['rnncc train']:.1f}x | "
+              f"{r['rnncc lstm train']:.2f} | {r['rnncc train'] / r['rnncc lstm train']:.2f} | "
+              f"{r['error']:.1e} |")
+    if args.json:
+        write_json(args.json, {"device": device, "date": str(datetime.date.today()),
+                               "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
