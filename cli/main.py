@@ -47,6 +47,9 @@ def _add_problem_args(p):
     p.add_argument("--layers", "-L", type=int, default=1,
                    help="L stacked layers, as torch's num_layers: L > 1 writes one network "
                         "file (rnncc.load gives the whole network)")
+    p.add_argument("--proj-size", "-P", type=int, default=0,
+                   help="LSTM with projections (LSTMP, torch's proj_size): h = W_hr h', P wide "
+                        "(weights weight_hr_l0 [P, H]; default 0: none)")
 
 
 def _add_tuning_args(p):
@@ -125,7 +128,8 @@ def _problem_kwargs(args) -> dict:
                 gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise,
                 persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args),
                 lengths=getattr(args, "lengths", False),
-                directions=2 if getattr(args, "bidirectional", False) else 1)
+                directions=2 if getattr(args, "bidirectional", False) else 1,
+                **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}))
 
 
 def _check_writable(path: str) -> None:
@@ -207,7 +211,8 @@ def _summary(meta: dict) -> str:
     """One line: what the module computes, and which schedule runs it (or why not the
     persistent kernel)."""
     schedule, layers = meta["schedule"], meta.get("layers", 1)
-    head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} N={meta['batch']} "
+    head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} "
+            + (f"P={meta['proj_size']} " if meta.get("proj_size") else "") + f"N={meta['batch']} "
             f"{meta['dtype']}{' bidirectional' if meta.get('directions', 1) == 2 else ''}"
             f"{f' {layers} layers' if layers > 1 else ''}"
             f"{' with lengths' if meta.get('lengths') else ''} "

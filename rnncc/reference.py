@@ -11,35 +11,42 @@ def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None)
     """Run ``cell`` over ``x`` [T, N, C] in float64.
 
     ``weights`` has ``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0`` and
-    ``bias_hh_l0`` [G*H], and ``<p>_l0`` [H] for each of the cell's ``params``; ``initial``
-    maps state names to [1, N, H] arrays (zeros if absent). ``lengths`` [N]: sample n runs its
-    first lengths[n] steps only (its final states are those of its own last step, its outputs
-    past it zero). Returns ``(y [T, N, H], {state: [1, N, H]})``.
+    ``bias_hh_l0`` [G*H], and ``<p>_l0`` [H] for each of the cell's ``params``; with
+    ``weight_hr_l0`` [P, H] (a projection, torch's ``proj_size``) the new h is W_hr h', h is
+    [N, P] and W_hh [G*H, P]. ``initial`` maps state names to [1, N, H] arrays (h's [1, N, P]
+    with a projection; zeros if absent). ``lengths`` [N]: sample n runs its first lengths[n]
+    steps only (its final states are those of its own last step, its outputs past it zero).
+    Returns ``(y [T, N, H or P], {state: [1, N, H or P]})``.
     """
     x = np.asarray(x, np.float64)
     w_ih = np.asarray(weights["weight_ih_l0"], np.float64)
     w_hh = np.asarray(weights["weight_hh_l0"], np.float64)
     b_ih = np.asarray(weights["bias_ih_l0"], np.float64)
     b_hh = np.asarray(weights["bias_hh_l0"], np.float64)
+    w_hr = (np.asarray(weights["weight_hr_l0"], np.float64) if "weight_hr_l0" in weights
+            else None)
     params = [np.asarray(weights[f"{p}_l0"], np.float64) for p in cell.params]
     steps, batch, _ = x.shape
-    hidden = w_hh.shape[1]
+    hidden = w_hh.shape[0] // cell.gates
+    widths = [w_hh.shape[1]] + [hidden] * (len(cell.states) - 1)
     initial = initial or {}
-    state = [np.asarray(initial[s], np.float64).reshape(batch, hidden) if s in initial
-             else np.zeros((batch, hidden)) for s in cell.states]
+    state = [np.asarray(initial[s], np.float64).reshape(batch, w) if s in initial
+             else np.zeros((batch, w)) for s, w in zip(cell.states, widths)]
     active = (np.ones((steps, batch), bool) if lengths is None
               else np.arange(steps)[:, None] < np.asarray(lengths)[None, :])
-    ys = np.empty((steps, batch, hidden))
+    ys = np.empty((steps, batch, widths[0]))
     for t in range(steps):
         gi = x[t] @ w_ih.T + b_ih
         gh = state[0] @ w_hh.T + b_hh
         split = [slice(g * hidden, (g + 1) * hidden) for g in range(cell.gates)]
-        new = cell.reference_step([gi[:, s] for s in split], [gh[:, s] for s in split], state,
-                                  params)
+        new = list(cell.reference_step([gi[:, s] for s in split], [gh[:, s] for s in split],
+                                       state, params))
+        if w_hr is not None:
+            new[0] = np.asarray(new[0], np.float64) @ w_hr.T
         state = [np.where(active[t][:, None], np.asarray(v, np.float64), old)
                  for v, old in zip(new, state)]
         ys[t] = np.where(active[t][:, None], state[0], 0.0)
-    return ys, {s: v.reshape(1, batch, hidden) for s, v in zip(cell.states, state)}
+    return ys, {s: v.reshape(1, batch, w) for s, v, w in zip(cell.states, state, widths)}
 
 
 def relative_error(out, ref) -> float:
@@ -72,8 +79,8 @@ def run_bidirectional(cell: Cell, x, weights: dict, initial: dict | None = None,
     ys, finals = [], []
     for d, suffix in enumerate(("", "_reverse")):
         own = {name: weights[name + suffix] for name in
-               ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0",
-                *(f"{p}_l0" for p in cell.params))}
+               ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0", "weight_hr_l0",
+                *(f"{p}_l0" for p in cell.params)) if name + suffix in weights}
         start = {s: np.asarray(v)[d:d + 1] for s, v in initial.items()}
         seq = x if d == 0 else reverse_steps(x, lengths)
         y, states = run(cell, seq, own, start, lengths)

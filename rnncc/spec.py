@@ -29,7 +29,10 @@ class Problem:
     [T, N, H] and each state [L, N, H]. It runs only as the persistent wavefront (layer l at
     step t while layer l - 1 is a few steps ahead), CUDA only. ``training``: the module also
     has the entries of a training step (:mod:`rnncc.lowering.training`; one direction, one
-    layer).
+    layer). ``proj_size`` P > 0 (LSTMP, torch's ``proj_size``; a cell whose step reads h only
+    through W_hh): the new h is W_hr h' [P] of the cell's h' [H], with W_hr
+    (``weight_hr_l0``) [P, H]; then h and y are P wide (y [T, N, D*P], h's state [D, N, P],
+    W_hh [G*H, P]); the other states stay [D, N, H].
     """
 
     cell: Cell
@@ -41,6 +44,7 @@ class Problem:
     directions: int = 1
     layers: int = 1
     training: bool = False
+    proj_size: int = 0
 
     def __post_init__(self):
         if not isinstance(self.cell, Cell):
@@ -70,14 +74,44 @@ class Problem:
                 f"and bidirectional networks on such modules); got directions="
                 f"{self.directions}, layers={self.layers}")
 
+        self._check_projection()
+
+    def _check_projection(self) -> None:
+        proj = self.proj_size
+        if isinstance(proj, bool) or not isinstance(proj, int) or proj < 0:
+            raise ConfigError(f"proj_size must be an int >= 0 (0: no projection), got {proj!r}")
+        if not proj:
+            return
+        if proj >= self.hidden_size:
+            raise ConfigError(f"proj_size={proj} must be below hidden_size={self.hidden_size} "
+                              f"(cell {self.cell.name!r})")
+        from .cells import autodiff
+
+        graph = autodiff.trace(self.cell)
+        if autodiff.uses(graph, graph.inputs[2 * self.cell.gates]):
+            raise ConfigError(
+                f"cell {self.cell.name!r} reads h in its step: a projection (proj_size={proj}) "
+                "makes h P wide, so it needs a cell that reads h only through W_hh (lstm, "
+                "cifg, peephole)")
+        if self.layers > 1 or self.training:
+            raise ConfigError(
+                f"proj_size={proj} runs one layer (rnncc.nn stacks them), without training "
+                f"entries so far; got layers={self.layers}, training={self.training}")
+
     @property
     def gates(self) -> int:
         return self.cell.gates
+
+    @property
+    def recurrent_size(self) -> int:
+        """R: the width of h, y's per direction and W_hh's K (P with a projection, else H)."""
+        return self.proj_size or self.hidden_size
 
     def describe(self) -> str:
         return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
                 f"{self.dtype}" + (" bidirectional" if self.directions == 2 else "")
                 + (f" {self.layers} layers" if self.layers > 1 else "")
+                + (f" proj {self.proj_size}" if self.proj_size else "")
                 + (" with lengths" if self.lengths else "")
                 + (" for training" if self.training else ""))
 

@@ -66,6 +66,12 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
                                           "fuse_pointwise on"))
     if opts.persistent == "off":
         return None, "persistent=off"
+    if problem.proj_size:
+        why = (f"a projection (proj_size={problem.proj_size}) runs on the non-persistent "
+               "schedule: the persistent kernel does not hold W_hr yet")
+        if opts.persistent == "on":
+            raise ConfigError(f"persistent=on, but {why}")
+        return None, why
     if tspec.kind != "cuda":
         if opts.persistent == "on":
             raise ConfigError("persistent kernels are CUDA only; use --target cuda")
@@ -114,7 +120,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
                    gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
                    directions: int = 1, layers: int = 1, training: bool = False,
-                   **options) -> Module:
+                   proj_size: int = 0, **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
@@ -132,14 +138,16 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     stack of L unidirectional layers of input size H, run as one persistent wavefront (see
     :class:`rnncc.spec.Problem`; a ConfigError where it does not fit). ``training``: the
     module also has a training step's entries (:meth:`rnncc.Module.train_forward`,
-    :meth:`rnncc.Module.backward`; one layer, one direction).
+    :meth:`rnncc.Module.backward`; one layer, one direction). ``proj_size`` P > 0: an LSTM
+    with projections (LSTMP, torch's ``proj_size``; the module takes ``weight_hr_l0`` [P, H],
+    and h and y are P wide; the non-persistent schedule, no training entries yet).
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths,
-                      directions, layers, training)
+                      directions, layers, training, proj_size)
     if training and not _options(options).all_optimisations:
         raise ConfigError("training=True needs input_gemm, gate_gemm and fuse_pointwise on")
     tspec = TargetSpec(target, arch, cpu)
@@ -291,6 +299,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=N
         "directions": problem.directions,
         "layers": problem.layers,
         "training": problem.training,
+        "proj_size": problem.proj_size,
         "target": tspec.as_dict(),
         "schedule": {
             "kind": "persistent" if plan is not None else "sequence",

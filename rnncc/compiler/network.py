@@ -1,7 +1,8 @@
 """A whole network's layer modules, chosen and compiled: the stages of a
 :class:`rnncc.runtime.network.Network`.
 
-The rules (measured on an H200, see docs/benchmarks.md):
+The rules (measured on an H200, see docs/benchmarks.md; with a projection, ``proj_size`` P,
+the layers run one after another, each above the first taking D*P inputs):
 
 - Unidirectional layers of input size H, two or more of them, run on CUDA as one wavefront
   module (``layers=L``: one persistent launch, layer l at step t while layer l - 1 runs a few
@@ -25,7 +26,7 @@ from .driver import compile_module, resolve_cell
 def compile_network(cell, input_size: int, hidden_size: int, batch: int, *, layers: int = 1,
                     directions: int = 1, dtype: str = "float32", target: str = "cuda",
                     arch: str | None = None, lengths: bool = False, build=None,
-                    **options) -> Network:
+                    proj_size: int = 0, **options) -> Network:
     """The :class:`Network` of ``layers`` layers and ``directions`` directions of ``cell``
     for x [T, N, C] (C = ``input_size``, N = ``batch``), its modules compiled by ``build``
     (default :func:`rnncc.compiler.compile_module`; :func:`rnncc.compiler.cache.compiled`
@@ -44,19 +45,19 @@ def compile_network(cell, input_size: int, hidden_size: int, batch: int, *, laye
         if key not in made:
             made[key] = build(cell, width, hidden_size, batch, dtype=dtype, target=target,
                               arch=arch, lengths=lengths, directions=dirs, layers=count,
-                              **options)
+                              **options, **({"proj_size": proj_size} if proj_size else {}))
         return made[key]
 
     first = 0 if input_size == hidden_size else 1
     wave = None
-    if target == "cuda" and directions == 1 and layers - first >= 2:
+    if target == "cuda" and directions == 1 and layers - first >= 2 and not proj_size:
         try:
             wave = module(hidden_size, 1, layers - first)
         except (ConfigError, BuildError):
             wave = None
     stages = []
     for layer in range(first if wave is not None else layers):
-        width = input_size if layer == 0 else hidden_size * directions
+        width = input_size if layer == 0 else (proj_size or hidden_size) * directions
         one = module(width)
         if directions == 2 and target == "cuda" and not _persistent(one):
             stages.append(Stage("split", layer, 1, module(width, 1)))
@@ -66,7 +67,7 @@ def compile_network(cell, input_size: int, hidden_size: int, batch: int, *, laye
         stages.append(Stage("layers", first, layers - first, wave, module(hidden_size, 1)))
     meta = stages[0].module.metadata
     return Network({"cell": cell.name, "states": list(cell.states), "gates": cell.gates,
-                    "params": list(cell.params),
+                    "params": list(cell.params), "proj_size": proj_size,
                     "input_size": input_size, "hidden_size": hidden_size, "layers": layers,
                     "directions": directions, "batch": batch, "dtype": dtype,
                     "lengths": bool(lengths), "target": meta["target"],

@@ -110,11 +110,11 @@ class _Builder:
         self.lowered.mod[name] = func
         self.lowered.signatures[name] = sig
 
-    def pack(self, name, which, k, layout_or_func, rule_key=None):
-        """The entry that packs a [G*H, K] weight (with two directions, ``_reverse``'s too,
-        stacked along the packed shape's first dimension)."""
+    def pack(self, name, which, k, layout_or_func, rule_key=None, rows=None):
+        """The entry that packs a [G*H, K] weight (``rows``: (G, H) if not the cell's; with two
+        directions, ``_reverse``'s too, stacked along the packed shape's first dimension)."""
         p = self.p
-        g, h = p.gates, p.hidden_size
+        g, h = rows or (p.gates, p.hidden_size)
         if isinstance(layout_or_func, Layout):
             func = comp.pack_weight(g, h, k, layout_or_func, p.dtype)
         else:
@@ -161,9 +161,12 @@ class _Builder:
         """The parameters both forward functions start with (``lengths`` [N] int32, the
         samples' lengths, where the problem takes them, else None). With D directions: the
         weights stacked along their first dimension, the biases [D*G*H], the cell's per-unit
-        parameters [D*H] each (``p_<name>``), the states [D, N, H] and y [T, N, D*H]."""
+        parameters [D*H] each (``p_<name>``), with a projection W_hr packed (``w_hr``, else
+        None), the states [D, N, H] and y [T, N, D*H] (h's state and y R = P wide with a
+        projection)."""
         p, layout = self.p, self.layout
         n, c, h, g, d = p.batch, p.input_size, p.hidden_size, p.gates, len(_grid_tags(p))
+        widths = [p.recurrent_size] + [h] * (len(p.cell.states) - 1)
 
         def stacked(shape):
             return (d * shape[0], *shape[1:])
@@ -175,18 +178,28 @@ class _Builder:
         b_ih = self.param(sig, "b_ih", (d * g * h,), "input")
         b_hh = self.param(sig, "b_hh", (d * g * h,), "input")
         per_unit = [self.param(sig, f"p_{name}", (d * h,), "input") for name in p.cell.params]
-        s0 = [self.param(sig, f"{s}0", (d, n, h), "input") for s in p.cell.states]
+        w_hr = (self.param(sig, "w_hr", stacked(Layout(layout.weights).weight_shape(
+            1, p.proj_size, h)), "input") if p.proj_size else None)
+        s0 = [self.param(sig, f"{s}0", (d, n, w), "input") for s, w in zip(p.cell.states,
+                                                                            widths)]
         lengths = self.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
-        y = self.param(sig, "y", (t_len, n, p.directions * h), "output")
-        sn = [self.param(sig, f"{s}_n", (d, n, h), "output") for s in p.cell.states]
-        return x, w_ih, w_hh, b_ih, b_hh, per_unit, s0, lengths, y, sn
+        y = self.param(sig, "y", (t_len, n, p.directions * widths[0]), "output")
+        sn = [self.param(sig, f"{s}_n", (d, n, w), "output") for s, w in zip(p.cell.states,
+                                                                              widths)]
+        return x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn
 
     def states_copy(self, key, src, dst, name=None):
-        p = self.p
-        func = self.scheduled(key, comp.copy(len(src), p.batch, p.hidden_size,
+        """Stages that copy the states' regions ``src`` [N, width] to ``dst``: one, or with a
+        projection (h P wide, the others H) one for h and one for the others."""
+        name = name or key
+        widths = [int(r.buffer.shape[-1]) for r in src]
+        if len(set(widths)) > 1:
+            return (self.states_copy(f"{key}_h", src[:1], dst[:1], f"{name}_h")
+                    + self.states_copy(key, src[1:], dst[1:], name))
+        func = self.scheduled(key, comp.copy(len(src), self.p.batch, widths[0],
                                              src[0].buffer.dtype, dst[0].buffer.dtype),
                               "elementwise")
-        return Stage(name or key, func, src + dst, len(dst))
+        return [Stage(name, func, src + dst, len(dst))]
 
     def reversed_steps(self, name, src, dst, lengths):
         """A stage: each sample's steps of ``src`` reversed into ``dst`` (regions [T, N, F])."""
@@ -242,19 +255,24 @@ class _Builder:
         ``history`` (one direction; the training forward, ``name`` "train_forward"): the
         states of every step are outputs, ``<s>_steps`` [T+1, N, H] (the initial ones at 0,
         step t's new ones at t + 1), and what the backward entry needs of every step's
-        projections, ``pre`` [T, N, P*H] (:func:`rnncc.lowering.training.kept_parts`)."""
+        projections, ``pre`` [T, N, P*H] (:func:`rnncc.lowering.training.kept_parts`).
+        With a projection (``proj_size`` P) the cell's h' [N, H] goes to a workspace and each
+        step's h [N, P] is W_hr h' (:meth:`projection`)."""
         p, options, layout = self.p, self.options, self.layout
         n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
+        r, proj = p.recurrent_size, p.proj_size
         per_gate = layout.gates == "per_gate"
         if not history:  # the training forward takes the same packed weights
             self.pack("pack_w_ih", "ih", c, layout)
-            self.pack("pack_w_hh", "hh", h, layout)
+            self.pack("pack_w_hh", "hh", r, layout)
+        if proj:
+            self.pack("pack_w_hr", "hr", h, Layout(layout.weights), rows=(1, proj))
         if dirs > 1:
             self.pack_biases()
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
         sig = []
-        x, w_ih, w_hh, b_ih, b_hh, per_unit, s0, lengths, y, sn = self.io(sig, t_len,
-                                                                layout.weight_shape(g, h, h))
+        x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn = self.io(
+            sig, t_len, layout.weight_shape(g, h, r))
 
         def per_direction(shape):
             return shape if dirs == 1 else (dirs, *shape)
@@ -268,7 +286,7 @@ class _Builder:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
         rec_parts = self.product_parts("recurrent_gemm", comp.gemm(
-            (n,), h, g * h, layout.weights, p.dtype, acc))
+            (n,), r, g * h, layout.weights, p.dtype, acc))
         kept_parts = training.kept_parts(p.cell) if history else ()
         in_place = (history and options.input_gemm and not per_gate
                     and sums_in_place(kept_parts, layout.chunk))
@@ -283,16 +301,24 @@ class _Builder:
             pre = self.param(sig, "pre", (t_len, n, len(kept_parts) * h), "output", acc)
             xp = pre if in_place else xp
         else:
-            sw = [self.param(sig, f"{s}_ws", per_direction((2, n, h)), "workspace", acc)
-                  for s in p.cell.states]
+            sw = [self.param(sig, f"{s}_ws", per_direction((2, n, w)), "workspace", acc)
+                  for s, w in zip(p.cell.states, [r] + [h] * (len(p.cell.states) - 1))]
         x_rev = y_rev = None
         if dirs > 1:
             x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
-            y_rev = self.param(sig, "y_reversed", (t_len, n, h), "workspace")
+            y_rev = self.param(sig, "y_reversed", (t_len, n, r), "workspace")
+        # with a projection: the cell's h' (its y, and as its state: ping-pong, unread), W_hr h'
+        hf, hf_ws, hr, zero = (self.param(sig, "h_cell", per_direction((n, h)), "workspace"),
+                               self.param(sig, "h_cell_ws", per_direction((2, n, h)),
+                                          "workspace", acc),
+                               self.param(sig, "h_projected", per_direction((n, proj)),
+                                          "workspace", acc),
+                               self.param(sig, "zero_bias", (proj,), "workspace")
+                               ) if proj else (None,) * 4
 
-        prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
-                                     [Region(s, at(d, (0, ALL, ALL))) for s in sw],
-                                     f"init_states{_SUFFIX[d]}") for d in range(dirs)]
+        prologue = [stage for d in range(dirs) for stage in self.states_copy(
+            "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
+            [Region(s, at(d, (0, ALL, ALL))) for s in sw], f"init_states{_SUFFIX[d]}")]
         active = []
         if lengths is not None:  # active[t, n]: step t within sample n's length
             active = [self.param(sig, "active", (t_len, n), "workspace", "int32")]
@@ -302,6 +328,10 @@ class _Builder:
         if x_rev is not None:
             prologue.append(self.reversed_steps("x", Region(x, (ALL,) * 3),
                                                 Region(x_rev, (ALL,) * 3), lengths))
+        if zero is not None:
+            prologue.append(Stage("zero_bias", self.scheduled(
+                "zero_bias", comp.zeros((proj,), p.dtype), "elementwise"),
+                [Region(zero, (ALL,))], 1))
         steps, views = [], []
         slot = t if history else tirx.floormod(t, i64(2))
         nxt = t + i64(1) if history else tirx.floormod(t + i64(1), i64(2))
@@ -336,7 +366,7 @@ class _Builder:
                       Region(b_hh, (slice(d * g * h, (d + 1) * g * h),))]
             else:
                 steps += _named(self.projections(
-                    "recurrent_gemm", h_prev, (n,), h, w_hh, b_hh,
+                    "recurrent_gemm", h_prev, (n,), r, w_hh, b_hh,
                     lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))),
                     Region(hp, at(d, (ALL, ALL))), d), suffix)
                 gh = ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
@@ -348,30 +378,54 @@ class _Builder:
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
-            out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, h)))
+            out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
+            cell_states = ([hf_ws] + sw[1:]) if proj else sw
             steps.append(Stage(
                 f"cell_step{suffix}", step_func,
                 gi + gh + [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
-                + [Region(s, at(d, (slot, ALL, ALL))) for s in sw]
+                + [Region(s, at(d, (slot, ALL, ALL))) for s in cell_states]
                 + [Region(a, (t, ALL)) for a in active]
-                + [out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in sw] + kept,
+                + [Region(hf, at(d, (ALL, ALL))) if proj else out]
+                + [Region(s, at(d, (nxt, ALL, ALL))) for s in cell_states] + kept,
                 1 + len(sw) + len(kept)))
+            if proj:
+                steps += _named(self.projection(
+                    Region(hf, at(d, (ALL, ALL))), w_hr, d, zero, Region(hr, at(d, (ALL, ALL))),
+                    Region(sw[0], at(d, (slot, ALL, ALL))), [Region(a, (t, ALL)) for a in active],
+                    out, Region(sw[0], at(d, (nxt, ALL, ALL)))), suffix)
         final = t_len if history else tirx.floormod(t_len, i64(2))
-        epilogue = [self.states_copy("final_states", [Region(s, at(d, (final, ALL, ALL)))
-                                                      for s in sw],
-                                     [Region(s, (d, ALL, ALL)) for s in sn],
-                                     f"final_states{_SUFFIX[d]}") for d in range(dirs)]
+        epilogue = [stage for d in range(dirs) for stage in self.states_copy(
+            "final_states", [Region(s, at(d, (final, ALL, ALL))) for s in sw],
+            [Region(s, (d, ALL, ALL)) for s in sn], f"final_states{_SUFFIX[d]}")]
         if y_rev is not None:
             epilogue.append(self.reversed_steps("y", Region(y_rev, (ALL,) * 3),
-                                                Region(y, (ALL, ALL, slice(h, 2 * h))), lengths))
+                                                Region(y, (ALL, ALL, slice(r, 2 * r))), lengths))
         given = [lengths] if lengths is not None else []
         reversed_ = [x_rev, y_rev] if x_rev is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *s0, *given, y, *sn,
+        projected = [w_hr] if proj else []
+        params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *projected, *s0, *given, y, *sn,
                   *([] if in_place else [xp]),
-                  hp, *sw, *([pre] if pre is not None else []), *reversed_, *active]
+                  hp, *sw, *([pre] if pre is not None else []), *reversed_,
+                  *([hf, hf_ws, hr, zero] if proj else []), *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
+
+    def projection(self, h_cell, w_hr, d, zero, hr, h_prev, active, y, h_next):
+        """A step's projection (LSTMP): ``hr`` = ``h_cell`` [N, H] (the cell's h', zero past a
+        sample's length) by direction ``d``'s rows of the stacked packed W_hr (``zero``: its
+        bias), then y [N, P] and the new h (the previous one past the sample's length)."""
+        p = self.p
+        rows = int(w_hr.shape[0]) // p.directions
+        gemm = self.scheduled("projection_gemm", comp.gemm(
+            (p.batch,), p.hidden_size, p.proj_size, self.layout.weights, p.dtype, p.dtype),
+            "gemm")
+        select = self.scheduled("projected_state", comp.projected_state(
+            p.batch, p.proj_size, p.dtype, bool(active)), "elementwise")
+        return [Stage("projection_gemm", gemm, [
+            h_cell, Region(w_hr, (slice(d * rows, (d + 1) * rows), ALL)),
+            Region(zero, (ALL,)), hr], 1),
+            Stage("projected_state", select, [hr, h_prev, *active, y, h_next], 2)]
 
     def persistent_entry(self, plan, history: bool = False):
         """The persistent entry: the input GEMM of all steps (both directions' at once), then
@@ -406,7 +460,7 @@ class _Builder:
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, per_unit, s0, lengths, y, sn = self.io(
+        x, w_ih, w_hh, b_ih, b_hh, per_unit, _, s0, lengths, y, sn = self.io(
             sig, t_len, self.layout.weight_shape(g, h, h) if history else w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         parts, kept, packed = (), [], w_hh
@@ -440,9 +494,9 @@ class _Builder:
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
-        prologue = [self.states_copy("init_states", [Region(s, (d, ALL, ALL)) for s in s0],
-                                     [Region(s, (0, of(d), ALL)) for s in sw],
-                                     f"init_states_{tags[d]}") for d in range(dirs)]
+        prologue = [stage for d in range(dirs) for stage in self.states_copy(
+            "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
+            [Region(s, (0, of(d), ALL)) for s in sw], f"init_states_{tags[d]}")]
         if history:
             func = self.scheduled("persistent_pack_w_hh_train",
                                   comp.pack_persistent(g, h, plan, p.dtype), "elementwise")
@@ -482,9 +536,9 @@ class _Builder:
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
         final = tirx.floormod(t_len, i64(2))
-        epilogue = [self.states_copy("final_states", [Region(s, (final, of(d), ALL)) for s in sw],
-                                     [Region(s, (d, ALL, ALL)) for s in sn],
-                                     f"final_states_{tags[d]}") for d in range(dirs)]
+        epilogue = [stage for d in range(dirs) for stage in self.states_copy(
+            "final_states", [Region(s, (final, of(d), ALL)) for s in sw],
+            [Region(s, (d, ALL, ALL)) for s in sn], f"final_states_{tags[d]}")]
         if layers > 1:
             func = self.scheduled("last_layer", comp.copy_steps(n, h, p.dtype, t_len),
                                   "elementwise")

@@ -216,9 +216,8 @@ class _Backward:
         if sums is not None:
             prologue.append(self.elementwise("zero_dparam_sums", comp.zeros((count, n, h), acc),
                                              [Region(sums, (ALL,) * 3)]))
-        prologue.append(b.states_copy("grad_init", [Region(d, (0, ALL, ALL))
-                                                    for d in io.d_final],
-                                      [Region(cr, (0, ALL, ALL)) for cr in carry]))
+        prologue += b.states_copy("grad_init", [Region(d, (0, ALL, ALL)) for d in io.d_final],
+                                  [Region(cr, (0, ALL, ALL)) for cr in carry])
         if active is not None:
             prologue.append(self.elementwise("activity", comp.activity(n, t_len), [
                 Region(io.lengths, (ALL,)), Region(active, (ALL, ALL))]))

@@ -25,6 +25,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import ConfigError, InputError
+from ..spec import Problem
 from . import op, training
 from .network import Layout, Network
 
@@ -34,7 +35,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Recurrent(torch.nn.Module):
     """A multi-layer, optionally bidirectional network of ``cell`` (a registered cell's name,
     an :class:`rnncc.cells.Cell`, or a cell file's path), as ``torch.nn.LSTM`` is of LSTM
-    cells. Arguments as torch's; ``proj_size`` is not supported yet."""
+    cells. Arguments as torch's; ``proj_size`` P > 0 (LSTMP: h = W_hr h', ``weight_hr_l{k}``
+    [P, H]; a cell whose step reads h only through W_hh) runs without gradients so far."""
 
     def __init__(self, cell, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
@@ -49,16 +51,15 @@ class Recurrent(torch.nn.Module):
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not (
                 0 <= dropout <= 1):
             raise ConfigError(f"dropout must be a number from 0 to 1, got {dropout!r}")
-        if proj_size:
-            raise ConfigError(f"proj_size={proj_size}: projections (LSTMP) are not supported "
-                              "yet; use proj_size=0")
         self.cell = resolve_cell(cell)
+        if proj_size:  # checked as a module of it would be (P below H, the cell fits)
+            Problem(self.cell, input_size, hidden_size, 1, proj_size=proj_size)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
             bidirectional)
-        self.dropout, self.proj_size = float(dropout), 0
+        self.dropout, self.proj_size = float(dropout), int(proj_size)
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
-                              2 if bidirectional else 1)
+                              2 if bidirectional else 1, self.proj_size)
         self._networks: dict = {}
         self._said_autocast = False
         self._key = op.register(self)
@@ -69,12 +70,15 @@ class Recurrent(torch.nn.Module):
                 width = self._layout.layer_input(layer)
                 self.register_parameter(f"weight_ih_l{layer}{suffix}",
                                         torch.nn.Parameter(torch.empty(rows, width, **kw)))
-                self.register_parameter(f"weight_hh_l{layer}{suffix}",
-                                        torch.nn.Parameter(torch.empty(rows, hidden_size, **kw)))
+                self.register_parameter(f"weight_hh_l{layer}{suffix}", torch.nn.Parameter(
+                    torch.empty(rows, self.proj_size or hidden_size, **kw)))
                 if self.bias:
                     for which in ("ih", "hh"):
                         self.register_parameter(f"bias_{which}_l{layer}{suffix}",
                                                 torch.nn.Parameter(torch.empty(rows, **kw)))
+                if self.proj_size:
+                    self.register_parameter(f"weight_hr_l{layer}{suffix}", torch.nn.Parameter(
+                        torch.empty(self.proj_size, hidden_size, **kw)))
                 for name in self.cell.params:  # the cell's per-unit parameters, [H] each
                     self.register_parameter(f"{name}_l{layer}{suffix}", torch.nn.Parameter(
                         torch.empty(hidden_size, **kw)))
@@ -95,7 +99,7 @@ class Recurrent(torch.nn.Module):
         if self.num_layers != 1:
             s += f", num_layers={self.num_layers}"
         for name, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
-                              ("bidirectional", False)):
+                              ("bidirectional", False), ("proj_size", 0)):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)}"
         return s
@@ -103,7 +107,7 @@ class Recurrent(torch.nn.Module):
     def _weight_names(self):
         """The parameters' names in order: layer by layer, direction by direction."""
         names = (("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
-                 + self.cell.params)
+                 + (("weight_hr",) if self.proj_size else ()) + self.cell.params)
         return [f"{name}_l{layer}{suffix}" for layer in range(self.num_layers)
                 for suffix in self._suffixes() for name in names]
 
@@ -133,6 +137,10 @@ class Recurrent(torch.nn.Module):
             x, states = x.to(half), [s.to(half) for s in states]
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
+            if self.proj_size:
+                raise InputError(f"gradients through a projection (proj_size={self.proj_size})"
+                                 " are not supported yet; run it under torch.no_grad() (or "
+                                 "with nothing requiring grad)")
             network = self._network(x, weights[0].dtype)
             y, finals = training.run(self, x, states, lengths,
                                      dict(zip(self._weight_names(), weights)), network.target,
@@ -203,19 +211,25 @@ class Recurrent(torch.nn.Module):
                           "bfloat16 are); this module runs in float32", stacklevel=3)
         return None
 
+    def _state_shapes(self, batch: int) -> list[tuple]:
+        """Each state's shape: [L*D, N, H] (h's [L*D, N, P] with a projection)."""
+        rows = self.num_layers * self._layout.directions
+        return [(rows, batch, (self.proj_size or self.hidden_size) if k == 0 else
+                 self.hidden_size) for k in range(len(self.cell.states))]
+
     def _initial_states(self, hx, x, unbatched):
         """The initial states, a list of [L*D, N, H] (zeros where hx is None), checked."""
         count, names = len(self.cell.states), self.cell.states
-        shape = (self.num_layers * self._layout.directions, x.shape[1], self.hidden_size)
+        shapes = self._state_shapes(x.shape[1])
         if hx is None:
-            return [x.new_zeros(shape) for _ in range(count)]
+            return [x.new_zeros(shape) for shape in shapes]
         given = hx if isinstance(hx, (tuple, list)) else (hx,)
         if len(given) != count:
             raise InputError(f"hx must be {'a tuple of ' if count > 1 else ''}{count} "
                              f"tensor{'s' if count > 1 else ''} ({', '.join(names)}), got "
                              f"{len(given)}")
         out = []
-        for name, h in zip(names, given):
+        for name, h, shape in zip(names, given, shapes):
             if not isinstance(h, torch.Tensor):
                 raise InputError(f"hx's {name} must be a torch.Tensor, got {type(h).__name__}")
             h = h[:, None] if unbatched and h.dim() == 2 else h
@@ -343,13 +357,12 @@ def from_torch(module) -> Recurrent:
     if kind is None:
         raise ConfigError(f"from_torch takes a torch.nn.LSTM, GRU or RNN, got "
                           f"{type(module).__name__}")
-    if getattr(module, "proj_size", 0):
-        raise ConfigError(f"proj_size={module.proj_size}: projections (LSTMP) are not "
-                          "supported yet")
     first = next(module.parameters())
     kw = dict(num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first,
               dropout=module.dropout, bidirectional=module.bidirectional,
               device=first.device, dtype=first.dtype)
+    if getattr(module, "proj_size", 0):
+        kw["proj_size"] = module.proj_size
     if kind is RNN:
         kw["nonlinearity"] = module.nonlinearity
     ours = kind(module.input_size, module.hidden_size, **kw)

@@ -26,16 +26,18 @@ def bucket(batch: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """The network: the cell, C, H, L layers, D directions."""
+    """The network: the cell, C, H, L layers, D directions, the projection's P (0: none)."""
 
     cell: object
     input_size: int
     hidden_size: int
     layers: int
     directions: int
+    proj_size: int = 0
 
     def layer_input(self, layer: int) -> int:
-        return self.input_size if layer == 0 else self.hidden_size * self.directions
+        return self.input_size if layer == 0 else (
+            self.proj_size or self.hidden_size) * self.directions
 
 
 class Network:
@@ -85,7 +87,8 @@ class Network:
             self._compiled[key] = compile_network(
                 lay.cell, lay.input_size, lay.hidden_size, rows, layers=lay.layers,
                 directions=lay.directions, dtype=dtype, target=self.target, arch=self.arch,
-                lengths=lengths, build=cache.compiled)
+                lengths=lengths, build=cache.compiled, **(
+                    {"proj_size": lay.proj_size} if lay.proj_size else {}))
         return self._compiled[key]
 
     def _weights(self, key: tuple, network, weights: dict):

@@ -3,7 +3,8 @@
 
 The op names its module by a key (:func:`register`); the module's parameters travel as its
 inputs, in the module's order, so the compiled graph sees them. Its fake implementation gives
-the outputs' shapes: y [T, N, D*H] and one [L*D, N, H] a state.
+the outputs' shapes: y [T, N, D*H] and one [L*D, N, H] a state (P for H in y and h with a
+projection).
 """
 
 from __future__ import annotations
@@ -39,6 +40,6 @@ def network(key: str, x: torch.Tensor, states: list[torch.Tensor],
 def _(key, x, states, lengths, weights, training):
     module = _modules[key]
     steps, batch = x.shape[0], x.shape[1]
-    rows = module.num_layers * (2 if module.bidirectional else 1)
-    y = x.new_empty(steps, batch, module.hidden_size * (2 if module.bidirectional else 1))
-    return [y] + [x.new_empty(rows, batch, module.hidden_size) for _ in states]
+    y = x.new_empty(steps, batch, (module.proj_size or module.hidden_size)
+                    * (2 if module.bidirectional else 1))
+    return [y] + [x.new_empty(shape) for shape in module._state_shapes(batch)]

@@ -9,8 +9,9 @@ x is [T, N, C], y [T, N, D*H], states [D, N, H] (D = 2 directions for a bidirect
 else 1); ``lengths`` [N] (1 to T) stops each sample at its own length (final states of its own
 last step, y zero past it; the reverse direction starts at it); ``weights`` is a mapping with
 PyTorch's names (``weight_ih_l0`` [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``,
-``bias_hh_l0`` [G*H], a cell's per-unit parameters ``<name>_l0`` [H] (its ``params``), and
-the same with ``_reverse`` for a bidirectional module; a
+``bias_hh_l0`` [G*H], a cell's per-unit parameters ``<name>_l0`` [H] (its ``params``), with
+a projection (``proj_size`` P: LSTMP) ``weight_hr_l0`` [P, H] (then W_hh is [G*H, P], y
+[T, N, D*P] and h [D, N, P]), and the same with ``_reverse`` for a bidirectional module; a
 ``state_dict()`` of a one-layer torch module works as it is, and so does the torch module
 itself), or the result of :meth:`Module.pack`, which lays the weights out for the kernels once
 and keeps them on the device. A module of L > 1 layers (``layers=L``: unidirectional, C = H)
@@ -135,13 +136,19 @@ class Module:
         return tuple(self.metadata.get("params", ()))
 
     @property
+    def proj_size(self) -> int:
+        """P: the width of h and y (a projection ``weight_hr_l0`` [P, H]), or 0 (none)."""
+        return int(self.metadata.get("proj_size", 0))
+
+    @property
     def weight_names(self) -> tuple[str, ...]:
         """The weights the module takes, by PyTorch's names."""
         return sum(self._weight_groups(), ())
 
     def _weight_groups(self) -> list[tuple[str, ...]]:
         """The weights of each direction, or of each layer."""
-        own = WEIGHTS + tuple(f"{p}_l0" for p in self.params)
+        own = (WEIGHTS + (("weight_hr_l0",) if self.proj_size else ())
+               + tuple(f"{p}_l0" for p in self.params))
         if self.layers > 1:
             return [tuple(name.replace("_l0", f"_l{k}") for name in own)
                     for k in range(self.layers)]
@@ -305,7 +312,7 @@ class Module:
             with family.stream():
                 lib[function](*args)
 
-        for which in ("ih", "hh"):
+        for which in ("ih", "hh", "hr")[:3 if self.proj_size else 2]:
             run(self._function(entry, f"pack_w_{which}"))
         zeros = {}  # biases not given: zero
         for name in self.weight_names:

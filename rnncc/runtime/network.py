@@ -102,8 +102,15 @@ class Network:
 
     @property
     def _names(self) -> tuple[str, ...]:
-        """A layer's weights (torch's, then the cell's per-unit parameters), without suffix."""
-        return NAMES + tuple(self.metadata.get("params", ()))
+        """A layer's weights (torch's, W_hr with a projection, then the cell's per-unit
+        parameters), without suffix."""
+        return (NAMES + (("weight_hr",) if self.proj_size else ())
+                + tuple(self.metadata.get("params", ())))
+
+    @property
+    def proj_size(self) -> int:
+        """P: the width of h and of each direction's y (a projection), or 0 (none)."""
+        return int(self.metadata.get("proj_size", 0))
 
     @property
     def weight_names(self) -> tuple[str, ...]:
@@ -253,11 +260,12 @@ class Network:
         (dropout; ``packed`` must then be packed layer by layer)."""
         ops = _ops(family_of(x, self.stages[0].module.device_kind).name)
         rows = self.layers * self.directions
-        shape = [rows, self.batch, self.hidden_size]
-        for name, state in zip(self.states, states):
+        for k, (name, state) in enumerate(zip(self.states, states)):
+            shape = [rows, self.batch, (self.proj_size or self.hidden_size) if k == 0
+                     else self.hidden_size]
             if state is not None and list(state.shape) != shape:
                 raise InputError(f"{name}0 has shape {list(state.shape)}, expected {shape} "
-                                 "([L*D, N, H])")
+                                 f"([L*D, N, {'P' if k == 0 and self.proj_size else 'H'}])")
         finals = [[] for _ in self.states]
         for stage_runs, packs in zip(packed._runs, packed._packs):
             if between is not None and any(run[2] > 1 for run in stage_runs):

@@ -52,6 +52,8 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
         return Applied(info={"log": None, "reason": "tuning logs off"})
     if problem.layers > 1:  # a layer's log tunes a layer alone, on all the multiprocessors
         return Applied(info={"log": None, "reason": "no tuning logs for a wavefront of layers"})
+    if problem.proj_size:
+        return Applied(info={"log": None, "reason": "no tuning logs for projections yet"})
     device, how = device_for(tspec, gpu)
     if tuning != "auto":
         try:

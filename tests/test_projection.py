@@ -1,0 +1,151 @@
+"""LSTM with projections (LSTMP, torch's ``proj_size``: h = W_hr h', P wide): modules against
+the float64 reference (which matches torch's), rnncc.nn against torch.nn.LSTM(proj_size=P) in
+float64 with the same weights, and the errors."""
+
+import numpy as np
+import pytest
+
+import rnncc
+from conftest import random_weights
+from helpers import TOL_F32
+from rnncc import cells, reference
+from rnncc.cells import autodiff
+from rnncc.errors import ConfigError, InputError
+
+TARGETS = ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _projects(cell) -> bool:
+    """Whether ``cell``'s step reads h only through W_hh (a projection needs that)."""
+    graph = autodiff.trace(cell)
+    return not autodiff.uses(graph, graph.inputs[2 * cell.gates])
+
+
+def _weights(rng, cell, c, h, p, directions):
+    out = {}
+    for suffix in ("", "_reverse")[:directions]:
+        w = random_weights(rng, cell.gates, c, h, "float32", cell.params)
+        w["weight_hh_l0"] = (w["weight_hh_l0"][:, :p] * np.sqrt(h / p)).astype("float32")
+        w["weight_hr_l0"] = (rng.uniform(-1, 1, (p, h)) / np.sqrt(h)).astype("float32")
+        out.update({k + suffix: v for k, v in w.items()})
+    return out
+
+
+def check_projection(module, rng, steps, initial=True, lengths=False):
+    """The worst relative error of ``module`` against float64 on fresh inputs."""
+    cell = cells.get(module.cell)
+    c, h, n, p, d = (module.input_size, module.hidden_size, module.batch, module.proj_size,
+                     module.directions)
+    w = _weights(rng, cell, c, h, p, d)
+    x = rng.standard_normal((steps, n, c)).astype("float32")
+    given = ({s: rng.standard_normal((d, n, p if k == 0 else h)).astype("float32")
+              for k, s in enumerate(cell.states)} if initial else {})
+    ln = None
+    if lengths:
+        ln = rng.integers(1, steps + 1, n)
+        ln[0], ln[-1] = 1, steps
+    run = reference.run if d == 1 else reference.run_bidirectional
+    ref_y, ref_states = run(cell, x, w, given, ln)
+    y, finals = module(x, w, **{f"{s}0": v for s, v in given.items()},
+                       **({"lengths": ln} if lengths else {}))
+    finals = finals if isinstance(finals, tuple) else (finals,)
+    assert y.shape == (steps, n, d * p)
+    errors = [reference.relative_error(np.asarray(y), ref_y)]
+    errors += [reference.relative_error(np.asarray(f), ref_states[s])
+               for f, s in zip(finals, cell.states)]
+    return max(errors)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("hidden, proj, batch, directions, lengths", [
+    (3, 1, 1, 1, False), (33, 7, 7, 1, True), (9, 4, 3, 2, True), (257, 64, 1, 1, False)])
+def test_module_matches_reference(hidden, proj, batch, directions, lengths, target, rng):
+    """One layer, both directions, lengths or not, T = 1 and 37, with and without initial
+    states."""
+    module = rnncc.compile("lstm", 5, hidden, batch, target=target, proj_size=proj,
+                           directions=directions, lengths=lengths)
+    assert module.proj_size == proj and "weight_hr_l0" in module.weight_names
+    assert module.metadata["schedule"]["kind"] == "sequence"
+    for steps, initial in ((1, True), (37, True), (37, False)):
+        err = check_projection(module, rng, steps, initial, lengths)
+        assert err < TOL_F32, f"T={steps} initial={initial}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("options", [{"fuse_pointwise": False}, {"gate_gemm": False}])
+def test_schedule_options(options, rng):
+    module = rnncc.compile("lstm", 4, 6, 3, target="llvm", proj_size=2, lengths=True,
+                           **options)
+    assert check_projection(module, rng, 9, lengths=True) < TOL_F32
+
+
+@pytest.mark.parametrize("cell", cells.names())
+def test_every_cell_projects_or_says_why_not(cell, rng):
+    """A cell whose step reads h only through W_hh takes a projection; one that reads h
+    itself (GRU, the Elman RNNs) is refused, naming the cell."""
+    c = cells.get(cell)
+    if not _projects(c):
+        with pytest.raises(ConfigError, match=f"cell '{cell}' reads h in its step"):
+            rnncc.compile(cell, 4, 6, 2, target="llvm", proj_size=3)
+        return
+    module = rnncc.compile(cell, 4, 6, 2, target="llvm", proj_size=3)
+    assert check_projection(module, rng, 11) < TOL_F32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("layers, bidirectional, batch_first", [
+    (1, False, False), (2, True, False), (3, False, True)])
+def test_rnncc_nn_matches_torch(layers, bidirectional, batch_first, device, module_cache):
+    """rnncc.nn.LSTM(proj_size=P) from torch.nn.LSTM(proj_size=P) (its state_dict), against
+    torch in float64: padded with initial states, and packed with unequal lengths (unsorted,
+    a length-1 sample)."""
+    torch = pytest.importorskip("torch")
+    import rnncc.nn
+
+    torch.manual_seed(0)
+    theirs = torch.nn.LSTM(5, 9, num_layers=layers, bidirectional=bidirectional, proj_size=4,
+                           batch_first=batch_first)
+    ours = rnncc.nn.from_torch(theirs).to(device)
+    assert ours.proj_size == 4 and tuple(ours.weight_hr_l0.shape) == (4, 9)
+    assert set(dict(ours.named_parameters())) == set(dict(theirs.named_parameters()))
+    theirs = theirs.double()
+    d = 2 if bidirectional else 1
+    x = torch.randn((3, 6, 5) if batch_first else (6, 3, 5))
+    h0, c0 = torch.randn(layers * d, 3, 4), torch.randn(layers * d, 3, 9)
+    lengths = torch.tensor([6, 1, 4])
+    with torch.no_grad():
+        y, (h, c) = ours(x.to(device), (h0.to(device), c0.to(device)))
+        ry, (rh, rc) = theirs(x.double(), (h0.double(), c0.double()))
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=batch_first,
+                                                         enforce_sorted=False)
+        py, (ph, pc) = ours(packed.to(device))
+        rpy, (rph, rpc) = theirs(torch.nn.utils.rnn.pack_padded_sequence(
+            x.double(), lengths, batch_first=batch_first, enforce_sorted=False))
+    for a, b in ((y, ry), (h, rh), (c, rc), (py.data, rpy.data), (ph, rph), (pc, rpc)):
+        assert a.shape == b.shape
+        assert reference.relative_error(a.cpu().numpy(), b.numpy()) < TOL_F32
+
+
+def test_errors_name_the_problem(rng):
+    torch = pytest.importorskip("torch")
+    import rnncc.nn
+
+    with pytest.raises(ConfigError, match="proj_size=6 must be below hidden_size=6"):
+        rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=6)
+    with pytest.raises(ConfigError, match="proj_size must be an int >= 0"):
+        rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=-1)
+    with pytest.raises(ConfigError, match="without training entries so far"):
+        rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=2, training=True)
+    with pytest.raises(ConfigError, match="cell 'gru' reads h"):
+        rnncc.nn.GRU(4, 6, proj_size=2)
+    module = rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=2)
+    w = _weights(rng, cells.get("lstm"), 4, 6, 2, 1)
+    x = np.zeros((3, 2, 4), "float32")
+    with pytest.raises(InputError, match="missing weight 'weight_hr_l0'"):
+        module(x, {k: v for k, v in w.items() if k != "weight_hr_l0"})
+    with pytest.raises(InputError, match="h0"):
+        module(x, w, h0=np.zeros((1, 2, 6), "float32"))
+    net = rnncc.nn.LSTM(4, 6, proj_size=2)
+    with pytest.raises(InputError, match=r"hx's h has shape \[1, 2, 6\], expected \[1, 2, 2\]"):
+        net(torch.zeros(3, 2, 4), (torch.zeros(1, 2, 6), torch.zeros(1, 2, 6)))
+    with pytest.raises(InputError, match="gradients through a projection"):
+        net(torch.zeros(3, 2, 4))
