@@ -2,10 +2,12 @@
 per-step PyTorch loop (the input projections of all steps in one matmul first) and against
 rnncc's plain LSTM of the same size, T = 100, C = H, IEEE float32 (TF32 off), all captured in
 CUDA graphs, in one process; microseconds a time step, for inference (no_grad) and for a
-training step (forward and backward of x and every weight). Run on a GPU machine from the
-repository root:
+training step (forward and backward of x and every weight). Then the LSTM with projections
+(LSTMP, P = H/4), inference, against cuDNN's (torch.nn.LSTM(proj_size=P), same weights).
+Run on a GPU machine from the repository root:
 
     python3 benchmarks/variants.py [--repeat 50] [--jobs 16] [--hidden 1024] [--json out.json]
+                                   [--projections-only]
 
 Before timing, each variant's rnncc outputs are compared with its PyTorch loop's (same
 weights and input; the largest relative error is printed). The modules compile first,
@@ -28,8 +30,9 @@ STEPS = 100
 def _compile(job):
     from rnncc.compiler import cache
 
-    cell, hidden, batch, training, arch = job
-    cache.compiled(cell, hidden, hidden, batch, target="cuda", arch=arch, training=training)
+    cell, hidden, batch, training, arch, proj = job
+    cache.compiled(cell, hidden, hidden, batch, target="cuda", arch=arch, training=training,
+                   **({"proj_size": proj} if proj else {}))
     return job
 
 
@@ -106,13 +109,31 @@ def _row(torch, cell, hidden, batch, repeat):
     return out, error
 
 
+def _projection_row(torch, hidden, batch, repeat):
+    """(rnncc us/step, cuDNN us/step, relative difference of y) of LSTMP with P = H/4."""
+    import rnncc.nn
+    from rnncc.bench import _graph_ms
+
+    torch.manual_seed(0)
+    theirs = torch.nn.LSTM(hidden, hidden, proj_size=hidden // 4).cuda()
+    ours = rnncc.nn.from_torch(theirs)
+    x = torch.randn(STEPS, batch, hidden, device="cuda")
+    with torch.no_grad():
+        a, b = ours(x)[0], theirs(x)[0]
+        return (_us(_graph_ms(torch, lambda: ours(x), repeat)),
+                _us(_graph_ms(torch, lambda: theirs(x), repeat)),
+                float((a - b).norm() / b.norm()))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--json")
+    parser.add_argument("--projections-only", action="store_true", help="only the LSTMP rows")
     args = parser.parse_args()
+    variants = () if args.projections_only else VARIANTS
     import torch
 
     from rnncc.nn.network import bucket
@@ -120,17 +141,23 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    jobs = sorted({(cell, args.hidden, bucket(n), training, arch)
-                   for cell in VARIANTS + ("lstm",) for n in BATCHES
+    jobs = sorted({(cell, args.hidden, bucket(n), training, arch, 0)
+                   for cell in variants + ("lstm",)[:len(variants)] for n in BATCHES
                    for training in (False, True)})
+    jobs += [("lstm", args.hidden, bucket(n), False, arch, args.hidden // 4) for n in BATCHES]
     spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         list(pool.map(_compile, jobs))
     rows = []
-    for cell in VARIANTS:
+    for cell in variants:
         for batch in BATCHES:
             times, error = _row(torch, cell, args.hidden, batch, args.repeat)
             rows.append({"cell": cell, "H": args.hidden, "N": batch, "error": error, **times})
+    projections = []
+    for batch in BATCHES:
+        mine, cudnn, error = _projection_row(torch, args.hidden, batch, args.repeat)
+        projections.append({"H": args.hidden, "P": args.hidden // 4, "N": batch,
+                            "rnncc": mine, "cudnn": cudnn, "error": error})
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H={args.hidden}, TF32 off, us per "
           "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs LSTM': rnncc's time "
@@ -145,9 +172,14 @@ def main():
               f"{r['loop train']:.2f} | {r['loop train'] / r['rnncc train']:.1f}x | "
               f"{r['rnncc lstm train']:.2f} | {r['rnncc train'] / r['rnncc lstm train']:.2f} | "
               f"{r['error']:.1e} |")
+    print("\nLSTMP, P = H/4, inference\n\n| H | P | N | rnncc | cuDNN | speed-up | y rel. "
+          "diff |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for r in projections:
+        print(f"| {r['H']} | {r['P']} | {r['N']} | {r['rnncc']:.2f} | {r['cudnn']:.2f} | "
+              f"{r['cudnn'] / r['rnncc']:.2f}x | {r['error']:.1e} |")
     if args.json:
         write_json(args.json, {"device": device, "date": str(datetime.date.today()),
-                               "rows": rows})
+                               "rows": rows, "projections": projections})
 
 
 if __name__ == "__main__":

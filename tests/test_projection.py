@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import rnncc
-from conftest import random_weights
+from conftest import has_nvcc, random_weights
 from helpers import TOL_F32
 from rnncc import cells, reference
 from rnncc.cells import autodiff
@@ -58,10 +58,11 @@ def check_projection(module, rng, steps, initial=True, lengths=False):
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("hidden, proj, batch, directions, lengths", [
-    (3, 1, 1, 1, False), (33, 7, 7, 1, True), (9, 4, 3, 2, True), (257, 64, 1, 1, False)])
+    (3, 1, 1, 1, False), (33, 7, 7, 1, True), (9, 4, 3, 2, True), (257, 64, 1, 1, False),
+    (512, 128, 64, 1, True)])
 def test_module_matches_reference(hidden, proj, batch, directions, lengths, target, rng):
     """One layer, both directions, lengths or not, T = 1 and 37, with and without initial
-    states."""
+    states (batch 64: on CUDA, the recurrent product left in K slices)."""
     module = rnncc.compile("lstm", 5, hidden, batch, target=target, proj_size=proj,
                            directions=directions, lengths=lengths)
     assert module.proj_size == proj and "weight_hr_l0" in module.weight_names
@@ -69,6 +70,14 @@ def test_module_matches_reference(hidden, proj, batch, directions, lengths, targ
     for steps, initial in ((1, True), (37, True), (37, False)):
         err = check_projection(module, rng, steps, initial, lengths)
         assert err < TOL_F32, f"T={steps} initial={initial}: relative error {err:.3e}"
+
+
+def test_cuda_build_of_a_product_in_slices():
+    """At batch 64 the recurrent product (K = P) is left in K slices for the cell to add."""
+    if not has_nvcc():
+        pytest.skip("the CUDA build needs nvcc")
+    module = rnncc.compile("lstm", 512, 512, 64, target="cuda", proj_size=128)
+    assert module.metadata["schedule"]["rules"]["recurrent_gemm_parts"] == "cuda.sgemm"
 
 
 @pytest.mark.parametrize("options", [{"fuse_pointwise": False}, {"gate_gemm": False}])

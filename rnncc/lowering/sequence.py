@@ -358,7 +358,7 @@ class _Builder:
             if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
                 rows = int(w_hh.shape[0]) // dirs
                 parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
-                    n, h, g * h, rec_parts, layout.weights, p.dtype, acc), "gemm")
+                    n, r, g * h, rec_parts, layout.weights, p.dtype, acc), "gemm")
                 steps.append(Stage(f"recurrent_gemm{suffix}", parts_func, [
                     h_prev, Region(w_hh, (slice(d * rows, (d + 1) * rows), ALL)),
                     Region(hp, at(d, (ALL, ALL, ALL)))], 1))
