@@ -161,10 +161,11 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H={args.hidden}, TF32 off, us per "
           "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs LSTM': rnncc's time "
-          "over its plain LSTM's\n")
-    print("| cell | N | rnncc | PyTorch loop | vs loop | rnncc LSTM | vs LSTM | train: rnncc | "
-          "loop | vs loop | LSTM | vs LSTM | max rel. error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "over its plain LSTM's")
+    if rows:
+        print("\n| cell | N | rnncc | PyTorch loop | vs loop | rnncc LSTM | vs LSTM | train: "
+              "rnncc | loop | vs loop | LSTM | vs LSTM | max rel. error |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['cell']} | {r['N']} | {r['rnncc']:.2f} | {r['loop']:.2f} | "
               f"{r['loop'] / r['rnncc']:.1f}x | {r['rnncc lstm']:.2f} | "
