@@ -92,11 +92,10 @@ class Problem:
             raise ConfigError(
                 f"cell {self.cell.name!r} reads h in its step: a projection (proj_size={proj}) "
                 "makes h P wide, so it needs a cell that reads h only through W_hh (lstm, "
-                "cifg, peephole)")
-        if self.layers > 1 or self.training:
-            raise ConfigError(
-                f"proj_size={proj} runs one layer (rnncc.nn stacks them), without training "
-                f"entries so far; got layers={self.layers}, training={self.training}")
+                "cifg, peephole, the Elman RNNs)")
+        if self.layers > 1:
+            raise ConfigError(f"proj_size={proj} runs one layer a module (rnncc.nn stacks "
+                              f"them); got layers={self.layers}")
 
     @property
     def gates(self) -> int:

@@ -1,6 +1,7 @@
 """LSTM with projections (LSTMP, torch's ``proj_size``: h = W_hr h', P wide): modules against
 the float64 reference (which matches torch's), rnncc.nn against torch.nn.LSTM(proj_size=P) in
-float64 with the same weights, and the errors."""
+float64 with the same weights (outputs and every gradient), a layer's training entries of
+every cell that takes a projection against float64 autograd, and the errors."""
 
 import numpy as np
 import pytest
@@ -142,8 +143,6 @@ def test_errors_name_the_problem(rng):
         rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=6)
     with pytest.raises(ConfigError, match="proj_size must be an int >= 0"):
         rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=-1)
-    with pytest.raises(ConfigError, match="without training entries so far"):
-        rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=2, training=True)
     with pytest.raises(ConfigError, match="cell 'gru' reads h"):
         rnncc.nn.GRU(4, 6, proj_size=2)
     module = rnncc.compile("lstm", 4, 6, 2, target="llvm", proj_size=2)
@@ -156,5 +155,78 @@ def test_errors_name_the_problem(rng):
     net = rnncc.nn.LSTM(4, 6, proj_size=2)
     with pytest.raises(InputError, match=r"hx's h has shape \[1, 2, 6\], expected \[1, 2, 2\]"):
         net(torch.zeros(3, 2, 4), (torch.zeros(1, 2, 6), torch.zeros(1, 2, 6)))
-    with pytest.raises(InputError, match="gradients through a projection"):
-        net(torch.zeros(3, 2, 4))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
+def test_rnncc_nn_gradients_match_torch(layers, bidirectional, device, module_cache):
+    """Every gradient (input, initial states, each weight, W_hr's included) of
+    rnncc.nn.LSTM(proj_size=P) against torch.nn.LSTM(proj_size=P)'s in float64, packed with
+    unequal lengths (a length-1 sample), all final states in the loss."""
+    torch = pytest.importorskip("torch")
+    import rnncc.nn
+
+    torch.manual_seed(1)
+    theirs = torch.nn.LSTM(5, 9, num_layers=layers, bidirectional=bidirectional, proj_size=4)
+    ours = rnncc.nn.from_torch(theirs).to(device)
+    theirs = theirs.double()
+    d = 2 if bidirectional else 1
+    x, lengths = torch.randn(7, 3, 5), torch.tensor([7, 1, 5])
+    h0, c0 = torch.randn(layers * d, 3, 4), torch.randn(layers * d, 3, 9)
+    dy, dh, dc = torch.randn(7, 3, 4 * d), torch.randn(layers * d, 3, 4), torch.randn(
+        layers * d, 3, 9)
+    grads = []
+    for net, dtype, where in ((ours, torch.float32, device), (theirs, torch.float64, "cpu")):
+        leaves = [v.to(where, dtype, copy=True).requires_grad_() for v in (x, h0, c0)]
+        packed = torch.nn.utils.rnn.pack_padded_sequence(leaves[0], lengths,
+                                                         enforce_sorted=False)
+        out, (h, c) = net(packed, tuple(leaves[1:]))
+        y = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=7)[0]
+        loss = sum((a * b.to(where, dtype)).sum() for a, b in ((y, dy), (h, dh), (c, dc)))
+        loss.backward()
+        grads.append([v.grad for v in leaves] + [p.grad for _, p in net.named_parameters()])
+    for name, a, b in zip(["x", "h0", "c0", *dict(theirs.named_parameters())], *grads):
+        assert reference.relative_error(a.cpu().numpy(), b.numpy()) < 1e-4, name
+
+
+@pytest.mark.parametrize("cell", [c for c in cells.names() if _projects(cells.get(c))])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_layer_gradients_of_every_projecting_cell(cell, lengths, rng):
+    """Module.train_forward / backward with a projection against float64 autograd of the
+    layer written out in torch from the cell's NumPy reference's equations: the reference's
+    y, and central differences of its loss for each weight (a few elements each)."""
+    c = cells.get(cell)
+    h, p, n, steps = 5, 2, 3, 4
+    module = rnncc.compile(cell, 3, h, n, target="llvm", proj_size=p, training=True,
+                           lengths=lengths)
+    w = {k: v.astype(np.float64) for k, v in _weights(rng, c, 3, h, p, 1).items()}
+    x = rng.standard_normal((steps, n, 3))
+    initial = {s: rng.standard_normal((1, n, p if k == 0 else h))
+               for k, s in enumerate(c.states)}
+    ln = np.array([steps, 1, 3]) if lengths else None
+    dy = rng.standard_normal((steps, n, p))
+    d_final = {s: rng.standard_normal(v.shape) for s, v in initial.items()}
+
+    def loss(weights, given):
+        y, finals = reference.run(c, x, weights, given, ln)
+        return float((y * dy).sum() + sum((finals[s] * d_final[s]).sum() for s in c.states))
+
+    f32 = {k: v.astype(np.float32) for k, v in w.items()}
+    extra = {"lengths": ln} if lengths else {}
+    y, _, kept = module.train_forward(x.astype(np.float32), f32, **extra, **{
+        f"{s}0": v.astype(np.float32) for s, v in initial.items()})
+    assert reference.relative_error(y, reference.run(c, x, w, initial, ln)[0]) < TOL_F32
+    grads = module.backward(x.astype(np.float32), f32, kept, dy.astype(np.float32), tuple(
+        d_final[s].astype(np.float32) for s in c.states), **extra)
+    for name, value in [*w.items(), *((f"{s}0", v) for s, v in initial.items())]:
+        numeric = np.zeros_like(value)
+        for idx in list(np.ndindex(value.shape))[:6]:
+            up = {k: v.copy() for k, v in (w if name in w else initial).items()}
+            down = {k: v.copy() for k, v in up.items()}
+            key = name if name in w else name[:-1]
+            up[key][idx] += 1e-6
+            down[key][idx] -= 1e-6
+            args = ((up, initial), (down, initial)) if name in w else ((w, up), (w, down))
+            numeric[idx] = (loss(*args[0]) - loss(*args[1])) / 2e-6
+        picked = tuple(np.array(list(np.ndindex(value.shape))[:6]).T)
+        assert reference.relative_error(grads[name][picked], numeric[picked]) < 1e-4, name

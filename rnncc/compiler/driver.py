@@ -99,6 +99,8 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
 
     if tspec.kind != "cuda" or opts.persistent == "off":
         return None, "the persistent backward kernel is CUDA only, and not with persistent=off"
+    if problem.proj_size:
+        return None, "a projection (proj_size) trains on the non-persistent schedule"
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
         return persistent.planner.backward(
@@ -140,7 +142,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     module also has a training step's entries (:meth:`rnncc.Module.train_forward`,
     :meth:`rnncc.Module.backward`; one layer, one direction). ``proj_size`` P > 0: an LSTM
     with projections (LSTMP, torch's ``proj_size``; the module takes ``weight_hr_l0`` [P, H],
-    and h and y are P wide; the non-persistent schedule, no training entries yet).
+    and h and y are P wide; the non-persistent schedule).
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN

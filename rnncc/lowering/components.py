@@ -487,7 +487,8 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 
 
 def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tuple,
-                       masked: bool = False, rec_parts: int = 1) -> tirx.PrimFunc:
+                       masked: bool = False, rec_parts: int = 1, projected: bool = False
+                       ) -> tirx.PrimFunc:
     """The vector-Jacobian product of the cell's step for one time step, derived from the step
     (:mod:`rnncc.cells.autodiff`).
 
@@ -505,16 +506,26 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     recurrent product's slices (:func:`gemm_parts`), added here. A cell with ``params``: then
     the inputs go on with its parameters [H] each (``dtype``) and the sums of their gradients
     over the steps so far [N, H] each, and the outputs with those sums plus this step's.
+    ``projected`` (LSTMP: h = W_hr h', the cell reads h only through W_hh): h is neither read
+    nor carried here: ``dy``, ``dh_rec`` and h's carry give way to ``dh_cell`` [N, H] (the
+    gradient of the cell's h', :func:`projection_backward` then a product by W_hr), and the
+    states, their carries and the outputs are the others' only.
     """
     from ..cells import autodiff
 
     acc = accum_dtype(dtype)
     shape = (i64(batch), i64(hidden))
+    own = cell.states[1:] if projected else cell.states  # the states read and carried here
     pre = te.placeholder((i64(batch), i64(len(kept) * hidden)), acc, "pre")
-    states = [te.placeholder(shape, acc, f"{s}_prev") for s in cell.states]
-    dy = te.placeholder(shape, dtype, "dy")
-    dh_rec = te.placeholder(parts_shape(rec_parts, shape), acc, "dh_rec")
-    carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in cell.states]
+    states = [te.placeholder(shape, acc, f"{s}_prev") for s in own]
+    if projected:
+        dh_cell = te.placeholder(shape, acc, "dh_cell")
+        seeds = [dh_cell]
+    else:
+        dy = te.placeholder(shape, dtype, "dy")
+        dh_rec = te.placeholder(parts_shape(rec_parts, shape), acc, "dh_rec")
+        seeds = [dy, dh_rec]
+    carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in own]
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
     params = [te.placeholder((i64(hidden),), dtype, f"param_{p}") for p in cell.params]
     summed = [te.placeholder(shape, acc, f"d{p}_sum") for p in cell.params]
@@ -522,13 +533,19 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     backend = autodiff.PrimExprs(acc)
 
     def body(n, j):
-        d_h = _cast(dy[n, j], acc) + parts_sum(dh_rec, n, j) + carry[0][n, j]
+        values = [s[n, j] for s in states]
+        if projected:  # h's value does not matter: the step does not read it
+            d_h, values, others = dh_cell[n, j], [tirx.const(0, acc)] + values, carry
+        else:
+            d_h, others = _cast(dy[n, j], acc) + parts_sum(dh_rec, n, j) + carry[0][n, j], carry[1:]
         projections, previous, of_params = autodiff.kept_vjp(
-            graph, kept, lambda i: pre[n, i * hidden + j], [s[n, j] for s in states],
-            [d_h] + [c[n, j] for c in carry[1:]], backend, [_cast(p[j], acc) for p in params])
+            graph, kept, lambda i: pre[n, i * hidden + j], values,
+            [d_h] + [c[n, j] for c in others], backend, [_cast(p[j], acc) for p in params])
+        previous = previous[1:] if projected else previous
         if active is not None:
             live, zero = active[n] != 0, tirx.const(0, acc)
-            passed = [parts_sum(dh_rec, n, j) + carry[0][n, j]] + [c[n, j] for c in carry[1:]]
+            passed = ([] if projected else [parts_sum(dh_rec, n, j) + carry[0][n, j]]) + [
+                c[n, j] for c in others]
             projections = [tvm.tirx.if_then_else(live, v, zero) for v in projections]
             previous = [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)]
             of_params = [tvm.tirx.if_then_else(live, v, zero) for v in of_params]
@@ -537,8 +554,36 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     outs = te.compute(shape, body, name="cell_backward")
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     extra = [active] if masked else []
-    return te.create_prim_func([pre, *states, dy, dh_rec, *carry, *extra, *params, *summed,
+    return te.create_prim_func([pre, *states, *seeds, *carry, *extra, *params, *summed,
                                 *outs])
+
+
+def projection_backward(batch: int, width: int, dtype: str, masked: bool,
+                        rec_parts: int = 1) -> tirx.PrimFunc:
+    """A step's projected h (LSTMP) backwards: inputs ``dy`` [N, P] (``dtype``), ``dh_rec``
+    [N, P] (through the next step's recurrent product; [S, N, P] slices where ``rec_parts``
+    S > 1), ``carry`` [N, P] (h's gradient passed through later steps past the sample's
+    length) and, ``masked``, ``active`` [N] int32; outputs ``dhp`` [N, P], the gradient of
+    this step's W_hr h' (zero past the length), and the next carry (zero within the length:
+    the step's cell does not read h; else dh_rec + carry, dy dropped as y was zero)."""
+    acc = accum_dtype(dtype)
+    shape = (i64(batch), i64(width))
+    dy = te.placeholder(shape, dtype, "dy")
+    dh_rec = te.placeholder(parts_shape(rec_parts, shape), acc, "dh_rec")
+    carry = te.placeholder(shape, acc, "carry")
+    active = te.placeholder((i64(batch),), "int32", "active") if masked else None
+
+    def body(n, j):
+        through = parts_sum(dh_rec, n, j) + carry[n, j]
+        zero = tirx.const(0, acc)
+        if active is None:
+            return [_cast(dy[n, j], acc) + through, zero]
+        live = active[n] != 0
+        return [tvm.tirx.if_then_else(live, _cast(dy[n, j], acc) + through, zero),
+                tvm.tirx.if_then_else(live, zero, through)]
+
+    dhp, nxt = te.compute(shape, body, name="projection_backward")
+    return te.create_prim_func([dy, dh_rec, carry, *([active] if masked else []), dhp, nxt])
 
 
 def initial_state_grads(count: int, batch: int, hidden: int, dtype: str, rec_parts: int = 1

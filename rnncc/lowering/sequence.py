@@ -295,26 +295,29 @@ class _Builder:
         hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, g * h))
         hp = self.param(sig, "hp", per_direction(hp_shape), "workspace", acc)
         pre = None
+        widths = [r] + [h] * (len(p.cell.states) - 1)  # h's is P wide with a projection
         if history:
-            sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "output", acc)
-                  for s in p.cell.states]
+            sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, w), "output", acc)
+                  for s, w in zip(p.cell.states, widths)]
             pre = self.param(sig, "pre", (t_len, n, len(kept_parts) * h), "output", acc)
             xp = pre if in_place else xp
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, w)), "workspace", acc)
-                  for s, w in zip(p.cell.states, [r] + [h] * (len(p.cell.states) - 1))]
+                  for s, w in zip(p.cell.states, widths)]
         x_rev = y_rev = None
         if dirs > 1:
             x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
             y_rev = self.param(sig, "y_reversed", (t_len, n, r), "workspace")
-        # with a projection: the cell's h' (its y, and as its state: ping-pong, unread), W_hr h'
-        hf, hf_ws, hr, zero = (self.param(sig, "h_cell", per_direction((n, h)), "workspace"),
-                               self.param(sig, "h_cell_ws", per_direction((2, n, h)),
-                                          "workspace", acc),
-                               self.param(sig, "h_projected", per_direction((n, proj)),
-                                          "workspace", acc),
-                               self.param(sig, "zero_bias", (proj,), "workspace")
-                               ) if proj else (None,) * 4
+        # with a projection: the cell's h' (its y; the training forward keeps every step's,
+        # ``h_cell_steps`` [T, N, H]), h' as the cell's state (ping-pong, unread), W_hr h'
+        hf = hf_ws = hr = zero = None
+        if proj:
+            hf = (self.param(sig, "h_cell_steps", (t_len, n, h), "output") if history
+                  else self.param(sig, "h_cell", per_direction((n, h)), "workspace"))
+            hf_ws = self.param(sig, "h_cell_ws", per_direction((2, n, h)), "workspace", acc)
+            hr = self.param(sig, "h_projected", per_direction((n, proj)), "workspace", acc)
+            zero = self.param(sig, "zero_bias", (proj,), "workspace")
+        ping = (tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2)))
 
         prologue = [stage for d in range(dirs) for stage in self.states_copy(
             "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
@@ -380,18 +383,22 @@ class _Builder:
                     for i in range(len(kept_parts))]
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
-            cell_states = ([hf_ws] + sw[1:]) if proj else sw
+            states_at = [[Region(s, at(d, (i, ALL, ALL))) for s in sw] for i in (slot, nxt)]
+            h_cell = None
+            if proj:  # the cell's h' to hf, its state to hf_ws
+                h_cell = (Region(hf, (t, ALL, ALL)) if history
+                          else Region(hf, at(d, (ALL, ALL))))
+                states_at = [[Region(hf_ws, at(d, (i, ALL, ALL)))] + regions[1:]
+                             for i, regions in zip(ping, states_at)]
             steps.append(Stage(
                 f"cell_step{suffix}", step_func,
                 gi + gh + [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
-                + [Region(s, at(d, (slot, ALL, ALL))) for s in cell_states]
-                + [Region(a, (t, ALL)) for a in active]
-                + [Region(hf, at(d, (ALL, ALL))) if proj else out]
-                + [Region(s, at(d, (nxt, ALL, ALL))) for s in cell_states] + kept,
+                + states_at[0] + [Region(a, (t, ALL)) for a in active]
+                + [h_cell if proj else out] + states_at[1] + kept,
                 1 + len(sw) + len(kept)))
             if proj:
                 steps += _named(self.projection(
-                    Region(hf, at(d, (ALL, ALL))), w_hr, d, zero, Region(hr, at(d, (ALL, ALL))),
+                    h_cell, w_hr, d, zero, Region(hr, at(d, (ALL, ALL))),
                     Region(sw[0], at(d, (slot, ALL, ALL))), [Region(a, (t, ALL)) for a in active],
                     out, Region(sw[0], at(d, (nxt, ALL, ALL)))), suffix)
         final = t_len if history else tirx.floormod(t_len, i64(2))

@@ -39,7 +39,7 @@ from ..cells import autodiff
 from ..dtypes import accum_dtype
 from . import components as comp
 from .assemble import Region, Stage, sequence_function
-from .components import ALL, i64
+from .components import ALL, Layout, i64
 
 
 def kept_parts(cell) -> tuple:
@@ -123,42 +123,54 @@ class _Backward:
         """The backward entries' parameters, as both take them (inputs, then outputs)."""
         b, p, layout, acc = self.b, self.p, self.layout, self.acc
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
-        gh, states = g * h, p.cell.states
+        gh, states, r, proj = g * h, p.cell.states, p.recurrent_size, p.proj_size
+        widths = [r] + [h] * (len(states) - 1)  # h's is P wide with a projection
         t_len = tirx.Var("T", "int64")
-        io = SimpleNamespace(t_len=t_len, parts=kept_parts(p.cell))
+        io = SimpleNamespace(t_len=t_len, parts=kept_parts(p.cell), widths=widths)
         io.summed = all(part == "sum" for _, part in io.parts)  # one gradient for gi and gh
         io.x = b.param(sig, "x", (t_len, n, c), "input")
-        io.w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, h), "input")
+        io.w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, r), "input")
+        io.w_hr = (b.param(sig, "w_hr", Layout(layout.weights).weight_shape(1, proj, h),
+                           "input") if proj else None)
         io.per_unit = [b.param(sig, f"p_{name}", (h,), "input") for name in p.cell.params]
-        io.kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, h), "input", acc)
-                   for s in states]
+        io.kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, w), "input", acc)
+                   for s, w in zip(states, widths)]
+        io.h_cell = (b.param(sig, "h_cell_steps", (t_len, n, h), "input") if proj
+                     else None)
         # where every gate is kept as its sum, pre [T, N, G*H] is laid out as dGI: the pass
         # writes dGI over it (an "inout": the caller's pre is consumed)
         io.pre = b.param(sig, "pre", (t_len, n, len(io.parts) * h),
                          "inout" if io.summed else "input", acc)
         io.lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
-        io.dy = b.param(sig, "dy", (t_len, n, h), "input")
-        io.d_final = [b.param(sig, f"d{s}_n", (1, n, h), "input") for s in states]
-        io.d_initial = [b.param(sig, f"d{s}0", (1, n, h), "output") for s in states]
+        io.dy = b.param(sig, "dy", (t_len, n, r), "input")
+        io.d_final = [b.param(sig, f"d{s}_n", (1, n, w), "input") for s, w in zip(states, widths)]
+        io.d_initial = [b.param(sig, f"d{s}0", (1, n, w), "output")
+                        for s, w in zip(states, widths)]
         io.dw = {which: b.param(sig, f"dweight_{which}", (gh, k), "output")
-                 for which, k in (("ih", c), ("hh", h))}
+                 for which, k in (("ih", c), ("hh", r))}
+        if proj:
+            io.dw["hr"] = b.param(sig, "dweight_hr", (proj, h), "output")
         io.db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
         io.dparams = [b.param(sig, f"d{name}", (h,), "output") for name in p.cell.params]
         io.dgi = io.pre if io.summed else b.param(sig, "dgi", (t_len, n, gh), "output", acc)
         io.dgh = (io.dgi if io.summed
                   else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc))
         io.given = [io.lengths] if io.lengths is not None else []
-        io.params = [io.x, io.w_hh, *io.per_unit, *io.kept, io.pre, *io.given, io.dy,
-                     *io.d_final, *io.d_initial, io.dw["ih"], io.dw["hh"], io.db["ih"],
+        projected = [io.w_hr] if proj else []
+        io.params = [io.x, io.w_hh, *projected, *io.per_unit, *io.kept,
+                     *([io.h_cell] if proj else []), io.pre, *io.given, io.dy,
+                     *io.d_final, *io.d_initial, *io.dw.values(), io.db["ih"],
                      io.db["hh"], *io.dparams, *([io.dgi, io.dgh] if not io.summed else [])]
         return io
 
-    def _weight_grads(self, io):
+    def _weight_grads(self, io, dh_projected=None):
         """After the recurrence, products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T
-        h_{t-1}, the biases' gradients as column sums. Returns (stages, views)."""
+        h_{t-1}, the biases' gradients as column sums; with a projection dW_hr = dHP^T h'
+        (``dh_projected`` [T, N, P], the gradients of every step's W_hr h'). Returns (stages,
+        views)."""
         p = self.p
-        n, c, h, gh = p.batch, p.input_size, p.hidden_size, p.gates * p.hidden_size
-        rows = io.t_len * i64(n)
+        n, c, gh = p.batch, p.input_size, p.gates * p.hidden_size
+        h, rows = p.recurrent_size, io.t_len * i64(n)
 
         def view(buffer, shape, name):  # the buffer's memory in another shape
             return tirx.decl_buffer(shape, buffer.dtype, name)
@@ -179,39 +191,55 @@ class _Backward:
             stages.append(self.reduction(f"bias_grad_{which}", comp.column_sum(m, gh, p.dtype),
                                          [Region(grads, (ALL, ALL)),
                                           Region(io.db[which], (ALL,))]))
+        if dh_projected is not None:
+            dhp_rows = view(dh_projected, (rows, p.proj_size), "dh_projected_rows")
+            cell_rows = view(io.h_cell, (rows, p.hidden_size), "h_cell_rows")
+            views += [(dhp_rows, dh_projected), (cell_rows, io.h_cell)]
+            stages.append(self.reduction("weight_grad_hr", comp.weight_gradient(
+                m, p.proj_size, p.hidden_size, p.dtype, cell_rows.dtype), [
+                Region(dhp_rows, (ALL, ALL)), Region(cell_rows, (ALL, ALL)),
+                Region(io.dw["hr"], (ALL, ALL))]))
         return stages, views
 
     def add(self):
         b, p, acc = self.b, self.p, self.acc
-        n, h, g = p.batch, p.hidden_size, p.gates
+        n, h, g, r, proj = p.batch, p.hidden_size, p.gates, p.recurrent_size, p.proj_size
         gh, states = g * h, p.cell.states
         t = tirx.Var("t", "int64")
         sig = []
         io = self._io(sig)
         t_len, parts, summed = io.t_len, io.parts, io.summed
         step = t_len - i64(1) - t  # the loop runs the steps backwards
-        carry = [b.param(sig, f"d{s}_carry", (2, n, h), "workspace", acc) for s in states]
+        carry = [b.param(sig, f"d{s}_carry", (2, n, w), "workspace", acc)
+                 for s, w in zip(states, io.widths)]
         # dh through the recurrent product: its K slices where the product is left in them
         rec_parts = b.product_parts("recurrent_gemm_backward", comp.gemm(
-            (n,), gh, h, self.layout.weights, p.dtype, acc))
-        rec_shape = comp.parts_shape(rec_parts, (n, h))
+            (n,), gh, r, self.layout.weights, p.dtype, acc))
+        rec_shape = comp.parts_shape(rec_parts, (n, r))
         dh_rec = b.param(sig, "dh_rec", rec_shape, "workspace", acc)
         dh_all = Region(dh_rec, (ALL,) * len(rec_shape))
-        w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(self.layout.weight_shape(g, h, h))),
+        w_hh_t = b.param(sig, "w_hh_t", tuple(reversed(self.layout.weight_shape(g, h, r))),
                          "workspace")
         # the product's bias (none: zeros), where its reader does not add the slices
-        zero = b.param(sig, "zero_bias", (h,), "workspace") if rec_parts == 1 else None
+        zero = b.param(sig, "zero_bias", (r,), "workspace") if rec_parts == 1 else None
         active = (b.param(sig, "active", (t_len, n), "workspace", "int32")
                   if io.lengths is not None else None)
         # the cell's per-unit parameters: their gradients summed over the steps, a row of the
         # batch each, then over the rows
         count = len(io.per_unit)
         sums = b.param(sig, "dparam_sums", (count, n, h), "workspace", acc) if count else None
+        # a projection: every step's dHP (the gradient of W_hr h'), then dh' = dHP W_hr
+        dhp = dh_cell = zero_h = None
+        if proj:
+            dhp = b.param(sig, "dh_projected", (t_len, n, proj), "workspace", acc)
+            dh_cell = b.param(sig, "dh_cell", (n, h), "workspace", acc)
+            zero_h = b.param(sig, "zero_bias_h", (h,), "workspace")
 
-        prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, h)]
-        if zero is not None:
-            prologue.append(self.elementwise("zero_bias", comp.zeros((h,), p.dtype),
-                                             [Region(zero, (ALL,))]))
+        prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, r)]
+        for buffer, width in ((zero, r), (zero_h, h)):
+            if buffer is not None:
+                prologue.append(self.elementwise(buffer.name, comp.zeros((width,), p.dtype),
+                                                 [Region(buffer, (ALL,))]))
         prologue.append(self.elementwise("zero_dh_rec", comp.zeros(rec_shape, acc), [dh_all]))
         if sums is not None:
             prologue.append(self.elementwise("zero_dparam_sums", comp.zeros((count, n, h), acc),
@@ -229,40 +257,60 @@ class _Backward:
                 Region(io.pre, (step, ALL, slice(i * h, (i + 1) * h))) for i in range(g)] + [
                 Region(copy, (ALL, slice(i * h, (i + 1) * h))) for i in range(g)], g))
             pre_step = Region(copy, (ALL, ALL))
+        masked = [Region(active, (step, ALL))] if active is not None else []
+        own, seeds = carry, [Region(io.dy, (step, ALL, ALL)), dh_all]
+        if proj:  # dHP, h's carry, then dh' = dHP W_hr (W_hr as packed: the product's [K, O])
+            steps.append(self.elementwise("projection_backward", comp.projection_backward(
+                n, proj, p.dtype, active is not None, rec_parts), [
+                Region(io.dy, (step, ALL, ALL)), dh_all, Region(carry[0], (slot, ALL, ALL)),
+                *masked, Region(dhp, (step, ALL, ALL)), Region(carry[0], (nxt, ALL, ALL))], 2))
+            steps.append(self.gemm("projection_gemm_backward", (n,), proj, h, acc, [
+                Region(dhp, (step, ALL, ALL)), Region(io.w_hr, (ALL, ALL)),
+                Region(zero_h, (ALL,)), Region(dh_cell, (ALL, ALL))],
+                "cols" if self.layout.weights == "rows" else "rows"))
+            own, seeds = carry[1:], [Region(dh_cell, (ALL, ALL))]
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
-                                                     active is not None, rec_parts),
-            [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept]
-            + [Region(io.dy, (step, ALL, ALL)), dh_all]
-            + [Region(cr, (slot, ALL, ALL)) for cr in carry]
-            + ([Region(active, (step, ALL))] if active is not None else [])
+                                                     active is not None, rec_parts, bool(proj)),
+            [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept[len(carry) - len(own):]]
+            + seeds + [Region(cr, (slot, ALL, ALL)) for cr in own] + masked
             + [Region(v, (ALL,)) for v in io.per_unit]
             + [Region(sums, (i, ALL, ALL)) for i in range(count)]
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
                for d in ((io.dgi,) if summed else (io.dgi, io.dgh)) for i in range(g)]
-            + [Region(cr, (nxt, ALL, ALL)) for cr in carry]
+            + [Region(cr, (nxt, ALL, ALL)) for cr in own]
             + [Region(sums, (i, ALL, ALL)) for i in range(count)],
-            (1 if summed else 2) * g + len(states) + count)
+            (1 if summed else 2) * g + len(own) + count)
         dgh_step = Region(io.dgh, (step, ALL, ALL))
         if rec_parts > 1:
             steps += [cell, Stage("recurrent_gemm_backward", b.scheduled(
                 "recurrent_gemm_backward_parts", comp.gemm_parts(
-                    n, gh, h, rec_parts, self.layout.weights, p.dtype, acc), "gemm"),
+                    n, gh, r, rec_parts, self.layout.weights, p.dtype, acc), "gemm"),
                 [dgh_step, Region(w_hh_t, (ALL, ALL)), dh_all], 1)]
         else:
-            steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, h, acc, [
+            steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, r, acc, [
                 dgh_step, Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)), dh_all])]
 
         final = tirx.floormod(t_len, i64(2))
-        epilogue = [self.elementwise(
-            "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype, rec_parts),
-            [Region(cr, (final, ALL, ALL)) for cr in carry] + [dh_all]
-            + [Region(d, (0, ALL, ALL)) for d in io.d_initial], len(states))]
+        finals = [Region(cr, (final, ALL, ALL)) for cr in carry]
+        initial = [Region(d, (0, ALL, ALL)) for d in io.d_initial]
+        if proj:  # h's (P wide, with dh_rec) and the others' (a cast) apart
+            epilogue = [self.elementwise("initial_grads_h", comp.initial_state_grads(
+                1, n, r, p.dtype, rec_parts), [finals[0], dh_all, initial[0]])]
+            epilogue += [self.elementwise("initial_grads", comp.copy(
+                len(states) - 1, n, h, acc, p.dtype), finals[1:] + initial[1:],
+                len(states) - 1)] if len(states) > 1 else []
+        else:
+            epilogue = [self.elementwise(
+                "initial_grads", comp.initial_state_grads(len(states), n, h, p.dtype,
+                                                          rec_parts),
+                finals + [dh_all] + initial, len(states))]
         epilogue += self._param_sums(io, sums)
-        grads, views = self._weight_grads(io)
+        grads, views = self._weight_grads(io, dhp)
         params = [*io.params, *carry, dh_rec, w_hh_t, *([zero] if zero is not None else []),
                   *([active] if active is not None else []),
-                  *([sums] if sums is not None else []), *([copy] if summed else [])]
+                  *([sums] if sums is not None else []),
+                  *([dhp, dh_cell, zero_h] if proj else []), *([copy] if summed else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
 

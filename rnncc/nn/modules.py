@@ -36,7 +36,7 @@ class Recurrent(torch.nn.Module):
     """A multi-layer, optionally bidirectional network of ``cell`` (a registered cell's name,
     an :class:`rnncc.cells.Cell`, or a cell file's path), as ``torch.nn.LSTM`` is of LSTM
     cells. Arguments as torch's; ``proj_size`` P > 0 (LSTMP: h = W_hr h', ``weight_hr_l{k}``
-    [P, H]; a cell whose step reads h only through W_hh) runs without gradients so far."""
+    [P, H]) takes a cell whose step reads h only through W_hh."""
 
     def __init__(self, cell, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
@@ -137,10 +137,6 @@ class Recurrent(torch.nn.Module):
             x, states = x.to(half), [s.to(half) for s in states]
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
-            if self.proj_size:
-                raise InputError(f"gradients through a projection (proj_size={self.proj_size})"
-                                 " are not supported yet; run it under torch.no_grad() (or "
-                                 "with nothing requiring grad)")
             network = self._network(x, weights[0].dtype)
             y, finals = training.run(self, x, states, lengths,
                                      dict(zip(self._weight_names(), weights)), network.target,

@@ -24,13 +24,17 @@ from .network import aligned, bucket
 
 class _Layer(torch.autograd.Function):
     """One layer, one direction: ``(y, *finals)`` of ``module`` on x [T, N, C] from the
-    states ([1, N, H] each), with the weights ``w_ih, w_hh, b_ih, b_hh`` (biases None: zero)
-    and the cell's per-unit parameters."""
+    states ([1, N, H] each; h's [1, N, P] with a projection), with the weights ``w_ih, w_hh,
+    b_ih, b_hh`` (biases None: zero), W_hr where the module has a projection, and the cell's
+    per-unit parameters."""
 
     @staticmethod
     def forward(ctx, module, x, lengths, count, *tensors):
-        states, (w_ih, w_hh, b_ih, b_hh, *params) = tensors[:count], tensors[count:]
+        states, (w_ih, w_hh, b_ih, b_hh, *rest) = tensors[:count], tensors[count:]
+        split = 1 if module.proj_size else 0  # W_hr first, where the module projects
+        projected, params = rest[:split], rest[split:]
         weights = {"weight_ih_l0": w_ih, "weight_hh_l0": w_hh,
+                   **dict(zip(["weight_hr_l0"], projected)),
                    **{f"{p}_l0": v for p, v in zip(module.params, params)}}
         if b_ih is not None:
             weights.update(bias_ih_l0=b_ih, bias_hh_l0=b_hh)
@@ -40,7 +44,7 @@ class _Layer(torch.autograd.Function):
         ctx.module, ctx.packed, ctx.lengths = module, packed, lengths
         ctx.biases = b_ih is not None
         # the weights, which packed may share: changed in place before backward, torch says so
-        ctx.save_for_backward(x, *kept.values(), w_ih, w_hh, b_ih, b_hh, *params)
+        ctx.save_for_backward(x, *kept.values(), w_ih, w_hh, b_ih, b_hh, *projected, *params)
         ctx.kept_names = list(kept)
         return (y, *(finals if isinstance(finals, tuple) else (finals,)))
 
@@ -50,7 +54,7 @@ class _Layer(torch.autograd.Function):
             raise InputError("rnncc's gradients cannot be differentiated again (double "
                              "backward, create_graph=True): not supported")
         module = ctx.module
-        x, *kept = ctx.saved_tensors[:-4 - len(module.params)]
+        x, *kept = ctx.saved_tensors[:-4 - bool(module.proj_size) - len(module.params)]
         grads = module.backward(x, ctx.packed, dict(zip(ctx.kept_names, kept)),
                                 aligned(dy), tuple(aligned(g) for g in finals_grad),
                                 lengths=ctx.lengths, input_grad=ctx.needs_input_grad[1])
@@ -61,6 +65,7 @@ class _Layer(torch.autograd.Function):
         biases = ((grads["bias_ih_l0"], grads["bias_hh_l0"]) if ctx.biases else (None, None))
         return (None, grads.get("x"), None, None, *(grads[f"{s}0"] for s in module.states),
                 grads["weight_ih_l0"], grads["weight_hh_l0"], *biases,
+                *([grads["weight_hr_l0"]] if module.proj_size else []),
                 *(grads[f"{p}_l0"] for p in module.params))
 
 
@@ -131,11 +136,13 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
     for layer in range(lay.layers):
         module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
                                 dtype=dtype, target=target, arch=arch,
-                                lengths=lengths is not None, training=True)
+                                lengths=lengths is not None, training=True,
+                                **({"proj_size": lay.proj_size} if lay.proj_size else {}))
         outputs = []
         for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
             given = [weights.get(f"{name}_l{layer}{suffix}")
                      for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
+                                  *(("weight_hr",) if lay.proj_size else ()),
                                   *lay.cell.params)]
             row = layer * lay.directions + d
             seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)

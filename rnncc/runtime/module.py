@@ -525,12 +525,13 @@ class Module:
                 or sig["h_steps"]["dtype"] != sig["y"]["dtype"]):
             return None
         dtype = sig["y"]["dtype"]
-        if self.batch * self.hidden_size * np.dtype(dtype).itemsize % ALIGNMENT:
+        width = self.proj_size or self.hidden_size
+        if self.batch * width * np.dtype(dtype).itemsize % ALIGNMENT:
             return None
 
         def lent(steps):
             alloc = family.poisoned if self.poison else family.empty
-            h_steps, _ = alloc([steps + 1, self.batch, self.hidden_size], dtype)
+            h_steps, _ = alloc([steps + 1, self.batch, width], dtype)
             return {"h_steps": h_steps, "y": h_steps[1:]}
 
         return lent
@@ -543,7 +544,8 @@ class Module:
         states (one tensor, or a tuple in the cell's state order; None or a None item: zero).
         Returns a dict: ``x`` [T, N, C] (unless ``input_grad`` is False: then it is not
         computed), ``<s>0`` [1, N, H] each, and the weights' by torch's names (``weight_ih_l0``
-        [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H]).
+        [G*H, C], ``weight_hh_l0`` [G*H, H], ``bias_ih_l0``, ``bias_hh_l0`` [G*H]; with a
+        projection ``weight_hr_l0`` [P, H], and h's and W_hh's H is P).
         The tensors of ``kept`` that :attr:`consumed` names are overwritten (the projections'
         gradients take their memory): pass a step's kept to one backward."""
         self._check_training()
@@ -568,6 +570,7 @@ class Module:
                 results.update(self._invoke(family, "backward_input", None, packed,
                                             {"dgi": dgi}, None))
         names = {"dx": "x", "dweight_ih": "weight_ih_l0", "dweight_hh": "weight_hh_l0",
+                 "dweight_hr": "weight_hr_l0",
                  "dbias_ih": "bias_ih_l0", "dbias_hh": "bias_hh_l0",
                  **{f"d{p}": f"{p}_l0" for p in self.params},
                  **{f"d{s}0": f"{s}0" for s in self.states}}
