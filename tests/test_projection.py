@@ -230,3 +230,26 @@ def test_layer_gradients_of_every_projecting_cell(cell, lengths, rng):
             numeric[idx] = (loss(*args[0]) - loss(*args[1])) / 2e-6
         picked = tuple(np.array(list(np.ndindex(value.shape))[:6]).T)
         assert reference.relative_error(grads[name][picked], numeric[picked]) < 1e-4, name
+
+
+def test_network_file_of_projected_layers(tmp_path, rng):
+    """``compile_network(..., proj_size=P)``: 2 bidirectional layers (the second takes 2*P
+    inputs) against the float64 reference layer by layer, written to a network file and
+    loaded back (``rnncc.load``) with the same results."""
+    net = rnncc.compile_network("lstm", 5, 9, 3, layers=2, directions=2, target="llvm",
+                                proj_size=4, lengths=True)
+    assert [s.module.input_size for s in net.stages] == [5, 8]
+    weights, x = {}, rng.standard_normal((6, 3, 5)).astype("float32")
+    lengths = np.array([6, 1, 4])
+    want = x.astype(np.float64)
+    for layer, width in enumerate((5, 8)):
+        own = _weights(rng, cells.get("lstm"), width, 9, 4, 2)
+        weights.update({k.replace("_l0", f"_l{layer}"): v for k, v in own.items()})
+        want, finals = reference.run_bidirectional(cells.get("lstm"), want, own, None, lengths)
+    y, (h, c) = net(x, weights, lengths=lengths)
+    assert y.shape == (6, 3, 8) and h.shape == (4, 3, 4) and c.shape == (4, 3, 9)
+    assert reference.relative_error(y, want) < TOL_F32
+    assert reference.relative_error(h[2:], finals["h"]) < TOL_F32
+    path = net.export(str(tmp_path / "lstmp.rnet"))
+    again = rnncc.load(path)
+    np.testing.assert_array_equal(again(x, weights, lengths=lengths)[0], y)
