@@ -106,6 +106,11 @@ class Problem:
         """R: the width of h, y's per direction and W_hh's K (P with a projection, else H)."""
         return self.proj_size or self.hidden_size
 
+    @property
+    def state_widths(self) -> list[int]:
+        """Each state's width, in the cell's order: h's R, the others' H."""
+        return [self.recurrent_size] + [self.hidden_size] * (len(self.cell.states) - 1)
+
     def describe(self) -> str:
         return (f"{self.cell.name} C={self.input_size} H={self.hidden_size} N={self.batch} "
                 f"{self.dtype}" + (" bidirectional" if self.directions == 2 else "")

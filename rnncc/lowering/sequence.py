@@ -166,7 +166,7 @@ class _Builder:
         projection)."""
         p, layout = self.p, self.layout
         n, c, h, g, d = p.batch, p.input_size, p.hidden_size, p.gates, len(_grid_tags(p))
-        widths = [p.recurrent_size] + [h] * (len(p.cell.states) - 1)
+        widths = p.state_widths
 
         def stacked(shape):
             return (d * shape[0], *shape[1:])
@@ -295,7 +295,7 @@ class _Builder:
         hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, g * h))
         hp = self.param(sig, "hp", per_direction(hp_shape), "workspace", acc)
         pre = None
-        widths = [r] + [h] * (len(p.cell.states) - 1)  # h's is P wide with a projection
+        widths = p.state_widths  # h's is P wide with a projection
         if history:
             sw = [self.param(sig, f"{s}_steps", (t_len + i64(1), n, w), "output", acc)
                   for s, w in zip(p.cell.states, widths)]

@@ -124,7 +124,7 @@ class _Backward:
         b, p, layout, acc = self.b, self.p, self.layout, self.acc
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         gh, states, r, proj = g * h, p.cell.states, p.recurrent_size, p.proj_size
-        widths = [r] + [h] * (len(states) - 1)  # h's is P wide with a projection
+        widths = p.state_widths  # h's is P wide with a projection
         t_len = tirx.Var("T", "int64")
         io = SimpleNamespace(t_len=t_len, parts=kept_parts(p.cell), widths=widths)
         io.summed = all(part == "sum" for _, part in io.parts)  # one gradient for gi and gh
