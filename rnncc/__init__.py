@@ -68,7 +68,9 @@ def compile(cell, input_size: int, hidden_size: int, batch: int,  # noqa: A001
     (y [T, N, 2*H], states [2, N, H], torch's ``_reverse`` weights too); ``layers=L``: L
     unidirectional layers of input size H in one persistent launch, layer l at step t while
     the layer below runs a few steps ahead (CUDA; states [L, N, H], weights ``_l0`` to
-    ``_l{L-1}``). See :func:`rnncc.compiler.compile_module`.
+    ``_l{L-1}``). ``proj_size=P`` (one of ``options``): an LSTM with projections (LSTMP, as
+    torch's ``proj_size``: ``weight_hr_l0`` [P, H], h and y P wide). See
+    :func:`rnncc.compiler.compile_module`.
     """
     from .compiler import compile_module
 
