@@ -8,7 +8,7 @@ import pytest
 
 import rnncc
 from conftest import has_nvcc, random_weights
-from helpers import TOL_F32
+from helpers import TOL, TOL_F32
 from rnncc import cells, reference
 from rnncc.cells import autodiff
 from rnncc.errors import ConfigError, InputError
@@ -79,6 +79,24 @@ def test_cuda_build_of_a_product_in_slices():
         pytest.skip("the CUDA build needs nvcc")
     module = rnncc.compile("lstm", 512, 512, 64, target="cuda", proj_size=128)
     assert module.metadata["schedule"]["rules"]["recurrent_gemm_parts"] == "cuda.sgemm"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_storage(dtype, target, rng):
+    """float16 and bfloat16 storage (float32 math; h' rounded to the storage type before its
+    projection, as the input of a product is) against float64 from the same rounded inputs."""
+    module = rnncc.compile("lstm", 5, 33, 3, target=target, dtype=dtype, proj_size=8,
+                           lengths=True)
+    cell = cells.get("lstm")
+    w = {k: v.astype(dtype) for k, v in _weights(rng, cell, 5, 33, 8, 1).items()}
+    x = rng.standard_normal((17, 3, 5)).astype(dtype)
+    ln = np.array([17, 1, 9])
+    y, (h, c) = module(x, w, lengths=ln)
+    ref_y, ref = reference.run(cell, x.astype(np.float64), {
+        k: v.astype(np.float64) for k, v in w.items()}, None, ln)
+    for out, want in ((y, ref_y), (h, ref["h"]), (c, ref["c"])):
+        assert reference.relative_error(np.asarray(out).astype(np.float64), want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("options", [{"fuse_pointwise": False}, {"gate_gemm": False}])
