@@ -28,6 +28,18 @@ def c_source(sections: dict[str, bytes]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: A layer's weights every cell has, by torch's names without the layer suffix.
+WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def layer_weights(meta: dict) -> tuple[str, ...]:
+    """A layer's weights by torch's names without the layer suffix, in torch's order: W_ih,
+    W_hh, the biases, W_hr where it projects (``proj_size``), then the cell's per-unit
+    parameters (a module's or a network's metadata)."""
+    return (WEIGHTS + (("weight_hr",) if meta.get("proj_size") else ())
+            + tuple(meta.get("params", ())))
+
+
 #: Metadata every module file has (what loading, calling and inspecting a module read).
 REQUIRED = ("cell", "states", "gates", "input_size", "hidden_size", "batch", "dtype", "target",
             "schedule", "functions")

@@ -33,7 +33,7 @@ from . import metadata as md
 from .arrays import ALIGNMENT, Family, family_of, to_tensor
 from .files import write_atomically
 
-WEIGHTS = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+WEIGHTS = tuple(f"{name}_l0" for name in md.WEIGHTS)
 
 
 
@@ -147,8 +147,7 @@ class Module:
 
     def _weight_groups(self) -> list[tuple[str, ...]]:
         """The weights of each direction, or of each layer."""
-        own = (WEIGHTS + (("weight_hr_l0",) if self.proj_size else ())
-               + tuple(f"{p}_l0" for p in self.params))
+        own = tuple(f"{name}_l0" for name in md.layer_weights(self.metadata))
         if self.layers > 1:
             return [tuple(name.replace("_l0", f"_l{k}") for name in own)
                     for k in range(self.layers)]

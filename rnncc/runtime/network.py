@@ -39,7 +39,6 @@ from .module import Module, check_packed
 
 FORMAT = 1
 MANIFEST = "network.json"
-NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 KINDS = ("layers", "layer", "split")
 
 
@@ -104,8 +103,7 @@ class Network:
     def _names(self) -> tuple[str, ...]:
         """A layer's weights (torch's, W_hr with a projection, then the cell's per-unit
         parameters), without suffix."""
-        return (NAMES + (("weight_hr",) if self.proj_size else ())
-                + tuple(self.metadata.get("params", ())))
+        return md.layer_weights(self.metadata)
 
     @property
     def proj_size(self) -> int:
@@ -155,7 +153,7 @@ class Network:
                                  "pass its state_dict() and x.transpose(0, 1)")
             weights = weights.state_dict()
         if not hasattr(weights, "keys"):
-            raise InputError(f"weights must be a mapping by torch's names ({NAMES[0]}_l0 ...; a "
+            raise InputError("weights must be a mapping by torch's names (weight_ih_l0 ...; a "
                              "state_dict works) or NetworkWeights, got "
                              f"{type(weights).__name__}")
         keys, names = set(weights.keys()), self.weight_names
