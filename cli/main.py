@@ -93,6 +93,8 @@ def _parser():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--target", default="cuda")
     p.add_argument("--arch", default=None)
+    p.add_argument("--proj-size", "-P", type=int, default=0,
+                   help="LSTM with projections (LSTMP): h P wide (default 0: none)")
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -292,12 +294,14 @@ def _cmd_bench(args) -> int:
         module = rnncc.compile(args.module, input_size=args.input_size,
                                hidden_size=args.hidden_size, batch=args.batch, dtype=args.dtype,
                                target=args.target, arch=args.arch, gpu=args.gpu,
-                               tuning=_tuning(args))
+                               tuning=_tuning(args), **({"proj_size": args.proj_size}
+                                                        if args.proj_size else {}))
     if args.steps < 1 or args.repeat < 1:
         raise _CliError("--steps and --repeat must be positive")
     layers = getattr(module, "layers", 1)
+    proj = module.metadata.get("proj_size", 0)
     what = (f"{module.cell} C={module.input_size} H={module.hidden_size}"
-            f"{f' L={layers}' if layers > 1 else ''}"
+            f"{f' P={proj}' if proj else ''}{f' L={layers}' if layers > 1 else ''}"
             f"{' bidirectional' if module.directions == 2 else ''} N={module.batch} "
             f"{module.dtype} T={args.steps}")
     if module.target == "cuda":

@@ -31,12 +31,14 @@ def random_problem(module, steps: int, seed: int = 0):
     :class:`rnncc.Network`."""
     rng = np.random.default_rng(seed)
     g, h, c, n = module.metadata["gates"], module.hidden_size, module.input_size, module.batch
+    p = module.metadata.get("proj_size", 0)
     k = 1.0 / np.sqrt(h)
 
     def shape(name):
         kind, layer = name.split("_l")[0], int(name.split("_l")[1].split("_")[0])
-        width = c if layer == 0 else module.directions * h
-        return {"weight_ih": (g * h, width), "weight_hh": (g * h, h)}.get(kind, (g * h,))
+        width = c if layer == 0 else module.directions * (p or h)
+        return {"weight_ih": (g * h, width), "weight_hh": (g * h, p or h),
+                "weight_hr": (p, h), "bias_ih": (g * h,), "bias_hh": (g * h,)}.get(kind, (h,))
 
     weights = {name: rng.uniform(-k, k, shape(name)) for name in module.weight_names}
     return rng.standard_normal((steps, n, c)), weights
@@ -76,11 +78,13 @@ def _graph_ms(torch, fn, repeat: int) -> float:
 
 
 def cudnn_module(torch, cell_torch, input_size, hidden_size, dtype, bidirectional=False,
-                 num_layers=1):
-    """The torch.nn module equivalent of a cell, on the GPU, or None if the cell has none."""
-    if cell_torch is None:
+                 num_layers=1, proj_size=0):
+    """The torch.nn module equivalent of a cell, on the GPU, or None if the cell has none
+    (or none with a projection: torch's LSTM alone takes ``proj_size``)."""
+    if cell_torch is None or (proj_size and cell_torch[0] != "LSTM"):
         return None
     cls, kwargs = cell_torch
+    kwargs = {**kwargs, **({"proj_size": proj_size} if proj_size else {})}
     return getattr(torch.nn, cls)(input_size, hidden_size, num_layers=num_layers,
                                   bidirectional=bidirectional,
                                   **kwargs).cuda().to(getattr(torch, dtype))
@@ -115,7 +119,7 @@ def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
     cell = registry().get(module.cell)
     ref = cudnn_module(torch, cell.torch if cell else None, module.input_size,
                        module.hidden_size, module.dtype, module.directions == 2,
-                       module.layers) if cudnn else None
+                       module.layers, module.metadata.get("proj_size", 0)) if cudnn else None
     if ref is not None:
         with torch.no_grad():
             for name, value in weights.items():

@@ -76,6 +76,29 @@ def test_compile_with_lengths_or_both_directions(capsys, tmp_path, flags, summar
     assert code == 0 and json.loads(out)["rnncc"] > 0
 
 
+def test_projection_and_per_unit_parameters(capsys, tmp_path):
+    """--proj-size compiles an LSTMP module (W_hr among its weights) and a network file of
+    such layers; bench takes a projection and a cell with per-unit parameters."""
+    path = str(tmp_path / "lstmp.so")
+    code, out, err = run(capsys, "compile", "lstm", "-C", "3", "-H", "6", "-N", "2", "-P", "2",
+                         "--bidirectional", "--target", "llvm", "-o", path)
+    assert code == 0, err
+    assert "compiled lstm C=3 H=6 P=2 N=2 float32 bidirectional llvm" in out
+    assert "weight_hr_l0_reverse" in rnncc.load(path).weight_names
+    code, _, err = run(capsys, "compile", "lstm", "-C", "3", "-H", "6", "-N", "2", "-P", "2",
+                       "-L", "2", "--target", "llvm", "-o", str(tmp_path / "lstmp.rnet"))
+    assert code == 0, err
+    assert rnncc.load(str(tmp_path / "lstmp.rnet")).stages[1].module.input_size == 2
+    for argv in (["peephole", "-C", "3", "-H", "4", "-N", "2"],
+                 ["cifg", "-C", "3", "-H", "4", "-N", "2", "--proj-size", "3"], [path]):
+        code, out, err = run(capsys, "bench", *argv, "--target", "llvm", "--steps", "3",
+                             "--repeat", "2", "--json")
+        assert code == 0 and json.loads(out)["rnncc"] > 0, err
+    code, _, err = run(capsys, "compile", "gru", "-C", "3", "-H", "6", "-N", "2", "-P", "2",
+                       "--target", "llvm", "-o", str(tmp_path / "x.so"))
+    assert code == 2 and err.startswith("rnncc: error: cell 'gru' reads h in its step")
+
+
 def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     path = str(tmp_path / "mgu.so")
     code, out, err = run(capsys, "compile", os.path.join(DATA, "mgu.py"), "-C", "3", "-H", "4",
