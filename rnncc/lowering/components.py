@@ -76,6 +76,11 @@ class Layout:
         """True when a packed weight is PyTorch's [G*H, K] as it is (element for element)."""
         return self.gates == "combined" and self.weights == "rows"
 
+    @property
+    def matrix(self) -> Layout:
+        """The layout of a plain matrix (no gates) in this one's orientation: W_hr's."""
+        return Layout(self.weights)
+
     def weight_shape(self, gates: int, hidden: int, k: int) -> tuple[int, ...]:
         """Shape of a packed [G*H, K] weight."""
         if self.gates == "combined":
@@ -191,8 +196,8 @@ def chunks(t_len, chunk: int):
 
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
-              fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1
-              ) -> tirx.PrimFunc:
+              fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1,
+              projected: bool = False) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -207,7 +212,10 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]`` (see :func:`rnncc.lowering.training.kept_parts`).
     ``rec_parts`` S > 1 ("combined"): ``gh`` is the recurrent product's S slices [S, N, G*H]
     (:func:`gemm_parts`) and ``b_hh`` [G*H] (``dtype``) follows it; the step adds them. A cell
-    with ``params``: then one vector [H] (``dtype``) each, before the states.
+    with ``params``: then one vector [H] (``dtype``) each, before the states. ``projected``
+    (LSTMP: the cell reads h only through W_hh, and h is W_hr h' of its output): h is neither
+    read nor written as a state here; ``y`` is the cell's h' (zero where not active) and the
+    states are the others only.
     """
     acc = accum_dtype(dtype)
     g_count = cell.gates
@@ -241,8 +249,10 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
 
     params = [te.placeholder((h_,), dtype, f"param_{p}") for p in cell.params]
     inputs += params
-    states = [te.placeholder((n_, h_), acc, f"{s}_prev") for s in cell.states]
+    own = cell.states[1:] if projected else cell.states  # the states read and written here
+    states = [te.placeholder((n_, h_), acc, f"{s}_prev") for s in own]
     active = te.placeholder((n_,), "int32", "active") if masked else None
+    skip = 1 if projected else 0  # the step's new states past h's, where h is not written
 
     def frozen(n, j, values):
         """y zero and the states kept where the step is past the sample's length."""
@@ -254,13 +264,16 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
 
     if fused:
         def body(n, j):
+            previous = [s[n, j] for s in states]
+            if projected:  # h's value does not matter: the step does not read it
+                previous = [tirx.const(0, acc)] + previous
             new = cell.evaluate([read_i(g, n, j) for g in range(g_count)],
                                 [read_h(g, n, j) for g in range(g_count)],
-                                [s[n, j] for s in states], [_cast(p[j], acc) for p in params])
+                                previous, [_cast(p[j], acc) for p in params])
             _check_scalars(cell, new)
             parts = {"sum": lambda g: read_i(g, n, j) + read_h(g, n, j),
                      "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j)}
-            return (frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new])
+            return (frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
                     + [parts[part](g) for g, part in kept])
 
         outs = te.compute((n_, h_), body, name="cell")
@@ -272,10 +285,14 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             return Staged(te.compute((n_, h_), lambda n, j: _cast(vector[j], acc),
                                      name="param"))
 
+        previous = [Staged(_elementwise(s, acc, "state")) for s in states]
+        if projected:  # h's value does not matter: the step does not read it
+            previous = [Staged(te.compute((n_, h_), lambda n, j: tirx.const(0, acc),
+                                          name="h_unread"))] + previous
         new = cell.evaluate(
             [gate(read_i, g) for g in range(g_count)],
             [gate(read_h, g) for g in range(g_count)],
-            [Staged(_elementwise(s, acc, "state")) for s in states],
+            previous,
             [param(p) for p in params],
         )
         if not all(isinstance(v, Staged) for v in new):
@@ -284,13 +301,14 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                 "rnncc.cells.ops and arithmetic operators to be staged"
             )
         if masked:  # one kernel writes y and the states, each where the step is active
-            staged = [new[0].tensor] + [v.tensor for v in new]
+            staged = [new[0].tensor] + [v.tensor for v in new[skip:]]
             outs = te.compute((n_, h_), lambda n, j: frozen(n, j, [
                 _cast(staged[0][n, j], dtype)] + [_cast(v[n, j], acc) for v in staged[1:]]),
                 name="out")
         else:
             outs = [_elementwise(new[0].tensor, dtype, "y")]
-            outs += [_elementwise(v.tensor, acc, f"{s}_new") for s, v in zip(cell.states, new)]
+            outs += [_elementwise(v.tensor, acc, f"{s}_new") for s, v in zip(own, new[skip:])]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # y alone, projected
     extra = [active] if masked else []
     return te.create_prim_func([*inputs, *states, *extra, *outs])
 

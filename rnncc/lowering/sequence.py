@@ -178,7 +178,7 @@ class _Builder:
         b_ih = self.param(sig, "b_ih", (d * g * h,), "input")
         b_hh = self.param(sig, "b_hh", (d * g * h,), "input")
         per_unit = [self.param(sig, f"p_{name}", (d * h,), "input") for name in p.cell.params]
-        w_hr = (self.param(sig, "w_hr", stacked(Layout(layout.weights).weight_shape(
+        w_hr = (self.param(sig, "w_hr", stacked(layout.matrix.weight_shape(
             1, p.proj_size, h)), "input") if p.proj_size else None)
         s0 = [self.param(sig, f"{s}0", (d, n, w), "input") for s, w in zip(p.cell.states,
                                                                             widths)]
@@ -266,7 +266,7 @@ class _Builder:
             self.pack("pack_w_ih", "ih", c, layout)
             self.pack("pack_w_hh", "hh", r, layout)
         if proj:
-            self.pack("pack_w_hr", "hr", h, Layout(layout.weights), rows=(1, proj))
+            self.pack("pack_w_hr", "hr", h, layout.matrix, rows=(1, proj))
         if dirs > 1:
             self.pack_biases()
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
@@ -309,15 +309,13 @@ class _Builder:
             x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
             y_rev = self.param(sig, "y_reversed", (t_len, n, r), "workspace")
         # with a projection: the cell's h' (its y; the training forward keeps every step's,
-        # ``h_cell_steps`` [T, N, H]), h' as the cell's state (ping-pong, unread), W_hr h'
-        hf = hf_ws = hr = zero = None
+        # ``h_cell_steps`` [T, N, H]), then W_hr h'
+        hf = hr = zero = None
         if proj:
             hf = (self.param(sig, "h_cell_steps", (t_len, n, h), "output") if history
                   else self.param(sig, "h_cell", per_direction((n, h)), "workspace"))
-            hf_ws = self.param(sig, "h_cell_ws", per_direction((2, n, h)), "workspace", acc)
             hr = self.param(sig, "h_projected", per_direction((n, proj)), "workspace", acc)
             zero = self.param(sig, "zero_bias", (proj,), "workspace")
-        ping = (tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2)))
 
         prologue = [stage for d in range(dirs) for stage in self.states_copy(
             "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
@@ -377,25 +375,25 @@ class _Builder:
             step_func = self.scheduled(
                 "cell_step_kept" if history else "cell_step",
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
-                               masked=bool(active), kept=kept_parts, rec_parts=rec_parts),
+                               masked=bool(active), kept=kept_parts, rec_parts=rec_parts,
+                               projected=bool(proj)),
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
-            states_at = [[Region(s, at(d, (i, ALL, ALL))) for s in sw] for i in (slot, nxt)]
+            own = sw[1:] if proj else sw  # with a projection, h is the projection's to write
             h_cell = None
-            if proj:  # the cell's h' to hf, its state to hf_ws
+            if proj:  # the cell's h' to hf
                 h_cell = (Region(hf, (t, ALL, ALL)) if history
                           else Region(hf, at(d, (ALL, ALL))))
-                states_at = [[Region(hf_ws, at(d, (i, ALL, ALL)))] + regions[1:]
-                             for i, regions in zip(ping, states_at)]
             steps.append(Stage(
                 f"cell_step{suffix}", step_func,
                 gi + gh + [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
-                + states_at[0] + [Region(a, (t, ALL)) for a in active]
-                + [h_cell if proj else out] + states_at[1] + kept,
-                1 + len(sw) + len(kept)))
+                + [Region(s, at(d, (slot, ALL, ALL))) for s in own]
+                + [Region(a, (t, ALL)) for a in active]
+                + [h_cell if proj else out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in own]
+                + kept, 1 + len(own) + len(kept)))
             if proj:
                 steps += _named(self.projection(
                     h_cell, w_hr, d, zero, Region(hr, at(d, (ALL, ALL))),
@@ -414,7 +412,7 @@ class _Builder:
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *projected, *s0, *given, y, *sn,
                   *([] if in_place else [xp]),
                   hp, *sw, *([pre] if pre is not None else []), *reversed_,
-                  *([hf, hf_ws, hr, zero] if proj else []), *active]
+                  *([hf, hr, zero] if proj else []), *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 

@@ -39,7 +39,7 @@ from ..cells import autodiff
 from ..dtypes import accum_dtype
 from . import components as comp
 from .assemble import Region, Stage, sequence_function
-from .components import ALL, Layout, i64
+from .components import ALL, i64
 
 
 def kept_parts(cell) -> tuple:
@@ -130,7 +130,7 @@ class _Backward:
         io.summed = all(part == "sum" for _, part in io.parts)  # one gradient for gi and gh
         io.x = b.param(sig, "x", (t_len, n, c), "input")
         io.w_hh = b.param(sig, "w_hh", layout.weight_shape(g, h, r), "input")
-        io.w_hr = (b.param(sig, "w_hr", Layout(layout.weights).weight_shape(1, proj, h),
+        io.w_hr = (b.param(sig, "w_hr", layout.matrix.weight_shape(1, proj, h),
                            "input") if proj else None)
         io.per_unit = [b.param(sig, f"p_{name}", (h,), "input") for name in p.cell.params]
         io.kept = [b.param(sig, f"{s}_steps", (t_len + i64(1), n, w), "input", acc)
@@ -258,7 +258,8 @@ class _Backward:
                 Region(copy, (ALL, slice(i * h, (i + 1) * h))) for i in range(g)], g))
             pre_step = Region(copy, (ALL, ALL))
         masked = [Region(active, (step, ALL))] if active is not None else []
-        own, seeds = carry, [Region(io.dy, (step, ALL, ALL)), dh_all]
+        skip = 1 if proj else 0  # with a projection h is not the cell's: its carry is apart
+        seeds = [Region(io.dy, (step, ALL, ALL)), dh_all]
         if proj:  # dHP, h's carry, then dh' = dHP W_hr (W_hr as packed: the product's [K, O])
             steps.append(self.elementwise("projection_backward", comp.projection_backward(
                 n, proj, p.dtype, active is not None, rec_parts), [
@@ -268,11 +269,12 @@ class _Backward:
                 Region(dhp, (step, ALL, ALL)), Region(io.w_hr, (ALL, ALL)),
                 Region(zero_h, (ALL,)), Region(dh_cell, (ALL, ALL))],
                 "cols" if self.layout.weights == "rows" else "rows"))
-            own, seeds = carry[1:], [Region(dh_cell, (ALL, ALL))]
+            seeds = [Region(dh_cell, (ALL, ALL))]
+        own = carry[skip:]
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
                                                      active is not None, rec_parts, bool(proj)),
-            [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept[len(carry) - len(own):]]
+            [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept[skip:]]
             + seeds + [Region(cr, (slot, ALL, ALL)) for cr in own] + masked
             + [Region(v, (ALL,)) for v in io.per_unit]
             + [Region(sums, (i, ALL, ALL)) for i in range(count)]

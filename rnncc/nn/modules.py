@@ -71,7 +71,7 @@ class Recurrent(torch.nn.Module):
                 self.register_parameter(f"weight_ih_l{layer}{suffix}",
                                         torch.nn.Parameter(torch.empty(rows, width, **kw)))
                 self.register_parameter(f"weight_hh_l{layer}{suffix}", torch.nn.Parameter(
-                    torch.empty(rows, self.proj_size or hidden_size, **kw)))
+                    torch.empty(rows, self._layout.recurrent_size, **kw)))
                 if self.bias:
                     for which in ("ih", "hh"):
                         self.register_parameter(f"bias_{which}_l{layer}{suffix}",
@@ -207,16 +207,10 @@ class Recurrent(torch.nn.Module):
                           "bfloat16 are); this module runs in float32", stacklevel=3)
         return None
 
-    def _state_shapes(self, batch: int) -> list[tuple]:
-        """Each state's shape: [L*D, N, H] (h's [L*D, N, P] with a projection)."""
-        rows = self.num_layers * self._layout.directions
-        return [(rows, batch, (self.proj_size or self.hidden_size) if k == 0 else
-                 self.hidden_size) for k in range(len(self.cell.states))]
-
     def _initial_states(self, hx, x, unbatched):
         """The initial states, a list of [L*D, N, H] (zeros where hx is None), checked."""
         count, names = len(self.cell.states), self.cell.states
-        shapes = self._state_shapes(x.shape[1])
+        shapes = self._layout.state_shapes(x.shape[1])
         if hx is None:
             return [x.new_zeros(shape) for shape in shapes]
         given = hx if isinstance(hx, (tuple, list)) else (hx,)

@@ -35,9 +35,19 @@ class Layout:
     directions: int
     proj_size: int = 0
 
+    @property
+    def recurrent_size(self) -> int:
+        """R: the width of h and of each direction's y (P with a projection, else H)."""
+        return self.proj_size or self.hidden_size
+
     def layer_input(self, layer: int) -> int:
-        return self.input_size if layer == 0 else (
-            self.proj_size or self.hidden_size) * self.directions
+        return self.input_size if layer == 0 else self.recurrent_size * self.directions
+
+    def state_shapes(self, batch: int) -> list[tuple]:
+        """Each state's shape, in the cell's order: [L*D, N, R] for h, [L*D, N, H] else."""
+        rows = self.layers * self.directions
+        return [(rows, batch, self.recurrent_size if k == 0 else self.hidden_size)
+                for k in range(len(self.cell.states))]
 
 
 class Network:

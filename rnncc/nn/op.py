@@ -40,6 +40,6 @@ def network(key: str, x: torch.Tensor, states: list[torch.Tensor],
 def _(key, x, states, lengths, weights, training):
     module = _modules[key]
     steps, batch = x.shape[0], x.shape[1]
-    y = x.new_empty(steps, batch, (module.proj_size or module.hidden_size)
-                    * (2 if module.bidirectional else 1))
-    return [y] + [x.new_empty(shape) for shape in module._state_shapes(batch)]
+    lay = module._layout
+    y = x.new_empty(steps, batch, lay.recurrent_size * lay.directions)
+    return [y] + [x.new_empty(shape) for shape in lay.state_shapes(batch)]
