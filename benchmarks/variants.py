@@ -1,13 +1,14 @@
-"""LSTM variants cuDNN lacks (CIFG, peephole): rnncc.nn against the same cell written as a
-per-step PyTorch loop (the input projections of all steps in one matmul first) and against
-rnncc's plain LSTM of the same size, T = 100, C = H, IEEE float32 (TF32 off), all captured in
+"""Cell variants cuDNN lacks (CIFG, peephole, the layer-normalised LSTM and GRU): rnncc.nn
+against the same cell written as a per-step PyTorch loop (the input projections of all steps in
+one matmul first) and against rnncc's plain cell of the same family (LSTM, or GRU for ln_gru)
+and size, T = 100, C = H, IEEE float32 (TF32 off), all captured in
 CUDA graphs, in one process; microseconds a time step, for inference (no_grad) and for a
 training step (forward and backward of x and every weight). Then the LSTM with projections
 (LSTMP, P = H/4), inference, against cuDNN's (torch.nn.LSTM(proj_size=P), same weights).
 Run on a GPU machine from the repository root:
 
     python3 benchmarks/variants.py [--repeat 50] [--jobs 16] [--hidden 1024] [--json out.json]
-                                   [--projections-only]
+                                   [--projections-only] [--cells cifg ln_gru ...]
 
 Before timing, each variant's rnncc outputs are compared with its PyTorch loop's (same
 weights and input; the largest relative error is printed). The modules compile first,
@@ -22,7 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 from rnncc.runtime.files import write_json
 
-VARIANTS = ("cifg", "peephole")
+#: Each variant and the plain cell it is compared with.
+VARIANTS = {"cifg": "lstm", "peephole": "lstm", "ln_lstm": "lstm", "ln_gru": "gru"}
 BATCHES = (1, 4, 64)
 STEPS = 100
 
@@ -39,9 +41,15 @@ def _compile(job):
 def _loop(torch, cell, net):
     """The cell as a per-step PyTorch loop on ``net``'s parameters (one layer): x [T, N, C]
     -> y [T, N, H]."""
+    from torch.nn.functional import layer_norm
+
     p = dict(net.named_parameters())
     w_ih, w_hh = p["weight_ih_l0"], p["weight_hh_l0"]
     b_ih, b_hh = p["bias_ih_l0"], p["bias_hh_l0"]
+    rows, hidden = w_hh.shape
+
+    def gates(name, order):  # a layer-normalised cell's per-gate parameters, stacked
+        return torch.cat([p[f"{name}_{q}_l0"] for q in order])
 
     def run(x):
         steps, n, _ = x.shape
@@ -49,7 +57,25 @@ def _loop(torch, cell, net):
         xp = (x.reshape(steps * n, -1) @ w_ih.T + b_ih).reshape(steps, n, -1)
         out = []
         for t in range(steps):
-            g = (xp[t] + h @ w_hh.T + b_hh).chunk(w_hh.shape[0] // w_hh.shape[1], dim=1)
+            if cell == "ln_lstm":
+                v = (layer_norm(xp[t], (rows,)) * gates("gamma_ih", "ifgo") + layer_norm(
+                    h @ w_hh.T + b_hh, (rows,)) * gates("gamma_hh", "ifgo")
+                    + gates("beta", "ifgo")).chunk(4, dim=1)
+                c = torch.sigmoid(v[1]) * c + torch.sigmoid(v[0]) * torch.tanh(v[2])
+                h = torch.sigmoid(v[3]) * torch.tanh(
+                    layer_norm(c, (hidden,), p["gamma_c_l0"], p["beta_c_l0"]))
+                out.append(h)
+                continue
+            if cell == "ln_gru":
+                u = (layer_norm(xp[t], (rows,)) * gates("gamma_ih", "rzn")
+                     + gates("beta_ih", "rzn")).chunk(3, dim=1)
+                w = (layer_norm(h @ w_hh.T + b_hh, (rows,)) * gates("gamma_hh", "rzn")
+                     + gates("beta_hh", "rzn")).chunk(3, dim=1)
+                r, z = torch.sigmoid(u[0] + w[0]), torch.sigmoid(u[1] + w[1])
+                h = (1 - z) * torch.tanh(u[2] + r * w[2]) + z * h
+                out.append(h)
+                continue
+            g = (xp[t] + h @ w_hh.T + b_hh).chunk(rows // hidden, dim=1)
             if cell == "cifg":
                 f = torch.sigmoid(g[0])
                 c = f * c + (1 - f) * torch.tanh(g[1])
@@ -76,7 +102,7 @@ def _row(torch, cell, hidden, batch, repeat):
 
     torch.manual_seed(0)
     ours = rnncc.nn.Recurrent(cell, hidden, hidden).cuda()
-    plain = rnncc.nn.LSTM(hidden, hidden).cuda()
+    plain = rnncc.nn.Recurrent(VARIANTS[cell], hidden, hidden).cuda()
     loop = _loop(torch, cell, ours)
     x = torch.randn(STEPS, batch, hidden, device="cuda", requires_grad=True)
     dy = torch.randn(STEPS, batch, hidden, device="cuda")
@@ -102,10 +128,10 @@ def _row(torch, cell, hidden, batch, repeat):
     with torch.no_grad():
         out["rnncc"] = _us(_graph_ms(torch, lambda: ours(x), repeat))
         out["loop"] = _us(_graph_ms(torch, lambda: loop(x), repeat))
-        out["rnncc lstm"] = _us(_graph_ms(torch, lambda: plain(x), repeat))
+        out["rnncc plain"] = _us(_graph_ms(torch, lambda: plain(x), repeat))
     out["rnncc train"] = _us(_graph_ms(torch, train(lambda v: ours(v)[0]), repeat))
     out["loop train"] = _us(_graph_ms(torch, train(loop), repeat))
-    out["rnncc lstm train"] = _us(_graph_ms(torch, train(lambda v: plain(v)[0]), repeat))
+    out["rnncc plain train"] = _us(_graph_ms(torch, train(lambda v: plain(v)[0]), repeat))
     return out, error
 
 
@@ -132,8 +158,9 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--json")
     parser.add_argument("--projections-only", action="store_true", help="only the LSTMP rows")
+    parser.add_argument("--cells", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
-    variants = () if args.projections_only else VARIANTS
+    variants = () if args.projections_only else tuple(args.cells)
     import torch
 
     from rnncc.nn.network import bucket
@@ -142,7 +169,7 @@ def main():
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
     jobs = sorted({(cell, args.hidden, bucket(n), training, arch, 0)
-                   for cell in variants + ("lstm",)[:len(variants)] for n in BATCHES
+                   for cell in variants + tuple(VARIANTS[v] for v in variants) for n in BATCHES
                    for training in (False, True)})
     jobs += [("lstm", args.hidden, bucket(n), False, arch, args.hidden // 4) for n in BATCHES]
     spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
@@ -160,18 +187,18 @@ def main():
                             "rnncc": mine, "cudnn": cudnn, "error": error})
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H={args.hidden}, TF32 off, us per "
-          "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs LSTM': rnncc's time "
-          "over its plain LSTM's")
+          "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs plain': rnncc's time "
+          "over its plain cell's (LSTM; GRU for ln_gru)")
     if rows:
-        print("\n| cell | N | rnncc | PyTorch loop | vs loop | rnncc LSTM | vs LSTM | train: "
-              "rnncc | loop | vs loop | LSTM | vs LSTM | max rel. error |")
+        print("\n| cell | N | rnncc | PyTorch loop | vs loop | rnncc plain | vs plain | train: "
+              "rnncc | loop | vs loop | plain | vs plain | max rel. error |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['cell']} | {r['N']} | {r['rnncc']:.2f} | {r['loop']:.2f} | "
-              f"{r['loop'] / r['rnncc']:.1f}x | {r['rnncc lstm']:.2f} | "
-              f"{r['rnncc'] / r['rnncc lstm']:.2f} | {r['rnncc train']:.2f} | "
+              f"{r['loop'] / r['rnncc']:.1f}x | {r['rnncc plain']:.2f} | "
+              f"{r['rnncc'] / r['rnncc plain']:.2f} | {r['rnncc train']:.2f} | "
               f"{r['loop train']:.2f} | {r['loop train'] / r['rnncc train']:.1f}x | "
-              f"{r['rnncc lstm train']:.2f} | {r['rnncc train'] / r['rnncc lstm train']:.2f} | "
+              f"{r['rnncc plain train']:.2f} | {r['rnncc train'] / r['rnncc plain train']:.2f} | "
               f"{r['error']:.1e} |")
     print("\nLSTMP, P = H/4, inference\n\n| H | P | N | rnncc | cuDNN | speed-up | y rel. "
           "diff |\n| --- | --- | --- | --- | --- | --- | --- |")

@@ -6,11 +6,18 @@ import numpy as np
 
 import rnncc
 from rnncc import reference
+from rnncc.cells.autodiff import reduces
 
 #: Bounds on ||out - ref|| / ||ref|| against the float64 reference (computed from the same
 #: inputs rounded to the module's dtype).
 TOL_F32 = 1e-5
 TOL = {"float32": TOL_F32, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def persistent_cells() -> list[str]:
+    """The registered cells the persistent kernel runs: all but those whose step reduces over
+    the hidden units (``ops.mean``), which run on the non-persistent schedule."""
+    return [name for name in rnncc.cells.names() if not reduces(rnncc.cells.get(name))]
 
 
 @functools.cache

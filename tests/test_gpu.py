@@ -19,6 +19,7 @@ from helpers import (
     check_against_reference,
     check_repeats_exactly,
     compiled,
+    persistent_cells,
 )
 from rnncc import reference
 from rnncc.errors import InputError
@@ -268,7 +269,7 @@ def test_overlapped_input_projection_matches_reference_and_repeats_exactly(
     check_repeats_exactly(module, rng)
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", persistent_cells())
 @pytest.mark.parametrize("input_size, hidden, batch, knobs, dtype", [
     (33, 257, 6, {"batch_groups": 3}, "float32"),
     (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}, "float32"),

@@ -7,6 +7,7 @@ import pytest
 
 import rnncc
 from conftest import has_nvcc
+from helpers import persistent_cells
 from rnncc.errors import ConfigError
 from rnncc.schedules.persistent import Unfit, fuse_input, gpu_for_arch, overlap_input, plan
 
@@ -646,7 +647,7 @@ def test_knob_candidates_follow_the_driver():
     assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", persistent_cells())
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_kernel_cell_uses_fast_exponential(cell, dtype):
     """The per-step cell of every registered cell builds with the GPU's exponential and

@@ -12,9 +12,11 @@ from tvm import s_tir, tirx
 import rnncc
 from helpers import TOL_F32, check_against_reference
 from rnncc import schedules
+from rnncc.cells.autodiff import reduces
 from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
 from rnncc.lowering import sequence
+from rnncc.lowering.training import kept_parts
 from rnncc.schedules._rule import Rule
 from rnncc.spec import Options, Problem
 from rnncc.target import TargetSpec
@@ -43,8 +45,10 @@ def thread_tags(func):
 def test_cuda_cell_step_is_one_coalesced_kernel(cell):
     step = comp.cell_step(rnncc.cells.get(cell), 3, 257, "float32", "combined", fused=True)
     result = schedules.schedule(step, CUDA, "elementwise")
-    assert result.rule == "cuda.elementwise"
-    # one loop nest: blockIdx.x over threadIdx.x, each thread one (n, j) element
+    # one loop nest: blockIdx.x over threadIdx.x, each thread one (n, j) element; a step that
+    # reduces over the units: a block a batch row, its threads over the units
+    assert result.rule == ("cuda.row_means" if reduces(rnncc.cells.get(cell))
+                           else "cuda.elementwise")
     assert thread_tags(result.func) == {"blockIdx.x", "threadIdx.x"}
     script = result.func.script()
     assert script.count('thread="blockIdx.x"') == 1
@@ -762,3 +766,28 @@ def test_tiled_gemm_index_arithmetic_on_the_cpu(rng):
         lib["main"](*(tvm.runtime.tensor(x) for x in (a, w, b)), out)
         ref = a.astype("float64") @ w.T.astype("float64") + b
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch, hidden", [(1, 1), (3, 33), (2, 1500)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_cuda_step_that_reduces_is_one_kernel_a_batch_row(batch, hidden, backward):
+    """A layer-normalised cell's step, forward and derivative: one kernel, a block a batch row
+    (blockIdx.x over N), each sum spread over the block's threads (cross-thread: a
+    threadIdx.x loop inside it) into shared memory; one thread a row where H = 1."""
+    cell = rnncc.cells.get("ln_lstm")
+    step = (comp.cell_step_backward(cell, batch, hidden, "float32", kept_parts(cell))
+            if backward else comp.cell_step(cell, batch, hidden, "float32", "combined", True))
+    result = schedules.schedule(step, CUDA, "elementwise")
+    assert result.rule == "cuda.row_means", result.notes
+    script = result.func.script()
+    assert script.count('thread="blockIdx.x"') == 1
+    assert f'T.thread_binding(T.int64({batch}), thread="blockIdx.x")' in script
+    sums = len(re.findall(r'T.sblock\("row_sum\d+"\)', script))
+    shared = re.findall(r"row_sum\d+_shared = T.sblock_alloc_buffer\(\(T.int64\((\d+)\),\), "
+                        r'scope="shared"\)', script)
+    assert sums >= 2 and len(shared) == sums and "row_values" not in script
+    threads = re.findall(r'T.thread_binding\(T.int64\((\d+)\), thread="threadIdx.x"\)', script)
+    if hidden == 1:  # the outputs' loop only, one thread
+        assert threads == ["1"]
+    else:  # every sum, and the outputs
+        assert threads == [str(min(1024, -(-hidden // 32) * 32))] * (sums + 1)

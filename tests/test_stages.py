@@ -14,7 +14,7 @@ from tvm.script.ir_builder import IRBuilder
 
 import rnncc
 from conftest import random_weights
-from helpers import TOL
+from helpers import TOL, persistent_cells
 from rnncc import reference
 from rnncc.cells import autodiff
 from rnncc.lowering import components as comp
@@ -232,7 +232,7 @@ def test_kernel_with_lengths_matches_reference(name, rng):
     check_kernel(cell, p, input_size, hidden, batch, dtype, rng, chunk=chunk, lengths=True)
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", persistent_cells())
 def test_kernel_of_every_cell_matches_reference(cell, rng):
     """Each registered cell through the planner's own plan (batch groups, tagged words)."""
     gates = rnncc.cells.get(cell).gates
@@ -573,7 +573,7 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
         np.float32), args["s0"][1])
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", persistent_cells())
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_cell_stage_of_every_cell(cell, dtype, rng):
     _cell_stage_run(rnncc.cells.get(cell), rng, dtype=dtype)
@@ -803,7 +803,7 @@ def test_backward_kernel_of_a_cell_with_per_unit_parameters(name, rng):
     check_backward_kernel(cell.name, p, hidden, batch, dtype, rng, lengths=True)
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", persistent_cells())
 def test_backward_kernel_of_every_cell_matches_reference(cell, rng):
     """Each registered cell's derivative through the planner's backward plan."""
     c = rnncc.cells.get(cell)

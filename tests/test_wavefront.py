@@ -7,7 +7,7 @@ import pytest
 
 import rnncc
 from conftest import has_nvcc
-from helpers import check_across_steps, check_repeats_exactly, compiled
+from helpers import check_across_steps, check_repeats_exactly, compiled, persistent_cells
 from rnncc import reference
 from rnncc.errors import ConfigError, InputError
 from rnncc.schedules.persistent import knobs, planner
@@ -77,7 +77,7 @@ def test_a_wavefront_module_takes_every_layers_weights_and_states():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", persistent_cells())
 @pytest.mark.parametrize("hidden, batch, layers, lengths", [
     (33, 3, 2, False), (64, 5, 3, True), (1, 1, 2, True)])
 def test_wavefront_matches_reference(cell, hidden, batch, layers, lengths, rng):

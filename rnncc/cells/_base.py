@@ -51,6 +51,9 @@ class Cell:
     params:
         Names of the cell's learned per-unit parameters beyond W_ih, W_hh and the biases, each
         a vector [H] (peephole weights, say); a module takes them as ``<name>_l0`` weights.
+    initial:
+        Initial values of parameters in ``rnncc.nn`` modules, name to number (a gain's 1.0);
+        the others start uniform in [-1/sqrt(H), 1/sqrt(H)] as the weights do.
     torch:
         ``(class name, kwargs)`` of the equivalent ``torch.nn`` module, e.g. ``("LSTM", {})``,
         or None. Used by the parity tests and by ``rnncc bench`` for the cuDNN comparison.
@@ -66,6 +69,7 @@ class Cell:
     torch: tuple[str, dict] | None = None
     doc: str = ""
     params: tuple[str, ...] = ()
+    initial: dict = field(default_factory=dict, compare=False)
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -91,6 +95,10 @@ class Cell:
                 f"cell {self.name!r}: params must be distinct names of lower case letters, "
                 f"digits and _, not starting with {' or '.join(_RESERVED)}; got {params!r}")
         object.__setattr__(self, "params", params)
+        unknown = sorted(set(self.initial) - set(params))
+        if unknown or not all(isinstance(v, (int, float)) for v in self.initial.values()):
+            raise CellError(f"cell {self.name!r}: initial takes numbers for its params "
+                            f"{params}; got {dict(self.initial)!r}")
 
     def evaluate(self, gi: Sequence, gh: Sequence, state: Sequence,
                  params: Sequence = ()) -> tuple:

@@ -8,8 +8,10 @@ each arithmetic operation and each :mod:`rnncc.cells.ops` function into a small 
 :func:`vjp` walks that graph backwards. The graph is evaluated with PrimExprs (the backward
 kernels) or with NumPy arrays (tests, against finite differences of the cell's reference).
 
-Derivatives used: sigmoid' = s (1 - s), tanh' = 1 - t^2, exp' = e, relu' = [x > 0], each from
-the function's own value, so that the forward value is computed once.
+Derivatives used: sigmoid' = s (1 - s), tanh' = 1 - t^2, exp' = e, relu' = [x > 0], rsqrt' =
+-r^3 / 2, each from the function's own value, so that the forward value is computed once. A
+row mean m = mean_j(x_j) (:func:`rnncc.cells.ops.mean`) is one value for the whole row, so its
+adjoint sums over the row's units: dx_j = mean_j(dm_j), another row mean.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import CellError
+from . import ops
 from ._base import Cell
 from .ops import UNARY, apply_unary
 
@@ -73,6 +76,9 @@ class Traced:
     def __rnncc_unary__(self, name: str) -> Traced:
         return Traced(name, (self,))
 
+    def __rnncc_mean__(self) -> Traced:
+        return Traced("mean", (self,))
+
 
 @dataclass
 class Graph:
@@ -110,6 +116,12 @@ def trace(cell: Cell) -> Graph:
     return Graph(cell, inputs, outputs, order)
 
 
+def reduces(cell: Cell) -> bool:
+    """Whether ``cell``'s step reduces over the hidden units (:func:`rnncc.cells.ops.mean`):
+    then it runs where a lowering reduces, not in the persistent kernel."""
+    return any(node.op == "mean" for node in trace(cell).order)
+
+
 def uses(graph: Graph, node) -> bool:
     """Whether any output of the step depends on ``node`` (an input)."""
     return any(node is arg for n in graph.order for arg in n.args) or any(
@@ -134,8 +146,9 @@ def summed_gates(graph: Graph) -> list[bool]:
 
 
 class Backend:
-    """How a graph's values are computed: ``const(c, like)``, ``unary(name, x)`` and
-    ``positive(x, a)`` (``a`` where x > 0, else zero); arithmetic is Python's operators."""
+    """How a graph's values are computed: ``const(c, like)``, ``unary(name, x)``,
+    ``positive(x, a)`` (``a`` where x > 0, else zero) and ``mean(x)`` (over the row's units);
+    arithmetic is Python's operators."""
 
     def const(self, value: float, like):
         raise NotImplementedError
@@ -145,6 +158,9 @@ class Backend:
 
     def positive(self, x, a):
         raise NotImplementedError
+
+    def mean(self, x):
+        return ops.mean(x)
 
 
 class PrimExprs(Backend):
@@ -176,7 +192,12 @@ class NumPy(Backend):
         import numpy as np
 
         return {"sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v)), "tanh": np.tanh, "exp": np.exp,
-                "relu": lambda v: np.maximum(v, 0.0)}[name](x)
+                "relu": lambda v: np.maximum(v, 0.0), "rsqrt": lambda v: 1.0 / np.sqrt(v)}[name](x)
+
+    def mean(self, x):
+        import numpy as np
+
+        return np.broadcast_to(np.mean(x, axis=-1, keepdims=True), np.shape(x)).copy()
 
     def positive(self, x, a):
         import numpy as np
@@ -206,6 +227,8 @@ def forward(graph: Graph, values: Sequence, backend: Backend) -> dict:
             out[id(node)] = -args[0]
         elif node.op in UNARY:
             out[id(node)] = backend.unary(node.op, args[0])
+        elif node.op == "mean":
+            out[id(node)] = backend.mean(args[0])
         else:
             raise CellError(f"cell {graph.cell.name!r}: no derivative for operation {node.op!r}")
     return out
@@ -252,6 +275,10 @@ def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend) -> li
             add(args[0], a * out)
         elif node.op == "relu":
             add(args[0], backend.positive(out, a))
+        elif node.op == "rsqrt":
+            add(args[0], a * (out * out * out) * backend.const(-0.5, out))
+        elif node.op == "mean":
+            add(args[0], backend.mean(a))
     like = values[0]
     return [adjoint.get(id(node), backend.const(0.0, like)) for node in graph.inputs]
 

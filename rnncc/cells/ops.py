@@ -4,11 +4,19 @@ A cell's ``step`` is written once with these functions and Python's arithmetic o
 calls it with TVM ``PrimExpr`` values (one element of each gate; the fused kernel and the
 persistent kernel) and with staged tensors (one kernel per operation; the unfused baseline), so
 a step must use these functions rather than ``tvm.tirx`` or NumPy ones directly.
+
+Besides point-wise functions a step may reduce over the hidden units of its batch row
+(:func:`mean`, and :func:`layer_norm` built on it): the lowering computes the reduced value for
+every unit of the row first, as a stage of its own (:func:`reducing_with`).
 """
 
 from __future__ import annotations
 
 import contextlib
+
+#: How the lowering that calls a step with PrimExprs computes :func:`mean`, innermost last
+#: (see :func:`reducing_with`).
+_MEANS: list = []
 
 #: Implementations a schedule puts in place of TVM's for the expressions it builds (see
 #: :func:`lowered_with`): name -> f(PrimExpr) -> PrimExpr, or None to keep TVM's.
@@ -32,6 +40,17 @@ def lowered_with(functions: dict):
         _OVERRIDES.update(saved)
 
 
+@contextlib.contextmanager
+def reducing_with(mean):
+    """Within the block, :func:`mean` of a PrimExpr is ``mean(x)``: the lowering's row mean of
+    the element's expression x (a value the same for every unit of the row)."""
+    _MEANS.append(mean)
+    try:
+        yield
+    finally:
+        _MEANS.pop()
+
+
 def dtype_of(x) -> str:
     """The dtype of a PrimExpr, as a string."""
     return str(x.dtype if hasattr(x, "dtype") else x.ty.dtype)
@@ -52,11 +71,13 @@ def _prim(name: str, x):
         return tirx.exp(x)
     if name == "relu":
         return tirx.max(x, tirx.const(0, dtype_of(x)))
+    if name == "rsqrt":
+        return tirx.rsqrt(x)
     raise KeyError(name)
 
 
 #: The names of the point-wise functions a step can use.
-UNARY = ("sigmoid", "tanh", "exp", "relu")
+UNARY = ("sigmoid", "tanh", "exp", "relu", "rsqrt")
 
 
 def apply_unary(name: str, x):
@@ -85,3 +106,51 @@ def exp(x):
 def relu(x):
     """max(x, 0)."""
     return apply_unary("relu", x)
+
+
+def rsqrt(x):
+    """1 / sqrt(x)."""
+    return apply_unary("rsqrt", x)
+
+
+def mean(x):
+    """The mean of x over the H hidden units of the batch row, within the step: one value for
+    every unit of the row. A reduction: the cell then runs where its lowering reduces (the
+    non-persistent schedules, forward and training), not in the persistent kernel."""
+    if isinstance(x, (int, float)):
+        return x
+    if isinstance(x, (list, tuple)):
+        from ..errors import CellError
+
+        raise CellError(f"rnncc.cells.ops.mean takes one value of the step (it averages over "
+                        f"the hidden units), got a {type(x).__name__} of {len(x)}; for several "
+                        "values together average them first, or use ops.layer_norm")
+    staged = getattr(x, "__rnncc_mean__", None)
+    if staged is not None:
+        return staged()
+    if not _MEANS:
+        from ..errors import CellError
+
+        raise CellError("rnncc.cells.ops.mean: this lowering of the step does not reduce over "
+                        "the hidden units (the persistent kernel does not)")
+    return _MEANS[-1](x)
+
+
+def layer_norm(values, eps: float = 1e-5):
+    """``values`` (a list of a step's values, one a gate say) less their mean, over their
+    standard deviation: normalised together over the len(values) * H values of the batch row,
+    as ``torch.nn.functional.layer_norm`` without gain and bias (biased variance, ``eps``
+    added to it). Returns the list normalised."""
+    values = list(values)
+    k = float(len(values))
+    mu = mean(_sum(values) / k)
+    centred = [v - mu for v in values]
+    scale = rsqrt(mean(_sum([v * v for v in centred]) / k) + eps)
+    return [v * scale for v in centred]
+
+
+def _sum(values):
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total

@@ -66,9 +66,10 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
                                           "fuse_pointwise on"))
     if opts.persistent == "off":
         return None, "persistent=off"
-    if problem.proj_size:
-        why = (f"a projection (proj_size={problem.proj_size}) runs on the non-persistent "
-               "schedule: the persistent kernel does not hold W_hr yet")
+    why = _not_persistent(problem)
+    if why:
+        if problem.layers > 1:
+            raise ConfigError(_wavefront_only(problem, why))
         if opts.persistent == "on":
             raise ConfigError(f"persistent=on, but {why}")
         return None, why
@@ -99,8 +100,9 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
 
     if tspec.kind != "cuda" or opts.persistent == "off":
         return None, "the persistent backward kernel is CUDA only, and not with persistent=off"
-    if problem.proj_size:
-        return None, "a projection (proj_size) trains on the non-persistent schedule"
+    why = _not_persistent(problem)
+    if why:
+        return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     try:
         return persistent.planner.backward(
@@ -109,6 +111,20 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
             params=len(problem.cell.params)), None
     except persistent.Unfit as err:
         return None, str(err)
+
+
+def _not_persistent(problem: Problem) -> str:
+    """Why ``problem`` runs on the non-persistent schedule whatever the GPU, or ""."""
+    from ..cells.autodiff import reduces
+
+    if problem.proj_size:
+        return (f"a projection (proj_size={problem.proj_size}) runs on the non-persistent "
+                "schedule: the persistent kernel does not hold W_hr yet")
+    if reduces(problem.cell):
+        return (f"cell {problem.cell.name!r} reduces over the hidden units within a step "
+                "(ops.mean): the persistent kernel does not reduce across its blocks yet, so "
+                "it runs on the non-persistent schedule")
+    return ""
 
 
 def _wavefront_only(problem: Problem, why: str) -> str:

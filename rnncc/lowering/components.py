@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import te, tirx
 
-from ..cells import Cell
+from ..cells import Cell, ops
 from ..dtypes import accum_dtype
 from ..errors import CellError
 from .staged import Staged
@@ -276,7 +276,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             return (frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
                     + [parts[part](g) for g, part in kept])
 
-        outs = te.compute((n_, h_), body, name="cell")
+        outs = te.compute((n_, h_), row_means((n_, h_), body), name="cell")
     else:
         def gate(read, g):
             return Staged(te.compute((n_, h_), lambda n, j: read(g, n, j), name=f"gate{g}"))
@@ -311,6 +311,53 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # y alone, projected
     extra = [active] if masked else []
     return te.create_prim_func([*inputs, *states, *extra, *outs])
+
+
+class _Reached(Exception):
+    """The mean :func:`row_means` looked for, and its argument."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+def row_means(shape: tuple, body):
+    """``body(n, j)``, a ``te.compute`` body over ``shape`` [N, H] that calls a cell's step,
+    made to reduce: the k-th :func:`rnncc.cells.ops.mean` the body takes is a stage [N, H] of
+    its argument (the body itself evaluated at every element up to that mean, the means before
+    it read from their stages), then its sum over the row (a stage [N]). A body that takes no
+    mean is unchanged."""
+    sums: list = []
+
+    def reducer(row, stop=None):
+        calls = iter(range(1 << 30))
+
+        def mean(x):
+            k = next(calls)
+            if k == stop:
+                raise _Reached(x)
+            if k == len(sums):
+                values = te.compute(shape, lambda a, b: argument(a, b, k), name=f"row_values{k}")
+                r = te.reduce_axis((0, shape[1]), name=f"r{k}")
+                sums.append(te.compute(shape[:1], lambda a: te.sum(values[a, r], axis=r),
+                                       name=f"row_sum{k}"))
+            return sums[k][row] * tirx.const(1.0 / int(shape[1]), _dtype_of(x))
+
+        return mean
+
+    def argument(a, b, k):
+        try:
+            with ops.reducing_with(reducer(a, stop=k)):
+                body(a, b)
+        except _Reached as found:
+            return found.value
+        raise CellError(f"a step took mean {k} at one element and not at another")
+
+    def reduced(n, j):
+        with ops.reducing_with(reducer(n)):
+            return body(n, j)
+
+    return reduced
 
 
 def _elementwise(x: te.Tensor, dtype: str, name: str) -> te.Tensor:
@@ -569,7 +616,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
             of_params = [tvm.tirx.if_then_else(live, v, zero) for v in of_params]
         return projections + previous + [s[n, j] + v for s, v in zip(summed, of_params)]
 
-    outs = te.compute(shape, body, name="cell_backward")
+    outs = te.compute(shape, row_means(shape, body), name="cell_backward")
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     extra = [active] if masked else []
     return te.create_prim_func([pre, *states, *seeds, *carry, *extra, *params, *summed,

@@ -66,3 +66,10 @@ class Staged:
 
     def __rnncc_unary__(self, name: str) -> Staged:
         return self._stage(lambda n, j: _prim(name, self._at(n, j)), name)
+
+    def __rnncc_mean__(self) -> Staged:
+        rows, units = self.tensor.shape
+        k = te.reduce_axis((0, units), name="k")
+        total = te.compute((rows,), lambda n: te.sum(self.tensor[n, k], axis=k), name="row_sum")
+        scale = tirx.const(1.0 / int(units), self.tensor.dtype)
+        return self._stage(lambda n, j: total[n] * scale, "mean")

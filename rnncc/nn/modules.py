@@ -88,11 +88,15 @@ class Recurrent(torch.nn.Module):
         return ("", "_reverse") if self.bidirectional else ("",)
 
     def reset_parameters(self) -> None:
-        """Every weight and bias uniform in [-1/sqrt(H), 1/sqrt(H)], as torch does (and so
-        are a cell's per-unit parameters)."""
+        """Every weight and bias uniform in [-1/sqrt(H), 1/sqrt(H)], as torch does, and so
+        are a cell's per-unit parameters but those its ``initial`` sets (a gain's 1.0)."""
         bound = 1.0 / math.sqrt(self.hidden_size)
-        for p in self.parameters():
-            torch.nn.init.uniform_(p, -bound, bound)
+        for name, p in self.named_parameters():
+            value = self.cell.initial.get(name.rsplit("_l", 1)[0])
+            if value is None:
+                torch.nn.init.uniform_(p, -bound, bound)
+            else:
+                torch.nn.init.constant_(p, value)
 
     def extra_repr(self) -> str:
         s = f"{self.cell.name}, {self.input_size}, {self.hidden_size}"

@@ -1,0 +1,118 @@
+"""The layer-normalised cells (a step that reduces over the hidden units, ``ops.mean``):
+haste's definitions, initial values, and where they run. Their numbers through every schedule,
+training included, come from the registry-wide tests."""
+
+import numpy as np
+import pytest
+
+import rnncc
+from conftest import has_nvcc
+from rnncc.cells import ops
+from rnncc.errors import CellError, ConfigError
+
+
+def _haste(kind, x, weights, hidden):
+    """haste's LayerNormLSTM / LayerNormGRU forward in torch float64 (its gates stacked i, g,
+    f, o and z, r, n), from its documented equations; ``weights`` in haste's names."""
+    import torch
+    import torch.nn.functional as F
+
+    def norm(v, gain):
+        return F.layer_norm(v, (v.shape[-1],), weight=gain)
+
+    w = weights
+    h = torch.zeros(x.shape[1], hidden, dtype=torch.float64)
+    c = torch.zeros_like(h)
+    ys = []
+    for x_t in x:
+        if kind == "lstm":
+            v = norm(x_t @ w["kernel"], w["gamma"][0]) + norm(h @ w["recurrent_kernel"],
+                                                               w["gamma"][1]) + w["bias"]
+            i, g, f, o = v.chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(
+                F.layer_norm(c, (hidden,), weight=w["gamma_h"], bias=w["beta_h"]))
+        else:
+            vx = (norm(x_t @ w["kernel"], w["gamma"][0]) + w["bias"]).chunk(3, 1)
+            vh = (norm(h @ w["recurrent_kernel"], w["gamma"][1]) + w["recurrent_bias"]).chunk(3, 1)
+            z, r = torch.sigmoid(vx[0] + vh[0]), torch.sigmoid(vx[1] + vh[1])
+            h = z * h + (1 - z) * torch.tanh(vx[2] + r * vh[2])
+        ys.append(h)
+    return torch.stack(ys)
+
+
+def _as_haste(kind, module):
+    """haste's weights of ``module`` (rnncc.nn, layer 0): gates in haste's order."""
+    import torch
+
+    p = {k: v.detach().double() for k, v in module.named_parameters()}
+    ours = "ifgo" if kind == "lstm" else "rzn"
+    theirs = "igfo" if kind == "lstm" else "zrn"
+    hidden = module.hidden_size
+
+    def reorder(stacked):  # [G*H, ...] in our gate order to haste's
+        blocks = stacked.split(hidden, 0)
+        return torch.cat([blocks[ours.index(q)] for q in theirs], 0)
+
+    def gates(name):
+        return torch.cat([p[f"{name}_{q}_l0"] for q in theirs])
+
+    w = {"kernel": reorder(p["weight_ih_l0"]).T, "recurrent_kernel": reorder(p["weight_hh_l0"]).T,
+         "gamma": torch.stack([gates("gamma_ih"), gates("gamma_hh")])}
+    if kind == "lstm":
+        w.update(bias=gates("beta"), gamma_h=p["gamma_c_l0"], beta_h=p["beta_c_l0"])
+    else:
+        w.update(bias=gates("beta_ih"), recurrent_bias=gates("beta_hh"))
+    return w
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_norm_cells_are_haste_without_the_projections_biases(kind):
+    """ln_lstm / ln_gru with bias=False against haste's equations in float64 (its gate order),
+    the parameters made random (not their initial ones)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = rnncc.nn.Recurrent(f"ln_{kind}", 5, 33, bias=False)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.uniform_(-1.0, 1.0)
+    x = torch.randn(9, 3, 5)
+    y, _ = module(x)
+    ref = _haste(kind, x.double(), _as_haste(kind, module), 33)
+    assert float((y.detach().double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("cell", ["ln_lstm", "ln_gru"])
+def test_initial_gains_one_and_biases_as_haste(cell):
+    module = rnncc.nn.Recurrent(cell, 4, 6, num_layers=2, bidirectional=True)
+    for name, p in module.named_parameters():
+        base = name.rsplit("_l", 1)[0]
+        if base.startswith(("gamma", "beta")):
+            expected = 1.0 if base.startswith("gamma") or base == "beta_f" else 0.0
+            assert bool((p == expected).all()), name
+        else:  # the weights and the projections' biases as torch's
+            assert 0 < float(p.abs().max()) <= 1 / np.sqrt(6), name
+
+
+def test_persistent_kernel_refuses_a_step_that_reduces_and_says_why():
+    with pytest.raises(ConfigError, match="persistent=on, but cell 'ln_lstm' reduces over "
+                                          "the hidden units within a step"):
+        rnncc.compile("ln_lstm", 8, 16, 2, target="cuda", persistent="on")
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+def test_layers_of_a_step_that_reduces_run_one_after_another():
+    net = rnncc.compile_network("ln_gru", 16, 16, 2, layers=2, target="cuda")
+    assert [s.kind for s in net.stages] == ["layer", "layer"]
+    module = net.stages[0].module
+    assert module.metadata["schedule"]["kind"] != "persistent"
+    assert "reduces over the hidden units" in module.metadata["schedule"]["persistent"]["reason"]
+
+
+def test_mean_outside_a_reducing_lowering_and_of_a_list():
+    from tvm import tirx
+
+    with pytest.raises(CellError, match="does not reduce over the hidden units"):
+        ops.mean(tirx.Var("v", "float32"))
+    with pytest.raises(CellError, match="takes one value of the step .* got a list of 2"):
+        ops.mean([tirx.Var("a", "float32"), tirx.Var("b", "float32")])
