@@ -11,6 +11,7 @@ from conftest import has_nvcc, random_weights
 from helpers import TOL, TOL_F32
 from rnncc import cells, reference
 from rnncc.cells import autodiff
+from rnncc.compiler.cuda_binary import cooperative_kernels
 from rnncc.errors import ConfigError, InputError
 
 TARGETS = ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -32,8 +33,9 @@ def _weights(rng, cell, c, h, p, directions):
     return out
 
 
-def check_projection(module, rng, steps, initial=True, lengths=False):
-    """The worst relative error of ``module`` against float64 on fresh inputs."""
+def check_projection(module, rng, steps, initial=True, lengths=False, entry=None):
+    """The worst relative error of ``module`` against float64 on fresh inputs (``entry``:
+    packed for that one)."""
     cell = cells.get(module.cell)
     c, h, n, p, d = (module.input_size, module.hidden_size, module.batch, module.proj_size,
                      module.directions)
@@ -47,7 +49,8 @@ def check_projection(module, rng, steps, initial=True, lengths=False):
         ln[0], ln[-1] = 1, steps
     run = reference.run if d == 1 else reference.run_bidirectional
     ref_y, ref_states = run(cell, x, w, given, ln)
-    y, finals = module(x, w, **{f"{s}0": v for s, v in given.items()},
+    y, finals = module(x, module.pack(w, entry=entry) if entry else w,
+                       **{f"{s}0": v for s, v in given.items()},
                        **({"lengths": ln} if lengths else {}))
     finals = finals if isinstance(finals, tuple) else (finals,)
     assert y.shape == (steps, n, d * p)
@@ -63,14 +66,34 @@ def check_projection(module, rng, steps, initial=True, lengths=False):
     (512, 128, 64, 1, True)])
 def test_module_matches_reference(hidden, proj, batch, directions, lengths, target, rng):
     """One layer, both directions, lengths or not, T = 1, 37 and 100, with and without
-    initial states (batch 64: on CUDA, the recurrent product left in K slices)."""
+    initial states. On CUDA one direction (at batch 64 where a plan fits) runs the persistent
+    kernel (W_hh W_hr folded), and its non-persistent entry is checked too (batch 64: the
+    recurrent product in K slices)."""
     module = rnncc.compile("lstm", 5, hidden, batch, target=target, proj_size=proj,
                            directions=directions, lengths=lengths)
     assert module.proj_size == proj and "weight_hr_l0" in module.weight_names
-    assert module.metadata["schedule"]["kind"] == "sequence"
-    for steps, initial in ((1, True), (100, True), (37, False)):
-        err = check_projection(module, rng, steps, initial, lengths)
-        assert err < TOL_F32, f"T={steps} initial={initial}: relative error {err:.3e}"
+    persistent = module.metadata["schedule"]["kind"] == "persistent"
+    assert persistent == (target == "cuda" and directions == 1) or batch > 16
+    for entry in ("persistent", "sequence") if persistent else (None,):
+        for steps, initial in ((1, True), (100, True), (37, False)):
+            err = check_projection(module, rng, steps, initial, lengths, entry)
+            assert err < TOL_F32, f"{entry} T={steps} initial={initial}: error {err:.3e}"
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="the CUDA build needs nvcc")
+def test_cuda_persistent_kernel_of_one_direction_with_w_hh_w_hr_folded():
+    """One direction's inference runs the persistent kernel on h' with W_hh W_hr packed as
+    its matrix; two directions and training say why they do not."""
+    module = rnncc.compile("peephole", 24, 40, 3, target="cuda", proj_size=12)
+    schedule = module.metadata["schedule"]
+    assert schedule["kind"] == "persistent"
+    assert {"persistent_pack_w_hh", "persistent_forward", "pack_w_hr"} <= set(
+        module.metadata["functions"])
+    assert len(cooperative_kernels(module.source("cuda"))) == 1
+    for kw, why in (({"directions": 2}, "two directions run on the non-persistent schedule"),
+                    ({"training": True}, "training runs on the non-persistent schedule")):
+        other = rnncc.compile("lstm", 8, 16, 2, target="cuda", proj_size=4, **kw)
+        assert why in other.metadata["schedule"]["persistent"]["reason"]
 
 
 def test_cuda_build_of_a_product_in_slices():

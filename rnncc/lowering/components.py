@@ -473,8 +473,8 @@ def _pick(ins, e, width):
     return value
 
 
-def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool = False
-                    ) -> tirx.PrimFunc:
+def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool = False,
+                    folded: int = 0) -> tirx.PrimFunc:
     """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC] (B: the
     blocks of one batch group, which all groups share): block b,
     warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
@@ -483,8 +483,21 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
     fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 16 k-steps) and
     c = e % 4, row r = w*RW + l // 4 and k = i*256 + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2).
     ``transposed``: W_hh^T [H, G*H] for the backward kernel, one row a unit (j = b*U + r,
-    k < G*H), from the same W_hh."""
-    w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
+    k < G*H), from the same W_hh. ``folded`` P (a projection, LSTMP): from W_hh [G*H, P] and
+    W_hr [P, H] (the function's first two parameters), the product W_hh W_hr [G*H, H] (summed
+    in the accumulation dtype), which multiplies the cell's h' as W_hh does h = W_hr h'."""
+    extra = []
+    if folded:
+        given = te.placeholder((i64(gates * hidden), i64(folded)), dtype, "w_hh")
+        w_hr = te.placeholder((i64(folded), i64(hidden)), dtype, "w_hr")
+        p, acc = te.reduce_axis((i64(0), i64(folded)), "p"), accum_dtype(dtype)
+        w = te.compute((i64(gates * hidden), i64(hidden)), lambda r, k: te.sum(
+            _cast(given[r, p], acc) * _cast(w_hr[p, k], acc), axis=p), name="folded")
+        if dtype != acc:
+            w = _elementwise(w, dtype, "folded_rounded")
+        extra = [given, w_hr]
+    else:
+        w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
     shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.chunks, rw, 32, vec))
     if transposed:
@@ -505,7 +518,7 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
         return _block_row(at, rows, hidden, depth, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
                           dtype)
 
-    return te.create_prim_func([w, te.compute(shape, value, name="pack")])
+    return te.create_prim_func([*(extra or [w]), te.compute(shape, value, name="pack")])
 
 
 def pack_fused_input(gates: int, hidden: int, depth: int, shape: tuple, plan,

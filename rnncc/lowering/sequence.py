@@ -26,6 +26,7 @@ slot (t+1) % 2), so a cell may read any previous state while writing the new one
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import tvm
 import tvm_ffi
@@ -135,6 +136,30 @@ class _Builder:
             dst, (slice(d * shape[0], (d + 1) * shape[0]),) + (ALL,) * (len(shape) - 1))], 1)
             for d, src in enumerate(srcs)]
         self.add(name, sequence_function(name, [*srcs, dst], stages, None, None, []), sig)
+
+    def pack_folded(self, plan):
+        """The persistent entry's packing with a projection (LSTMP, one direction): W_hh W_hr
+        [G*H, H] in the kernel's layout (``w_hh``: the kernel runs the cell on h' as it runs
+        it on h), and W_hh [G*H, P] as the sequence packs it (``w_hh_rows``: the first step's
+        product by the initial h)."""
+        p, layout = self.p, self.layout
+        g, h, proj = p.gates, p.hidden_size, p.proj_size
+        fold = self.scheduled("persistent_pack_folded", comp.pack_persistent(
+            g, h, plan, p.dtype, folded=proj), "elementwise")
+        rows = self.scheduled("pack_w_hh", comp.pack_weight(g, h, proj, layout, p.dtype),
+                              "elementwise")
+        sig = []
+        w_hh = self.param(sig, "weight_hh_l0", (g * h, proj), "input")
+        w_hr = self.param(sig, "weight_hr_l0", (proj, h), "input")
+        shapes = [tuple(int(d) for d in f.params[-1].shape) for f in (fold, rows)]
+        packed = self.param(sig, "w_hh", shapes[0], "output")
+        given = self.param(sig, "w_hh_rows", shapes[1], "output")
+        stages = [Stage("fold", fold, [Region(w_hh, (ALL, ALL)), Region(w_hr, (ALL, ALL)),
+                                       Region(packed, (ALL,) * len(shapes[0]))], 1),
+                  Stage("rows", rows, [Region(w_hh, (ALL, ALL)),
+                                       Region(given, (ALL,) * len(shapes[1]))], 1)]
+        self.add("persistent_pack_w_hh", sequence_function(
+            "persistent_pack_w_hh", [w_hh, w_hr, packed, given], stages, None, None, []), sig)
 
     def pack_biases(self):
         """With two directions or layers, the entry that puts their biases side by side:
@@ -449,8 +474,11 @@ class _Builder:
         tags, layers = _grid_tags(p), p.layers
         dirs = len(tags)  # the grids: D directions or L layers
         name = "persistent_train_forward" if history else "persistent_forward"
+        proj = p.proj_size  # one direction's inference (the driver's rule)
         if history:
             plan = replace(plan, input_rows=0, input_chunks=0, input_slab=0, input_steps=0)
+        elif proj:
+            self.pack_folded(plan)
         else:
             self.pack("persistent_pack_w_hh", "hh", h,
                       comp.pack_persistent(g, h, plan, p.dtype), "persistent_pack_w_hh")
@@ -465,7 +493,7 @@ class _Builder:
         t_len = tirx.Var("T", "int64")
         sig = []
         w_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32, plan.vec)
-        x, w_ih, w_hh, b_ih, b_hh, per_unit, _, s0, lengths, y, sn = self.io(
+        x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn = self.io(
             sig, t_len, self.layout.weight_shape(g, h, h) if history else w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)
         parts, kept, packed = (), [], w_hh
@@ -486,22 +514,27 @@ class _Builder:
         def of(d):  # grid d's rows of the states
             return slice(d * n, (d + 1) * n) if dirs > 1 else ALL
 
+        folded = self._folded(sig, t_len, w_hr, s0, sw) if proj else None
+
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
-            init = self.scheduled("init_tagged", comp.init_tagged(n, h, p.dtype, EMPTY_TAG),
-                                  "elementwise")
+            # h before step 0: h0, or with a projection h' (zero, in its workspace)
+            start = [Region(sw[0], (0, ALL, ALL))] if proj else [
+                Region(s0[0], (d, ALL, ALL)) for d in range(dirs)]
+            init = self.scheduled("init_tagged", comp.init_tagged(
+                n, h, start[0].buffer.dtype, EMPTY_TAG), "elementwise")
             sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
-                Region(s0[0], (d, ALL, ALL)), Region(sync, (ALL, of(d), ALL))], 1)
-                for d in range(dirs)]
+                start[d], Region(sync, (ALL, of(d), ALL))], 1) for d in range(dirs)]
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
-        prologue = [stage for d in range(dirs) for stage in self.states_copy(
-            "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
-            [Region(s, (0, of(d), ALL)) for s in sw], f"init_states_{tags[d]}")]
+        prologue = folded.prologue if proj else [
+            stage for d in range(dirs) for stage in self.states_copy(
+                "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
+                [Region(s, (0, of(d), ALL)) for s in sw], f"init_states_{tags[d]}")]
         if history:
             func = self.scheduled("persistent_pack_w_hh_train",
                                   comp.pack_persistent(g, h, plan, p.dtype), "elementwise")
@@ -510,6 +543,9 @@ class _Builder:
         views = []
         recurrent = [Region(packed, (ALL,) * 6), Region(b_hh, (ALL,))]
         recurrent += [Region(v, (ALL,)) for v in per_unit]
+        if proj:  # W_hh h0, for the kernel to add to the first step's input projections
+            prologue.append(folded.initial)
+            recurrent.append(Region(folded.first, (ALL, ALL)))
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
         if plan.fused:  # the kernel reads x and W_ih and writes xp
             inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
@@ -523,10 +559,10 @@ class _Builder:
             inputs.append(Region(lengths, (ALL,)))
         prologue += sync_stages
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c,
-                               lengths=lengths is not None, kept=parts)
+                               lengths=lengths is not None, kept=parts, first=bool(proj))
         self.lowered.rules[name.removesuffix("_forward")] = f"persistent.{plan.sync}" + (
             "+input" if plan.fused else "") + ("+wavefront" if layers > 1 else "")
-        stacked, more = y, []
+        stacked, more = (folded.h_cell if proj else y), []
         if layers > 1:  # every layer's y, and the layers' progress counters
             stacked = self.param(sig, "y_layers", (t_len, n, layers * h), "workspace")
             progress = self.param(sig, "progress", (layers * plan.batch_groups,), "workspace",
@@ -541,9 +577,10 @@ class _Builder:
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
         final = tirx.floormod(t_len, i64(2))
-        epilogue = [stage for d in range(dirs) for stage in self.states_copy(
-            "final_states", [Region(s, (final, of(d), ALL)) for s in sw],
-            [Region(s, (d, ALL, ALL)) for s in sn], f"final_states_{tags[d]}")]
+        epilogue = folded.epilogue(final, y, sn) if proj else [
+            stage for d in range(dirs) for stage in self.states_copy(
+                "final_states", [Region(s, (final, of(d), ALL)) for s in sw],
+                [Region(s, (d, ALL, ALL)) for s in sn], f"final_states_{tags[d]}")]
         if layers > 1:
             func = self.scheduled("last_layer", comp.copy_steps(n, h, p.dtype, t_len),
                                   "elementwise")
@@ -551,11 +588,71 @@ class _Builder:
                 Region(stacked, (ALL, ALL, slice((layers - 1) * h, layers * h))),
                 Region(y, (ALL,) * 3)], 1))
         given = [lengths] if lengths is not None else []
-        params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *s0, *given, y, *sn, *kept,
-                  *([packed] if history else []), *([] if in_place else [xp]), *sw, sync,
+        params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
+                  *given, y, *sn, *kept, *([packed] if history else []),
+                  *([] if in_place else [xp]), *sw, *(folded.params if proj else []), sync,
                   *([stacked] if layers > 1 else []), *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)
+
+
+    def _folded(self, sig, t_len, w_hr, s0, sw) -> SimpleNamespace:
+        """The persistent kernel's stages around it with a projection (LSTMP, one direction),
+        W_hh W_hr folded into the matrix it holds (:meth:`pack_folded`): its recurrence is the
+        cell's h' [N, H] (zero before step 0), so h0 enters as ``first`` = W_hh h0 [N, G*H]
+        (the stage ``initial``), which the kernel adds to the first step's input projections;
+        the kernel writes every step's h' to ``h_cell`` [T, N, H] (zero past a sample's
+        length), and after it y = W_hr h' (one GEMM of all steps) and the final h = W_hr h'_T
+        (``epilogue(final, y, sn)``). Returns also ``prologue`` (the states before step 0) and
+        ``params`` (its buffers, in ``sig``'s order)."""
+        p, layout = self.p, self.layout
+        n, h, g, proj = p.batch, p.hidden_size, p.gates, p.proj_size
+        acc = accum_dtype(p.dtype)
+        w_rows = self.param(sig, "w_hh_rows", layout.weight_shape(g, h, proj), "input")
+        h_cell = self.param(sig, "h_cell", (t_len, n, h), "workspace")
+        gh0 = self.param(sig, "gh_initial", (n, g * h), "workspace", acc)
+        zero = self.param(sig, "zero_bias", (g * h,), "workspace")
+        rounded = p.dtype != acc  # the products in the accumulation dtype, then y and h in P's
+        y_acc = (self.param(sig, "y_projected", (t_len, n, proj), "workspace", acc)
+                 if rounded else None)
+        h_acc = self.param(sig, "h_projected", (n, proj), "workspace", acc) if rounded else None
+        prologue = [
+            Stage("zero_bias", self.scheduled("zero_gates_bias", comp.zeros(
+                (g * h,), p.dtype), "elementwise"), [Region(zero, (ALL,))], 1),
+            Stage("zero_h_cell", self.scheduled("zero_state", comp.zeros((n, h), acc),
+                                                "elementwise"), [Region(sw[0], (0, ALL, ALL))],
+                  1),
+            *self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0[1:]],
+                              [Region(s, (0, ALL, ALL)) for s in sw[1:]])]
+        initial = Stage("initial_gemm", self.scheduled("initial_gemm", comp.gemm(
+            (n,), proj, g * h, layout.weights, p.dtype), "gemm"), [
+            Region(s0[0], (0, ALL, ALL)), Region(w_rows, (ALL,) * len(w_rows.shape)),
+            Region(zero, (ALL,)), Region(gh0, (ALL, ALL))], 1)
+        w_proj, b_proj = Region(w_hr, (ALL, ALL)), Region(zero, (slice(0, proj),))
+
+        def epilogue(final, y, sn):
+            steps = self.scheduled("projection_steps", comp.gemm(
+                (t_len, n), h, proj, layout.weights, p.dtype), "gemm")
+            last = self.scheduled("projection_final", comp.gemm(
+                (n,), h, proj, layout.weights, p.dtype, acc), "gemm")
+            y_out = Region(y_acc if rounded else y, (ALL,) * 3)
+            h_out = Region(h_acc, (ALL, ALL)) if rounded else Region(sn[0], (0, ALL, ALL))
+            stages = [Stage("projection_steps", steps, [Region(h_cell, (ALL,) * 3), w_proj,
+                                                        b_proj, y_out], 1),
+                      Stage("projection_final", last, [Region(sw[0], (final, ALL, ALL)),
+                                                       w_proj, b_proj, h_out], 1)]
+            if rounded:
+                stages.append(Stage("round_y", self.scheduled("round_y", comp.copy_steps(
+                    n, proj, acc, t_len, p.dtype), "elementwise"),
+                    [y_out, Region(y, (ALL,) * 3)], 1))
+                stages += self.states_copy("round_h", [h_out], [Region(sn[0], (0, ALL, ALL))])
+            return stages + self.states_copy(
+                "final_states", [Region(s, (final, ALL, ALL)) for s in sw[1:]],
+                [Region(s, (0, ALL, ALL)) for s in sn[1:]])
+
+        return SimpleNamespace(
+            prologue=prologue, initial=initial, first=gh0, epilogue=epilogue, h_cell=h_cell,
+            params=[w_rows, h_cell, gh0, zero] + ([y_acc, h_acc] if rounded else []))
 
 
 def sums_in_place(parts: tuple, chunk: int) -> bool:

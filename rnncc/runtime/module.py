@@ -304,10 +304,14 @@ class Module:
                     args.append(ready[name])
                 elif p["kind"] == "input":
                     args.append(to_tensor(name, weights[name], p["shape"], dtype, family))
-                else:
-                    arr, tensors[name] = family.empty(p["shape"], dtype)
+                elif p["kind"] == "output":
+                    arr, tensors[name] = family.empty(p["shape"], p["dtype"])
                     args.append(tensors[name])
                     keep.append(arr)
+                else:  # a workspace of the packing (W_hh W_hr before its layout), for this
+                    # call only: freed after it in the stream's order (torch, CuPy), or by a
+                    # free that waits for the device
+                    args.append(family.empty(p["shape"], p["dtype"])[1])
             with family.stream():
                 lib[function](*args)
 

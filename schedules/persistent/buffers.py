@@ -33,24 +33,25 @@ def input_weight_shape(p: Plan, gates: int) -> tuple:
 def parameters(spec: KernelSpec) -> SimpleNamespace:
     """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
     projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
-    (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read
-    otherwise; after the per-unit parameters where it is written), W_hh packed [B/NG, Wn, KI,
-    RW, 32, VEC], b_hh [G*H], (the cell's per-unit parameters p0 ... [H] each, where it has
-    them), (with lengths: the samples'
-    lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h first), (a
-    training forward's, ``spec.kept``: the states of every step [T+1,N,H] each and the kept
-    parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or the barrier counters
-    [NG] uint32, one a batch group. T is the symbolic length ``T_len``. With D = 2 directions
-    (planner: "Directions"), both directions side by side: xp [T,N,D*G*H], W_hh [D*B/(D*NG),
-    ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H], the counters [D*NG].
-    With L layers (planner: "Layers as a wavefront") the same with L for D (W_ih and b_ih too; y
-    holds every layer's outputs, and layer l > 0 reads layer l - 1's as its x), and last the
-    layers' progress counters ``prog`` [L*NG] uint32."""
+    (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read otherwise;
+    after the per-unit parameters where it is written), W_hh packed [B/NG, Wn, KI, RW, 32, VEC],
+    b_hh [G*H], (the cell's per-unit parameters p0 ... [H] each, where it has them),
+    (``spec.first``: the addition to the first step's projections [N,G*H] float32), (with
+    lengths: the samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a
+    state (h first), (a training forward's, ``spec.kept``: the states of every step [T+1,N,H]
+    each and the kept parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or
+    the barrier counters [NG] uint32, one a batch group. T is the symbolic length ``T_len``.
+    With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
+    W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
+    the counters [D*NG]. With L layers (planner: "Layers as a wavefront") the same with L for D
+    (W_ih and b_ih too; y holds every layer's outputs, and layer l > 0 reads layer l - 1's as
+    its x), and last the layers' progress counters ``prog`` [L*NG] uint32."""
     p, dt, n = spec.plan, spec.dtype, spec.batch
     d, gh, rows = spec.grids, spec.grids * spec.gate_rows, spec.state_rows
     per_unit = [f"p{k}" for k in range(spec.params)]
-    names = (["x", "wi", "bi", "w", "b", *per_unit, "xp"] if p.fused
-             else ["xp", "w", "b", *per_unit])
+    first = ["first"] if spec.first else []
+    names = (["x", "wi", "bi", "w", "b", *per_unit, *first, "xp"] if p.fused
+             else ["xp", "w", "b", *per_unit, *first])
     names += ["len"] if spec.lengths else []
     names += ["y"] + [f"s{k}" for k in range(spec.states)]
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
@@ -59,7 +60,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
     out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, lengths=None, hw=None,
-                          cnt=None, prog=None, steps=None, pre=None)
+                          cnt=None, prog=None, steps=None, pre=None, first=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -79,6 +80,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     match("w", "w", (d * p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), dt)
     match("b_hh", "b", (gh,), dt)
     out.params = [match(f"p{k}", f"p{k}", (d * spec.hidden,), dt) for k in range(spec.params)]
+    if spec.first:
+        match("first", "first", (n, gh), "float32")
     if spec.lengths:
         match("lengths", "len", (n,), "int32")
     match("y", "y", (t_len, n, d * spec.hidden), dt)

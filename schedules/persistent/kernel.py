@@ -74,16 +74,17 @@ def gate_sums(spec, b, w, blk, warp, lane):
 
 
 def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", chunk: int = 1,
-           input_size: int = 0, lengths: bool = False, kept: tuple = ()):
+           input_size: int = 0, lengths: bool = False, kept: tuple = (), first: bool = False):
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
     PrimFunc named "persistent" whose parameters :func:`.buffers.parameters` lists. ``dtype``:
     the storage dtype of the weights, the biases and y; ``chunk`` S > 1: the input projections
     come in chunks of S steps; ``input_size`` C: for a fused input projection; ``batch``: N,
     all batch groups together; ``lengths``: the samples' lengths are a parameter; ``kept``: a
     training forward's, which keeps every step's states and these parts of its projections
-    (:mod:`.stages.history`)."""
+    (:mod:`.stages.history`); ``first``: the first step's input projections take an addition
+    (a projection's W_hh h0)."""
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
-                      input_size, lengths, kept=kept, params=len(cell.params))
+                      input_size, lengths, kept=kept, params=len(cell.params), first=first)
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -107,7 +108,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                     if len(spec.kept) > 0:
                         history.keep_initial(spec, g.steps, b.st, bx, tx)
                     for t in range(g.T_len):
-                        cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx)
+                        cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx,
+                                            g.first)
                         if p.input_steps > 0:
                             input_projection.start_copies(spec, io, t, g.T_len, bx, tx)
                         exchange.stage_h(spec, g.s[0], g.hw, b.tv,
