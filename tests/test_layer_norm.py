@@ -91,7 +91,7 @@ def test_initial_gains_one_and_biases_as_haste(cell):
             expected = 1.0 if base.startswith("gamma") or base == "beta_f" else 0.0
             assert bool((p == expected).all()), name
         else:  # the weights and the projections' biases as torch's
-            assert 0 < float(p.abs().max()) <= 1 / np.sqrt(6), name
+            assert 0 < float(p.detach().abs().max()) <= 1 / np.sqrt(6), name
 
 
 def test_persistent_kernel_refuses_a_step_that_reduces_and_says_why():
