@@ -4,7 +4,8 @@ one matmul first) and against rnncc's plain cell of the same family (LSTM, or GR
 and size, T = 100, C = H, IEEE float32 (TF32 off), all captured in
 CUDA graphs, in one process; microseconds a time step, for inference (no_grad) and for a
 training step (forward and backward of x and every weight). Then the LSTM with projections
-(LSTMP, P = H/4), inference, against cuDNN's (torch.nn.LSTM(proj_size=P), same weights).
+(LSTMP, P = H/4; one and two directions), inference, against cuDNN's (torch.nn.LSTM(proj_size=P),
+same weights).
 Run on a GPU machine from the repository root:
 
     python3 benchmarks/variants.py [--repeat 50] [--jobs 16] [--hidden 1024] [--json out.json]
@@ -32,9 +33,9 @@ STEPS = 100
 def _compile(job):
     from rnncc.compiler import cache
 
-    cell, hidden, batch, training, arch, proj = job
+    cell, hidden, batch, training, arch, proj, directions = job
     cache.compiled(cell, hidden, hidden, batch, target="cuda", arch=arch, training=training,
-                   **({"proj_size": proj} if proj else {}))
+                   directions=directions, **({"proj_size": proj} if proj else {}))
     return job
 
 
@@ -135,13 +136,14 @@ def _row(torch, cell, hidden, batch, repeat):
     return out, error
 
 
-def _projection_row(torch, hidden, batch, repeat):
+def _projection_row(torch, hidden, batch, repeat, bidirectional):
     """(rnncc us/step, cuDNN us/step, relative difference of y) of LSTMP with P = H/4."""
     import rnncc.nn
     from rnncc.bench import _graph_ms
 
     torch.manual_seed(0)
-    theirs = torch.nn.LSTM(hidden, hidden, proj_size=hidden // 4).cuda()
+    theirs = torch.nn.LSTM(hidden, hidden, proj_size=hidden // 4,
+                           bidirectional=bidirectional).cuda()
     ours = rnncc.nn.from_torch(theirs)
     x = torch.randn(STEPS, batch, hidden, device="cuda")
     with torch.no_grad():
@@ -168,10 +170,11 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    jobs = sorted({(cell, args.hidden, bucket(n), training, arch, 0)
+    jobs = sorted({(cell, args.hidden, bucket(n), training, arch, 0, 1)
                    for cell in variants + tuple(VARIANTS[v] for v in variants) for n in BATCHES
                    for training in (False, True)})
-    jobs += [("lstm", args.hidden, bucket(n), False, arch, args.hidden // 4) for n in BATCHES]
+    jobs += [("lstm", args.hidden, bucket(n), False, arch, args.hidden // 4, d)
+             for n in BATCHES for d in (1, 2)]
     spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         list(pool.map(_compile, jobs))
@@ -181,10 +184,12 @@ def main():
             times, error = _row(torch, cell, args.hidden, batch, args.repeat)
             rows.append({"cell": cell, "H": args.hidden, "N": batch, "error": error, **times})
     projections = []
-    for batch in BATCHES:
-        mine, cudnn, error = _projection_row(torch, args.hidden, batch, args.repeat)
-        projections.append({"H": args.hidden, "P": args.hidden // 4, "N": batch,
-                            "rnncc": mine, "cudnn": cudnn, "error": error})
+    for directions in (1, 2):
+        for batch in BATCHES:
+            mine, cudnn, error = _projection_row(torch, args.hidden, batch, args.repeat,
+                                                 directions == 2)
+            projections.append({"H": args.hidden, "P": args.hidden // 4, "D": directions,
+                                "N": batch, "rnncc": mine, "cudnn": cudnn, "error": error})
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H={args.hidden}, TF32 off, us per "
           "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs plain': rnncc's time "
@@ -200,10 +205,11 @@ def main():
               f"{r['loop train']:.2f} | {r['loop train'] / r['rnncc train']:.1f}x | "
               f"{r['rnncc plain train']:.2f} | {r['rnncc train'] / r['rnncc plain train']:.2f} | "
               f"{r['error']:.1e} |")
-    print("\nLSTMP, P = H/4, inference\n\n| H | P | N | rnncc | cuDNN | speed-up | y rel. "
-          "diff |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("\nLSTMP, P = H/4, inference (D directions)\n\n| H | P | D | N | rnncc | cuDNN | "
+          "speed-up | y rel. diff |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in projections:
-        print(f"| {r['H']} | {r['P']} | {r['N']} | {r['rnncc']:.2f} | {r['cudnn']:.2f} | "
+        print(f"| {r['H']} | {r['P']} | {r['D']} | {r['N']} | {r['rnncc']:.2f} | "
+              f"{r['cudnn']:.2f} | "
               f"{r['cudnn'] / r['rnncc']:.2f}x | {r['error']:.1e} |")
     if args.json:
         write_json(args.json, {"device": device, "date": str(datetime.date.today()),

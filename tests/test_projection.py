@@ -66,14 +66,14 @@ def check_projection(module, rng, steps, initial=True, lengths=False, entry=None
     (512, 128, 64, 1, True)])
 def test_module_matches_reference(hidden, proj, batch, directions, lengths, target, rng):
     """One layer, both directions, lengths or not, T = 1, 37 and 100, with and without
-    initial states. On CUDA one direction (at batch 64 where a plan fits) runs the persistent
+    initial states. On CUDA the layer (at batch 64 where a plan fits) runs the persistent
     kernel (W_hh W_hr folded), and its non-persistent entry is checked too (batch 64: the
     recurrent product in K slices)."""
     module = rnncc.compile("lstm", 5, hidden, batch, target=target, proj_size=proj,
                            directions=directions, lengths=lengths)
     assert module.proj_size == proj and "weight_hr_l0" in module.weight_names
     persistent = module.metadata["schedule"]["kind"] == "persistent"
-    assert persistent == (target == "cuda" and directions == 1) or batch > 16
+    assert persistent == (target == "cuda") or batch > 16
     for entry in ("persistent", "sequence") if persistent else (None,):
         for steps, initial in ((1, True), (100, True), (37, False)):
             err = check_projection(module, rng, steps, initial, lengths, entry)
@@ -81,19 +81,21 @@ def test_module_matches_reference(hidden, proj, batch, directions, lengths, targ
 
 
 @pytest.mark.skipif(not has_nvcc(), reason="the CUDA build needs nvcc")
-def test_cuda_persistent_kernel_of_one_direction_with_w_hh_w_hr_folded():
-    """One direction's inference runs the persistent kernel on h' with W_hh W_hr packed as
-    its matrix; two directions and training say why they do not."""
-    module = rnncc.compile("peephole", 24, 40, 3, target="cuda", proj_size=12)
+@pytest.mark.parametrize("directions", [1, 2])
+def test_cuda_persistent_kernel_with_w_hh_w_hr_folded(directions):
+    """Inference runs the persistent kernel on h' with W_hh W_hr packed as its matrix, both
+    directions in one launch; training says why it does not."""
+    module = rnncc.compile("peephole", 24, 40, 3, target="cuda", proj_size=12,
+                           directions=directions)
     schedule = module.metadata["schedule"]
     assert schedule["kind"] == "persistent"
+    assert schedule["persistent"]["plan"]["directions"] == directions
     assert {"persistent_pack_w_hh", "persistent_forward", "pack_w_hr"} <= set(
         module.metadata["functions"])
     assert len(cooperative_kernels(module.source("cuda"))) == 1
-    for kw, why in (({"directions": 2}, "two directions run on the non-persistent schedule"),
-                    ({"training": True}, "training runs on the non-persistent schedule")):
-        other = rnncc.compile("lstm", 8, 16, 2, target="cuda", proj_size=4, **kw)
-        assert why in other.metadata["schedule"]["persistent"]["reason"]
+    other = rnncc.compile("lstm", 8, 16, 2, target="cuda", proj_size=4, training=True)
+    assert ("training runs on the non-persistent schedule"
+            in other.metadata["schedule"]["persistent"]["reason"])
 
 
 def test_cuda_build_of_a_product_in_slices():

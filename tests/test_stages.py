@@ -69,7 +69,7 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
     kernel takes the samples' lengths. With two directions (``p.directions``), ``weights``
     has the ``_reverse`` ones too, initial states are [2, N, H] and y [T, N, 2*H]. ``kept``:
     a training forward's parts; then also the states of every step and ``pre``. With
-    ``weight_hr_l0`` (a projection, one direction), as the module's entry runs it: W_hh W_hr
+    ``weight_hr_l0`` (a projection), as the module's entry runs it: W_hh W_hr
     folded into the kernel's matrix, its recurrence h' from zero, W_hh h0 added to the first
     step's projections; then y is h' [T, N, H] and the final h h'_T."""
     steps, n, c = x.shape
@@ -80,9 +80,13 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
     w_hr = weights.get("weight_hr_l0")
     folded = w_hr.shape[0] if w_hr is not None else 0
     packing = comp.pack_persistent(g, h, p, dtype, folded=folded)
-    extra = [w_hr.astype(dtype)] if folded else []
+
+    def extra(d):
+        return [weights["weight_hr_l0" + d].astype(dtype)] if folded else []
+
     args = {"w": np.concatenate([_llvm(packing, weights["weight_hh_l0" + d].astype(dtype),
-                                       *extra, np.zeros(shape, dtype))[-1] for d in suffixes]),
+                                       *extra(d), np.zeros(shape, dtype))[-1]
+                                 for d in suffixes]),
             "b_hh": np.concatenate([weights["bias_hh_l0" + d].astype(dtype) for d in suffixes]),
             "y": np.full((steps, n, dirs * h), np.nan, dtype)}
     for k, name in enumerate(cell.params):  # the cell's per-unit parameters, [D*H] each
@@ -106,9 +110,10 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
         s = np.full((2, dirs * n, h), np.nan, np.float32)
         s[0] = 0.0 if folded and k == 0 else initial[name].reshape(dirs * n, h).astype(dtype)
         args[f"s{k}"] = s
-    if folded:
-        args["first"] = initial["h"].reshape(n, folded).astype(dtype).astype(
-            np.float32) @ weights["weight_hh_l0"].astype(dtype).astype(np.float32).T
+    if folded:  # [N, D*G*H]
+        args["first"] = np.concatenate([initial["h"][k].astype(dtype).astype(
+            np.float32) @ weights["weight_hh_l0" + d].astype(dtype).astype(np.float32).T
+            for k, d in enumerate(suffixes)], axis=1)
     if p.sync == "tagged":
         h0 = args["s0"][0].copy()
         args["hw"] = _llvm(comp.init_tagged(dirs * n, h, "float32", EMPTY_TAG), h0,
@@ -159,29 +164,37 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
         assert max(errors) < TOL[dtype], f"T={t}: relative errors {errors}"
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_kernel_of_a_projection_folds_w_hr_and_adds_the_initial_h_first(fused, rng):
+@pytest.mark.parametrize("variant", ["one direction", "fused input", "two directions"])
+def test_kernel_of_a_projection_folds_w_hr_and_adds_the_initial_h_first(variant, rng):
     """LSTMP as its persistent entry runs it (rnncc.lowering.sequence, ``_folded``): the kernel
     holds W_hh W_hr (pack_persistent's fold), runs the cell on h' from zero, and adds W_hh h0 to
-    the first step's input projections (its own, with a fused input projection); y = W_hr h'
-    and h_T = W_hr h'_T against the float64 reference with h0, c0 and lengths, T 1 and 6."""
+    the first step's input projections (its own, with a fused input projection; the reverse
+    direction's first is each sample's last step); y = W_hr h' and h_T = W_hr h'_T against the
+    float64 reference with h0, c0 and lengths, T 1 and 6."""
     cell, c, h, proj, n = rnncc.cells.get("lstm"), 6, 33, 7, 3
-    p = (_fused(crafted(4, h, n, "float32", 5, 2), 4, c, n, 8) if fused
-         else planner.plan(4, h, n, "float32", H100, 2))
-    assert p.fused == fused
+    p = {"one direction": lambda: planner.plan(4, h, n, "float32", H100, 2),
+         "fused input": lambda: _fused(crafted(4, h, n, "float32", 5, 2), 4, c, n, 8),
+         "two directions": lambda: planner.plan(4, h, n, "float32", H100, 2, directions=2),
+         }[variant]()
+    dirs, suffixes = p.directions, ("", "_reverse")[:p.directions]
     for steps in (1, 6):
-        weights = random_weights(rng, 4, c, h, "float32")
-        weights["weight_hh_l0"] = weights["weight_hh_l0"][:, :proj] * np.sqrt(h / proj)
-        weights["weight_hr_l0"] = rng.uniform(-1, 1, (proj, h)) / np.sqrt(h)
-        weights = {k: v.astype("float32") for k, v in weights.items()}
+        weights = {}
+        for d in suffixes:
+            w = random_weights(rng, 4, c, h, "float32")
+            w["weight_hh_l0"] = w["weight_hh_l0"][:, :proj] * np.sqrt(h / proj)
+            w["weight_hr_l0"] = rng.uniform(-1, 1, (proj, h)) / np.sqrt(h)
+            weights.update({k + d: v.astype("float32") for k, v in w.items()})
         x = rng.standard_normal((steps, n, c)).astype("float32")
-        initial = {"h": rng.standard_normal((1, n, proj)).astype("float32"),
-                   "c": rng.standard_normal((1, n, h)).astype("float32")}
+        initial = {"h": rng.standard_normal((dirs, n, proj)).astype("float32"),
+                   "c": rng.standard_normal((dirs, n, h)).astype("float32")}
         ln = np.array([steps, 1, max(1, steps - 2)])
         y_cell, finals = simulate(cell, p, x, weights, initial, "float32", lengths=ln)
-        ref_y, ref = reference.run(cell, x, weights, initial, ln)
-        y = y_cell.astype(np.float64) @ weights["weight_hr_l0"].astype(np.float64).T
-        h_n = finals["h"].astype(np.float64) @ weights["weight_hr_l0"].astype(np.float64).T
+        run = reference.run if dirs == 1 else reference.run_bidirectional
+        ref_y, ref = run(cell, x, weights, initial, ln)
+        w_hr = [weights["weight_hr_l0" + d].astype(np.float64) for d in suffixes]
+        y = np.concatenate([y_cell[:, :, k * h:(k + 1) * h].astype(np.float64) @ w.T
+                            for k, w in enumerate(w_hr)], axis=2)
+        h_n = np.stack([finals["h"][k].astype(np.float64) @ w.T for k, w in enumerate(w_hr)])
         errors = [reference.relative_error(y, ref_y), reference.relative_error(h_n, ref["h"]),
                   reference.relative_error(finals["c"], ref["c"])]
         assert max(errors) < TOL["float32"], f"T={steps}: {errors}"

@@ -117,11 +117,9 @@ def _not_persistent(problem: Problem) -> str:
     """Why ``problem`` runs on the non-persistent schedule whatever the GPU, or ""."""
     from ..cells.autodiff import reduces
 
-    if problem.proj_size and (problem.directions > 1 or problem.training):
+    if problem.proj_size and problem.training:
         return (f"a projection (proj_size={problem.proj_size}) runs on the persistent kernel "
-                "in one direction's inference only; "
-                + ("two directions run" if problem.directions > 1 else "training runs")
-                + " on the non-persistent schedule")
+                "in inference only; training runs on the non-persistent schedule")
     if reduces(problem.cell):
         return (f"cell {problem.cell.name!r} reduces over the hidden units within a step "
                 "(ops.mean): the persistent kernel does not reduce across its blocks yet, so "

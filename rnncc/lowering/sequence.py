@@ -138,28 +138,36 @@ class _Builder:
         self.add(name, sequence_function(name, [*srcs, dst], stages, None, None, []), sig)
 
     def pack_folded(self, plan):
-        """The persistent entry's packing with a projection (LSTMP, one direction): W_hh W_hr
-        [G*H, H] in the kernel's layout (``w_hh``: the kernel runs the cell on h' as it runs
-        it on h), and W_hh [G*H, P] as the sequence packs it (``w_hh_rows``: the first step's
-        product by the initial h)."""
+        """The persistent entry's packing with a projection (LSTMP): W_hh W_hr [G*H, H] in the
+        kernel's layout (``w_hh``: the kernel runs the cell on h' as it runs it on h), and W_hh
+        [G*H, P] as the sequence packs it (``w_hh_rows``: the first step's product by the
+        initial h); with two directions, ``_reverse``'s after, along the first dimension."""
         p, layout = self.p, self.layout
         g, h, proj = p.gates, p.hidden_size, p.proj_size
         fold = self.scheduled("persistent_pack_folded", comp.pack_persistent(
             g, h, plan, p.dtype, folded=proj), "elementwise")
         rows = self.scheduled("pack_w_hh", comp.pack_weight(g, h, proj, layout, p.dtype),
                               "elementwise")
-        sig = []
-        w_hh = self.param(sig, "weight_hh_l0", (g * h, proj), "input")
-        w_hr = self.param(sig, "weight_hr_l0", (proj, h), "input")
+        sig, tags = [], _grid_tags(p)
+        w_hh = [self.param(sig, f"weight_hh_{tag}", (g * h, proj), "input") for tag in tags]
+        w_hr = [self.param(sig, f"weight_hr_{tag}", (proj, h), "input") for tag in tags]
         shapes = [tuple(int(d) for d in f.params[-1].shape) for f in (fold, rows)]
-        packed = self.param(sig, "w_hh", shapes[0], "output")
-        given = self.param(sig, "w_hh_rows", shapes[1], "output")
-        stages = [Stage("fold", fold, [Region(w_hh, (ALL, ALL)), Region(w_hr, (ALL, ALL)),
-                                       Region(packed, (ALL,) * len(shapes[0]))], 1),
-                  Stage("rows", rows, [Region(w_hh, (ALL, ALL)),
-                                       Region(given, (ALL,) * len(shapes[1]))], 1)]
+        packed, given = (self.param(sig, name, (len(tags) * shape[0], *shape[1:]), "output")
+                         for name, shape in zip(("w_hh", "w_hh_rows"), shapes))
+
+        def part(buffer, shape, d):
+            return Region(buffer, (slice(d * shape[0], (d + 1) * shape[0]),)
+                          + (ALL,) * (len(shape) - 1))
+
+        stages = []
+        for d, tag in enumerate(tags):
+            stages += [Stage(f"fold_{tag}", fold, [Region(w_hh[d], (ALL, ALL)),
+                                                   Region(w_hr[d], (ALL, ALL)),
+                                                   part(packed, shapes[0], d)], 1),
+                       Stage(f"rows_{tag}", rows, [Region(w_hh[d], (ALL, ALL)),
+                                                   part(given, shapes[1], d)], 1)]
         self.add("persistent_pack_w_hh", sequence_function(
-            "persistent_pack_w_hh", [w_hh, w_hr, packed, given], stages, None, None, []), sig)
+            "persistent_pack_w_hh", [*w_hh, *w_hr, packed, given], stages, None, None, []), sig)
 
     def pack_biases(self):
         """With two directions or layers, the entry that puts their biases side by side:
@@ -474,7 +482,7 @@ class _Builder:
         tags, layers = _grid_tags(p), p.layers
         dirs = len(tags)  # the grids: D directions or L layers
         name = "persistent_train_forward" if history else "persistent_forward"
-        proj = p.proj_size  # one direction's inference (the driver's rule)
+        proj = p.proj_size  # inference (the driver's rule)
         if history:
             plan = replace(plan, input_rows=0, input_chunks=0, input_slab=0, input_steps=0)
         elif proj:
@@ -519,8 +527,8 @@ class _Builder:
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             # h before step 0: h0, or with a projection h' (zero, in its workspace)
-            start = [Region(sw[0], (0, ALL, ALL))] if proj else [
-                Region(s0[0], (d, ALL, ALL)) for d in range(dirs)]
+            start = [Region(sw[0], (0, of(d), ALL)) if proj else Region(s0[0], (d, ALL, ALL))
+                     for d in range(dirs)]
             init = self.scheduled("init_tagged", comp.init_tagged(
                 n, h, start[0].buffer.dtype, EMPTY_TAG), "elementwise")
             sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
@@ -544,7 +552,7 @@ class _Builder:
         recurrent = [Region(packed, (ALL,) * 6), Region(b_hh, (ALL,))]
         recurrent += [Region(v, (ALL,)) for v in per_unit]
         if proj:  # W_hh h0, for the kernel to add to the first step's input projections
-            prologue.append(folded.initial)
+            prologue += folded.initial
             recurrent.append(Region(folded.first, (ALL, ALL)))
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
         if plan.fused:  # the kernel reads x and W_ih and writes xp
@@ -597,58 +605,84 @@ class _Builder:
 
 
     def _folded(self, sig, t_len, w_hr, s0, sw) -> SimpleNamespace:
-        """The persistent kernel's stages around it with a projection (LSTMP, one direction),
-        W_hh W_hr folded into the matrix it holds (:meth:`pack_folded`): its recurrence is the
-        cell's h' [N, H] (zero before step 0), so h0 enters as ``first`` = W_hh h0 [N, G*H]
-        (the stage ``initial``), which the kernel adds to the first step's input projections;
-        the kernel writes every step's h' to ``h_cell`` [T, N, H] (zero past a sample's
-        length), and after it y = W_hr h' (one GEMM of all steps) and the final h = W_hr h'_T
-        (``epilogue(final, y, sn)``). Returns also ``prologue`` (the states before step 0) and
-        ``params`` (its buffers, in ``sig``'s order)."""
+        """The persistent kernel's stages around it with a projection (LSTMP), W_hh W_hr
+        folded into the matrix it holds (:meth:`pack_folded`): its recurrence is the cell's
+        h' [N, H] (zero before step 0), so h0 enters as ``first`` = W_hh h0 [N, D*G*H] (the
+        stages ``initial``, one a direction), which the kernel adds to the first step's input
+        projections; the kernel writes every step's h' to ``h_cell`` [T, N, D*H] (zero past a
+        sample's length), and after it y = W_hr h' (one GEMM of all steps a direction) and the
+        final h = W_hr h'_T (``epilogue(final, y, sn)``). Returns also ``prologue`` (the
+        states before step 0) and ``params`` (its buffers, in ``sig``'s order)."""
         p, layout = self.p, self.layout
-        n, h, g, proj = p.batch, p.hidden_size, p.gates, p.proj_size
+        n, h, g, proj, dirs = p.batch, p.hidden_size, p.gates, p.proj_size, p.directions
         acc = accum_dtype(p.dtype)
-        w_rows = self.param(sig, "w_hh_rows", layout.weight_shape(g, h, proj), "input")
-        h_cell = self.param(sig, "h_cell", (t_len, n, h), "workspace")
-        gh0 = self.param(sig, "gh_initial", (n, g * h), "workspace", acc)
+        w_rows = self.param(sig, "w_hh_rows", (dirs * layout.weight_shape(g, h, proj)[0],
+                                               layout.weight_shape(g, h, proj)[1]), "input")
+        h_cell = self.param(sig, "h_cell", (t_len, n, dirs * h), "workspace")
+        gh0 = self.param(sig, "gh_initial", (n, dirs * g * h), "workspace", acc)
         zero = self.param(sig, "zero_bias", (g * h,), "workspace")
         rounded = p.dtype != acc  # the products in the accumulation dtype, then y and h in P's
-        y_acc = (self.param(sig, "y_projected", (t_len, n, proj), "workspace", acc)
+        y_acc = (self.param(sig, "y_projected", (t_len, n, dirs * proj), "workspace", acc)
                  if rounded else None)
-        h_acc = self.param(sig, "h_projected", (n, proj), "workspace", acc) if rounded else None
+        h_acc = (self.param(sig, "h_projected", (dirs, n, proj), "workspace", acc)
+                 if rounded else None)
+
+        def of(d):  # direction d's rows of the kernel's states
+            return slice(d * n, (d + 1) * n)
+
+        def weight(w, d):  # direction d's part of a stacked packed weight
+            rows = int(w.shape[0]) // dirs
+            return Region(w, (slice(d * rows, (d + 1) * rows), ALL))
+
+        def columns(buffer, d, width):  # direction d's columns of [.., N, D*width]
+            return Region(buffer, (ALL,) * (len(buffer.shape) - 1)
+                          + (slice(d * width, (d + 1) * width),))
+
         prologue = [
             Stage("zero_bias", self.scheduled("zero_gates_bias", comp.zeros(
                 (g * h,), p.dtype), "elementwise"), [Region(zero, (ALL,))], 1),
-            Stage("zero_h_cell", self.scheduled("zero_state", comp.zeros((n, h), acc),
+            Stage("zero_h_cell", self.scheduled("zero_state", comp.zeros((dirs * n, h), acc),
                                                 "elementwise"), [Region(sw[0], (0, ALL, ALL))],
-                  1),
-            *self.states_copy("init_states", [Region(s, (0, ALL, ALL)) for s in s0[1:]],
-                              [Region(s, (0, ALL, ALL)) for s in sw[1:]])]
-        initial = Stage("initial_gemm", self.scheduled("initial_gemm", comp.gemm(
-            (n,), proj, g * h, layout.weights, p.dtype), "gemm"), [
-            Region(s0[0], (0, ALL, ALL)), Region(w_rows, (ALL,) * len(w_rows.shape)),
-            Region(zero, (ALL,)), Region(gh0, (ALL, ALL))], 1)
-        w_proj, b_proj = Region(w_hr, (ALL, ALL)), Region(zero, (slice(0, proj),))
+                  1)]
+        for d in range(dirs):
+            prologue += self.states_copy(
+                "init_states", [Region(s, (d, ALL, ALL)) for s in s0[1:]],
+                [Region(s, (0, of(d), ALL)) for s in sw[1:]], f"init_states{_SUFFIX[d]}")
+        product = self.scheduled("initial_gemm", comp.gemm(
+            (n,), proj, g * h, layout.weights, p.dtype), "gemm")
+        initial = [Stage(f"initial_gemm{_SUFFIX[d]}", product, [
+            Region(s0[0], (d, ALL, ALL)), weight(w_rows, d), Region(zero, (ALL,)),
+            columns(gh0, d, g * h)], 1) for d in range(dirs)]
+        b_proj = Region(zero, (slice(0, proj),))
 
         def epilogue(final, y, sn):
             steps = self.scheduled("projection_steps", comp.gemm(
                 (t_len, n), h, proj, layout.weights, p.dtype), "gemm")
             last = self.scheduled("projection_final", comp.gemm(
                 (n,), h, proj, layout.weights, p.dtype, acc), "gemm")
-            y_out = Region(y_acc if rounded else y, (ALL,) * 3)
-            h_out = Region(h_acc, (ALL, ALL)) if rounded else Region(sn[0], (0, ALL, ALL))
-            stages = [Stage("projection_steps", steps, [Region(h_cell, (ALL,) * 3), w_proj,
-                                                        b_proj, y_out], 1),
-                      Stage("projection_final", last, [Region(sw[0], (final, ALL, ALL)),
-                                                       w_proj, b_proj, h_out], 1)]
+            stages = []
+            for d in range(dirs):
+                h_out = (Region(h_acc, (d, ALL, ALL)) if rounded
+                         else Region(sn[0], (d, ALL, ALL)))
+                stages += [
+                    Stage(f"projection_steps{_SUFFIX[d]}", steps, [
+                        columns(h_cell, d, h), weight(w_hr, d), b_proj,
+                        columns(y_acc if rounded else y, d, proj)], 1),
+                    Stage(f"projection_final{_SUFFIX[d]}", last, [
+                        Region(sw[0], (final, of(d), ALL)), weight(w_hr, d), b_proj, h_out],
+                        1)]
+                if rounded:
+                    stages += self.states_copy("round_h", [h_out],
+                                               [Region(sn[0], (d, ALL, ALL))],
+                                               f"round_h{_SUFFIX[d]}")
+                stages += self.states_copy(
+                    "final_states", [Region(s, (final, of(d), ALL)) for s in sw[1:]],
+                    [Region(s, (d, ALL, ALL)) for s in sn[1:]], f"final_states{_SUFFIX[d]}")
             if rounded:
                 stages.append(Stage("round_y", self.scheduled("round_y", comp.copy_steps(
-                    n, proj, acc, t_len, p.dtype), "elementwise"),
-                    [y_out, Region(y, (ALL,) * 3)], 1))
-                stages += self.states_copy("round_h", [h_out], [Region(sn[0], (0, ALL, ALL))])
-            return stages + self.states_copy(
-                "final_states", [Region(s, (final, ALL, ALL)) for s in sw[1:]],
-                [Region(s, (0, ALL, ALL)) for s in sn[1:]])
+                    n, dirs * proj, acc, t_len, p.dtype), "elementwise"),
+                    [Region(y_acc, (ALL,) * 3), Region(y, (ALL,) * 3)], 1))
+            return stages
 
         return SimpleNamespace(
             prologue=prologue, initial=initial, first=gh0, epilogue=epilogue, h_cell=h_cell,

@@ -30,8 +30,8 @@ class KernelSpec:
     backward pass's G*H, planner: "Backward through time"); ``kept``: a training forward's, the
     parts of the projections it keeps (:mod:`.stages.history`; one grid); ``params``: the
     cell's per-unit parameters (vectors [H], a grid's side by side); ``first``: the first
-    step's input projections take an addition [N, G*H] (one grid; a projection's W_hh h0, where
-    the kernel's recurrence is h')."""
+    step's input projections take an addition [N, D*G*H] (one layer; a projection's W_hh h0,
+    where the kernel's recurrence is h')."""
 
     plan: Plan
     gates: int
@@ -49,9 +49,10 @@ class KernelSpec:
 
     def __post_init__(self):
         p = self.plan
-        if (self.kept or self.first) and p.grids > 1:
-            raise ValueError("a training forward, and an addition to the first step's input "
-                             "projections, run one direction of one layer")
+        if self.kept and p.grids > 1:
+            raise ValueError("a training forward runs one direction of one layer")
+        if self.first and p.layers > 1:
+            raise ValueError("an addition to the first step's input projections runs one layer")
         if p.fused and p.directions > 1:
             raise ValueError("a fused input projection runs one direction")
         if p.layers > 1 and (not p.input_steps or self.input_size != self.hidden):
