@@ -109,10 +109,14 @@ def test_layers_of_a_step_that_reduces_run_one_after_another():
     assert "reduces over the hidden units" in module.metadata["schedule"]["persistent"]["reason"]
 
 
-def test_mean_outside_a_reducing_lowering_and_of_a_list():
+def test_reductions_given_what_they_do_not_take():
     from tvm import tirx
 
+    v = tirx.Var("v", "float32")
     with pytest.raises(CellError, match="does not reduce over the hidden units"):
-        ops.mean(tirx.Var("v", "float32"))
+        ops.mean(v)
     with pytest.raises(CellError, match="takes one value of the step .* got a list of 2"):
-        ops.mean([tirx.Var("a", "float32"), tirx.Var("b", "float32")])
+        ops.mean([v, v])
+    for bad in ([], v):
+        with pytest.raises(CellError, match="layer_norm takes a non-empty list"):
+            ops.layer_norm(bad)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 
+from ..errors import CellError
+
 #: How the lowering that calls a step with PrimExprs computes :func:`mean`, innermost last
 #: (see :func:`reducing_with`).
 _MEANS: list = []
@@ -120,8 +122,6 @@ def mean(x):
     if isinstance(x, (int, float)):
         return x
     if isinstance(x, (list, tuple)):
-        from ..errors import CellError
-
         raise CellError(f"rnncc.cells.ops.mean takes one value of the step (it averages over "
                         f"the hidden units), got a {type(x).__name__} of {len(x)}; for several "
                         "values together average them first, or use ops.layer_norm")
@@ -129,8 +129,6 @@ def mean(x):
     if staged is not None:
         return staged()
     if not _MEANS:
-        from ..errors import CellError
-
         raise CellError("rnncc.cells.ops.mean: this lowering of the step does not reduce over "
                         "the hidden units (the persistent kernel does not)")
     return _MEANS[-1](x)
@@ -141,6 +139,9 @@ def layer_norm(values, eps: float = 1e-5):
     standard deviation: normalised together over the len(values) * H values of the batch row,
     as ``torch.nn.functional.layer_norm`` without gain and bias (biased variance, ``eps``
     added to it). Returns the list normalised."""
+    if not isinstance(values, (list, tuple)) or not values:
+        raise CellError("rnncc.cells.ops.layer_norm takes a non-empty list of a step's values "
+                        f"(normalised together), got {values!r}")
     values = list(values)
     k = float(len(values))
     mu = mean(_sum(values) / k)

@@ -473,7 +473,9 @@ class _Builder:
         L*H] whose last H columns are copied to y at the end. ``history`` (one direction, one
         layer): ``persistent_train_forward``, the training forward on the kernel: it takes
         ``train_forward``'s packed weights (W_hh packed for the kernel each call; the input
-        GEMM before the kernel, whatever the plan says) and has its outputs."""
+        GEMM before the kernel, whatever the plan says) and has its outputs. With a projection
+        (LSTMP, inference) the kernel runs on the cell's h' with W_hh W_hr folded
+        (:meth:`_folded`)."""
         from ..schedules.persistent import buffers, kernel
         from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
@@ -616,8 +618,8 @@ class _Builder:
         p, layout = self.p, self.layout
         n, h, g, proj, dirs = p.batch, p.hidden_size, p.gates, p.proj_size, p.directions
         acc = accum_dtype(p.dtype)
-        w_rows = self.param(sig, "w_hh_rows", (dirs * layout.weight_shape(g, h, proj)[0],
-                                               layout.weight_shape(g, h, proj)[1]), "input")
+        rows_shape = layout.weight_shape(g, h, proj)
+        w_rows = self.param(sig, "w_hh_rows", (dirs * rows_shape[0], *rows_shape[1:]), "input")
         h_cell = self.param(sig, "h_cell", (t_len, n, dirs * h), "workspace")
         gh0 = self.param(sig, "gh_initial", (n, dirs * g * h), "workspace", acc)
         zero = self.param(sig, "zero_bias", (g * h,), "workspace")
