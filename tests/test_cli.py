@@ -22,7 +22,12 @@ def run(capsys, *argv):
 def test_cells(capsys):
     code, out, _ = run(capsys, "cells")
     assert code == 0
-    assert "lstm" in out and "gru" in out and "rnn_relu" in out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert {"lstm", "gru", "rnn_relu", "peephole", "ln_lstm"} <= set(lines)
+    assert "3 per-unit parameters" in lines["peephole"] and "reduces" not in lines["peephole"]
+    assert lines["ln_lstm"].endswith("14 per-unit parameters; reduces over the hidden units: "
+                                     "non-persistent schedule only")
+    assert ";" not in lines["lstm"]
 
 
 def test_compile_inspect_bench(capsys, tmp_path):
