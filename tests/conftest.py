@@ -1,5 +1,6 @@
 """Shared fixtures. GPU tests (marked ``gpu``) run only with ``--gpu`` on a machine with a CUDA
-device: ``python -m pytest tests --gpu -m gpu``."""
+device: ``python -m pytest tests --gpu -m gpu``; long tests (marked ``slow``: a MetaSchedule
+tune through RPC, large CUDA builds) only with ``--slow``."""
 
 import numpy as np
 import pytest
@@ -7,15 +8,20 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run the tests marked gpu on CUDA")
+    parser.addoption("--slow", action="store_true", help="run the tests marked slow too")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--gpu"):
-        return
-    skip = pytest.mark.skip(reason="GPU test: run with --gpu on a machine with a CUDA GPU")
+    skips = {}
+    if not config.getoption("--gpu"):
+        skips["gpu"] = pytest.mark.skip(
+            reason="GPU test: run with --gpu on a machine with a CUDA GPU")
+    if not config.getoption("--slow"):
+        skips["slow"] = pytest.mark.skip(reason="long test: run with --slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

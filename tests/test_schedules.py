@@ -692,6 +692,12 @@ def test_float16_input_projection_sees_flat_rows():
                                      (Problem(lstm, 80, 33, 3, "float16"),
                                       Options(gate_gemm=False), CUDA)]:
         assert not sequence.layout_for(target, options, problem).flat_rows
+
+
+@pytest.mark.slow
+def test_float16_input_projection_on_flat_rows_builds_on_tensor_cores():
+    """The module of such a layer: its input GEMM on [T*N, C] rows by dlight's tensor-core
+    rule, while the caller still sees xp [T, N, G*H] (a build of about 75 s on 2 cores)."""
     module = rnncc.compile("lstm", 80, 33, 3, target="cuda", dtype="float16")
     schedule = module.metadata["schedule"]
     assert schedule["layout"]["flat_rows"] and schedule["rules"]["input_gemm"] == "cuda.matmul"
