@@ -48,6 +48,13 @@ def test_bad_cell_parameters(params, match):
                    lambda gi, gh, s, p: (gi[0] * p[0],), params=params)
 
 
+@pytest.mark.parametrize("initial", [{"b": 1.0}, {"a": "one"}])
+def test_initial_values_only_of_its_parameters_and_numbers(initial):
+    with pytest.raises(CellError, match="cell 'x': initial takes numbers for its params"):
+        cells.Cell("x", 1, ("h",), lambda gi, gh, s, p: (gi[0] * p[0],),
+                   lambda gi, gh, s, p: (gi[0] * p[0],), params=("a",), initial=initial)
+
+
 def test_a_parameter_the_step_never_uses_is_refused():
     cell = cells.Cell("unused_param", 1, ("h",), lambda gi, gh, s, p: (gi[0] * p[0] + gh[0],),
                       lambda gi, gh, s, p: (gi[0] * p[0] + gh[0],), params=("a", "b"))
