@@ -144,14 +144,8 @@ def layer_norm(values, eps: float = 1e-5):
                         f"(normalised together), got {values!r}")
     values = list(values)
     k = float(len(values))
-    mu = mean(_sum(values) / k)
+    mu = mean(sum(values[1:], start=values[0]) / k)
     centred = [v - mu for v in values]
-    scale = rsqrt(mean(_sum([v * v for v in centred]) / k) + eps)
+    squares = [v * v for v in centred]
+    scale = rsqrt(mean(sum(squares[1:], start=squares[0]) / k) + eps)
     return [v * scale for v in centred]
-
-
-def _sum(values):
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return total

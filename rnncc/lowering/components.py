@@ -18,6 +18,7 @@ Layouts (chosen by the schedule, see :class:`Layout`):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import tvm
@@ -330,7 +331,7 @@ def row_means(shape: tuple, body):
     sums: list = []
 
     def reducer(row, stop=None):
-        calls = iter(range(1 << 30))
+        calls = itertools.count()
 
         def mean(x):
             k = next(calls)
@@ -486,7 +487,6 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
     k < G*H), from the same W_hh. ``folded`` P (a projection, LSTMP): from W_hh [G*H, P] and
     W_hr [P, H] (the function's first two parameters), the product W_hh W_hr [G*H, H] (summed
     in the accumulation dtype), which multiplies the cell's h' as W_hh does h = W_hr h'."""
-    extra = []
     if folded:
         given = te.placeholder((i64(gates * hidden), i64(folded)), dtype, "w_hh")
         w_hr = te.placeholder((i64(folded), i64(hidden)), dtype, "w_hr")
@@ -495,9 +495,10 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
             _cast(given[r, p], acc) * _cast(w_hr[p, k], acc), axis=p), name="folded")
         if dtype != acc:
             w = _elementwise(w, dtype, "folded_rounded")
-        extra = [given, w_hr]
+        inputs = [given, w_hr]
     else:
         w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
+        inputs = [w]
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
     shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.chunks, rw, 32, vec))
     if transposed:
@@ -518,7 +519,7 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
         return _block_row(at, rows, hidden, depth, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
                           dtype)
 
-    return te.create_prim_func([*(extra or [w]), te.compute(shape, value, name="pack")])
+    return te.create_prim_func([*inputs, te.compute(shape, value, name="pack")])
 
 
 def pack_fused_input(gates: int, hidden: int, depth: int, shape: tuple, plan,

@@ -132,9 +132,9 @@ class _Builder:
         if len(tags) == 1:
             self.add(name, standalone_function(name, _rename_params(func, [*srcs, dst])), sig)
             return
-        stages = [Stage(f"{name}_{tags[d]}", func, [Region(src, (ALL, ALL)), Region(
-            dst, (slice(d * shape[0], (d + 1) * shape[0]),) + (ALL,) * (len(shape) - 1))], 1)
-            for d, src in enumerate(srcs)]
+        stages = [Stage(f"{name}_{tags[d]}", func, [Region(src, (ALL, ALL)),
+                                                    _part(dst, d, len(tags))], 1)
+                  for d, src in enumerate(srcs)]
         self.add(name, sequence_function(name, [*srcs, dst], stages, None, None, []), sig)
 
     def pack_folded(self, plan):
@@ -154,18 +154,13 @@ class _Builder:
         shapes = [tuple(int(d) for d in f.params[-1].shape) for f in (fold, rows)]
         packed, given = (self.param(sig, name, (len(tags) * shape[0], *shape[1:]), "output")
                          for name, shape in zip(("w_hh", "w_hh_rows"), shapes))
-
-        def part(buffer, shape, d):
-            return Region(buffer, (slice(d * shape[0], (d + 1) * shape[0]),)
-                          + (ALL,) * (len(shape) - 1))
-
         stages = []
         for d, tag in enumerate(tags):
             stages += [Stage(f"fold_{tag}", fold, [Region(w_hh[d], (ALL, ALL)),
                                                    Region(w_hr[d], (ALL, ALL)),
-                                                   part(packed, shapes[0], d)], 1),
+                                                   _part(packed, d, len(tags))], 1),
                        Stage(f"rows_{tag}", rows, [Region(w_hh[d], (ALL, ALL)),
-                                                   part(given, shapes[1], d)], 1)]
+                                                   _part(given, d, len(tags))], 1)]
         self.add("persistent_pack_w_hh", sequence_function(
             "persistent_pack_w_hh", [*w_hh, *w_hr, packed, given], stages, None, None, []), sig)
 
@@ -390,11 +385,10 @@ class _Builder:
                       else [Region(xp, at(d, (ALL, ALL)))])
             h_prev = Region(sw[0], at(d, (slot, ALL, ALL)))
             if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
-                rows = int(w_hh.shape[0]) // dirs
                 parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
                     n, r, g * h, rec_parts, layout.weights, p.dtype, acc), "gemm")
                 steps.append(Stage(f"recurrent_gemm{suffix}", parts_func, [
-                    h_prev, Region(w_hh, (slice(d * rows, (d + 1) * rows), ALL)),
+                    h_prev, _part(w_hh, d, dirs),
                     Region(hp, at(d, (ALL, ALL, ALL)))], 1))
                 gh = [Region(hp, at(d, (ALL, ALL, ALL))),
                       Region(b_hh, (slice(d * g * h, (d + 1) * g * h),))]
@@ -454,14 +448,13 @@ class _Builder:
         sample's length) by direction ``d``'s rows of the stacked packed W_hr (``zero``: its
         bias), then y [N, P] and the new h (the previous one past the sample's length)."""
         p = self.p
-        rows = int(w_hr.shape[0]) // p.directions
         gemm = self.scheduled("projection_gemm", comp.gemm(
             (p.batch,), p.hidden_size, p.proj_size, self.layout.weights, p.dtype, p.dtype),
             "gemm")
         select = self.scheduled("projected_state", comp.projected_state(
             p.batch, p.proj_size, p.dtype, bool(active)), "elementwise")
         return [Stage("projection_gemm", gemm, [
-            h_cell, Region(w_hr, (slice(d * rows, (d + 1) * rows), ALL)),
+            h_cell, _part(w_hr, d, p.directions),
             Region(zero, (ALL,)), hr], 1),
             Stage("projected_state", select, [hr, h_prev, *active, y, h_next], 2)]
 
@@ -632,14 +625,6 @@ class _Builder:
         def of(d):  # direction d's rows of the kernel's states
             return slice(d * n, (d + 1) * n)
 
-        def weight(w, d):  # direction d's part of a stacked packed weight
-            rows = int(w.shape[0]) // dirs
-            return Region(w, (slice(d * rows, (d + 1) * rows), ALL))
-
-        def columns(buffer, d, width):  # direction d's columns of [.., N, D*width]
-            return Region(buffer, (ALL,) * (len(buffer.shape) - 1)
-                          + (slice(d * width, (d + 1) * width),))
-
         prologue = [
             Stage("zero_bias", self.scheduled("zero_gates_bias", comp.zeros(
                 (g * h,), p.dtype), "elementwise"), [Region(zero, (ALL,))], 1),
@@ -653,8 +638,8 @@ class _Builder:
         product = self.scheduled("initial_gemm", comp.gemm(
             (n,), proj, g * h, layout.weights, p.dtype), "gemm")
         initial = [Stage(f"initial_gemm{_SUFFIX[d]}", product, [
-            Region(s0[0], (d, ALL, ALL)), weight(w_rows, d), Region(zero, (ALL,)),
-            columns(gh0, d, g * h)], 1) for d in range(dirs)]
+            Region(s0[0], (d, ALL, ALL)), _part(w_rows, d, dirs), Region(zero, (ALL,)),
+            _part(gh0, d, dirs, axis=-1)], 1) for d in range(dirs)]
         b_proj = Region(zero, (slice(0, proj),))
 
         def epilogue(final, y, sn):
@@ -668,10 +653,10 @@ class _Builder:
                          else Region(sn[0], (d, ALL, ALL)))
                 stages += [
                     Stage(f"projection_steps{_SUFFIX[d]}", steps, [
-                        columns(h_cell, d, h), weight(w_hr, d), b_proj,
-                        columns(y_acc if rounded else y, d, proj)], 1),
+                        _part(h_cell, d, dirs, axis=-1), _part(w_hr, d, dirs), b_proj,
+                        _part(y_acc if rounded else y, d, dirs, axis=-1)], 1),
                     Stage(f"projection_final{_SUFFIX[d]}", last, [
-                        Region(sw[0], (final, of(d), ALL)), weight(w_hr, d), b_proj, h_out],
+                        Region(sw[0], (final, of(d), ALL)), _part(w_hr, d, dirs), b_proj, h_out],
                         1)]
                 if rounded:
                     stages += self.states_copy("round_h", [h_out],
@@ -689,6 +674,15 @@ class _Builder:
         return SimpleNamespace(
             prologue=prologue, initial=initial, first=gh0, epilogue=epilogue, h_cell=h_cell,
             params=[w_rows, h_cell, gh0, zero] + ([y_acc, h_acc] if rounded else []))
+
+
+def _part(buffer, d: int, count: int, axis: int = 0) -> Region:
+    """Part d of ``count`` equal parts of ``buffer`` along ``axis`` (a direction's rows of a
+    stacked weight, its columns of y), the other dimensions whole."""
+    size = int(buffer.shape[axis]) // count
+    index = [ALL] * len(buffer.shape)
+    index[axis] = slice(d * size, (d + 1) * size)
+    return Region(buffer, tuple(index))
 
 
 def sums_in_place(parts: tuple, chunk: int) -> bool:
