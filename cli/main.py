@@ -203,12 +203,13 @@ def _stage_line(kind: str, first: int, count: int) -> str:
 
 def _cmd_cells(args) -> int:
     from rnncc import cells
-    from rnncc.cells.autodiff import reduces
+    from rnncc.cells.autodiff import reductions
 
     for cell in cells.registry().values():
         notes = [f"{len(cell.params)} per-unit parameters"] if cell.params else []
-        if reduces(cell):
-            notes.append("reduces over the hidden units: non-persistent schedule only")
+        if reductions(cell):
+            notes.append(f"reduces over the hidden units by {reductions(cell)}: "
+                         "non-persistent schedule only")
         print(f"{cell.name:<12} G={cell.gates} states={','.join(cell.states):<6} {cell.doc}"
               + "".join(f"; {note}" for note in notes))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cells import Cell
+from .cells import Cell, autodiff
 
 
 def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None):
@@ -32,6 +32,11 @@ def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None)
     initial = initial or {}
     state = [np.asarray(initial[s], np.float64).reshape(batch, w) if s in initial
              else np.zeros((batch, w)) for s, w in zip(cell.states, widths)]
+    recurrent = None
+    if autodiff.trace(cell).products:
+        def recurrent(g, v):
+            rows = slice(g * hidden, (g + 1) * hidden)
+            return np.asarray(v, np.float64) @ w_hh[rows].T + b_hh[rows]
     active = (np.ones((steps, batch), bool) if lengths is None
               else np.arange(steps)[:, None] < np.asarray(lengths)[None, :])
     ys = np.empty((steps, batch, widths[0]))
@@ -40,7 +45,7 @@ def run(cell: Cell, x, weights: dict, initial: dict | None = None, lengths=None)
         gh = state[0] @ w_hh.T + b_hh
         split = [slice(g * hidden, (g + 1) * hidden) for g in range(cell.gates)]
         new = list(cell.reference_step([gi[:, s] for s in split], [gh[:, s] for s in split],
-                                       state, params))
+                                       state, params, recurrent))
         if w_hr is not None:
             new[0] = np.asarray(new[0], np.float64) @ w_hr.T
         state = [np.where(active[t][:, None], np.asarray(v, np.float64), old)

@@ -40,17 +40,22 @@ def _err(out, ref) -> float:
 @pytest.mark.parametrize("cell", CELLS)
 def test_cell_derivative_matches_finite_differences(cell, rng):
     """The derivative traced from a cell's step (NumPy backend) against central differences
-    of the cell's own float64 reference (per-unit parameters included)."""
+    of the cell's own float64 reference (per-unit parameters and recurrent products of the
+    step's values included)."""
     cell = _cell(cell)
     graph = autodiff.trace(cell)
     g, s = cell.gates, len(cell.states)
     values = [rng.standard_normal((3, 4)) for _ in range(2 * g + s + len(cell.params))]
     seeds = [rng.standard_normal((3, 4)) for _ in range(s)]
-    grads = autodiff.vjp(graph, values, seeds, autodiff.NumPy())
+    w_hh, b_hh = rng.standard_normal((g * 4, 4)), rng.standard_normal(g * 4)
+    grads = autodiff.vjp(graph, values, seeds, autodiff.NumPy(w_hh, b_hh))
+
+    def recurrent(gate, x):
+        return x @ w_hh[gate * 4:(gate + 1) * 4].T + b_hh[gate * 4:(gate + 1) * 4]
 
     def loss(vals):
         out = cell.reference_step(vals[:g], vals[g:2 * g], vals[2 * g:2 * g + s],
-                                  vals[2 * g + s:])
+                                  vals[2 * g + s:], recurrent if graph.products else None)
         return sum(float((o * w).sum()) for o, w in zip(out, seeds))
 
     for i, grad in enumerate(grads):

@@ -47,7 +47,9 @@ class Cell:
     reference:
         The same step in NumPy, on float64 arrays of shape [N, H] (an independent check of
         ``step``, not derived from it); with ``params``, ``reference(gi, gh, state, params)``,
-        each param an array [H].
+        each param an array [H]. A step that takes a recurrent product of one of its values
+        (:func:`rnncc.cells.ops.recurrent`) has a reference that takes ``recurrent=f`` too,
+        ``f(g, x)`` = x @ W_hh[g*H:(g+1)*H].T + b_hh[g*H:(g+1)*H] for x [N, H].
     params:
         Names of the cell's learned per-unit parameters beyond W_ih, W_hh and the biases, each
         a vector [H] (peephole weights, say); a module takes them as ``<name>_l0`` weights.
@@ -119,10 +121,11 @@ class Cell:
         return tuple(out)
 
     def reference_step(self, gi: Sequence, gh: Sequence, state: Sequence,
-                       params: Sequence = ()) -> tuple:
-        """Call ``reference`` (with ``params``, arrays [H], where the cell has them)."""
-        return self.reference(gi, gh, state, params) if self.params else self.reference(
-            gi, gh, state)
+                       params: Sequence = (), recurrent: Callable | None = None) -> tuple:
+        """Call ``reference`` (with ``params``, arrays [H], where the cell has them; with
+        ``recurrent=``, where the step takes recurrent products of its values)."""
+        args = (gi, gh, state) + ((params,) if self.params else ())
+        return self.reference(*args, **({"recurrent": recurrent} if recurrent else {}))
 
 
 _REGISTRY: dict[str, Cell] = {}
@@ -132,7 +135,6 @@ def register(cell: Cell, *, replace: bool = False) -> Cell:
     """Add ``cell`` to the registry (API, command line and test suite) and return it."""
     if not isinstance(cell, Cell):
         raise CellError(f"register() takes an rnncc Cell, got {type(cell).__name__}")
-    _check_params_used(cell)
     old = _REGISTRY.get(cell.name)
     if old is not None and old is not cell and not replace:
         raise CellError(
@@ -140,17 +142,18 @@ def register(cell: Cell, *, replace: bool = False) -> Cell:
             + (f" (from {old.source})" if old.source else "")
             + "; pick another name or pass replace=True"
         )
+    _check_step(cell)
     _REGISTRY[cell.name] = cell
     return cell
 
 
-def _check_params_used(cell: Cell) -> None:
-    """A parameter the step never uses is a mistake in the cell file: say which."""
-    if not cell.params:
-        return
-    from .autodiff import trace, uses
+def _check_step(cell: Cell) -> None:
+    """A parameter the step never uses, or a recurrent product it cannot take, is a mistake in
+    the cell file: say which."""
+    from .autodiff import check_products, trace, uses
 
     graph = trace(cell)
+    check_products(graph)
     first = 2 * cell.gates + len(cell.states)
     unused = [p for p, node in zip(cell.params, graph.inputs[first:]) if not uses(graph, node)]
     if unused:

@@ -11,7 +11,9 @@ kernels) or with NumPy arrays (tests, against finite differences of the cell's r
 Derivatives used: sigmoid' = s (1 - s), tanh' = 1 - t^2, exp' = e, relu' = [x > 0], rsqrt' =
 -r^3 / 2, each from the function's own value, so that the forward value is computed once. A
 row mean m = mean_j(x_j) (:func:`rnncc.cells.ops.mean`) is one value for the whole row, so its
-adjoint sums over the row's units: dx_j = mean_j(dm_j), another row mean.
+adjoint sums over the row's units: dx_j = mean_j(dm_j), another row mean. A recurrent product
+p = W_g x + b_g (:func:`rnncc.cells.ops.recurrent`, W_g gate g's rows of W_hh) gives dx = W_g^T
+dp, a product by the transposed rows (and dW_g = dp^T x, db_g = dp, the training pass's).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class Graph:
     inputs: list
     outputs: list
     order: list = field(default_factory=list)  # every node, each after its arguments
+    #: the step's recurrent products, in the order it takes them (value: (gate, k))
+    products: list = field(default_factory=list)
 
 
 def trace(cell: Cell) -> Graph:
@@ -97,8 +101,18 @@ def trace(cell: Cell) -> Graph:
     inputs = [Traced("input", value=i)
               for i in range(2 * g_count + s_count + len(cell.params))]
     first = 2 * g_count + s_count
-    out = cell.evaluate(inputs[:g_count], inputs[g_count:2 * g_count],
-                        inputs[2 * g_count:first], inputs[first:])
+    products: list = []
+
+    def product(gate, x, transposed):
+        if not isinstance(x, Traced):
+            raise CellError(f"cell {cell.name!r}: ops.recurrent takes a value of the step, got "
+                            f"{x!r}")
+        products.append(Traced("product", (x,), value=(gate, len(products))))
+        return products[-1]
+
+    with ops.reducing_with(None, product):
+        out = cell.evaluate(inputs[:g_count], inputs[g_count:2 * g_count],
+                            inputs[2 * g_count:first], inputs[first:])
     outputs = [Traced._of(v) for v in out]
     order, seen = [], set()
     for root in outputs:  # depth first, arguments before the node, without recursion
@@ -113,13 +127,46 @@ def trace(cell: Cell) -> Graph:
                 continue
             stack.append((node, True))
             stack.extend((a, False) for a in node.args if id(a) not in seen)
-    return Graph(cell, inputs, outputs, order)
+    return Graph(cell, inputs, outputs, order, products)
+
+
+def reductions(cell: Cell) -> str:
+    """What ``cell``'s step reduces over the hidden units by, in words ("" for nothing): row
+    means (:func:`rnncc.cells.ops.mean`) or recurrent products of its values
+    (:func:`rnncc.cells.ops.recurrent`). Such a cell runs where a lowering reduces, not in the
+    persistent kernel."""
+    graph = trace(cell)
+    found = []
+    if any(node.op == "mean" for node in graph.order):
+        found.append("means (ops.mean)")
+    if graph.products:
+        found.append("recurrent products of its values (ops.recurrent)")
+    return " and ".join(found)
 
 
 def reduces(cell: Cell) -> bool:
-    """Whether ``cell``'s step reduces over the hidden units (:func:`rnncc.cells.ops.mean`):
-    then it runs where a lowering reduces, not in the persistent kernel."""
-    return any(node.op == "mean" for node in trace(cell).order)
+    """Whether ``cell``'s step reduces over the hidden units (:func:`reductions`)."""
+    return bool(reductions(cell))
+
+
+def check_products(graph: Graph) -> None:
+    """A step's recurrent products: each of a gate of the cell, one a gate, and a gate whose
+    product the step takes of a value does not also use gh[g] (its gradient would go to two
+    products of W_g)."""
+    cell, gates = graph.cell, [node.value[0] for node in graph.products]
+    bad = [g for g in gates if not 0 <= g < cell.gates]
+    if bad:
+        raise CellError(f"cell {cell.name!r}: ops.recurrent of gate {bad[0]}; the cell has "
+                        f"gates 0 to {cell.gates - 1}")
+    twice = sorted({g for g in gates if gates.count(g) > 1})
+    if twice:
+        raise CellError(f"cell {cell.name!r} takes gate {twice[0]}'s recurrent product "
+                        "(ops.recurrent) more than once; one a gate")
+    both = [g for g in gates if uses(graph, graph.inputs[cell.gates + g])]
+    if both:
+        raise CellError(f"cell {cell.name!r} takes gate {both[0]}'s recurrent product of a value "
+                        f"(ops.recurrent) and also uses gh[{both[0]}] (the product of h): a "
+                        "gate's recurrent product is of h or of one value, not both")
 
 
 def uses(graph: Graph, node) -> bool:
@@ -147,8 +194,9 @@ def summed_gates(graph: Graph) -> list[bool]:
 
 class Backend:
     """How a graph's values are computed: ``const(c, like)``, ``unary(name, x)``,
-    ``positive(x, a)`` (``a`` where x > 0, else zero) and ``mean(x)`` (over the row's units);
-    arithmetic is Python's operators."""
+    ``positive(x, a)`` (``a`` where x > 0, else zero), ``mean(x)`` (over the row's units),
+    ``product(gate, x)`` and ``transposed(gate, a)`` (gate's rows of W_hh, times x, plus the
+    bias; a times them transposed); arithmetic is Python's operators."""
 
     def const(self, value: float, like):
         raise NotImplementedError
@@ -161,6 +209,12 @@ class Backend:
 
     def mean(self, x):
         return ops.mean(x)
+
+    def product(self, gate, x):
+        raise NotImplementedError
+
+    def transposed(self, gate, a):
+        return ops.transposed_product(gate, a)
 
 
 class PrimExprs(Backend):
@@ -181,7 +235,22 @@ class PrimExprs(Backend):
 
 
 class NumPy(Backend):
-    """Values as NumPy arrays (float64 in the tests)."""
+    """Values as NumPy arrays (float64 in the tests), [N, H] each; a step's recurrent products
+    take ``w_hh`` [G*H, H] and ``b_hh`` [G*H]."""
+
+    def __init__(self, w_hh=None, b_hh=None):
+        self.w_hh, self.b_hh = w_hh, b_hh
+
+    def _rows(self, gate):
+        h = self.w_hh.shape[1]
+        return self.w_hh[gate * h:(gate + 1) * h], self.b_hh[gate * h:(gate + 1) * h]
+
+    def product(self, gate, x):
+        w, b = self._rows(gate)
+        return x @ w.T + b
+
+    def transposed(self, gate, a):
+        return a @ self._rows(gate)[0]
 
     def const(self, value, like):
         import numpy as np
@@ -205,8 +274,9 @@ class NumPy(Backend):
         return np.where(x > 0, a, 0.0)
 
 
-def forward(graph: Graph, values: Sequence, backend: Backend) -> dict:
-    """Every node's value (by id) from the inputs' ``values``."""
+def forward(graph: Graph, values: Sequence, backend: Backend, products=None) -> dict:
+    """Every node's value (by id) from the inputs' ``values``; the recurrent products' from
+    ``products`` (one a product, in the step's order) where given, else the backend's."""
     like = values[0]
     out = {}
     for node in graph.order:
@@ -229,15 +299,22 @@ def forward(graph: Graph, values: Sequence, backend: Backend) -> dict:
             out[id(node)] = backend.unary(node.op, args[0])
         elif node.op == "mean":
             out[id(node)] = backend.mean(args[0])
+        elif node.op == "product":
+            gate, k = node.value
+            out[id(node)] = (products[k] if products is not None
+                             else backend.product(gate, args[0]))
         else:
             raise CellError(f"cell {graph.cell.name!r}: no derivative for operation {node.op!r}")
     return out
 
 
-def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend) -> list:
+def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend, products=None,
+        found: dict | None = None) -> list:
     """The gradients of the graph's inputs (G of ``gi``, G of ``gh``, then the states), given
-    the inputs' ``values`` and the gradients ``seeds`` of its outputs (one a new state)."""
-    value = forward(graph, values, backend)
+    the inputs' ``values`` and the gradients ``seeds`` of its outputs (one a new state);
+    ``products`` as :func:`forward`'s. ``found``, a dict: then ``found[k]`` is the value of the
+    argument x of the step's k-th recurrent product (W_g's gradient is dp^T x)."""
+    value = forward(graph, values, backend, products)
     adjoint: dict = {}
 
     def add(node, grad):
@@ -279,25 +356,36 @@ def vjp(graph: Graph, values: Sequence, seeds: Sequence, backend: Backend) -> li
             add(args[0], a * (out * out * out) * backend.const(-0.5, out))
         elif node.op == "mean":
             add(args[0], backend.mean(a))
+        elif node.op == "product":
+            gate, k = node.value
+            if found is not None:
+                found[k] = value[id(args[0])]
+            add(args[0], backend.transposed(gate, a))
     like = values[0]
     return [adjoint.get(id(node), backend.const(0.0, like)) for node in graph.inputs]
 
 
 def kept_vjp(graph: Graph, kept: Sequence, part, states: Sequence, seeds: Sequence,
-             backend: Backend, params: Sequence = ()) -> tuple[list, list, list]:
+             backend: Backend, params: Sequence = (), found: dict | None = None
+             ) -> tuple[list, list, list]:
     """The step's VJP from what a training forward kept of its projections: ``kept`` its parts
     in order, ``(g, "sum")`` (gi[g] + gh[g], for a gate used only as that sum) or ``(g, "gi")``
-    and ``(g, "gh")``; ``part(i)`` the value of part i; ``states`` the previous states' values,
-    ``seeds`` the new states' gradients, ``params`` the values of the cell's per-unit
-    parameters. Returns (the projections' gradients: G of gi, then, where some gate is kept
-    apart, G of gh; where none is, gi's equal gh's; the previous states' gradients; the
-    parameters' gradients at this element)."""
+    and, unless the step takes the gate's product of a value, ``(g, "gh")``; then
+    ``(k, "product")``, the value of the
+    step's k-th recurrent product; ``part(i)`` the value of part i; ``states`` the previous
+    states' values, ``seeds`` the new states' gradients, ``params`` the values of the cell's
+    per-unit parameters; ``found`` as :func:`vjp`'s. Returns (the projections' gradients: G of
+    gi, then, where some gate is kept apart or the step takes a recurrent product, G of gh;
+    where none is, gi's equal gh's; the previous states' gradients; the parameters' gradients
+    at this element)."""
     g_count, s_count = graph.cell.gates, len(graph.cell.states)
     if len(params) != len(graph.cell.params):
         raise CellError(f"cell {graph.cell.name!r}: {len(params)} parameter values for its "
                         f"params {graph.cell.params}")
     slot = {p: i for i, p in enumerate(kept)}
-    if sorted(g for g, which in kept if which != "gh") != list(range(g_count)):
+    if (sorted(g for g, which in kept if which in ("sum", "gi")) != list(range(g_count))
+            or sorted(k for k, which in kept if which == "product")
+            != list(range(len(graph.products)))):
         raise CellError(f"cell {graph.cell.name!r}: kept parts {tuple(kept)} do not cover its "
                         f"{g_count} gates")
     zero = backend.const(0.0, part(0))
@@ -306,7 +394,8 @@ def kept_vjp(graph: Graph, kept: Sequence, part, states: Sequence, seeds: Sequen
                for g in range(g_count)]
               + [part(slot[(g, "gh")]) if (g, "gh") in slot else zero for g in range(g_count)]
               + list(states) + list(params))
-    grads = vjp(graph, values, seeds, backend)
-    both = any(which == "gh" for _, which in kept)
+    products = [part(slot[(k, "product")]) for k in range(len(graph.products))]
+    grads = vjp(graph, values, seeds, backend, products, found)
+    both = any(which in ("gh", "product") for _, which in kept)
     first = 2 * g_count + s_count
     return grads[:2 * g_count if both else g_count], grads[2 * g_count:first], grads[first:]

@@ -6,8 +6,9 @@ persistent kernel) and with staged tensors (one kernel per operation; the unfuse
 a step must use these functions rather than ``tvm.tirx`` or NumPy ones directly.
 
 Besides point-wise functions a step may reduce over the hidden units of its batch row
-(:func:`mean`, and :func:`layer_norm` built on it): the lowering computes the reduced value for
-every unit of the row first, as a stage of its own (:func:`reducing_with`).
+(:func:`mean`, and :func:`layer_norm` built on it) and take a gate's recurrent product of one of
+its values instead of h (:func:`recurrent`): the lowering computes the reduced value for every
+unit of the row first, as a stage of its own (:func:`reducing_with`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from ..errors import CellError
 #: How the lowering that calls a step with PrimExprs computes :func:`mean`, innermost last
 #: (see :func:`reducing_with`).
 _MEANS: list = []
+
+#: How it computes :func:`recurrent` (and the derivative's :func:`transposed_product`), or None
+#: where it does not, innermost last.
+_PRODUCTS: list = []
 
 #: Implementations a schedule puts in place of TVM's for the expressions it builds (see
 #: :func:`lowered_with`): name -> f(PrimExpr) -> PrimExpr, or None to keep TVM's.
@@ -43,14 +48,18 @@ def lowered_with(functions: dict):
 
 
 @contextlib.contextmanager
-def reducing_with(mean):
+def reducing_with(mean, product=None):
     """Within the block, :func:`mean` of a PrimExpr is ``mean(x)``: the lowering's row mean of
-    the element's expression x (a value the same for every unit of the row)."""
+    the element's expression x (a value the same for every unit of the row); :func:`recurrent`
+    is ``product(gate, x, False)`` and :func:`transposed_product` ``product(gate, x, True)``
+    (None: this lowering takes no products)."""
     _MEANS.append(mean)
+    _PRODUCTS.append(product)
     try:
         yield
     finally:
         _MEANS.pop()
+        _PRODUCTS.pop()
 
 
 def dtype_of(x) -> str:
@@ -132,6 +141,35 @@ def mean(x):
         raise CellError("rnncc.cells.ops.mean: this lowering of the step does not reduce over "
                         "the hidden units (the persistent kernel does not)")
     return _MEANS[-1](x)
+
+
+def recurrent(gate: int, x):
+    """Gate ``gate``'s recurrent product of ``x`` in place of h: ``gh[gate]`` with x for h,
+    W_hh's rows of the gate times x over the H units of the batch row, plus b_hh's (the GRU
+    that resets before its product takes ``recurrent(2, r * h)``). A step that takes it does
+    not use ``gh[gate]``, and takes one such product a gate. Like :func:`mean` a reduction
+    over the row: the cell runs on the non-persistent schedules."""
+    if isinstance(gate, bool) or not isinstance(gate, int):
+        raise CellError(f"rnncc.cells.ops.recurrent(gate, x): gate is the gate's index, an "
+                        f"int; got {gate!r}")
+    if isinstance(x, (int, float, list, tuple)):
+        raise CellError(f"rnncc.cells.ops.recurrent(gate, x) takes one value of the step for x "
+                        f"(it multiplies the row's H values by W_hh), got {x!r}")
+    return _product(gate, x, False)
+
+
+def transposed_product(gate: int, x):
+    """For a step's derivative (not for cells): x over the row's units times W_hh's rows of
+    ``gate``, transposed (no bias): the gradient of :func:`recurrent`'s argument from that of
+    its value."""
+    return _product(gate, x, True)
+
+
+def _product(gate, x, transposed):
+    if not _PRODUCTS or _PRODUCTS[-1] is None:
+        raise CellError("rnncc.cells.ops.recurrent: this lowering of the step takes no recurrent "
+                        "products of its values (the persistent kernel does not)")
+    return _PRODUCTS[-1](gate, x, transposed)
 
 
 def layer_norm(values, eps: float = 1e-5):

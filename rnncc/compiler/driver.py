@@ -115,14 +115,15 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
 
 def _not_persistent(problem: Problem) -> str:
     """Why ``problem`` runs on the non-persistent schedule whatever the GPU, or ""."""
-    from ..cells.autodiff import reduces
+    from ..cells.autodiff import reductions
 
     if problem.proj_size and problem.training:
         return (f"a projection (proj_size={problem.proj_size}) runs on the persistent kernel "
                 "in inference only; training runs on the non-persistent schedule")
-    if reduces(problem.cell):
-        return (f"cell {problem.cell.name!r} reduces over the hidden units within a step "
-                "(ops.mean): the persistent kernel does not reduce across its blocks yet, so "
+    found = reductions(problem.cell)
+    if found:
+        return (f"cell {problem.cell.name!r} reduces over the hidden units within a step by "
+                f"{found}: the persistent kernel does not reduce across its blocks yet, so "
                 "it runs on the non-persistent schedule")
     return ""
 

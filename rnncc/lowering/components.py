@@ -82,6 +82,17 @@ class Layout:
         """The layout of a plain matrix (no gates) in this one's orientation: W_hr's."""
         return Layout(self.weights)
 
+    def gate_block(self, d: int, gate: int, gates: int, hidden: int) -> tuple:
+        """The index, in W_hh packed this way (each direction's [G*H, H] stacked along the first
+        dimension), of gate ``gate``'s block of direction ``d``: the [H, H] (rows) or its
+        transpose (cols) that multiplies by that gate."""
+        row = d * gates + gate
+        if self.gates == "per_gate":
+            return (row, ALL, ALL)
+        if self.weights == "rows":
+            return (slice(row * hidden, (row + 1) * hidden), ALL)
+        return (slice(d * hidden, (d + 1) * hidden), slice(gate * hidden, (gate + 1) * hidden))
+
     def weight_shape(self, gates: int, hidden: int, k: int) -> tuple[int, ...]:
         """Shape of a packed [G*H, K] weight."""
         if self.gates == "combined":
@@ -198,7 +209,8 @@ def chunks(t_len, chunk: int):
 
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
               fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1,
-              projected: bool = False) -> tirx.PrimFunc:
+              projected: bool = False, upto: int | None = None,
+              recurrent_gates: int | None = None) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -209,22 +221,33 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     ``dtype``; the projections and the states are workspaces in the accumulation dtype.
     ``fused``: one kernel for the whole step; otherwise one kernel an operation (the unfused
     baseline). ``kept`` (fused, gates "combined"; the training forward): then also one output
-    [N, H] (accumulation dtype) for each of its parts ``(g, "sum" | "gi" | "gh")``: gate g's
-    ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]`` (see :func:`rnncc.lowering.training.kept_parts`).
-    ``rec_parts`` S > 1 ("combined"): ``gh`` is the recurrent product's S slices [S, N, G*H]
-    (:func:`gemm_parts`) and ``b_hh`` [G*H] (``dtype``) follows it; the step adds them. A cell
-    with ``params``: then one vector [H] (``dtype``) each, before the states. ``projected``
-    (LSTMP: the cell reads h only through W_hh, and h is W_hr h' of its output): h is neither
-    read nor written as a state here; ``y`` is the cell's h' (zero where not active) and the
-    states are the others only.
+    [N, H] (accumulation dtype) for each of its parts ``(g, "sum" | "gi" | "gh" | "product")``:
+    gate g's ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]``, or the step's g-th recurrent product
+    (see :func:`rnncc.lowering.training.kept_parts`). ``rec_parts`` S > 1 ("combined"): ``gh``
+    is the recurrent product's S slices [S, N, G*H] (:func:`gemm_parts`) and ``b_hh`` [G*H]
+    (``dtype``) follows it; the step adds them. A cell with ``params``: then one vector [H]
+    (``dtype``) each, before the states. ``projected`` (LSTMP: the cell reads h only through
+    W_hh, and h is W_hr h' of its output): h is neither read nor written as a state here; ``y``
+    is the cell's h' (zero where not active) and the states are the others only.
+
+    A step that takes recurrent products of its values (:func:`rnncc.cells.ops.recurrent`):
+    the products, a GEMM each, come in after the projections, ``product<gate>`` [N, H] (their
+    biases included) in the order the step takes them; with ``upto`` (a gate), only those the
+    step takes before that gate's, and the output is that product's argument [N, H] alone
+    (no ``active``; the accumulation dtype), what its GEMM multiplies. ``recurrent_gates``
+    ("combined"): ``gh`` holds the first ones only, [N, that * H] (the step takes the others'
+    products of other values).
     """
+    from ..cells import autodiff
+
     acc = accum_dtype(dtype)
     g_count = cell.gates
     n_, h_ = i64(batch), i64(hidden)
     if gates_layout == "combined":
         gi = te.placeholder((n_, i64(g_count * hidden)), acc, "gi")
         width = i64(g_count * hidden)
-        gh = te.placeholder(parts_shape(rec_parts, (n_, width)), acc, "gh")
+        read = recurrent_gates or g_count
+        gh = te.placeholder(parts_shape(rec_parts, (n_, i64(read * hidden))), acc, "gh")
         b_hh = te.placeholder((width,), dtype, "b_hh") if rec_parts > 1 else None
         inputs = [gi, gh] + ([b_hh] if rec_parts > 1 else [])
 
@@ -232,6 +255,8 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             return gi[n, g * hidden + j]
 
         def read_h(g, n, j):
+            if g >= read:  # a gate whose product the step takes of another value
+                return tirx.const(0, acc)
             if b_hh is None:
                 return gh[n, g * hidden + j]
             return parts_sum(gh, n, g * hidden + j) + _cast(b_hh[g * hidden + j], acc)
@@ -248,11 +273,14 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def read_h(g, n, j):
             return ghs[g][n, j]
 
+    order = products_before(autodiff.trace(cell), upto)
+    products = {g: te.placeholder((n_, h_), acc, f"product{g}") for g in order}
+    inputs += list(products.values())
     params = [te.placeholder((h_,), dtype, f"param_{p}") for p in cell.params]
     inputs += params
     own = cell.states[1:] if projected else cell.states  # the states read and written here
     states = [te.placeholder((n_, h_), acc, f"{s}_prev") for s in own]
-    active = te.placeholder((n_,), "int32", "active") if masked else None
+    active = te.placeholder((n_,), "int32", "active") if masked and upto is None else None
     skip = 1 if projected else 0  # the step's new states past h's, where h is not written
 
     def frozen(n, j, values):
@@ -273,11 +301,14 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                                 previous, [_cast(p[j], acc) for p in params])
             _check_scalars(cell, new)
             parts = {"sum": lambda g: read_i(g, n, j) + read_h(g, n, j),
-                     "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j)}
+                     "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j),
+                     "product": lambda k: products[order[k]][n, j]}
             return (frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
                     + [parts[part](g) for g, part in kept])
 
-        outs = te.compute((n_, h_), row_means((n_, h_), body), name="cell")
+        reduced = RowReductions((n_, h_), body, products)
+        outs = (reduced.argument(upto, "argument") if upto is not None
+                else te.compute((n_, h_), lambda n, j: reduced(n, j), name="cell"))
     else:
         def gate(read, g):
             return Staged(te.compute((n_, h_), lambda n, j: read(g, n, j), name=f"gate{g}"))
@@ -286,22 +317,34 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             return Staged(te.compute((n_, h_), lambda n, j: _cast(vector[j], acc),
                                      name="param"))
 
+        def product(g, x, transposed):
+            if g == upto:
+                raise _Reached(x)
+            return Staged(te.compute((n_, h_), lambda n, j: products[g][n, j],
+                                     name=f"product{g}"))
+
         previous = [Staged(_elementwise(s, acc, "state")) for s in states]
         if projected:  # h's value does not matter: the step does not read it
             previous = [Staged(te.compute((n_, h_), lambda n, j: tirx.const(0, acc),
                                           name="h_unread"))] + previous
-        new = cell.evaluate(
-            [gate(read_i, g) for g in range(g_count)],
-            [gate(read_h, g) for g in range(g_count)],
-            previous,
-            [param(p) for p in params],
-        )
+        try:
+            with ops.reducing_with(None, product):
+                new = cell.evaluate(
+                    [gate(read_i, g) for g in range(g_count)],
+                    [gate(read_h, g) for g in range(g_count)],
+                    previous,
+                    [param(p) for p in params],
+                )
+        except _Reached as found:  # upto: the product's argument
+            new = [found.value]
         if not all(isinstance(v, Staged) for v in new):
             raise CellError(
                 f"cell {cell.name!r}: step must compute every state from its inputs with "
                 "rnncc.cells.ops and arithmetic operators to be staged"
             )
-        if masked:  # one kernel writes y and the states, each where the step is active
+        if upto is not None:
+            outs = _elementwise(new[0].tensor, acc, "argument")
+        elif active is not None:  # one kernel writes y and the states, where the step is active
             staged = [new[0].tensor] + [v.tensor for v in new[skip:]]
             outs = te.compute((n_, h_), lambda n, j: frozen(n, j, [
                 _cast(staged[0][n, j], dtype)] + [_cast(v[n, j], acc) for v in staged[1:]]),
@@ -310,55 +353,85 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             outs = [_elementwise(new[0].tensor, dtype, "y")]
             outs += [_elementwise(v.tensor, acc, f"{s}_new") for s, v in zip(own, new[skip:])]
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # y alone, projected
-    extra = [active] if masked else []
+    extra = [active] if active is not None else []
     return te.create_prim_func([*inputs, *states, *extra, *outs])
 
 
+def products_before(graph, upto: int | None = None) -> list[int]:
+    """The gates whose recurrent products a traced step takes (:func:`rnncc.cells.ops.
+    recurrent`), in the order it takes them; with ``upto`` (one of them), those before it."""
+    gates = [node.value[0] for node in graph.products]
+    if upto is None:
+        return gates
+    if upto not in gates:
+        raise CellError(f"cell {graph.cell.name!r} takes no recurrent product of gate {upto}")
+    return gates[:gates.index(upto)]
+
+
 class _Reached(Exception):
-    """The mean :func:`row_means` looked for, and its argument."""
+    """The reduction :class:`RowReductions` looked for, and its argument."""
 
     def __init__(self, value):
         super().__init__()
         self.value = value
 
 
-def row_means(shape: tuple, body):
-    """``body(n, j)``, a ``te.compute`` body over ``shape`` [N, H] that calls a cell's step,
-    made to reduce: the k-th :func:`rnncc.cells.ops.mean` the body takes is a stage [N, H] of
-    its argument (the body itself evaluated at every element up to that mean, the means before
-    it read from their stages), then its sum over the row (a stage [N]). A body that takes no
-    mean is unchanged."""
-    sums: list = []
+class RowReductions:
+    """``body(n, j)``, a ``te.compute`` body over ``shape`` [N, H] that calls a cell's step (or
+    its derivative), made to reduce over the row's units. The k-th :func:`rnncc.cells.ops.mean`
+    the body takes is a stage [N, H] of its argument (the body itself evaluated at every element
+    up to that mean, the means before it read from their stages), then its sum over the row (a
+    stage [N]). Its recurrent products (:func:`rnncc.cells.ops.recurrent`, or a derivative's
+    transposed ones) are ``products[gate]``, tensors [N, H] the caller computed (a GEMM of
+    :meth:`argument`'s). Calling the object gives the body's value; a body that reduces nothing
+    is unchanged."""
 
-    def reducer(row, stop=None):
-        calls = itertools.count()
+    def __init__(self, shape: tuple, body, products: dict | None = None):
+        self.shape, self.body, self.products = shape, body, dict(products or {})
+        self.sums: list = []
+
+    def __call__(self, n, j):
+        return self._evaluate(n, j)
+
+    def argument(self, gate: int, name: str) -> te.Tensor:
+        """A stage [N, H]: the argument of the body's recurrent product of ``gate`` (the body
+        evaluated up to it; the products it reads before are in ``products``)."""
+        return te.compute(self.shape, lambda a, b: self._argument(a, b, ("product", gate)),
+                          name=name)
+
+    def _evaluate(self, n, j, stop=None):
+        shape, units = self.shape, int(self.shape[1])
+        means = itertools.count()
 
         def mean(x):
-            k = next(calls)
-            if k == stop:
+            k = next(means)
+            if stop == ("mean", k):
                 raise _Reached(x)
-            if k == len(sums):
-                values = te.compute(shape, lambda a, b: argument(a, b, k), name=f"row_values{k}")
+            if k == len(self.sums):
+                values = te.compute(shape, lambda a, b: self._argument(a, b, ("mean", k)),
+                                    name=f"row_values{k}")
                 r = te.reduce_axis((0, shape[1]), name=f"r{k}")
-                sums.append(te.compute(shape[:1], lambda a: te.sum(values[a, r], axis=r),
-                                       name=f"row_sum{k}"))
-            return sums[k][row] * tirx.const(1.0 / int(shape[1]), _dtype_of(x))
+                self.sums.append(te.compute(shape[:1], lambda a: te.sum(values[a, r], axis=r),
+                                            name=f"row_sum{k}"))
+            return self.sums[k][n] * tirx.const(1.0 / units, _dtype_of(x))
 
-        return mean
+        def product(gate, x, transposed):
+            if stop == ("product", gate):
+                raise _Reached(x)
+            if gate not in self.products:
+                raise CellError(f"a step took gate {gate}'s recurrent product before the "
+                                "products it depends on were computed")
+            return self.products[gate][n, j]
 
-    def argument(a, b, k):
+        with ops.reducing_with(mean, product):
+            return self.body(n, j)
+
+    def _argument(self, a, b, stop):
         try:
-            with ops.reducing_with(reducer(a, stop=k)):
-                body(a, b)
+            self._evaluate(a, b, stop)
         except _Reached as found:
             return found.value
-        raise CellError(f"a step took mean {k} at one element and not at another")
-
-    def reduced(n, j):
-        with ops.reducing_with(reducer(n)):
-            return body(n, j)
-
-    return reduced
+        raise CellError(f"a step took {stop[0]} {stop[1]} at one element and not at another")
 
 
 def _elementwise(x: te.Tensor, dtype: str, name: str) -> te.Tensor:
@@ -566,8 +639,8 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 
 
 def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tuple,
-                       masked: bool = False, rec_parts: int = 1, projected: bool = False
-                       ) -> tirx.PrimFunc:
+                       masked: bool = False, rec_parts: int = 1, projected: bool = False,
+                       upto: int | None = None) -> tirx.PrimFunc:
     """The vector-Jacobian product of the cell's step for one time step, derived from the step
     (:mod:`rnncc.cells.autodiff`).
 
@@ -589,6 +662,14 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     nor carried here: ``dy``, ``dh_rec`` and h's carry give way to ``dh_cell`` [N, H] (the
     gradient of the cell's h', :func:`projection_backward` then a product by W_hr), and the
     states, their carries and the outputs are the others' only.
+
+    A step that takes recurrent products of its values (:func:`rnncc.cells.ops.recurrent`;
+    ``kept`` has their values, ``(k, "product")``): the gradient of a product p = W_g x + b_g
+    gives x's, dx = W_g^T dp, a GEMM of the caller's: ``dproduct<gate>`` [N, H] each follow the
+    parameters, in the reverse of the order the step takes the products; the outputs end with
+    each product's argument x [N, H] (in the step's order: W_g's gradient takes dp^T x). With
+    ``upto`` (a gate), only the products after it are given, and the output is dp of that
+    gate's [N, H] alone (zero where not active): what its GEMM and W_g's gradient take.
     """
     from ..cells import autodiff
 
@@ -607,11 +688,16 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in own]
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
     params = [te.placeholder((i64(hidden),), dtype, f"param_{p}") for p in cell.params]
-    summed = [te.placeholder(shape, acc, f"d{p}_sum") for p in cell.params]
     graph = autodiff.trace(cell)
+    after = products_before(graph)[::-1]
+    after = after[:after.index(upto)] if upto is not None else after
+    given = {g: te.placeholder(shape, acc, f"dproduct{g}") for g in after}
+    summed = ([te.placeholder(shape, acc, f"d{p}_sum") for p in cell.params]
+              if upto is None else [])
     backend = autodiff.PrimExprs(acc)
 
     def body(n, j):
+        found = {}
         values = [s[n, j] for s in states]
         if projected:  # h's value does not matter: the step does not read it
             d_h, values, others = dh_cell[n, j], [tirx.const(0, acc)] + values, carry
@@ -619,22 +705,33 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
             d_h, others = _cast(dy[n, j], acc) + parts_sum(dh_rec, n, j) + carry[0][n, j], carry[1:]
         projections, previous, of_params = autodiff.kept_vjp(
             graph, kept, lambda i: pre[n, i * hidden + j], values,
-            [d_h] + [c[n, j] for c in others], backend, [_cast(p[j], acc) for p in params])
+            [d_h] + [c[n, j] for c in others], backend, [_cast(p[j], acc) for p in params],
+            found)
+        zero = tirx.const(0, acc)
+        arguments = [found.get(k, zero) for k in range(len(graph.products))]
         previous = previous[1:] if projected else previous
         if active is not None:
-            live, zero = active[n] != 0, tirx.const(0, acc)
+            live = active[n] != 0
             passed = ([] if projected else [parts_sum(dh_rec, n, j) + carry[0][n, j]]) + [
                 c[n, j] for c in others]
             projections = [tvm.tirx.if_then_else(live, v, zero) for v in projections]
             previous = [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)]
             of_params = [tvm.tirx.if_then_else(live, v, zero) for v in of_params]
-        return projections + previous + [s[n, j] + v for s, v in zip(summed, of_params)]
+        return (projections + previous + [s[n, j] + v for s, v in zip(summed, of_params)]
+                + arguments)
 
-    outs = te.compute(shape, row_means(shape, body), name="cell_backward")
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    reduced = RowReductions(shape, body, given)
+    if upto is None:
+        outs = te.compute(shape, lambda n, j: reduced(n, j), name="cell_backward")
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    else:
+        adjoint = reduced.argument(upto, "adjoint")
+        outs = [te.compute(shape, lambda n, j: adjoint[n, j] if active is None else
+                           tvm.tirx.if_then_else(active[n] != 0, adjoint[n, j],
+                                                 tirx.const(0, acc)), name="dproduct")]
     extra = [active] if masked else []
-    return te.create_prim_func([pre, *states, *seeds, *carry, *extra, *params, *summed,
-                                *outs])
+    return te.create_prim_func([pre, *states, *seeds, *carry, *extra, *params,
+                                *given.values(), *summed, *outs])
 
 
 def projection_backward(batch: int, width: int, dtype: str, masked: bool,

@@ -33,6 +33,7 @@ import tvm_ffi
 from tvm import tirx
 
 from .. import schedules
+from ..cells import autodiff
 from ..dtypes import accum_dtype
 from ..spec import Options, Problem
 from . import components as comp
@@ -238,23 +239,27 @@ class _Builder:
         given = [Region(lengths, (ALL,))] if lengths is not None else []
         return Stage(f"reverse_{name}", func, [src, *given, dst], 1)
 
-    def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole, d=None):
+    def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole, d=None,
+                    gates=None):
         """One GEMM over all gates, or one a gate (gate_gemm off), of direction ``d``'s
         weights (their part of the stacked ``w`` and ``b``), or of all directions' at once
-        (``d`` None)."""
+        (``d`` None); with ``gates`` (and ``d``), of the first ones only."""
         p, layout = self.p, self.layout
-        g, h = p.gates, p.hidden_size
+        h, count_gates = p.hidden_size, gates or p.gates
+        g = p.gates
         a_dtype = a_region.buffer.dtype
         count = p.directions if d is None else 1
         first = 0 if d is None else d
         if layout.gates == "combined":
             rows = int(w.shape[0]) // p.directions
             chunk = layout.chunk if len(lead) == 2 else 1  # chunks of the steps of x
+            width = count * count_gates * h
             func = self.scheduled(
-                name, comp.gemm(lead, k, count * g * h, layout.weights, p.dtype, a_dtype, chunk),
-                "gemm")
-            w_part = Region(w, (slice(first * rows, (first + count) * rows), ALL))
-            b_part = Region(b, (slice(first * g * h, (first + count) * g * h),))
+                name, comp.gemm(lead, k, width, layout.weights, p.dtype, a_dtype, chunk), "gemm")
+            w_part = Region(w, (slice(first * rows, first * rows + width), ALL)
+                            if layout.weights == "rows"  # cols: every gate (gates is None)
+                            else (slice(first * rows, (first + count) * rows), ALL))
+            b_part = Region(b, (slice(first * g * h, first * g * h + width),))
             return [Stage(name, func, [a_region, w_part, b_part, out_whole], 1)]
         func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype, a_dtype),
                               "gemm")
@@ -262,7 +267,7 @@ class _Builder:
                       [a_region, Region(w, (first * g + i, ALL, ALL)),
                        Region(b, (slice((first * g + i) * h, (first * g + i + 1) * h),)),
                        out_of_gate(i)], 1)
-                for i in range(g)]
+                for i in range(count_gates)]
 
     def input_operands(self, x, xp, flat=True):
         """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of
@@ -313,15 +318,26 @@ class _Builder:
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
+        products = comp.products_before(autodiff.trace(p.cell))
+        # the gates whose recurrent products of h the step reads: all but the last ones whose
+        # products it takes of another value (where the packed rows of those are contiguous)
+        rec_gates = g
+        while rec_gates - 1 in products and (per_gate or layout.weights == "rows"):
+            rec_gates -= 1
         rec_parts = self.product_parts("recurrent_gemm", comp.gemm(
-            (n,), r, g * h, layout.weights, p.dtype, acc))
+            (n,), r, rec_gates * h, layout.weights, p.dtype, acc))
         kept_parts = training.kept_parts(p.cell) if history else ()
         in_place = (history and options.input_gemm and not per_gate
                     and sums_in_place(kept_parts, layout.chunk))
         xp = None if in_place else self.param(sig, "xp", per_direction(xp_shape), "workspace",
                                               acc)
-        hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, g * h))
+        hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, rec_gates * h))
         hp = self.param(sig, "hp", per_direction(hp_shape), "workspace", acc)
+        # the step's recurrent products of its values: the argument of one, then all of them
+        argument = (self.param(sig, "product_argument", per_direction((n, h)), "workspace", acc)
+                    if products else None)
+        products_ws = (self.param(sig, "products", per_direction((len(products), n, h)),
+                                  "workspace", acc) if products else None)
         pre = None
         widths = p.state_widths  # h's is P wide with a projection
         if history:
@@ -386,9 +402,9 @@ class _Builder:
             h_prev = Region(sw[0], at(d, (slot, ALL, ALL)))
             if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
                 parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
-                    n, r, g * h, rec_parts, layout.weights, p.dtype, acc), "gemm")
+                    n, r, rec_gates * h, rec_parts, layout.weights, p.dtype, acc), "gemm")
                 steps.append(Stage(f"recurrent_gemm{suffix}", parts_func, [
-                    h_prev, _part(w_hh, d, dirs),
+                    h_prev, Region(w_hh, (slice(d * g * h, (d * g + rec_gates) * h), ALL)),
                     Region(hp, at(d, (ALL, ALL, ALL)))], 1))
                 gh = [Region(hp, at(d, (ALL, ALL, ALL))),
                       Region(b_hh, (slice(d * g * h, (d + 1) * g * h),))]
@@ -396,28 +412,36 @@ class _Builder:
                 steps += _named(self.projections(
                     "recurrent_gemm", h_prev, (n,), r, w_hh, b_hh,
                     lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))),
-                    Region(hp, at(d, (ALL, ALL))), d), suffix)
+                    Region(hp, at(d, (ALL, ALL))), d, rec_gates), suffix)
                 gh = ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(hp, at(d, (ALL, ALL)))])
+            own = sw[1:] if proj else sw  # with a projection, h is the projection's to write
+            per_unit_d = [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
+            taken = []  # the step's products of its values so far
+            for k, gate in enumerate(products):
+                steps += self.recurrent_product(
+                    gate, rec_parts, rec_gates, gi + gh + taken + per_unit_d
+                    + [Region(s, at(d, (slot, ALL, ALL))) for s in own],
+                    Region(argument, at(d, (ALL, ALL))), w_hh, b_hh, d,
+                    Region(products_ws, at(d, (k, ALL, ALL))), suffix)
+                taken.append(Region(products_ws, at(d, (k, ALL, ALL))))
             step_func = self.scheduled(
                 "cell_step_kept" if history else "cell_step",
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
                                masked=bool(active), kept=kept_parts, rec_parts=rec_parts,
-                               projected=bool(proj)),
+                               projected=bool(proj), recurrent_gates=rec_gates),
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
-            own = sw[1:] if proj else sw  # with a projection, h is the projection's to write
             h_cell = None
             if proj:  # the cell's h' to hf
                 h_cell = (Region(hf, (t, ALL, ALL)) if history
                           else Region(hf, at(d, (ALL, ALL))))
             steps.append(Stage(
                 f"cell_step{suffix}", step_func,
-                gi + gh + [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
-                + [Region(s, at(d, (slot, ALL, ALL))) for s in own]
+                gi + gh + taken + per_unit_d + [Region(s, at(d, (slot, ALL, ALL))) for s in own]
                 + [Region(a, (t, ALL)) for a in active]
                 + [h_cell if proj else out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in own]
                 + kept, 1 + len(own) + len(kept)))
@@ -438,10 +462,30 @@ class _Builder:
         projected = [w_hr] if proj else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *projected, *s0, *given, y, *sn,
                   *([] if in_place else [xp]),
-                  hp, *sw, *([pre] if pre is not None else []), *reversed_,
+                  hp, *([argument, products_ws] if products else []),
+                  *sw, *([pre] if pre is not None else []), *reversed_,
                   *([hf, hr, zero] if proj else []), *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
+
+    def recurrent_product(self, gate, rec_parts, rec_gates, inputs, argument, w_hh, b_hh, d, out,
+                          suffix):
+        """A step's recurrent product of one of its values (the cell's ``ops.recurrent`` of
+        ``gate``): the value, from the step's ``inputs`` (as the cell step reads them, up to the
+        products before), into ``argument`` [N, H]; then ``out`` [N, H] = it times direction
+        ``d``'s rows of the gate in the packed W_hh, plus b_hh's."""
+        p, layout = self.p, self.layout
+        n, h, g = p.batch, p.hidden_size, p.gates
+        value = self.scheduled(f"product_argument{gate}", comp.cell_step(
+            p.cell, n, h, p.dtype, layout.gates, self.options.fuse_pointwise,
+            rec_parts=rec_parts, upto=gate, recurrent_gates=rec_gates), "elementwise")
+        gemm = self.scheduled("product_gemm", comp.gemm(
+            (n,), h, h, layout.weights, p.dtype, accum_dtype(p.dtype)), "gemm")
+        row = d * g + gate
+        return [Stage(f"product_argument{gate}{suffix}", value, inputs + [argument], 1),
+                Stage(f"product_gemm{gate}{suffix}", gemm, [
+                    argument, Region(w_hh, layout.gate_block(d, gate, g, h)),
+                    Region(b_hh, (slice(row * h, (row + 1) * h),)), out], 1)]
 
     def projection(self, h_cell, w_hr, d, zero, hr, h_prev, active, y, h_next):
         """A step's projection (LSTMP): ``hr`` = ``h_cell`` [N, H] (the cell's h', zero past a

@@ -45,13 +45,18 @@ from .components import ALL, i64
 def kept_parts(cell) -> tuple:
     """What the training forward keeps of each step's projections for the backward pass, in
     ``pre`` [T, N, P*H], part by part: ``(g, "sum")``, gi[g] + gh[g], for a gate the cell uses
-    only as that sum (all of LSTM's; GRU's r and z), else ``(g, "gi")`` and ``(g, "gh")`` (GRU's
-    n, whose gh is multiplied by r first). That is all the cell's derivative needs of them: the
-    backward pass computes no projection again."""
+    only as that sum (all of LSTM's; GRU's r and z), else ``(g, "gi")`` and, unless the step
+    takes the gate's recurrent product of a value instead, ``(g, "gh")`` (GRU's n, whose gh is
+    multiplied by r first); then ``(k, "product")``, the value of the step's k-th recurrent
+    product of a value (:func:`rnncc.cells.ops.recurrent`). That is all the cell's derivative
+    needs of them: the backward pass computes no projection again."""
+    graph = autodiff.trace(cell)
+    instead = {node.value[0] for node in graph.products}
     parts = []
-    for g, summed in enumerate(autodiff.summed_gates(autodiff.trace(cell))):
-        parts += [(g, "sum")] if summed else [(g, "gi"), (g, "gh")]
-    return tuple(parts)
+    for g, summed in enumerate(autodiff.summed_gates(graph)):
+        parts += ([(g, "sum")] if summed else
+                  [(g, "gi")] + ([(g, "gh")] if g not in instead else []))
+    return tuple(parts) + tuple((k, "product") for k in range(len(graph.products)))
 
 
 def build(builder, backward_plan=None) -> None:
@@ -156,11 +161,17 @@ class _Backward:
         io.dgh = (io.dgi if io.summed
                   else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc))
         io.given = [io.lengths] if io.lengths is not None else []
+        # the step's recurrent products of its values: each step's gradient of each, and the
+        # value of its argument (W_hh's gradient, that gate's rows, takes them)
+        io.products = [(gate, b.param(sig, f"dproduct{gate}", (t_len, n, h), "workspace", acc),
+                        b.param(sig, f"product_arg{gate}", (t_len, n, h), "workspace", acc))
+                       for gate in comp.products_before(autodiff.trace(p.cell))]
         projected = [io.w_hr] if proj else []
         io.params = [io.x, io.w_hh, *projected, *io.per_unit, *io.kept,
                      *([io.h_cell] if proj else []), io.pre, *io.given, io.dy,
                      *io.d_final, *io.d_initial, *io.dw.values(), io.db["ih"],
-                     io.db["hh"], *io.dparams, *([io.dgi, io.dgh] if not io.summed else [])]
+                     io.db["hh"], *io.dparams, *([io.dgi, io.dgh] if not io.summed else []),
+                     *(buffer for _, *pair in io.products for buffer in pair)]
         return io
 
     def _weight_grads(self, io, dh_projected=None):
@@ -191,6 +202,20 @@ class _Backward:
             stages.append(self.reduction(f"bias_grad_{which}", comp.column_sum(m, gh, p.dtype),
                                          [Region(grads, (ALL, ALL)),
                                           Region(io.db[which], (ALL,))]))
+        h_ = p.hidden_size
+        for gate, grads, args in io.products:
+            # the gate's rows of dW_hh and db_hh (zero from dGH: the step does not use its gh)
+            g_rows, a_rows = (view(grads, (rows, h_), f"dproduct{gate}_rows"),
+                              view(args, (rows, h_), f"product_arg{gate}_rows"))
+            views += [(g_rows, grads), (a_rows, args)]
+            gate_rows = slice(gate * h_, (gate + 1) * h_)
+            stages.append(self.reduction("weight_grad_product", comp.weight_gradient(
+                m, h_, h_, p.dtype, a_rows.dtype), [
+                Region(g_rows, (ALL, ALL)), Region(a_rows, (ALL, ALL)),
+                Region(io.dw["hh"], (gate_rows, ALL))]))
+            stages.append(self.reduction("bias_grad_product", comp.column_sum(m, h_, p.dtype),
+                                         [Region(g_rows, (ALL, ALL)),
+                                          Region(io.db["hh"], (gate_rows,))]))
         if dh_projected is not None:
             dhp_rows = view(dh_projected, (rows, p.proj_size), "dh_projected_rows")
             cell_rows = view(io.h_cell, (rows, p.hidden_size), "h_cell_rows")
@@ -234,9 +259,20 @@ class _Backward:
             dhp = b.param(sig, "dh_projected", (t_len, n, proj), "workspace", acc)
             dh_cell = b.param(sig, "dh_cell", (n, h), "workspace", acc)
             zero_h = b.param(sig, "zero_bias_h", (h,), "workspace")
+        # the step's recurrent products of its values: their arguments' gradients, a zero bias
+        # and each gate's block of W_hh transposed
+        zero_p = dx_products = blocks_t = None
+        if io.products:
+            zero_p = b.param(sig, "zero_bias_products", (h,), "workspace")
+            dx_products = b.param(sig, "dx_products", (len(io.products), n, h), "workspace", acc)
+            blocks_t = b.param(sig, "w_hh_products_t", (len(io.products), h, h), "workspace")
 
         prologue = [self.transposed("w_hh", io.w_hh, w_hh_t, r)]
-        for buffer, width in ((zero, r), (zero_h, h)):
+        prologue += [self.elementwise(f"transpose_w_hh_product{gate}", comp.transpose(
+            h, h, p.dtype), [Region(io.w_hh, self.layout.gate_block(0, gate, g, h)),
+                             Region(blocks_t, (k, ALL, ALL))])
+            for k, (gate, _, _) in enumerate(io.products)]
+        for buffer, width in ((zero, r), (zero_h, h), (zero_p, h)):
             if buffer is not None:
                 prologue.append(self.elementwise(buffer.name, comp.zeros((width,), p.dtype),
                                                  [Region(buffer, (ALL,))]))
@@ -271,18 +307,31 @@ class _Backward:
                 "cols" if self.layout.weights == "rows" else "rows"))
             seeds = [Region(dh_cell, (ALL, ALL))]
         own = carry[skip:]
+        inputs = ([pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept[skip:]]
+                  + seeds + [Region(cr, (slot, ALL, ALL)) for cr in own] + masked
+                  + [Region(v, (ALL,)) for v in io.per_unit])
+        # the step's products of its values, last first: the gradient of each, then its
+        # argument's, a GEMM by the gate's block of W_hh transposed
+        given = []
+        for k, (gate, dproduct, _) in reversed(list(enumerate(io.products))):
+            steps += [self.elementwise(f"product_backward{gate}", comp.cell_step_backward(
+                p.cell, n, h, p.dtype, parts, active is not None, rec_parts, upto=gate),
+                inputs + given + [Region(dproduct, (step, ALL, ALL))]),
+                self.gemm("product_gemm_backward", (n,), h, h, acc, [
+                    Region(dproduct, (step, ALL, ALL)), Region(blocks_t, (k, ALL, ALL)),
+                    Region(zero_p, (ALL,)), Region(dx_products, (k, ALL, ALL))])]
+            given.append(Region(dx_products, (k, ALL, ALL)))
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
                                                      active is not None, rec_parts, bool(proj)),
-            [pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept[skip:]]
-            + seeds + [Region(cr, (slot, ALL, ALL)) for cr in own] + masked
-            + [Region(v, (ALL,)) for v in io.per_unit]
+            inputs + given
             + [Region(sums, (i, ALL, ALL)) for i in range(count)]
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
                for d in ((io.dgi,) if summed else (io.dgi, io.dgh)) for i in range(g)]
             + [Region(cr, (nxt, ALL, ALL)) for cr in own]
-            + [Region(sums, (i, ALL, ALL)) for i in range(count)],
-            (1 if summed else 2) * g + len(own) + count)
+            + [Region(sums, (i, ALL, ALL)) for i in range(count)]
+            + [Region(argument, (step, ALL, ALL)) for _, _, argument in io.products],
+            (1 if summed else 2) * g + len(own) + count + len(io.products))
         dgh_step = Region(io.dgh, (step, ALL, ALL))
         if rec_parts > 1:
             steps += [cell, Stage("recurrent_gemm_backward", b.scheduled(
@@ -312,7 +361,8 @@ class _Backward:
         params = [*io.params, *carry, dh_rec, w_hh_t, *([zero] if zero is not None else []),
                   *([active] if active is not None else []),
                   *([sums] if sums is not None else []),
-                  *([dhp, dh_cell, zero_h] if proj else []), *([copy] if summed else [])]
+                  *([dhp, dh_cell, zero_h] if proj else []), *([copy] if summed else []),
+                  *([zero_p, dx_products, blocks_t] if io.products else [])]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
 

@@ -1,0 +1,121 @@
+"""The GRU that resets before its recurrent product (a step that takes a gate's recurrent
+product of one of its values, ``ops.recurrent``): Keras' equations, the errors of a cell that
+takes such products wrongly, and where it runs. Its numbers through every schedule, training
+included, come from the registry-wide tests."""
+
+import pytest
+
+import rnncc
+from conftest import has_nvcc
+from helpers import compiled
+from rnncc import cells
+from rnncc.cells import ops
+from rnncc.errors import CellError, ConfigError
+
+
+def _keras(x, h0, lengths, w):
+    """Keras' GRU with reset_after=False in torch float64, from its documented equations: its
+    kernels [C, 3H] and [H, 3H] stack z, r, h; one bias [3H]. Samples stop at their lengths
+    (their h held, their outputs zero)."""
+    import torch
+
+    kz, kr, kh = w["kernel"].chunk(3, 1)
+    uz, ur, uh = w["recurrent_kernel"].chunk(3, 1)
+    bz, br, bh = w["bias"].chunk(3)
+    h, ys = h0, []
+    for t, x_t in enumerate(x):
+        z = torch.sigmoid(x_t @ kz + h @ uz + bz)
+        r = torch.sigmoid(x_t @ kr + h @ ur + br)
+        new = z * h + (1 - z) * torch.tanh(x_t @ kh + (r * h) @ uh + bh)
+        live = (t < lengths)[:, None]
+        h = torch.where(live, new, h)
+        ys.append(torch.where(live, h, torch.zeros_like(h)))
+    return torch.stack(ys), h
+
+
+def _as_keras(p, hidden, suffix=""):
+    """Keras' weights of a direction of a layer-0 module's parameters ``p`` (ours stack r, z,
+    n; the two biases are Keras' one)."""
+    import torch
+
+    def reorder(stacked):
+        r, z, n = stacked.split(hidden, 0)
+        return torch.cat([z, r, n], 0)
+
+    return {"kernel": reorder(p[f"weight_ih_l0{suffix}"]).T,
+            "recurrent_kernel": reorder(p[f"weight_hh_l0{suffix}"]).T,
+            "bias": reorder(p[f"bias_ih_l0{suffix}"] + p[f"bias_hh_l0{suffix}"])}
+
+
+@pytest.mark.parametrize("hidden, batch, steps", [(33, 3, 7), (1, 1, 1)])
+def test_gru_reset_before_is_keras_reset_after_false_and_trains(hidden, batch, steps):
+    """rnncc.nn in float32 against Keras' equations in float64, two directions, unsorted
+    lengths with a length-1 sample: outputs, final states and the gradients of the input, the
+    initial state and every weight and bias (torch's autograd through the equations)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = rnncc.nn.Recurrent("gru_reset_before", 5, hidden, bidirectional=True)
+    x = torch.randn(steps, batch, 5, requires_grad=True)
+    h0 = torch.randn(2, batch, hidden, requires_grad=True)
+    lengths = torch.tensor([steps, 1, max(1, steps - 2)][:batch])
+    y, h_n = module(x, h0, lengths=lengths)
+    dy, dh = torch.randn_like(y), torch.randn_like(h_n)
+    (y * dy).sum().add((h_n * dh).sum()).backward()
+
+    p = {k: v.detach().double().requires_grad_() for k, v in module.named_parameters()}
+    x64, h64 = x.detach().double().requires_grad_(), h0.detach().double().requires_grad_()
+    forward, h_f = _keras(x64, h64[0], lengths, _as_keras(p, hidden))
+    t = torch.arange(steps)[:, None]  # each sample's own steps reversed (the rest in place)
+    own = torch.where(t < lengths, lengths - 1 - t, t)
+    columns = torch.arange(batch)[None, :]
+    back, h_b = _keras(x64[own, columns], h64[1], lengths, _as_keras(p, hidden, "_reverse"))
+    back = back[own, columns]
+    ref, ref_n = torch.cat([forward, back], 2), torch.stack([h_f, h_b])
+    (ref * dy.double()).sum().add((ref_n * dh.double()).sum()).backward()
+
+    def err(a, b):
+        return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
+
+    assert err(y, ref) < 1e-5 and err(h_n, ref_n) < 1e-5
+    assert err(x.grad, x64.grad) < 1e-4 and err(h0.grad, h64.grad) < 1e-4
+    for name, param in module.named_parameters():
+        assert err(param.grad, p[name].grad) < 1e-4, name
+
+
+def _cell(name, step):
+    return cells.Cell(name, 3, ("h",), step, lambda gi, gh, s, recurrent: s)
+
+
+@pytest.mark.parametrize("step, message", [
+    (lambda gi, gh, s: (ops.recurrent(3, s[0]),), "ops.recurrent of gate 3; the cell has gates "
+                                                  "0 to 2"),
+    (lambda gi, gh, s: (ops.recurrent(1, s[0]) + ops.recurrent(1, gi[0]),),
+     "takes gate 1's recurrent product .ops.recurrent. more than once"),
+    (lambda gi, gh, s: (ops.recurrent(0, s[0]) + gh[0],),
+     "takes gate 0's recurrent product of a value .ops.recurrent. and also uses gh.0."),
+    (lambda gi, gh, s: (ops.recurrent(0, 1.0),), "takes one value of the step for x"),
+    (lambda gi, gh, s: (ops.recurrent("n", s[0]),), "gate is the gate's index, an int; got 'n'"),
+])
+def test_a_step_that_takes_products_wrongly_is_refused(step, message):
+    with pytest.raises(CellError, match=message):
+        cells.register(_cell("bad_products", step))
+    assert "bad_products" not in cells.names()
+
+
+def test_persistent_kernel_refuses_a_step_that_takes_products_and_says_why():
+    with pytest.raises(ConfigError, match="cell 'gru_reset_before' reduces over the hidden "
+                                          "units within a step by recurrent products"):
+        rnncc.compile("gru_reset_before", 8, 8, 1, persistent="on")
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="nvcc not found")
+def test_cuda_product_is_a_gemm_between_two_point_wise_kernels():
+    """The step's value that the product takes (a point-wise kernel up to it), the product (a
+    GEMM of the GEMM rules, by the gate's rows of W_hh, forward; by them transposed, backward)
+    and the rest of the step."""
+    module = compiled("gru_reset_before", 24, 256, 3, "cuda", training=True)
+    rules = module.metadata["schedule"]["rules"]
+    assert rules["product_argument2"] == rules["cell_step"] == "cuda.elementwise"
+    assert rules["product_backward2"] == rules["cell_backward"] == "cuda.elementwise"
+    gemms = {rules[key] for key in ("recurrent_gemm", "recurrent_gemm_backward")}
+    assert {rules["product_gemm"], rules["product_gemm_backward"]} <= gemms | {"cuda.gemv"}
