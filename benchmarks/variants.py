@@ -1,6 +1,7 @@
-"""Cell variants cuDNN lacks (CIFG, peephole, the layer-normalised LSTM and GRU): rnncc.nn
-against the same cell written as a per-step PyTorch loop (the input projections of all steps in
-one matmul first) and against rnncc's plain cell of the same family (LSTM, or GRU for ln_gru)
+"""Cell variants cuDNN lacks (CIFG, peephole, the layer-normalised LSTM and GRU, the GRU that
+resets before its product): rnncc.nn against the same cell written as a per-step PyTorch loop
+(the input projections of all steps in one matmul first) and against rnncc's plain cell of the
+same family (LSTM, or GRU for the GRUs)
 and size, T = 100, C = H, IEEE float32 (TF32 off), all captured in
 CUDA graphs, in one process; microseconds a time step, for inference (no_grad) and for a
 training step (forward and backward of x and every weight). Then the LSTM with projections
@@ -25,7 +26,8 @@ from concurrent.futures import ProcessPoolExecutor
 from rnncc.runtime.files import write_json
 
 #: Each variant and the plain cell it is compared with.
-VARIANTS = {"cifg": "lstm", "peephole": "lstm", "ln_lstm": "lstm", "ln_gru": "gru"}
+VARIANTS = {"cifg": "lstm", "peephole": "lstm", "ln_lstm": "lstm", "ln_gru": "gru",
+            "gru_reset_before": "gru"}
 BATCHES = (1, 4, 64)
 STEPS = 100
 
@@ -74,6 +76,13 @@ def _loop(torch, cell, net):
                      + gates("beta_hh", "rzn")).chunk(3, dim=1)
                 r, z = torch.sigmoid(u[0] + w[0]), torch.sigmoid(u[1] + w[1])
                 h = (1 - z) * torch.tanh(u[2] + r * w[2]) + z * h
+                out.append(h)
+                continue
+            if cell == "gru_reset_before":
+                u, w = xp[t].chunk(3, dim=1), (h @ w_hh[:2 * hidden].T + b_hh[:2 * hidden])
+                r, z = torch.sigmoid(u[0] + w[:, :hidden]), torch.sigmoid(u[1] + w[:, hidden:])
+                n = torch.tanh(u[2] + (r * h) @ w_hh[2 * hidden:].T + b_hh[2 * hidden:])
+                h = (1 - z) * n + z * h
                 out.append(h)
                 continue
             g = (xp[t] + h @ w_hh.T + b_hh).chunk(rows // hidden, dim=1)
@@ -193,7 +202,7 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H={args.hidden}, TF32 off, us per "
           "time step; 'vs loop': the PyTorch loop's time over rnncc's; 'vs plain': rnncc's time "
-          "over its plain cell's (LSTM; GRU for ln_gru)")
+          "over its plain cell's (LSTM; GRU for the GRUs)")
     if rows:
         print("\n| cell | N | rnncc | PyTorch loop | vs loop | rnncc plain | vs plain | train: "
               "rnncc | loop | vs loop | plain | vs plain | max rel. error |")
