@@ -203,13 +203,16 @@ def _stage_line(kind: str, first: int, count: int) -> str:
 
 def _cmd_cells(args) -> int:
     from rnncc import cells
-    from rnncc.cells.autodiff import reductions
+    from rnncc.cells.autodiff import takes_means, trace
 
     for cell in cells.registry().values():
         notes = [f"{len(cell.params)} per-unit parameters"] if cell.params else []
-        if reductions(cell):
-            notes.append(f"reduces over the hidden units by {reductions(cell)}: "
-                         "non-persistent schedule only")
+        if takes_means(cell):
+            notes.append("reduces over the hidden units (ops.mean): non-persistent schedule "
+                         "only")
+        if trace(cell).products:
+            notes.append("a recurrent product of a value of its step (ops.recurrent): "
+                         "persistent in inference, one layer a module")
         print(f"{cell.name:<12} G={cell.gates} states={','.join(cell.states):<6} {cell.doc}"
               + "".join(f"; {note}" for note in notes))
     return 0

@@ -6,6 +6,7 @@ import numpy as np
 
 import rnncc
 from rnncc import reference
+from rnncc.cells import autodiff
 from rnncc.cells.autodiff import reduces
 
 #: Bounds on ||out - ref|| / ||ref|| against the float64 reference (computed from the same
@@ -15,9 +16,17 @@ TOL = {"float32": TOL_F32, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 def persistent_cells() -> list[str]:
-    """The registered cells the persistent kernel runs: all but those whose step reduces over
-    the hidden units (``ops.mean``), which run on the non-persistent schedule."""
+    """The registered cells the persistent kernels run in every form (inference, training,
+    layers as a wavefront): all but those whose step reduces over the hidden units, by means
+    (``ops.mean``: non-persistent only) or a recurrent product of a value (``ops.recurrent``:
+    the persistent kernel in inference, one layer a module; tested on their own)."""
     return [name for name in rnncc.cells.names() if not reduces(rnncc.cells.get(name))]
+
+
+def takes_means(cell) -> bool:
+    """Whether a registered cell's step takes means over the hidden units (``ops.mean``): it
+    runs on the non-persistent schedule only."""
+    return autodiff.takes_means(rnncc.cells.get(cell))
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import pytest
 
 import rnncc
 from conftest import has_nvcc
-from helpers import compiled
+from helpers import check_across_steps, check_repeats_exactly, compiled
 from rnncc import cells
 from rnncc.cells import ops
 from rnncc.errors import CellError, ConfigError
@@ -102,10 +102,11 @@ def test_a_step_that_takes_products_wrongly_is_refused(step, message):
     assert "bad_products" not in cells.names()
 
 
-def test_persistent_kernel_refuses_a_step_that_takes_products_and_says_why():
-    with pytest.raises(ConfigError, match="cell 'gru_reset_before' reduces over the hidden "
-                                          "units within a step by recurrent products"):
-        rnncc.compile("gru_reset_before", 8, 8, 1, persistent="on")
+def test_persistent_kernel_takes_a_product_in_inference_only_and_says_why():
+    with pytest.raises(ConfigError, match="cell 'gru_reset_before' takes 1 recurrent "
+                                          "product.s. of values of its step .ops.recurrent.; "
+                                          "the persistent kernel takes one, in inference"):
+        rnncc.compile("gru_reset_before", 8, 8, 1, persistent="on", training=True)
 
 
 @pytest.mark.skipif(not has_nvcc(), reason="nvcc not found")
@@ -119,3 +120,20 @@ def test_cuda_product_is_a_gemm_between_two_point_wise_kernels():
     assert rules["product_backward2"] == rules["cell_backward"] == "cuda.elementwise"
     gemms = {rules[key] for key in ("recurrent_gemm", "recurrent_gemm_backward")}
     assert {rules["product_gemm"], rules["product_gemm_backward"]} <= gemms | {"cuda.gemv"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("input_size, hidden, batch, knobs", [
+    (33, 257, 6, None), (1024, 1024, 1, None), (1024, 1024, 4, None),
+    (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}), (16, 64, 3, {"sync": "grid"}),
+    (1028, 1024, 4, {"input_steps": 5})])
+def test_persistent_kernel_takes_the_product_and_repeats_exactly(input_size, hidden, batch,
+                                                                  knobs, rng):
+    """On the GPU: the persistent kernel of the GRU that resets before its product (the value
+    r * h exchanged tagged, or plain behind a second round of the counter barrier or the grid
+    sync), against float64 with lengths, T = 1, 37 and 100, the same outputs run after run."""
+    module = rnncc.compile("gru_reset_before", input_size, hidden, batch, target="cuda",
+                           tuning="off", knobs=knobs, persistent="on", lengths=True)
+    assert module.metadata["schedule"]["kind"] == "persistent"
+    check_across_steps(module, rng, lengths=True)
+    check_repeats_exactly(module, rng)

@@ -10,9 +10,8 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 import rnncc
-from helpers import TOL_F32, check_against_reference
+from helpers import TOL_F32, check_against_reference, takes_means
 from rnncc import schedules
-from rnncc.cells.autodiff import trace
 from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
 from rnncc.lowering import sequence
@@ -48,8 +47,7 @@ def test_cuda_cell_step_is_one_coalesced_kernel(cell):
     # one loop nest: blockIdx.x over threadIdx.x, each thread one (n, j) element; a step that
     # takes means over the units: a block a batch row, its threads over the units (a recurrent
     # product of a step value is a GEMM of its own)
-    means = any(node.op == "mean" for node in trace(rnncc.cells.get(cell)).order)
-    assert result.rule == ("cuda.row_means" if means else "cuda.elementwise")
+    assert result.rule == ("cuda.row_means" if takes_means(cell) else "cuda.elementwise")
     assert thread_tags(result.func) == {"blockIdx.x", "threadIdx.x"}
     script = result.func.script()
     assert script.count('thread="blockIdx.x"') == 1

@@ -120,6 +120,9 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
                            np.zeros((2, dirs * n, h), np.uint64))[1]
     else:
         args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
+    if autodiff.trace(cell).products:  # the value a product takes, exchanged as h is
+        args["aw"] = (args["hw"].copy() if p.sync == "tagged"
+                      else np.full((2, dirs * n, h), np.nan, np.float32))
     if lengths is not None:
         args["lengths"] = np.asarray(lengths, np.int32)
     for k in range(len(cell.states)) if kept else ():
@@ -313,6 +316,31 @@ def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
     assert lstm == "lstm"
     check_kernel(cell.name, p, input_size, hidden, batch, dtype, rng, chunk=chunk,
                  lengths=True)
+
+
+@pytest.mark.parametrize("name", ["tagged", "tensor cores", "fused", "bidirectional",
+                                  "barrier, batch groups", "grid", "overlapped, barrier"])
+def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
+    """The GRU that resets before its product: each step evaluates the cell up to r * h,
+    exchanges it as h is exchanged (tagged words, or plain and a second round of the barrier),
+    multiplies the weights by it and then applies the cell (W_hn's rows the product), lengths
+    included (T = 1 and 5)."""
+    input_size, hidden, batch, dtype, p = {
+        "tagged": lambda: (6, 33, 3, "float32", planner.plan(3, 33, 3, "float32", H100, 1,
+                                                              batch_groups=None)),
+        "tensor cores": lambda: (6, 64, 3, "float16", crafted(3, 64, 3, "float16", 8, 3,
+                                                              mma=True)),
+        "fused": lambda: (37, 33, 3, "float32", _fused(crafted(3, 33, 3, "float32", 5, 2), 3,
+                                                       37, 3, 8)),
+        "bidirectional": lambda: (6, 33, 3, "float32", planner.plan(3, 33, 3, "float32", H100,
+                                                                     1, directions=2)),
+        "barrier, batch groups": lambda: (6, 33, 4, "float32", crafted(
+            3, 33, 4, "float32", 5, 2, groups=2, sync="barrier")),
+        "grid": lambda: (6, 33, 3, "float32", crafted(3, 33, 3, "float32", 5, 2, sync="grid")),
+        "overlapped, barrier": lambda: (37, 40, 4, "float32", _overlapped(crafted(
+            3, 40, 4, "float32", 5, 2, sync="barrier"), 3, 37, 4, 3)),
+    }[name]()
+    check_kernel("gru_reset_before", p, input_size, hidden, batch, dtype, rng, lengths=True)
 
 
 # -- one stage at a time --------------------------------------------------------------------

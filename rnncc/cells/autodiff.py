@@ -130,23 +130,17 @@ def trace(cell: Cell) -> Graph:
     return Graph(cell, inputs, outputs, order, products)
 
 
-def reductions(cell: Cell) -> str:
-    """What ``cell``'s step reduces over the hidden units by, in words ("" for nothing): row
-    means (:func:`rnncc.cells.ops.mean`) or recurrent products of its values
-    (:func:`rnncc.cells.ops.recurrent`). Such a cell runs where a lowering reduces, not in the
-    persistent kernel."""
-    graph = trace(cell)
-    found = []
-    if any(node.op == "mean" for node in graph.order):
-        found.append("means (ops.mean)")
-    if graph.products:
-        found.append("recurrent products of its values (ops.recurrent)")
-    return " and ".join(found)
+def takes_means(cell: Cell) -> bool:
+    """Whether ``cell``'s step takes row means (:func:`rnncc.cells.ops.mean`): then it runs
+    where a lowering reduces, not in the persistent kernel."""
+    return any(node.op == "mean" for node in trace(cell).order)
 
 
 def reduces(cell: Cell) -> bool:
-    """Whether ``cell``'s step reduces over the hidden units (:func:`reductions`)."""
-    return bool(reductions(cell))
+    """Whether ``cell``'s step reduces over the hidden units: row means, or recurrent products
+    of its values (:func:`rnncc.cells.ops.recurrent`: the persistent kernel takes those in
+    inference only, one layer a module)."""
+    return takes_means(cell) or bool(trace(cell).products)
 
 
 def check_products(graph: Graph) -> None:

@@ -11,6 +11,7 @@ import tempfile
 from .. import cells
 from .._version import __version__
 from ..cells import Cell
+from ..cells.autodiff import takes_means, trace
 from ..errors import BuildError, ConfigError, RnnccError
 from ..runtime import metadata as md
 from ..runtime.module import Module
@@ -115,16 +116,18 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
 
 def _not_persistent(problem: Problem) -> str:
     """Why ``problem`` runs on the non-persistent schedule whatever the GPU, or ""."""
-    from ..cells.autodiff import reductions
-
     if problem.proj_size and problem.training:
         return (f"a projection (proj_size={problem.proj_size}) runs on the persistent kernel "
                 "in inference only; training runs on the non-persistent schedule")
-    found = reductions(problem.cell)
-    if found:
+    if takes_means(problem.cell):
         return (f"cell {problem.cell.name!r} reduces over the hidden units within a step by "
-                f"{found}: the persistent kernel does not reduce across its blocks yet, so "
-                "it runs on the non-persistent schedule")
+                "means (ops.mean): the persistent kernel does not reduce across its blocks "
+                "yet, so it runs on the non-persistent schedule")
+    products = trace(problem.cell).products
+    if products and (problem.training or len(products) > 1 or problem.layers > 1):
+        return (f"cell {problem.cell.name!r} takes {len(products)} recurrent product(s) "
+                "of values of its step (ops.recurrent); the persistent kernel takes one, in "
+                "inference, one layer a module")
     return ""
 
 

@@ -563,6 +563,7 @@ class _Builder:
 
         folded = self._folded(sig, t_len, w_hr, s0, sw) if proj else None
 
+        more_sync, products = [], comp.products_before(autodiff.trace(p.cell))
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             # h before step 0: h0, or with a projection h' (zero, in its workspace)
@@ -572,12 +573,20 @@ class _Builder:
                 n, h, start[0].buffer.dtype, EMPTY_TAG), "elementwise")
             sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
                 start[d], Region(sync, (ALL, of(d), ALL))], 1) for d in range(dirs)]
+            if products:  # the value a product takes, tagged as h
+                values = self.param(sig, "value_tagged", (2, rows, h), "workspace", "uint64")
+                sync_stages += [Stage(f"init_value_tagged_{tags[d]}", init, [
+                    start[d], Region(values, (ALL, of(d), ALL))], 1) for d in range(dirs)]
+                more_sync = [values]
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
+            if products:  # the value a product takes, plain (the counter orders it)
+                more_sync = [self.param(sig, "value_exchanged", (2, rows, h), "workspace",
+                                        "float32")]
         prologue = folded.prologue if proj else [
             stage for d in range(dirs) for stage in self.states_copy(
                 "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
@@ -620,7 +629,7 @@ class _Builder:
             more = [progress]
         outputs = [Region(stacked, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
         outputs += [Region(b, (ALL,) * 3) for b in kept]
-        outputs += [Region(b, (ALL,) * len(b.shape)) for b in (sync, *more)]
+        outputs += [Region(b, (ALL,) * len(b.shape)) for b in (sync, *more_sync, *more)]
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
         final = tirx.floormod(t_len, i64(2))
@@ -638,7 +647,7 @@ class _Builder:
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
                   *given, y, *sn, *kept, *([packed] if history else []),
                   *([] if in_place else [xp]), *sw, *(folded.params if proj else []), sync,
-                  *([stacked] if layers > 1 else []), *more]
+                  *more_sync, *([stacked] if layers > 1 else []), *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)
 

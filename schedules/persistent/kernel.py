@@ -14,7 +14,11 @@ then, per step, it
    memory, or global memory for a streaming plan) by h's, accumulating in float32;
 4. sums over the lanes (``reduction``; tensor cores sum in the instruction) into shared memory,
    where h_{t-1} was;
-5. applies the cell to its pairs (``cell``): y[t], and h_t handed to the exchange;
+5. applies the cell to its pairs (``cell``): y[t], and h_t handed to the exchange; a cell
+   that takes a recurrent product of a value of its step (``ops.recurrent``, the GRU that
+   resets before its product) first evaluates the step up to that value, exchanges it as h
+   is exchanged, and multiplies the weights by it (3 and 4 again: the product is its gate's
+   rows) before it applies the cell;
 6. arrives at the exchange's barrier and waits for the other blocks' h_t (``exchange``); an
    overlapped input projection computes a slab of a later group of steps between the two.
 
@@ -36,6 +40,8 @@ from __future__ import annotations
 from functools import partial
 
 from tvm.script import tirx as T
+
+from rnncc.cells.autodiff import trace
 
 from . import buffers
 from .planner import Plan
@@ -83,8 +89,13 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     training forward's, which keeps every step's states and these parts of its projections
     (:mod:`.stages.history`); ``first``: the first step's input projections take an addition
     (a projection's W_hh h0)."""
+    taken = [node.value[0] for node in trace(cell).products]
+    if len(taken) > 1:
+        raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
+                         "values; the persistent kernel takes one")
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
-                      input_size, lengths, kept=kept, params=len(cell.params), first=first)
+                      input_size, lengths, kept=kept, params=len(cell.params), first=first,
+                      product=taken[0] if taken else -1)
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -116,9 +127,18 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                                          partial(products.store_h, spec, staged), t, bx, tx)
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
+                        if spec.product >= 0:
+                            cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, b.gs,
+                                                partial(exchange.publish_value, spec, g.aw, t),
+                                                bx, tx)
+                            exchange.value_barrier(spec, g.cnt, t, bx, tx)
+                            exchange.stage_value(spec, g.aw, b.tv, partial(
+                                products.store_h, spec, staged), t, bx, tx)
+                            T.tvm_storage_sync("shared.dyn")
+                            gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
                             exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx,
-                            history.keeper(spec, g.pre, g.steps), b.pv)
+                            history.keeper(spec, g.pre, g.steps), b.pv, b.gs)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

@@ -31,7 +31,9 @@ class KernelSpec:
     parts of the projections it keeps (:mod:`.stages.history`; one grid); ``params``: the
     cell's per-unit parameters (vectors [H], a grid's side by side); ``first``: the first
     step's input projections take an addition [N, D*G*H] (one layer; a projection's W_hh h0,
-    where the kernel's recurrence is h')."""
+    where the kernel's recurrence is h'); ``product``: the gate whose recurrent product the
+    cell takes of a value of its step (``ops.recurrent``; -1: none), exchanged and multiplied
+    in a second round of the step (:mod:`.stages.cell`)."""
 
     plan: Plan
     gates: int
@@ -46,9 +48,13 @@ class KernelSpec:
     kept: tuple = ()
     params: int = 0
     first: bool = False
+    product: int = -1
 
     def __post_init__(self):
         p = self.plan
+        if self.product >= 0 and (self.kept or p.layers > 1):
+            raise ValueError("a recurrent product of a step's value runs in inference, one "
+                             "layer")
         if self.kept and p.grids > 1:
             raise ValueError("a training forward runs one direction of one layer")
         if self.first and p.layers > 1:
@@ -96,6 +102,14 @@ class KernelSpec:
     def tagged(self) -> bool:
         """h travels between blocks as tagged words (planner: ``sync="tagged"``)."""
         return self.plan.sync == "tagged"
+
+    def arrivals(self, t, value: bool = False):
+        """The count of a batch group's counter barrier once its blocks have arrived after
+        step t's h (or, ``value``, its value that the step's product takes, exchanged first:
+        then two arrivals a step)."""
+        if self.product < 0:
+            return (t + 1) * self.plan.group_blocks
+        return (2 * t + (1 if value else 2)) * self.plan.group_blocks
 
     @property
     def directions(self) -> int:

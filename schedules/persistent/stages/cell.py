@@ -113,22 +113,71 @@ def prefetch(spec, xp, gi, ln, t, t_len, bx, tx, first=None):
     each_pair(spec, bx, tx, body)
 
 
-def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None, pv=None):
+class _Reached(Exception):
+    """The step reached its recurrent product (:func:`argument`), of this value."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+def _sum(spec, hs, bh, it, n, u, g):
+    """Gate g's recurrent sum of pair ``it`` from ``hs``, b_hh added."""
+    return hs[(g * spec.plan.units + u) * spec.local_batch + n] + bh[it * spec.gates + g]
+
+
+def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
+    """A step that takes a recurrent product of one of its values (``spec.product``), first
+    round: the pairs' gate sums of h (``hs``, b_hh added) kept in ``gs``, and the value the
+    product multiplies, the step evaluated up to it, handed to ``publish(value, row, j)`` (the
+    exchange of that value)."""
+    g_count, states = spec.gates, spec.states
+
+    def taken(gate, x, transposed):
+        raise _Reached(x)
+
+    def body(it, n, j):
+        u = j - spec.place(bx) * spec.plan.units
+        for g in range(g_count):
+            store(gs, _sum(spec, hs, bh, it, n, u, g), it * g_count + g)
+        try:
+            with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(None, taken):
+                cell.evaluate([gi[it * g_count + g] for g in range(g_count)],
+                              [gs[it * g_count + g] for g in range(g_count)],
+                              [st[it * states + k] for k in range(states)],
+                              [pv[it * spec.params + k] for k in range(spec.params)])
+        except _Reached as found:
+            publish(found.value, spec.state_row(bx, n), j)
+            return
+        raise ValueError(f"cell {cell.name!r} took no recurrent product")
+    each_pair(spec, bx, tx, body)
+
+
+def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None, pv=None,
+          gs=None):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
     (``ln``), past its sample's length a pair keeps its states (and publishes them) and writes
     zero to y. y[t] is the pair's sequence step (the reverse direction's runs back).
     ``keep(gates_i, gates_h, new, step, row, j)``: a training forward's (:mod:`.history`).
-    ``pv``: the pairs' per-unit parameters of the cell (:func:`load_constants`)."""
+    ``pv``: the pairs' per-unit parameters of the cell (:func:`load_constants`). ``gs``: the
+    second round of a step that takes a recurrent product of a value (:func:`argument`): the
+    sums of h are there, ``hs`` holds those of the value (the product: its gate's, b_hh
+    added)."""
     g_count, states, units = spec.gates, spec.states, spec.plan.units
 
     def body(it, n, j):
         u = j - spec.place(bx) * units
         gates_i = [gi[it * g_count + g] for g in range(g_count)]
-        gates_h = [hs[(g * units + u) * spec.local_batch + n] + bh[it * g_count + g]
+        gates_h = [_sum(spec, hs, bh, it, n, u, g) if gs is None else gs[it * g_count + g]
                    for g in range(g_count)]
-        with ops.lowered_with(FAST_FUNCTIONS):
+
+        def product(gate, x, transposed):
+            return _sum(spec, hs, bh, it, n, u, gate)
+
+        with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(
+                None, product if gs is not None else None):
             new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)],
                                 [pv[it * spec.params + k] for k in range(spec.params)])
         live = t < T.Cast("int64", ln[it]) if spec.lengths else None

@@ -85,15 +85,21 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx):
 
 
 @T.macro
+def publish_tagged(hw, t, value, row, j):
+    """``value`` of unit j, batch row ``row``, as the tagged word of step t + 1."""
+    device.store_tagged(T.address_of(hw[(t + 1) % 2, row, j]), T.bitwise_or(
+        T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)),
+        T.Cast("uint64", T.reinterpret("uint32", value))))
+
+
+@T.macro
 def publish(spec, s0, hw, t, value, row, j):
     """h_t of unit j (element j of the exchanged vector), batch row ``row``: into the states'
     buffer (the final state, and what the barrier variants read), and, tagged, as the word of
     step t + 1."""
     s0[(t + 1) % 2, row, j] = value
     if spec.tagged:
-        device.store_tagged(T.address_of(hw[(t + 1) % 2, row, j]), T.bitwise_or(
-            T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)),
-            T.Cast("uint64", T.reinterpret("uint32", value))))
+        publish_tagged(hw, t, value, row, j)
 
 
 @T.macro
@@ -117,7 +123,7 @@ def wait(spec, cnt, t, bx, tx):
     else:
         if tx == 0:
             device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
-                              T.Cast("uint32", (t + 1) * spec.plan.group_blocks))
+                              T.Cast("uint32", spec.arrivals(t)))
         T.tvm_storage_sync("shared.dyn")
 
 
@@ -130,7 +136,41 @@ def arrive_and_wait(spec, cnt, t, bx, tx):
         if tx == 0:
             device.arrive(T.address_of(cnt[spec.group_of(bx)]))
             device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
-                              T.Cast("uint32", (t + 1) * spec.plan.group_blocks))
+                              T.Cast("uint32", spec.arrivals(t)))
         T.tvm_storage_sync("shared.dyn")
     else:
         wait(spec, cnt, t, bx, tx)
+
+
+@T.macro
+def publish_value(spec, aw, t, value, row, j):
+    """The value of unit j, batch row ``row``, that step t's recurrent product takes
+    (:mod:`.cell`): tagged as h is, or plain for the barriers."""
+    if spec.tagged:
+        publish_tagged(aw, t, value, row, j)
+    else:
+        aw[(t + 1) % 2, row, j] = value
+
+
+@T.macro
+def value_barrier(spec, cnt, t, bx, tx):
+    """Every block's value of step t is out (:func:`publish_value`): a block barrier (the
+    sums are read), then the barrier variants' wait, a second round of the counter a step."""
+    T.tvm_storage_sync("shared.dyn")
+    if spec.plan.sync == "grid":
+        T.cuda.grid_sync()
+    elif spec.plan.sync == "barrier":
+        if tx == 0:
+            device.arrive(T.address_of(cnt[spec.group_of(bx)]))
+            device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
+                              T.Cast("uint32", spec.arrivals(t, value=True)))
+        T.tvm_storage_sync("shared.dyn")
+
+
+@T.macro
+def stage_value(spec, aw, tv, store, t, bx, tx):
+    """Stage the value of step t (:func:`publish_value`) as :func:`stage_h` stages h."""
+    if spec.tagged:
+        _stage_tagged(spec, aw, tv, store, t + 1, bx, tx)
+    else:
+        _stage_plain(spec, aw, store, t + 1, bx, tx)
