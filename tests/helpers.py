@@ -18,14 +18,13 @@ TOL = {"float32": TOL_F32, "float16": 2e-3, "bfloat16": 1e-2}
 def persistent_cells() -> list[str]:
     """The registered cells the persistent kernels run in every form (inference, training,
     layers as a wavefront): all but those whose step reduces over the hidden units, by means
-    (``ops.mean``: non-persistent only) or a recurrent product of a value (``ops.recurrent``:
-    the persistent kernel in inference, one layer a module; tested on their own)."""
+    (``ops.mean``) or a recurrent product of a value (``ops.recurrent``): the persistent
+    kernel takes those in inference, one layer a module (tested on their own)."""
     return [name for name in rnncc.cells.names() if not reduces(rnncc.cells.get(name))]
 
 
 def takes_means(cell) -> bool:
-    """Whether a registered cell's step takes means over the hidden units (``ops.mean``): it
-    runs on the non-persistent schedule only."""
+    """Whether a registered cell's step takes means over the hidden units (``ops.mean``)."""
     return autodiff.takes_means(rnncc.cells.get(cell))
 
 

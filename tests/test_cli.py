@@ -25,8 +25,8 @@ def test_cells(capsys):
     lines = {line.split()[0]: line for line in out.splitlines()}
     assert {"lstm", "gru", "rnn_relu", "peephole", "ln_lstm"} <= set(lines)
     assert "3 per-unit parameters" in lines["peephole"] and "reduces" not in lines["peephole"]
-    assert lines["ln_lstm"].endswith("14 per-unit parameters; reduces over the hidden units "
-                                     "(ops.mean): non-persistent schedule only")
+    assert lines["ln_lstm"].endswith("14 per-unit parameters; means over the hidden units "
+                                     "(ops.mean): persistent in inference, one layer a module")
     assert lines["gru_reset_before"].endswith("a recurrent product of a value of its step "
                                               "(ops.recurrent): persistent in inference, one "
                                               "layer a module")

@@ -6,7 +6,7 @@ import pytest
 
 import rnncc
 from conftest import has_nvcc, random_weights
-from helpers import compiled, takes_means
+from helpers import compiled
 from rnncc.compiler.cuda_binary import (
     cooperative_kernels,
     kernel_bodies,
@@ -37,7 +37,7 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
     bodies = kernel_bodies(source)
     assert any(name.startswith("forward_kernel") for name in bodies)
     persistent = cooperative_kernels(source)
-    assert len(persistent) == (0 if takes_means(cell) else 1)
+    assert len(persistent) == 1
     assert all("__expf" not in b and "__fdividef" not in b for name, b in bodies.items()
                if name not in persistent)
 

@@ -7,6 +7,7 @@ import pytest
 
 import rnncc
 from conftest import has_nvcc
+from helpers import check_across_steps, check_repeats_exactly
 from rnncc.cells import ops
 from rnncc.errors import CellError, ConfigError
 
@@ -94,19 +95,43 @@ def test_initial_gains_one_and_biases_as_haste(cell):
             assert 0 < float(p.detach().abs().max()) <= 1 / np.sqrt(6), name
 
 
-def test_persistent_kernel_refuses_a_step_that_reduces_and_says_why():
-    with pytest.raises(ConfigError, match="persistent=on, but cell 'ln_lstm' reduces over "
-                                          "the hidden units within a step"):
-        rnncc.compile("ln_lstm", 8, 16, 2, target="cuda", persistent="on")
+def test_persistent_kernel_takes_means_in_inference_only_and_says_why():
+    with pytest.raises(ConfigError, match="persistent=on, but cell 'ln_lstm' takes means over "
+                                          "the hidden units .ops.mean.; the persistent kernel "
+                                          "takes them in inference, one layer a module"):
+        rnncc.compile("ln_lstm", 8, 16, 2, target="cuda", persistent="on", training=True)
 
 
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_layers_of_a_step_that_reduces_run_one_after_another():
+    """No wavefront of layers that take means: a persistent kernel a layer."""
     net = rnncc.compile_network("ln_gru", 16, 16, 2, layers=2, target="cuda")
     assert [s.kind for s in net.stages] == ["layer", "layer"]
-    module = net.stages[0].module
-    assert module.metadata["schedule"]["kind"] != "persistent"
-    assert "reduces over the hidden units" in module.metadata["schedule"]["persistent"]["reason"]
+    assert all(s.module.metadata["schedule"]["kind"] == "persistent" for s in net.stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["ln_lstm", "ln_gru"])
+@pytest.mark.parametrize("input_size, hidden, batch, knobs", [
+    (33, 257, 6, None), (1024, 1024, 1, None), (1024, 1024, 4, None),
+    (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}), (16, 64, 3, {"sync": "grid"}),
+    (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"})])
+def test_persistent_kernel_takes_means_and_repeats_exactly(cell, input_size, hidden, batch,
+                                                           knobs, rng):
+    """On the GPU: the persistent kernel of the layer-normalised cells (each mean a round:
+    its argument exchanged tagged, or plain behind a round of the counter barrier or the grid
+    sync, and summed over the row by every block), against float64 with lengths, T = 1, 37
+    and 100, the same outputs run after run."""
+    knobs = dict(knobs or {})
+    dtype = knobs.pop("dtype", "float32")
+    if knobs.get("mma") and cell == "ln_gru":
+        pytest.skip("tensor cores take 8 rows a warp: GRU's 3 gates of a block's units do "
+                    "not make them at this size (ln_lstm's do)")
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
+                           tuning="off", knobs=knobs, persistent="on", lengths=True)
+    assert module.metadata["schedule"]["kind"] == "persistent"
+    check_across_steps(module, rng, lengths=True)
+    check_repeats_exactly(module, rng)
 
 
 def test_reductions_given_what_they_do_not_take():

@@ -120,9 +120,10 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
                            np.zeros((2, dirs * n, h), np.uint64))[1]
     else:
         args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
-    if autodiff.trace(cell).products:  # the value a product takes, exchanged as h is
-        args["aw"] = (args["hw"].copy() if p.sync == "tagged"
-                      else np.full((2, dirs * n, h), np.nan, np.float32))
+    graph = autodiff.trace(cell)  # the values a step reduces, exchanged as h is
+    for r in range(sum(node.op == "mean" for node in graph.order) or len(graph.products)):
+        args[f"aw{r}"] = (args["hw"].copy() if p.sync == "tagged"
+                          else np.full((2, dirs * n, h), np.nan, np.float32))
     if lengths is not None:
         args["lengths"] = np.asarray(lengths, np.int32)
     for k in range(len(cell.states)) if kept else ():
@@ -341,6 +342,27 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
             3, 40, 4, "float32", 5, 2, sync="barrier"), 3, 37, 4, 3)),
     }[name]()
     check_kernel("gru_reset_before", p, input_size, hidden, batch, dtype, rng, lengths=True)
+
+
+@pytest.mark.parametrize("cell", ["ln_gru", "ln_lstm"])
+@pytest.mark.parametrize("name", ["tagged", "barrier, batch groups", "tensor cores",
+                                  "bidirectional"])
+def test_kernel_of_a_step_that_takes_means(cell, name, rng):
+    """The layer-normalised cells: each of a step's means a round (its argument exchanged as h
+    is, summed over the row by every block), lengths included (T = 1 and 5)."""
+    gates = rnncc.cells.get(cell).gates
+    states = len(rnncc.cells.get(cell).states)
+    input_size, hidden, batch, dtype, p = {
+        "tagged": lambda: (6, 33, 3, "float32", planner.plan(gates, 33, 3, "float32", H100,
+                                                              states, batch_groups=None)),
+        "barrier, batch groups": lambda: (6, 33, 4, "float32", crafted(
+            gates, 33, 4, "float32", 8, 2, groups=2, sync="barrier")),
+        "tensor cores": lambda: (6, 64, 3, "float16", crafted(gates, 64, 3, "float16", 8,
+                                                              gates, mma=True)),
+        "bidirectional": lambda: (6, 33, 3, "float32", planner.plan(
+            gates, 33, 3, "float32", H100, states, directions=2)),
+    }[name]()
+    check_kernel(cell, p, input_size, hidden, batch, dtype, rng, lengths=True)
 
 
 # -- one stage at a time --------------------------------------------------------------------

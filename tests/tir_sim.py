@@ -243,6 +243,9 @@ class Simulator:
             return np.exp(self._expr(args[0]))
         if op == "tirx.sigmoid":
             return 1 / (1 + np.exp(-self._expr(args[0])))
+        if op == "tirx.rsqrt":
+            with np.errstate(invalid="ignore", divide="ignore"):  # threads masked out too
+                return 1 / np.sqrt(self._expr(args[0]))
         if op == "tirx.call_pure_extern":
             return self._extern(str(args[0].value), [self._expr(a) for a in args[1:]])
         if op == "tirx.cuda.func_call":

@@ -131,15 +131,14 @@ def trace(cell: Cell) -> Graph:
 
 
 def takes_means(cell: Cell) -> bool:
-    """Whether ``cell``'s step takes row means (:func:`rnncc.cells.ops.mean`): then it runs
-    where a lowering reduces, not in the persistent kernel."""
+    """Whether ``cell``'s step takes row means (:func:`rnncc.cells.ops.mean`)."""
     return any(node.op == "mean" for node in trace(cell).order)
 
 
 def reduces(cell: Cell) -> bool:
     """Whether ``cell``'s step reduces over the hidden units: row means, or recurrent products
-    of its values (:func:`rnncc.cells.ops.recurrent`: the persistent kernel takes those in
-    inference only, one layer a module)."""
+    of its values (:func:`rnncc.cells.ops.recurrent`); the persistent kernel takes them in
+    inference only, one layer a module."""
     return takes_means(cell) or bool(trace(cell).products)
 
 

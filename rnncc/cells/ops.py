@@ -127,7 +127,8 @@ def rsqrt(x):
 def mean(x):
     """The mean of x over the H hidden units of the batch row, within the step: one value for
     every unit of the row. A reduction: the cell then runs where its lowering reduces (the
-    non-persistent schedules, forward and training), not in the persistent kernel."""
+    non-persistent schedules, forward and training; the persistent kernel in inference, a
+    round of the step a mean), not in the persistent backward kernel."""
     if isinstance(x, (int, float)):
         return x
     if isinstance(x, (list, tuple)):
@@ -137,9 +138,9 @@ def mean(x):
     staged = getattr(x, "__rnncc_mean__", None)
     if staged is not None:
         return staged()
-    if not _MEANS:
+    if not _MEANS or _MEANS[-1] is None:
         raise CellError("rnncc.cells.ops.mean: this lowering of the step does not reduce over "
-                        "the hidden units (the persistent kernel does not)")
+                        "the hidden units (the persistent backward kernel does not)")
     return _MEANS[-1](x)
 
 
@@ -148,7 +149,8 @@ def recurrent(gate: int, x):
     W_hh's rows of the gate times x over the H units of the batch row, plus b_hh's (the GRU
     that resets before its product takes ``recurrent(2, r * h)``). A step that takes it does
     not use ``gh[gate]``, and takes one such product a gate. Like :func:`mean` a reduction
-    over the row: the cell runs on the non-persistent schedules."""
+    over the row, where its lowering takes it (the non-persistent schedules; the persistent
+    kernel in inference, one such product a step)."""
     if isinstance(gate, bool) or not isinstance(gate, int):
         raise CellError(f"rnncc.cells.ops.recurrent(gate, x): gate is the gate's index, an "
                         f"int; got {gate!r}")
@@ -168,7 +170,7 @@ def transposed_product(gate: int, x):
 def _product(gate, x, transposed):
     if not _PRODUCTS or _PRODUCTS[-1] is None:
         raise CellError("rnncc.cells.ops.recurrent: this lowering of the step takes no recurrent "
-                        "products of its values (the persistent kernel does not)")
+                        "products of its values (the persistent backward kernel does not)")
     return _PRODUCTS[-1](gate, x, transposed)
 
 

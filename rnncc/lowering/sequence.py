@@ -563,7 +563,9 @@ class _Builder:
 
         folded = self._folded(sig, t_len, w_hr, s0, sw) if proj else None
 
-        more_sync, products = [], comp.products_before(autodiff.trace(p.cell))
+        more_sync = []
+        graph = autodiff.trace(p.cell)  # values of a step exchanged before h: its reductions'
+        rounds = sum(node.op == "mean" for node in graph.order) or len(graph.products)
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             # h before step 0: h0, or with a projection h' (zero, in its workspace)
@@ -573,20 +575,20 @@ class _Builder:
                 n, h, start[0].buffer.dtype, EMPTY_TAG), "elementwise")
             sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
                 start[d], Region(sync, (ALL, of(d), ALL))], 1) for d in range(dirs)]
-            if products:  # the value a product takes, tagged as h
-                values = self.param(sig, "value_tagged", (2, rows, h), "workspace", "uint64")
-                sync_stages += [Stage(f"init_value_tagged_{tags[d]}", init, [
+            for k in range(rounds):  # tagged as h
+                values = self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
+                                    "uint64")
+                sync_stages += [Stage(f"init_value{k}_tagged_{tags[d]}", init, [
                     start[d], Region(values, (ALL, of(d), ALL))], 1) for d in range(dirs)]
-                more_sync = [values]
+                more_sync.append(values)
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
-            if products:  # the value a product takes, plain (the counter orders it)
-                more_sync = [self.param(sig, "value_exchanged", (2, rows, h), "workspace",
-                                        "float32")]
+            more_sync = [self.param(sig, f"value{k}_exchanged", (2, rows, h), "workspace",
+                                    "float32") for k in range(rounds)]  # the counter orders
         prologue = folded.prologue if proj else [
             stage for d in range(dirs) for stage in self.states_copy(
                 "init_states", [Region(s, (d, ALL, ALL)) for s in s0],

@@ -40,9 +40,9 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     lengths: the samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a
     state (h first), (a training forward's, ``spec.kept``: the states of every step [T+1,N,H]
     each and the kept parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or
-    the barrier counters [NG] uint32, one a batch group, (``spec.product``: the value of the
-    step that its product multiplies [2,N,H], uint64 tagged as h, else float32). T is the
-    symbolic length ``T_len``.
+    the barrier counters [NG] uint32, one a batch group, (``spec.rounds``: the values of the
+    step it exchanges before h, its product's or its means' arguments, [2,N,H] each, uint64
+    tagged as h, else float32). T is the symbolic length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
     the counters [D*NG]. With L layers (planner: "Layers as a wavefront") the same with L for D
@@ -58,7 +58,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += ["y"] + [f"s{k}" for k in range(spec.states)]
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
     names += ["hw" if spec.tagged else "cnt"]
-    names += ["aw"] if spec.product >= 0 else []
+    names += [f"aw{r}" for r in range(spec.rounds)]
     names += ["prog"] if spec.layers > 1 else []
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
@@ -98,8 +98,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
     else:
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
-    if spec.product >= 0:
-        match("aw", "aw", (2, rows, spec.hidden), "uint64" if spec.tagged else "float32")
+    out.aw = [match(f"aw{r}", f"aw{r}", (2, rows, spec.hidden),
+                    "uint64" if spec.tagged else "float32") for r in range(spec.rounds)]
     if spec.layers > 1:
         match("prog", "prog", (d * p.batch_groups,), "uint32")
     return out
@@ -180,7 +180,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
       input projections, b_hh and states (unless ``pairs`` is False: the backward kernel's
       are :func:`backward_pairs`); ``pv``: their units' per-unit parameters of the cell;
       ``ln``: their samples' lengths; ``tv``: tagged words in flight; ``gs``: the pairs'
-      recurrent gate sums of h, kept while a step's product of a value is taken;
+      recurrent gate sums of h, kept while a step's product of a value is taken; ``mv``: the
+      step's row means (``red``, ``racc``: their sums in the making);
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -215,9 +216,13 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc(name, p.items * per, "float32")
     if pairs and spec.params:
         alloc("pv", p.items * spec.params, "float32")
-    out.gs = None
+    out.gs = out.mv = out.red = out.racc = None
     if pairs and spec.product >= 0:
         alloc("gs", p.items * g, "float32")
+    if pairs and spec.means:
+        alloc("mv", spec.means * n, "float32", "shared")
+        alloc("red", p.warps * n, "float32", "shared")
+        alloc("racc", n, "float32")
     if spec.lengths:
         alloc("ln", p.items, "int32")
     if spec.tagged:

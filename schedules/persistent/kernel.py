@@ -52,6 +52,7 @@ from .stages import (
     exchange,
     history,
     input_projection,
+    means,
     reduction,
     tensor_cores,
     wavefront,
@@ -93,9 +94,11 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     if len(taken) > 1:
         raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
                          "values; the persistent kernel takes one")
+    graph = trace(cell)
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
                       input_size, lengths, kept=kept, params=len(cell.params), first=first,
-                      product=taken[0] if taken else -1)
+                      product=taken[0] if taken else -1,
+                      means=sum(node.op == "mean" for node in graph.order))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -129,16 +132,17 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         if spec.product >= 0:
                             cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, b.gs,
-                                                partial(exchange.publish_value, spec, g.aw, t),
-                                                bx, tx)
-                            exchange.value_barrier(spec, g.cnt, t, bx, tx)
-                            exchange.stage_value(spec, g.aw, b.tv, partial(
+                                                partial(exchange.publish_value, spec, g.aw[0],
+                                                        t), bx, tx, stop=spec.product)
+                            exchange.value_barrier(spec, g.cnt, t, 0, bx, tx)
+                            exchange.stage_value(spec, g.aw[0], b.tv, partial(
                                 products.store_h, spec, staged), t, bx, tx)
                             T.tvm_storage_sync("shared.dyn")
                             gate_sums(spec, b, g.w, blk, warp, lane)
+                        means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
                             exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx,
-                            history.keeper(spec, g.pre, g.steps), b.pv, b.gs)
+                            history.keeper(spec, g.pre, g.steps), b.pv, b.gs, b.mv)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

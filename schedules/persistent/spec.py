@@ -33,7 +33,9 @@ class KernelSpec:
     step's input projections take an addition [N, D*G*H] (one layer; a projection's W_hh h0,
     where the kernel's recurrence is h'); ``product``: the gate whose recurrent product the
     cell takes of a value of its step (``ops.recurrent``; -1: none), exchanged and multiplied
-    in a second round of the step (:mod:`.stages.cell`)."""
+    in a second round of the step (:mod:`.stages.cell`); ``means``: how many row means the
+    cell's step takes (``ops.mean``), each a round of the step: its argument exchanged and
+    summed over the row (:mod:`.stages.means`)."""
 
     plan: Plan
     gates: int
@@ -49,12 +51,16 @@ class KernelSpec:
     params: int = 0
     first: bool = False
     product: int = -1
+    means: int = 0
 
     def __post_init__(self):
         p = self.plan
-        if self.product >= 0 and (self.kept or p.layers > 1):
-            raise ValueError("a recurrent product of a step's value runs in inference, one "
+        if (self.product >= 0 or self.means) and (self.kept or p.layers > 1):
+            raise ValueError("a step that reduces over the hidden units runs in inference, one "
                              "layer")
+        if self.product >= 0 and self.means:
+            raise ValueError("a step takes means or a recurrent product of a value here, not "
+                             "both")
         if self.kept and p.grids > 1:
             raise ValueError("a training forward runs one direction of one layer")
         if self.first and p.layers > 1:
@@ -103,13 +109,20 @@ class KernelSpec:
         """h travels between blocks as tagged words (planner: ``sync="tagged"``)."""
         return self.plan.sync == "tagged"
 
-    def arrivals(self, t, value: bool = False):
+    @property
+    def rounds(self) -> int:
+        """R: the values of its step a block exchanges each step before h (the means' or the
+        product's arguments)."""
+        return self.means or (1 if self.product >= 0 else 0)
+
+    def arrivals(self, t, value: int = -1):
         """The count of a batch group's counter barrier once its blocks have arrived after
-        step t's h (or, ``value``, its value that the step's product takes, exchanged first:
-        then two arrivals a step)."""
-        if self.product < 0:
+        step t's h (or its round ``value``'s value, exchanged first: R + 1 arrivals a
+        step)."""
+        if not self.rounds:
             return (t + 1) * self.plan.group_blocks
-        return (2 * t + (1 if value else 2)) * self.plan.group_blocks
+        step = self.rounds + 1
+        return (step * t + (value + 1 if value >= 0 else step)) * self.plan.group_blocks
 
     @property
     def directions(self) -> int:

@@ -126,11 +126,14 @@ def _sum(spec, hs, bh, it, n, u, g):
     return hs[(g * spec.plan.units + u) * spec.local_batch + n] + bh[it * spec.gates + g]
 
 
-def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
-    """A step that takes a recurrent product of one of its values (``spec.product``), first
-    round: the pairs' gate sums of h (``hs``, b_hh added) kept in ``gs``, and the value the
-    product multiplies, the step evaluated up to it, handed to ``publish(value, row, j)`` (the
-    exchange of that value)."""
+def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx, stop=None, mv=None):
+    """A round of a step that reduces over the hidden units: the value its reduction takes,
+    the step evaluated up to it, handed to ``publish(value, row, j)`` (the exchange of that
+    value). Its recurrent product of a value (``spec.product``): the pairs' gate sums of h
+    (``hs``, b_hh added) kept in ``gs`` first; its mean ``stop`` (:mod:`.means`): the means
+    before it from ``mv``."""
+    from .means import reader
+
     g_count, states = spec.gates, spec.states
 
     def taken(gate, x, transposed):
@@ -138,23 +141,26 @@ def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
-        for g in range(g_count):
-            store(gs, _sum(spec, hs, bh, it, n, u, g), it * g_count + g)
+        if gs is not None:
+            for g in range(g_count):
+                store(gs, _sum(spec, hs, bh, it, n, u, g), it * g_count + g)
+        sums = [gs[it * g_count + g] if gs is not None else _sum(spec, hs, bh, it, n, u, g)
+                for g in range(g_count)]
+        mean = reader(spec, mv, n, stop) if mv is not None else None
         try:
-            with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(None, taken):
-                cell.evaluate([gi[it * g_count + g] for g in range(g_count)],
-                              [gs[it * g_count + g] for g in range(g_count)],
+            with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(mean, taken):
+                cell.evaluate([gi[it * g_count + g] for g in range(g_count)], sums,
                               [st[it * states + k] for k in range(states)],
                               [pv[it * spec.params + k] for k in range(spec.params)])
         except _Reached as found:
             publish(found.value, spec.state_row(bx, n), j)
             return
-        raise ValueError(f"cell {cell.name!r} took no recurrent product")
+        raise ValueError(f"cell {cell.name!r} took no reduction {stop}")
     each_pair(spec, bx, tx, body)
 
 
 def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None, pv=None,
-          gs=None):
+          gs=None, mv=None):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
@@ -164,7 +170,9 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
     ``pv``: the pairs' per-unit parameters of the cell (:func:`load_constants`). ``gs``: the
     second round of a step that takes a recurrent product of a value (:func:`argument`): the
     sums of h are there, ``hs`` holds those of the value (the product: its gate's, b_hh
-    added)."""
+    added). ``mv``: the step's row means (:mod:`.means`)."""
+    from .means import reader
+
     g_count, states, units = spec.gates, spec.states, spec.plan.units
 
     def body(it, n, j):
@@ -177,7 +185,8 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
             return _sum(spec, hs, bh, it, n, u, gate)
 
         with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(
-                None, product if gs is not None else None):
+                reader(spec, mv, n) if mv is not None else None,
+                product if gs is not None else None):
             new = cell.evaluate(gates_i, gates_h, [st[it * states + k] for k in range(states)],
                                 [pv[it * spec.params + k] for k in range(spec.params)])
         live = t < T.Cast("int64", ln[it]) if spec.lengths else None

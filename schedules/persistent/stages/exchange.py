@@ -153,9 +153,9 @@ def publish_value(spec, aw, t, value, row, j):
 
 
 @T.macro
-def value_barrier(spec, cnt, t, bx, tx):
-    """Every block's value of step t is out (:func:`publish_value`): a block barrier (the
-    sums are read), then the barrier variants' wait, a second round of the counter a step."""
+def value_barrier(spec, cnt, t, r, bx, tx):
+    """Every block's value of step t's round r is out (:func:`publish_value`): a block
+    barrier (the sums are read), then the barrier variants' wait, a round of the counter."""
     T.tvm_storage_sync("shared.dyn")
     if spec.plan.sync == "grid":
         T.cuda.grid_sync()
@@ -163,7 +163,7 @@ def value_barrier(spec, cnt, t, bx, tx):
         if tx == 0:
             device.arrive(T.address_of(cnt[spec.group_of(bx)]))
             device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
-                              T.Cast("uint32", spec.arrivals(t, value=True)))
+                              T.Cast("uint32", spec.arrivals(t, value=r)))
         T.tvm_storage_sync("shared.dyn")
 
 
