@@ -18,6 +18,7 @@ dp, a product by the transposed rows (and dW_g = dp^T x, db_g = dp, the training
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,9 @@ from ..errors import CellError
 from . import ops
 from ._base import Cell
 from .ops import UNARY, apply_unary
+
+#: The order in which a step takes its means (a mean node's value).
+_MEANS = itertools.count()
 
 
 class Traced:
@@ -79,7 +83,7 @@ class Traced:
         return Traced(name, (self,))
 
     def __rnncc_mean__(self) -> Traced:
-        return Traced("mean", (self,))
+        return Traced("mean", (self,), value=next(_MEANS))
 
 
 @dataclass
@@ -114,8 +118,39 @@ def trace(cell: Cell) -> Graph:
         out = cell.evaluate(inputs[:g_count], inputs[g_count:2 * g_count],
                             inputs[2 * g_count:first], inputs[first:])
     outputs = [Traced._of(v) for v in out]
+    return Graph(cell, inputs, outputs, trace_order(outputs), products)
+
+
+def takes_means(cell: Cell) -> bool:
+    """Whether ``cell``'s step takes row means (:func:`rnncc.cells.ops.mean`)."""
+    return any(node.op == "mean" for node in trace(cell).order)
+
+
+def mean_levels(cell: Cell) -> list[list[int]]:
+    """The step's means (numbered in the order it takes them) in levels: a mean's level is one
+    past the highest of the means its argument depends on, so the means of a level can be
+    computed together (a layer norm's mean, then its variance; two layer norms side by
+    side)."""
+    means = sorted((node for node in trace(cell).order if node.op == "mean"),
+                   key=lambda node: node.value)
+    index = {id(node): k for k, node in enumerate(means)}
+    level: dict = {}
+    for node in trace_order(means):
+        below = [level[id(a)] for a in node.args if id(a) in level]
+        level[id(node)] = max(below, default=-1) + (1 if node.op == "mean" else 0)
+    levels: list = []
+    for node in means:
+        k, at = index[id(node)], level[id(node)]
+        levels += [[] for _ in range(at + 1 - len(levels))]
+        levels[at].append(k)
+    return levels
+
+
+def trace_order(roots) -> list:
+    """The nodes ``roots`` depend on, each after its arguments (depth first, without
+    recursion)."""
     order, seen = [], set()
-    for root in outputs:  # depth first, arguments before the node, without recursion
+    for root in roots:
         stack = [(root, False)]
         while stack:
             node, ready = stack.pop()
@@ -127,12 +162,7 @@ def trace(cell: Cell) -> Graph:
                 continue
             stack.append((node, True))
             stack.extend((a, False) for a in node.args if id(a) not in seen)
-    return Graph(cell, inputs, outputs, order, products)
-
-
-def takes_means(cell: Cell) -> bool:
-    """Whether ``cell``'s step takes row means (:func:`rnncc.cells.ops.mean`)."""
-    return any(node.op == "mean" for node in trace(cell).order)
+    return order
 
 
 def reduces(cell: Cell) -> bool:

@@ -565,7 +565,7 @@ class _Builder:
 
         more_sync = []
         graph = autodiff.trace(p.cell)  # values of a step exchanged before h: its reductions'
-        rounds = sum(node.op == "mean" for node in graph.order) or len(graph.products)
+        values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
         if plan.sync == "tagged":
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             # h before step 0: h0, or with a projection h' (zero, in its workspace)
@@ -575,7 +575,7 @@ class _Builder:
                 n, h, start[0].buffer.dtype, EMPTY_TAG), "elementwise")
             sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
                 start[d], Region(sync, (ALL, of(d), ALL))], 1) for d in range(dirs)]
-            for k in range(rounds):  # tagged as h
+            for k in range(values):  # tagged as h
                 values = self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
                                     "uint64")
                 sync_stages += [Stage(f"init_value{k}_tagged_{tags[d]}", init, [
@@ -588,7 +588,7 @@ class _Builder:
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
             more_sync = [self.param(sig, f"value{k}_exchanged", (2, rows, h), "workspace",
-                                    "float32") for k in range(rounds)]  # the counter orders
+                                    "float32") for k in range(values)]  # the counter orders
         prologue = folded.prologue if proj else [
             stage for d in range(dirs) for stage in self.states_copy(
                 "init_states", [Region(s, (d, ALL, ALL)) for s in s0],

@@ -40,9 +40,9 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     lengths: the samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a
     state (h first), (a training forward's, ``spec.kept``: the states of every step [T+1,N,H]
     each and the kept parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or
-    the barrier counters [NG] uint32, one a batch group, (``spec.rounds``: the values of the
-    step it exchanges before h, its product's or its means' arguments, [2,N,H] each, uint64
-    tagged as h, else float32). T is the symbolic length ``T_len``.
+    the barrier counters [NG] uint32, one a batch group, (the values of the step it exchanges
+    before h, its product's argument or each of its means', [2,N,H] each, uint64 tagged as h,
+    else float32). T is the symbolic length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
     the counters [D*NG]. With L layers (planner: "Layers as a wavefront") the same with L for D
@@ -58,7 +58,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += ["y"] + [f"s{k}" for k in range(spec.states)]
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
     names += ["hw" if spec.tagged else "cnt"]
-    names += [f"aw{r}" for r in range(spec.rounds)]
+    values = spec.means or spec.rounds  # a buffer a mean, or the product's
+    names += [f"aw{r}" for r in range(values)]
     names += ["prog"] if spec.layers > 1 else []
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
@@ -99,7 +100,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     else:
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
     out.aw = [match(f"aw{r}", f"aw{r}", (2, rows, spec.hidden),
-                    "uint64" if spec.tagged else "float32") for r in range(spec.rounds)]
+                    "uint64" if spec.tagged else "float32") for r in range(values)]
     if spec.layers > 1:
         match("prog", "prog", (d * p.batch_groups,), "uint32")
     return out

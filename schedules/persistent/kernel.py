@@ -41,7 +41,7 @@ from functools import partial
 
 from tvm.script import tirx as T
 
-from rnncc.cells.autodiff import trace
+from rnncc.cells.autodiff import mean_levels, trace
 
 from . import buffers
 from .planner import Plan
@@ -98,7 +98,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
                       input_size, lengths, kept=kept, params=len(cell.params), first=first,
                       product=taken[0] if taken else -1,
-                      means=sum(node.op == "mean" for node in graph.order))
+                      means=sum(node.op == "mean" for node in graph.order),
+                      levels=tuple(tuple(level) for level in mean_levels(cell)))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
@@ -133,7 +134,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         if spec.product >= 0:
                             cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, b.gs,
                                                 partial(exchange.publish_value, spec, g.aw[0],
-                                                        t), bx, tx, stop=spec.product)
+                                                        t), bx, tx)
                             exchange.value_barrier(spec, g.cnt, t, 0, bx, tx)
                             exchange.stage_value(spec, g.aw[0], b.tv, partial(
                                 products.store_h, spec, staged), t, bx, tx)

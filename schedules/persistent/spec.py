@@ -35,7 +35,8 @@ class KernelSpec:
     cell takes of a value of its step (``ops.recurrent``; -1: none), exchanged and multiplied
     in a second round of the step (:mod:`.stages.cell`); ``means``: how many row means the
     cell's step takes (``ops.mean``), each a round of the step: its argument exchanged and
-    summed over the row (:mod:`.stages.means`)."""
+    summed over the row (:mod:`.stages.means`), in ``levels`` (tuples of the means, a round
+    each, :func:`rnncc.cells.autodiff.mean_levels`)."""
 
     plan: Plan
     gates: int
@@ -52,6 +53,7 @@ class KernelSpec:
     first: bool = False
     product: int = -1
     means: int = 0
+    levels: tuple = ()
 
     def __post_init__(self):
         p = self.plan
@@ -111,9 +113,9 @@ class KernelSpec:
 
     @property
     def rounds(self) -> int:
-        """R: the values of its step a block exchanges each step before h (the means' or the
-        product's arguments)."""
-        return self.means or (1 if self.product >= 0 else 0)
+        """R: the rounds of values of its step the blocks exchange each step before h (the
+        means' arguments, a level of them a round, or the product's)."""
+        return len(self.levels) if self.means else (1 if self.product >= 0 else 0)
 
     def arrivals(self, t, value: int = -1):
         """The count of a batch group's counter barrier once its blocks have arrived after

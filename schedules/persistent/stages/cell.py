@@ -126,37 +126,38 @@ def _sum(spec, hs, bh, it, n, u, g):
     return hs[(g * spec.plan.units + u) * spec.local_batch + n] + bh[it * spec.gates + g]
 
 
-def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx, stop=None, mv=None):
-    """A round of a step that reduces over the hidden units: the value its reduction takes,
-    the step evaluated up to it, handed to ``publish(value, row, j)`` (the exchange of that
-    value). Its recurrent product of a value (``spec.product``): the pairs' gate sums of h
-    (``hs``, b_hh added) kept in ``gs`` first; its mean ``stop`` (:mod:`.means`): the means
-    before it from ``mv``."""
-    from .means import reader
-
-    g_count, states = spec.gates, spec.states
+def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
+    """A step that takes a recurrent product of one of its values (``spec.product``), first
+    round: the pairs' gate sums of h (``hs``, b_hh added) kept in ``gs``, and the value the
+    product multiplies, the step evaluated up to it, handed to ``publish(value, row, j)`` (the
+    exchange of that value)."""
+    g_count = spec.gates
 
     def taken(gate, x, transposed):
         raise _Reached(x)
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
-        if gs is not None:
-            for g in range(g_count):
-                store(gs, _sum(spec, hs, bh, it, n, u, g), it * g_count + g)
-        sums = [gs[it * g_count + g] if gs is not None else _sum(spec, hs, bh, it, n, u, g)
-                for g in range(g_count)]
-        mean = reader(spec, mv, n, stop) if mv is not None else None
+        for g in range(g_count):
+            store(gs, _sum(spec, hs, bh, it, n, u, g), it * g_count + g)
         try:
-            with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(mean, taken):
-                cell.evaluate([gi[it * g_count + g] for g in range(g_count)], sums,
-                              [st[it * states + k] for k in range(states)],
-                              [pv[it * spec.params + k] for k in range(spec.params)])
+            with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(None, taken):
+                evaluate(spec, cell, gi, [gs[it * g_count + g] for g in range(g_count)], st,
+                         pv, it)
         except _Reached as found:
             publish(found.value, spec.state_row(bx, n), j)
             return
-        raise ValueError(f"cell {cell.name!r} took no reduction {stop}")
+        raise ValueError(f"cell {cell.name!r} took no recurrent product")
     each_pair(spec, bx, tx, body)
+
+
+def evaluate(spec, cell, gi, sums, st, pv, it):
+    """``cell``'s step on pair ``it``: its input projections, the recurrent ``sums`` (b_hh
+    added), its states and per-unit parameters."""
+    g_count, states = spec.gates, spec.states
+    return cell.evaluate([gi[it * g_count + g] for g in range(g_count)], sums,
+                         [st[it * states + k] for k in range(states)],
+                         [pv[it * spec.params + k] for k in range(spec.params)])
 
 
 def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None, pv=None,

@@ -1,12 +1,14 @@
 """Stage: the row means a cell's step takes (``ops.mean``; the layer-normalised cells), a
-round of the step each.
+round of the step a level of them.
 
-A mean is over the H units of a batch row, which several blocks share. Round r: every thread
-evaluates the step of its pairs up to the r-th mean (the means before it read from ``mv``)
-and publishes its argument as it publishes h (:func:`.exchange.publish_value`); after the
-round's barrier each block loads the whole row's values (tagged words, or plain behind the
-counter barrier), each thread summing the ones it loads a batch row, then the warps' sums
-(shuffles) and the block's (shared memory) give the row's sum: ``mv[r*N + n]`` is its mean.
+A mean is over the H units of a batch row, which several blocks share. The step's means come
+in levels (:func:`rnncc.cells.autodiff.mean_levels`: a mean, then what depends on it, as a
+layer norm's variance on its mean); round r takes level r's: every thread evaluates the step
+of its pairs up to them (the means before read from ``mv``) and publishes each one's argument
+as it publishes h (:func:`.exchange.publish_value`); after the round's barrier each block
+loads the whole row's values of each (tagged words, or plain behind the counter barrier), each
+thread summing the ones it loads a batch row, then the warps' sums (shuffles) and the block's
+(shared memory) give the row's sum: ``mv[k*N + n]`` is mean k.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import itertools
 from functools import partial
 
 from tvm.script import tirx as T
+
+from rnncc.cells import ops
 
 from .. import device
 from . import cell as cell_stage
@@ -52,24 +56,48 @@ def _sum_value(spec, aw, tv, racc, red, mv, r, t, bx, tx, warp, lane):
     _row_sums(spec, racc, red, mv, r, warp, lane, tx)
 
 
+def _arguments(spec, cell, b, level, publish, bx, tx):
+    """Round ``level``: the pairs' step evaluated up to the means of that level (the means
+    before it from ``mv``), each mean's argument handed to ``publish[k](value, row, j)``."""
+    done = [k for lower in spec.levels[:spec.levels.index(level)] for k in lower]
+
+    def body(it, n, j):
+        u = j - spec.place(bx) * spec.plan.units
+        calls, found = itertools.count(), {}
+
+        def mean(x):
+            k = next(calls)
+            if k in done:
+                return b.mv[k * spec.local_batch + n]
+            if k in level:
+                found[k] = x
+            return T.float32(0)  # a later round's: what follows is not this round's
+
+        sums = [cell_stage._sum(spec, b.hs, b.bh, it, n, u, g) for g in range(spec.gates)]
+        with ops.lowered_with(cell_stage.FAST_FUNCTIONS), ops.reducing_with(mean, None):
+            cell_stage.evaluate(spec, cell, b.gi, sums, b.st, b.pv, it)
+        if sorted(found) != sorted(level):
+            raise ValueError(f"cell {cell.name!r} took means {sorted(found)} of round {level}")
+        for k in level:
+            publish[k](found[k], spec.state_row(bx, n), j)
+    cell_stage.each_pair(spec, bx, tx, body)
+
+
 def rounds(spec, cell, g, b, t, bx, tx, warp, lane):
-    """Step t's means, one round each (builds TIR: a Python loop over the rounds)."""
-    for r in range(spec.means):
-        cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, None,
-                            partial(exchange.publish_value, spec, g.aw[r], t), bx, tx,
-                            stop=r, mv=b.mv)
+    """Step t's means, a round a level of them (``spec.levels``; builds TIR: a Python loop
+    over the rounds)."""
+    for r, level in enumerate(spec.levels):
+        _arguments(spec, cell, b, level, {k: partial(exchange.publish_value, spec, g.aw[k], t)
+                                          for k in level}, bx, tx)
         exchange.value_barrier(spec, g.cnt, t, r, bx, tx)
-        _sum_value(spec, g.aw[r], b.tv, b.racc, b.red, b.mv, r, t, bx, tx, warp, lane)
+        for k in level:
+            _sum_value(spec, g.aw[k], b.tv, b.racc, b.red, b.mv, k, t, bx, tx, warp, lane)
 
 
-def reader(spec, mv, n, stop=None):
-    """The ``ops.mean`` of a step evaluated for batch row ``n``: the k-th mean from ``mv``;
-    with ``stop``, the value passed to that one instead (:class:`.cell._Reached`)."""
+def reader(spec, mv, n):
+    """The ``ops.mean`` of a step evaluated for batch row ``n``: the k-th mean from ``mv``."""
     calls = itertools.count()
 
     def mean(x):
-        k = next(calls)
-        if k == stop:
-            raise cell_stage._Reached(x)
-        return mv[k * spec.local_batch + n]
+        return mv[next(calls) * spec.local_batch + n]
     return mean
