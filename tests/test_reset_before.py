@@ -109,6 +109,15 @@ def test_persistent_kernel_takes_a_product_in_inference_only_and_says_why():
         rnncc.compile("gru_reset_before", 8, 8, 1, persistent="on", training=True)
 
 
+def test_persistent_kernel_refuses_means_beside_a_product_and_says_why():
+    cell = _cell("means_and_product", lambda gi, gh, s: (
+        ops.tanh(gi[0] + ops.recurrent(2, s[0]) + ops.mean(gh[0])),))
+    with pytest.raises(ConfigError, match="cell 'means_and_product' takes means and a "
+                                          "recurrent product of a value; the persistent "
+                                          "kernel takes one or the other"):
+        rnncc.compile(cell, 8, 8, 1, persistent="on")
+
+
 @pytest.mark.skipif(not has_nvcc(), reason="nvcc not found")
 def test_cuda_product_is_a_gemm_between_two_point_wise_kernels():
     """The step's value that the product takes (a point-wise kernel up to it), the product (a

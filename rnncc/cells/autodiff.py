@@ -107,7 +107,7 @@ def trace(cell: Cell) -> Graph:
     first = 2 * g_count + s_count
     products: list = []
 
-    def product(gate, x, transposed):
+    def product(gate, x):
         if not isinstance(x, Traced):
             raise CellError(f"cell {cell.name!r}: ops.recurrent takes a value of the step, got "
                             f"{x!r}")
@@ -172,11 +172,22 @@ def reduces(cell: Cell) -> bool:
     return takes_means(cell) or bool(trace(cell).products)
 
 
+def product_gates(graph: Graph, upto: int | None = None) -> list[int]:
+    """The gates whose recurrent products a traced step takes (:func:`rnncc.cells.ops.
+    recurrent`), in the order it takes them; with ``upto`` (one of them), those before it."""
+    gates = [node.value[0] for node in graph.products]
+    if upto is None:
+        return gates
+    if upto not in gates:
+        raise CellError(f"cell {graph.cell.name!r} takes no recurrent product of gate {upto}")
+    return gates[:gates.index(upto)]
+
+
 def check_products(graph: Graph) -> None:
     """A step's recurrent products: each of a gate of the cell, one a gate, and a gate whose
     product the step takes of a value does not also use gh[g] (its gradient would go to two
     products of W_g)."""
-    cell, gates = graph.cell, [node.value[0] for node in graph.products]
+    cell, gates = graph.cell, product_gates(graph)
     bad = [g for g in gates if not 0 <= g < cell.gates]
     if bad:
         raise CellError(f"cell {cell.name!r}: ops.recurrent of gate {bad[0]}; the cell has "

@@ -22,7 +22,8 @@ from ..errors import CellError
 _MEANS: list = []
 
 #: How it computes :func:`recurrent` (and the derivative's :func:`transposed_product`), or None
-#: where it does not, innermost last.
+#: where it does not, innermost last: ``f(gate, x)``, the product the lowering computed for
+#: that gate (a GEMM of x's values, the caller's).
 _PRODUCTS: list = []
 
 #: Implementations a schedule puts in place of TVM's for the expressions it builds (see
@@ -51,8 +52,8 @@ def lowered_with(functions: dict):
 def reducing_with(mean, product=None):
     """Within the block, :func:`mean` of a PrimExpr is ``mean(x)``: the lowering's row mean of
     the element's expression x (a value the same for every unit of the row); :func:`recurrent`
-    is ``product(gate, x, False)`` and :func:`transposed_product` ``product(gate, x, True)``
-    (None: this lowering takes no products)."""
+    and :func:`transposed_product` are ``product(gate, x)`` (None: this lowering takes no
+    products; each lowering computes either, never both, so one function serves)."""
     _MEANS.append(mean)
     _PRODUCTS.append(product)
     try:
@@ -157,21 +158,21 @@ def recurrent(gate: int, x):
     if isinstance(x, (int, float, list, tuple)):
         raise CellError(f"rnncc.cells.ops.recurrent(gate, x) takes one value of the step for x "
                         f"(it multiplies the row's H values by W_hh), got {x!r}")
-    return _product(gate, x, False)
+    return _product(gate, x)
 
 
 def transposed_product(gate: int, x):
     """For a step's derivative (not for cells): x over the row's units times W_hh's rows of
     ``gate``, transposed (no bias): the gradient of :func:`recurrent`'s argument from that of
     its value."""
-    return _product(gate, x, True)
+    return _product(gate, x)
 
 
-def _product(gate, x, transposed):
+def _product(gate, x):
     if not _PRODUCTS or _PRODUCTS[-1] is None:
         raise CellError("rnncc.cells.ops.recurrent: this lowering of the step takes no recurrent "
                         "products of its values (the persistent backward kernel does not)")
-    return _PRODUCTS[-1](gate, x, transposed)
+    return _PRODUCTS[-1](gate, x)
 
 
 def layer_norm(values, eps: float = 1e-5):

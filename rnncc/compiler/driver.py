@@ -119,11 +119,11 @@ def _not_persistent(problem: Problem) -> str:
     if problem.proj_size and problem.training:
         return (f"a projection (proj_size={problem.proj_size}) runs on the persistent kernel "
                 "in inference only; training runs on the non-persistent schedule")
-    if takes_means(problem.cell) and (problem.training or problem.layers > 1):
+    means, products = takes_means(problem.cell), trace(problem.cell).products
+    if means and (problem.training or problem.layers > 1):
         return (f"cell {problem.cell.name!r} takes means over the hidden units (ops.mean); "
                 "the persistent kernel takes them in inference, one layer a module")
-    products = trace(problem.cell).products
-    if products and takes_means(problem.cell):
+    if products and means:
         return (f"cell {problem.cell.name!r} takes means and a recurrent product of a value; "
                 "the persistent kernel takes one or the other")
     if products and (problem.training or len(products) > 1 or problem.layers > 1):

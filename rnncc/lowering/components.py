@@ -273,7 +273,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         def read_h(g, n, j):
             return ghs[g][n, j]
 
-    order = products_before(autodiff.trace(cell), upto)
+    order = autodiff.product_gates(autodiff.trace(cell), upto)
     products = {g: te.placeholder((n_, h_), acc, f"product{g}") for g in order}
     inputs += list(products.values())
     params = [te.placeholder((h_,), dtype, f"param_{p}") for p in cell.params]
@@ -317,7 +317,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             return Staged(te.compute((n_, h_), lambda n, j: _cast(vector[j], acc),
                                      name="param"))
 
-        def product(g, x, transposed):
+        def product(g, x):
             if g == upto:
                 raise _Reached(x)
             return Staged(te.compute((n_, h_), lambda n, j: products[g][n, j],
@@ -355,17 +355,6 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # y alone, projected
     extra = [active] if active is not None else []
     return te.create_prim_func([*inputs, *states, *extra, *outs])
-
-
-def products_before(graph, upto: int | None = None) -> list[int]:
-    """The gates whose recurrent products a traced step takes (:func:`rnncc.cells.ops.
-    recurrent`), in the order it takes them; with ``upto`` (one of them), those before it."""
-    gates = [node.value[0] for node in graph.products]
-    if upto is None:
-        return gates
-    if upto not in gates:
-        raise CellError(f"cell {graph.cell.name!r} takes no recurrent product of gate {upto}")
-    return gates[:gates.index(upto)]
 
 
 class _Reached(Exception):
@@ -415,7 +404,7 @@ class RowReductions:
                                             name=f"row_sum{k}"))
             return self.sums[k][n] * tirx.const(1.0 / units, _dtype_of(x))
 
-        def product(gate, x, transposed):
+        def product(gate, x):
             if stop == ("product", gate):
                 raise _Reached(x)
             if gate not in self.products:
@@ -689,7 +678,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
     params = [te.placeholder((i64(hidden),), dtype, f"param_{p}") for p in cell.params]
     graph = autodiff.trace(cell)
-    after = products_before(graph)[::-1]
+    after = autodiff.product_gates(graph)[::-1]
     after = after[:after.index(upto)] if upto is not None else after
     given = {g: te.placeholder(shape, acc, f"dproduct{g}") for g in after}
     summed = ([te.placeholder(shape, acc, f"d{p}_sum") for p in cell.params]

@@ -318,7 +318,7 @@ class _Builder:
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
-        products = comp.products_before(autodiff.trace(p.cell))
+        products = autodiff.product_gates(autodiff.trace(p.cell))
         # the gates whose recurrent products of h the step reads: all but the last ones whose
         # products it takes of another value (where the packed rows of those are contiguous)
         rec_gates = g

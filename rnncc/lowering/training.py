@@ -165,7 +165,7 @@ class _Backward:
         # value of its argument (W_hh's gradient, that gate's rows, takes them)
         io.products = [(gate, b.param(sig, f"dproduct{gate}", (t_len, n, h), "workspace", acc),
                         b.param(sig, f"product_arg{gate}", (t_len, n, h), "workspace", acc))
-                       for gate in comp.products_before(autodiff.trace(p.cell))]
+                       for gate in autodiff.product_gates(autodiff.trace(p.cell))]
         projected = [io.w_hr] if proj else []
         io.params = [io.x, io.w_hh, *projected, *io.per_unit, *io.kept,
                      *([io.h_cell] if proj else []), io.pre, *io.given, io.dy,

@@ -41,7 +41,7 @@ from functools import partial
 
 from tvm.script import tirx as T
 
-from rnncc.cells.autodiff import mean_levels, trace
+from rnncc.cells.autodiff import mean_levels, product_gates, trace
 
 from . import buffers
 from .planner import Plan
@@ -90,15 +90,13 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     training forward's, which keeps every step's states and these parts of its projections
     (:mod:`.stages.history`); ``first``: the first step's input projections take an addition
     (a projection's W_hh h0)."""
-    taken = [node.value[0] for node in trace(cell).products]
+    taken = product_gates(trace(cell))
     if len(taken) > 1:
         raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
                          "values; the persistent kernel takes one")
-    graph = trace(cell)
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
                       input_size, lengths, kept=kept, params=len(cell.params), first=first,
                       product=taken[0] if taken else -1,
-                      means=sum(node.op == "mean" for node in graph.order),
                       levels=tuple(tuple(level) for level in mean_levels(cell)))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 

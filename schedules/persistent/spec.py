@@ -33,10 +33,10 @@ class KernelSpec:
     step's input projections take an addition [N, D*G*H] (one layer; a projection's W_hh h0,
     where the kernel's recurrence is h'); ``product``: the gate whose recurrent product the
     cell takes of a value of its step (``ops.recurrent``; -1: none), exchanged and multiplied
-    in a second round of the step (:mod:`.stages.cell`); ``means``: how many row means the
-    cell's step takes (``ops.mean``), each a round of the step: its argument exchanged and
-    summed over the row (:mod:`.stages.means`), in ``levels`` (tuples of the means, a round
-    each, :func:`rnncc.cells.autodiff.mean_levels`)."""
+    in a second round of the step (:mod:`.stages.cell`); ``levels``: the row means the cell's
+    step takes (``ops.mean``, numbered in the order it takes them) in levels, a round of the
+    step each: their arguments exchanged and summed over the row (:mod:`.stages.means`,
+    :func:`rnncc.cells.autodiff.mean_levels`)."""
 
     plan: Plan
     gates: int
@@ -52,7 +52,6 @@ class KernelSpec:
     params: int = 0
     first: bool = False
     product: int = -1
-    means: int = 0
     levels: tuple = ()
 
     def __post_init__(self):
@@ -110,6 +109,11 @@ class KernelSpec:
     def tagged(self) -> bool:
         """h travels between blocks as tagged words (planner: ``sync="tagged"``)."""
         return self.plan.sync == "tagged"
+
+    @property
+    def means(self) -> int:
+        """How many row means the step takes."""
+        return sum(len(level) for level in self.levels)
 
     @property
     def rounds(self) -> int:

@@ -133,7 +133,7 @@ def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
     exchange of that value)."""
     g_count = spec.gates
 
-    def taken(gate, x, transposed):
+    def taken(gate, x):
         raise _Reached(x)
 
     def body(it, n, j):
@@ -182,7 +182,7 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
         gates_h = [_sum(spec, hs, bh, it, n, u, g) if gs is None else gs[it * g_count + g]
                    for g in range(g_count)]
 
-        def product(gate, x, transposed):
+        def product(gate, x):
             return _sum(spec, hs, bh, it, n, u, gate)
 
         with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(
