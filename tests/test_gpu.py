@@ -157,6 +157,26 @@ def test_half_tensor_cores_match_reference_and_repeat_exactly(sync, dtype, rng):
     check_repeats_exactly(module, rng, steps=100, entry="persistent")
 
 
+@pytest.mark.parametrize("cell, hidden, batch, dtype, knobs", [
+    ("lstm", 1024, 16, "float16", {"batch_groups": 1}), ("gru", 1024, 37, "bfloat16", {}),
+    ("lstm", 1024, 64, "float16", {}), ("lstm", 512, 64, "bfloat16", {}),
+    ("gru", 1000, 9, "float16", {"sync": "tagged", "max_blocks": 32}),
+    ("lstm", 257, 40, "float16", {"batch_groups": 1, "sync": "grid", "mma": True})])
+def test_tensor_core_tiles_of_batch_rows_match_reference(cell, hidden, batch, dtype, knobs,
+                                                          rng):
+    """Past 8 batch rows a group the tensor cores take tiles of 16 (a partial last one
+    included): persistent by default up to 64 rows a group, against float64 at T = 1 and 100,
+    lengths included, and the same bits run after run."""
+    module = rnncc.compile(cell, 48, hidden, batch, target="cuda", dtype=dtype, knobs=knobs)
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["mma"] and batch // plan["batch_groups"] > 8
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng, steps=100, entry="persistent")
+    lengths = compiled(cell, 48, hidden, batch, "cuda", dtype=dtype, lengths=True)
+    assert lengths.metadata["schedule"]["persistent"]["plan"]["mma"]
+    assert check_against_reference(lengths, rng, 30, True, lengths=True) < TOL[dtype]
+
+
 def test_float16_persistent_ten_thousand_steps(rng):
     module = compiled("lstm", 64, 1024, 4, "cuda", dtype="float16")
     assert module.metadata["schedule"]["kind"] == "persistent"

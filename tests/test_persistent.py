@@ -386,33 +386,46 @@ class TestPersistentBuild:
         assert module.metadata["schedule"]["rules"]["input_gemm"] == "cuda.matmul"
 
 
-def test_tensor_cores_for_half_types_warps_of_eight_rows():
-    """float16 or bfloat16, 8 rows a warp, at most 8 batch rows a group, at least
-    MMA_MIN_CHUNKS chunks of K and no fused input: products on tensor cores, whose freed
-    registers take weight chunks from shared memory; h's 16-bit fragments fit next to them.
-    Anything else: None."""
-    from rnncc.schedules.persistent import planner, tensor_cores
+def test_tensor_core_plans():
+    """``plan(mma=True)``: float16 or bfloat16, 8 rows a warp (the warps follow from the units,
+    at least 4), 2 to 64 batch rows a group (tiles of 16), at least MMA_MIN_CHUNKS chunks of K
+    times the tiles; the registers of the CUDA cores' sums hold weight chunks instead, and h's
+    16-bit fragments fit in shared memory next to them. Anything else is unfit, saying why."""
+    from rnncc.schedules.persistent import planner
 
-    base = plan(4, 2048, 4, "float16", H100, states=2)
-    assert (base.rows_per_warp, base.chunks, base.smem_chunks) == (8, 8, 5)
-    mma = tensor_cores(base, "float16", 4, H100)
-    assert mma.mma and not base.mma
-    assert mma.reg_chunks > base.reg_chunks
-    assert mma.reg_chunks + mma.smem_chunks == base.reg_chunks + base.smem_chunks
+    cuda_cores = plan(4, 2048, 4, "float16", H100, states=2)
+    mma = plan(4, 2048, 4, "float16", H100, states=2, mma=True)
+    assert mma.mma and not cuda_cores.mma and mma.rows_per_warp == 8
+    assert mma.warps * 8 >= 4 * mma.units > (mma.warps - 1) * 8
+    assert mma.reg_chunks + mma.smem_chunks == mma.chunks == 8
     assert mma.smem_bytes == (mma.smem_chunks * mma.chunk_bytes
                               + planner.mma_staging_bytes(mma, 4)) <= H100.smem_per_block
     assert mma.reg_estimate <= 255 - mma.reg_margin
-    assert tensor_cores(base, "bfloat16", 4, H100) == mma
-    assert tensor_cores(base, "float32", 4, H100) is None
-    assert tensor_cores(base, "float16", 9 * base.batch_groups, H100) is None
-    small = plan(4, 512, 2, "float16", H100, states=2, batch_groups=2)
-    assert small.rows_per_warp == 8 and small.chunks < planner.MMA_MIN_CHUNKS
-    assert tensor_cores(small, "float16", 2, H100) is None
-    assert tensor_cores(plan(3, 1100, 5, "float16", H100), "float16", 5, H100) is None  # RW 4
-    fused = fuse_input(plan(4, 1024, 1, "float32", H100, states=2), 4, 1024, 1, H100)
-    assert tensor_cores(dataclasses.replace(fused, vec=8), "float16", 1, H100) is None
-    streaming = dataclasses.replace(base, smem_chunks=4, global_chunks=1)
-    assert tensor_cores(streaming, "float16", 4, H100) is None
+    assert plan(4, 2048, 4, "bfloat16", H100, states=2, mma=True) == mma
+    for batch, tiles, chains, rows in ((1, 1, 4, 8), (8, 1, 4, 8), (9, 1, 4, 16),
+                                       (32, 2, 2, 32), (37, 3, 1, 48), (64, 4, 1, 64)):
+        assert (planner.mma_tiles(batch), planner.mma_chains(batch),
+                planner.mma_staged_rows(batch)) == (tiles, chains, rows)
+    wide = plan(4, 1024, 64, "float16", H100, states=2, mma=True, batch_groups=None)
+    assert wide.mma and wide.batch_groups == 2 and wide.smem_chunks == 0
+    assert plan(3, 1024, 37, "float16", H100, mma=True, batch_groups=1).mma  # a partial tile
+    with pytest.raises(Unfit, match="take float16 or bfloat16 weights"):
+        plan(4, 1024, 4, "float32", H100, states=2, mma=True)
+    with pytest.raises(Unfit, match="batch 80 is over the persistent kernel's 64"):
+        plan(4, 1024, 80, "float16", H100, states=2, mma=True, batch_groups=1)
+    with pytest.raises(Unfit, match="at least 4 chunks of K times tiles of batch; K = 512 is 2"):
+        plan(4, 512, 2, "float16", H100, states=2, mma=True)
+    assert plan(4, 512, 32, "float16", H100, states=2, mma=True).mma  # 2 chunks, 2 tiles
+    with pytest.raises(Unfit, match="at least 2 batch rows a group .* got 1"):
+        plan(4, 1024, 1, "float16", H100, states=2, mma=True)
+    assert plan(4, 1024, 2, "float16", H100, states=2, mma=True, batch_groups=None
+                ).batch_groups == 1  # never a group of one row
+    assert all(plan(3, h, 4, "float16", H100, mma=True).warps >= planner.MMA_MIN_WARPS
+               for h in (1024, 2048))
+    with pytest.raises(Unfit, match="not float16 streamed"):
+        plan(4, 2048, 4, "float16", H100, states=2, mma=True, stream=True)
+    with pytest.raises(Unfit, match="more than their registers and shared memory hold"):
+        plan(4, 2048, 64, "float16", H100, states=2, mma=True, batch_groups=1)
 
 
 def test_mma_knob():
@@ -428,9 +441,18 @@ def test_mma_knob():
     assert knobs.plan_for(lstm, H100, {}, 24).mma
     assert not knobs.plan_for(lstm, H100, {"mma": False}, 24).mma
     fp32 = Problem(cells.get("lstm"), 32, 1024, 1, "float32")
-    with pytest.raises(Unfit, match=r"mma=True, but .* this plan has float32, 5 rows a warp, "
-                                    r"1 batch row\(s\) a group, 8 chunk\(s\) of K$"):
+    with pytest.raises(Unfit, match=r"mma=True, but the tensor-core products do not apply: "
+                                    r"they take float16 or bfloat16 weights, not float32$"):
         knobs.plan_for(fp32, H100, {"mma": True}, 24)
+    with pytest.raises(Unfit, match=r"do not apply: they take the input projection as a "
+                                    r"separate GEMM .* not input_rows=8 input_steps=None$"):
+        knobs.plan_for(lstm, H100, {"mma": True, "input_rows": 8}, 24)
+    small = Problem(cells.get("lstm"), 512, 512, 2, "float16")
+    assert not knobs.plan_for(small, H100, {}, 24).mma  # too few chunks: the CUDA cores
+    with pytest.raises(Unfit, match="do not apply: tensor-core products take at least 4"):
+        knobs.plan_for(small, H100, {"mma": True}, 24)
+    wide = Problem(cells.get("gru"), 1024, 1024, 64, "bfloat16")
+    assert knobs.plan_for(wide, H100, {}, 24).mma  # past the CUDA cores' 16 batch rows
 
 
 @pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [

@@ -44,14 +44,15 @@ def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, wid
     """A plan of ``units`` a block and ``warps`` a block whose chunks of K (``width``,
     default H) are ``split`` (in registers, shared memory, global memory; default all in
     registers): the interpreter holds any split, whatever a GPU's registers and shared memory
-    would."""
+    would. ``rows_per_warp`` may exceed the block's rows (the last warp's past them zero)."""
     vec = 16 // planner.ELEMENT_BYTES[dtype]
     chunks = -(-(width or hidden) // (32 * vec))
     kr, ks, kg = split or (chunks, 0, 0)
     assert kr + ks + kg == chunks
     return planner.Plan(
         blocks=-(-hidden // units) * groups * fields.get("directions", 1), units=units, warps=warps,
-        rows_per_warp=-(-gates * units // warps), vec=vec, chunks=chunks, reg_chunks=kr,
+        rows_per_warp=fields.pop("rows_per_warp", -(-gates * units // warps)), vec=vec,
+        chunks=chunks, reg_chunks=kr,
         smem_chunks=ks, global_chunks=kg, items=-(-units * (batch // groups) // (32 * warps)),
         reg_estimate=0, smem_bytes=0, batch_groups=groups, **fields)
 
@@ -238,6 +239,8 @@ KERNELS = {
                                                                 sync="barrier"), 1),
     "tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(4, 64, 3, "float16", 2, 1,
                                                                   mma=True), 1),
+    "tensor cores, tiles of batch rows": lambda: ("gru", 5, 64, 21, "float16", crafted(
+        3, 64, 21, "float16", 8, 3, mma=True, sync="barrier"), 1),
     "tensor cores, shared memory, batch groups": lambda: (
         "lstm", 5, 300, 4, "float16", crafted(4, 300, 4, "float16", 4, 2, (1, 1, 0), groups=2,
                                               mma=True, sync="barrier"), 1),
@@ -346,7 +349,7 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
 
 @pytest.mark.parametrize("cell", ["ln_gru", "ln_lstm"])
 @pytest.mark.parametrize("name", ["tagged", "barrier, batch groups", "tensor cores",
-                                  "bidirectional"])
+                                  "tensor cores, more batch rows than threads", "bidirectional"])
 def test_kernel_of_a_step_that_takes_means(cell, name, rng):
     """The layer-normalised cells: each of a step's means a round (its argument exchanged as h
     is, summed over the row by every block), lengths included (T = 1 and 5)."""
@@ -359,6 +362,8 @@ def test_kernel_of_a_step_that_takes_means(cell, name, rng):
             gates, 33, 4, "float32", 8, 2, groups=2, sync="barrier")),
         "tensor cores": lambda: (6, 64, 3, "float16", crafted(gates, 64, 3, "float16", 8,
                                                               gates, mma=True)),
+        "tensor cores, more batch rows than threads": lambda: (6, 64, 40, "float16", crafted(
+            gates, 64, 40, "float16", 2, 1, mma=True, sync="barrier", rows_per_warp=8)),
         "bidirectional": lambda: (6, 33, 3, "float32", planner.plan(
             gates, 33, 3, "float32", H100, states, directions=2)),
     }[name]()
@@ -536,13 +541,14 @@ def _check_sums(spec, hs, w_hh, hv, rtol):
         np.testing.assert_allclose(got, expect, rtol=rtol, atol=rtol)
 
 
-@pytest.mark.parametrize("batch, groups, dtype", [(3, 1, "float16"), (16, 2, "float16"),
-                                                  (5, 1, "bfloat16")])
+@pytest.mark.parametrize("batch, groups, dtype", [
+    (3, 1, "float16"), (16, 2, "float16"), (5, 1, "bfloat16"), (9, 1, "float16"),
+    (16, 1, "bfloat16"), (37, 1, "float16"), (64, 1, "float16"), (96, 2, "bfloat16")])
 def test_tensor_core_products(batch, groups, dtype, rng):
     """h staged in 16-bit fragments (``tensor_cores.store_h`` through the exchange's
     staging), then ``chunk`` as mma.sync over every chunk (registers and shared memory) and
     the chains' sums into shared memory: the block's W_hh rows by h rounded to the weights'
-    type."""
+    type. Half a tile (up to 8 batch rows a group) and tiles of 16 (a partial last one)."""
     p = crafted(4, 300, batch, dtype, 4, 2, (1, 1, 0), groups=groups, mma=True,
                 sync="barrier")
     spec = KernelSpec(p, 4, 1, 300, batch, dtype)

@@ -10,7 +10,6 @@ kernel: before its time loop, or overlapped with it (planner: "Fused input proje
 """
 
 from . import knobs
-from .planner import GPU, Plan, Unfit, fuse_input, gpu_for_arch, overlap_input, plan, tensor_cores
+from .planner import GPU, Plan, Unfit, fuse_input, gpu_for_arch, overlap_input, plan
 
-__all__ = ["GPU", "Plan", "Unfit", "fuse_input", "gpu_for_arch", "knobs", "overlap_input", "plan",
-           "tensor_cores"]
+__all__ = ["GPU", "Plan", "Unfit", "fuse_input", "gpu_for_arch", "knobs", "overlap_input", "plan"]

@@ -207,8 +207,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
     if p.mma:
         alloc("af", 8, dt)
         alloc("wb", 4, dt)
-        alloc("dacc", 4 * planner.MMA_CHAINS, "float32")
-        alloc("hs16", planner.MMA_ROWS * spec.width, dt, "shared.dyn")
+        alloc("dacc", 4 * spec.mma_chains * spec.mma_tiles, "float32")
+        alloc("hs16", spec.mma_rows * spec.width, dt, "shared.dyn")
     else:
         alloc("acc", spec.accumulators, "float32")
         alloc("hv", n * vec, "float32")

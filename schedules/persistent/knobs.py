@@ -3,12 +3,13 @@
 :func:`plan_for` is what ``rnncc compile`` plans and ``rnncc tune`` searches over; it decides,
 one named step after another:
 
-1. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
+1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
+   no: a plan of their own (the weights on-chip, the input projection a separate GEMM); else
+2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
    with none (ptxas then says whether it spills), else streamed in part from L2;
-2. the knobs that only set a field (sync, unroll);
-3. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
-   by default, fused before the time loop, or the separate GEMM;
-4. the products on tensor cores (:func:`products`) where they apply, unless the knobs say no.
+3. the knobs that only set a field (sync, unroll);
+4. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
+   by default, fused before the time loop, or the separate GEMM.
 
 Pure arithmetic on the planner's :class:`~.planner.Plan`; no TVM.
 """
@@ -94,9 +95,9 @@ class _Request:
     gpu: planner.GPU
     knobs: dict
 
-    def weights(self, margin: int, stream: bool = False) -> Plan:
+    def weights(self, margin: int, stream: bool = False, mma: bool = False) -> Plan:
         """The planner's plan with ``margin`` registers kept free (``stream``: in part from
-        L2), the knobs' fixed fields set."""
+        L2; ``mma``: its products on tensor cores), the knobs' fixed fields set."""
         p, k = self.problem, self.knobs
         found = planner.plan(p.gates, p.hidden_size, p.batch, p.dtype, self.gpu,
                              len(p.cell.states), max_blocks=k.get("max_blocks"),
@@ -104,7 +105,7 @@ class _Request:
                              batch_groups=k.get("batch_groups"),
                              directions=p.directions, layers=p.layers,
                              pair_regs=(2 * p.gates + len(p.cell.states) + len(p.cell.params)
-                                        if p.cell.params else None))
+                                        if p.cell.params else None), mma=mma)
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
 
 
@@ -115,9 +116,44 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     order of the decisions). ``tight``: a configuration that does not fit with ``reg_margin``
     registers kept free may be planned with none."""
     request = _Request(problem, gpu, knobs)
+    tensor = tensor_cores(request, reg_margin, tight)
+    if tensor is not None:
+        return tensor
     found = weights_on_chip(request, reg_margin, tight)
-    found = input_projection(request, found)
-    return products(request, found)
+    return input_projection(request, found)
+
+
+def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None:
+    """The plan on tensor cores (planner: "Tensor cores") where they apply: float16 or
+    bfloat16, one layer or two directions, the input projection a separate GEMM (neither
+    input_rows nor input_steps set), the weights on-chip with ``reg_margin`` registers kept
+    free, else (``tight``, unless the knobs fix reg_margin) with none. None where they do not
+    apply, unless the knobs say ``mma=True``: then an Unfit saying why; ``mma=False``: None."""
+    problem, knobs = request.problem, request.knobs
+    mma = knobs.get("mma")
+    if mma is False:
+        return None
+    why = ""
+    if problem.dtype not in planner.MMA_DTYPES:
+        why = f"they take {' or '.join(planner.MMA_DTYPES)} weights, not {problem.dtype}"
+    elif problem.layers > 1:
+        why = (f"they run one layer or two directions, not a wavefront of {problem.layers} "
+               "layers (whose input projections are overlapped, in float32)")
+    elif knobs.get("input_rows") or knobs.get("input_steps"):
+        why = ("they take the input projection as a separate GEMM (input_rows and input_steps "
+               f"0 or unset), not input_rows={knobs.get('input_rows')} "
+               f"input_steps={knobs.get('input_steps')}")
+    else:
+        margins = [reg_margin] + ([0] if tight and "reg_margin" not in knobs and reg_margin
+                                  else [])
+        for margin in margins:
+            try:
+                return request.weights(margin, mma=True)
+            except Unfit as err:
+                why = str(err)
+    if mma:
+        raise Unfit(f"mma=True, but the tensor-core products do not apply: {why}")
+    return None
 
 
 def weights_on_chip(request: _Request, reg_margin: int, tight: bool) -> Plan:
@@ -207,22 +243,3 @@ def _overlapped(request: _Request, found: Plan, steps: int | None = None) -> Pla
         if overlapped is not None:
             return overlapped
     return None
-
-
-def products(request: _Request, found: Plan) -> Plan:
-    """On tensor cores wherever they apply (:func:`.planner.tensor_cores`), unless ``mma`` is
-    False; ``mma=True`` where they do not apply is an Unfit naming every condition."""
-    mma, problem = request.knobs.get("mma"), request.problem
-    if mma is False:
-        return found
-    tensor = planner.tensor_cores(found, problem.dtype, problem.batch, request.gpu)
-    if tensor is None and mma:
-        raise Unfit(
-            f"mma=True, but tensor-core products need float16 or bfloat16, {planner.MMA_ROWS} "
-            f"rows a warp, at most {planner.MMA_MAX_BATCH} batch rows a group, at least "
-            f"{planner.MMA_MIN_CHUNKS} chunks of K, no fused input projection and no streamed "
-            f"chunks; this plan has {problem.dtype}, {found.rows_per_warp} rows a warp, "
-            f"{problem.batch // found.batch_groups} batch row(s) a group, {found.chunks} "
-            f"chunk(s) of K{', a fused input projection' if found.fused else ''}"
-            f"{', streamed chunks' if found.global_chunks else ''}")
-    return tensor or found

@@ -45,12 +45,17 @@ for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15). Pa
 64 in 16 groups 3.59 us a step against 9.59 for the non-persistent schedule, GRU 512 in 8
 groups 10.42 against 15.79).
 
-Tensor cores (:func:`tensor_cores`; float16 or bfloat16 weights, 8 rows a warp, at most 8
-batch rows a group, at least :data:`MMA_MIN_CHUNKS` chunks of K, no fused input projection or
-streamed chunks): a warp's products are ``mma.sync`` m16n8k16 instructions (16-bit operands,
-float32 sums): the warp's 8 rows are the instruction's N, the batch its M (rows past N are
-zeros), 16 k a step. Lane l holds, of each 16 k, the weights W[row l // 4][k0 + (l % 4)*2 +
-{0, 1, 8, 9}] (the instruction's B fragment; same registers and shared memory as the CUDA-core
+Tensor cores (``plan(mma=True)``; float16 or bfloat16 weights, 8 rows a warp, at most
+:data:`MMA_MAX_BATCH` batch rows a group, at least :data:`MMA_MIN_CHUNKS` chunks of K (times
+the batch's tiles), no fused input projection or streamed chunks): a warp's products are
+``mma.sync`` m16n8k16 instructions (16-bit operands, float32 sums): the warp's 8 rows are the
+instruction's N, the batch its M, 16 k a step. Up to 8 batch rows the instruction's rows 8-15
+are zeros (half a tile: h staged for 8 rows); past 8, the batch is tiles of 16 rows, an
+instruction a tile for each fragment of weights, so that a batch of 64 costs 4 instructions
+where the CUDA cores' sums would need 64 times RW registers a lane. The plan is chosen for
+tensor cores (its own register count and estimate), not converted from a CUDA-core one.
+Lane l holds, of each 16 k, the weights W[row l // 4][k0 + (l % 4)*2 + {0, 1, 8, 9}] (the
+instruction's B fragment; same registers and shared memory as the CUDA-core
 layout, another order), h_{t-1} is staged in 16 bits in the fragment order of A, and the
 instruction sums over k: no per-element conversion of the weights and no reduction over the
 lanes, and the registers of the CUDA cores' accumulators hold weights instead. h is rounded to
@@ -223,15 +228,20 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> i
 
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
-         stream=False, width=None, pair_regs=None):
+         stream=False, width=None, pair_regs=None, mma=False):
     vec = 16 // elem_bytes
     chunks = -(-(width or hidden) // (32 * vec))
     rows = gates * units
-    rpw = -(-rows // warps)
+    if mma:  # MMA_ROWS rows a warp (the last warp's past R zero); its warps follow
+        need = -(-rows // MMA_ROWS)
+        if not MMA_MIN_WARPS <= need <= 32 or (warps or need) != need:
+            return None
+        warps = need
+    rpw = MMA_ROWS if mma else -(-rows // warps)
     threads = 32 * warps
     items = -(-(units * batch) // threads)
-    acc = _next_pow2(rpw * batch)
-    fixed = OVERHEAD_REGS + acc + batch * 4 + items * (pair_regs or 2 * gates + states)
+    products = mma_regs(batch) if mma else _next_pow2(rpw * batch) + batch * 4
+    fixed = OVERHEAD_REGS + products + items * (pair_regs or 2 * gates + states)
     limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // threads) - margin
     if limit <= fixed:
         return None
@@ -239,7 +249,8 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk))
     smem_chunks = chunks - reg_chunks
     chunk_bytes = _chunk_bytes(warps, rpw)
-    staging = _staging_bytes(batch, chunks, vec, warps, rpw)
+    staging = (_mma_staging_bytes(batch, chunks, vec, warps, rpw) if mma
+               else _staging_bytes(batch, chunks, vec, warps, rpw))
     global_chunks = 0
     if stream:
         held = max(0, (gpu.smem_per_block - staging) // chunk_bytes)
@@ -249,7 +260,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
                  vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
                  items=items, reg_estimate=fixed + reg_chunks * per_chunk,
                  smem_bytes=smem_chunks * chunk_bytes + staging, reg_margin=margin,
-                 global_chunks=global_chunks)
+                 global_chunks=global_chunks, mma=mma)
     if found.smem_bytes > gpu.smem_per_block or found.streamed_bytes > gpu.l2_bytes // 2:
         return None
     return found
@@ -261,10 +272,15 @@ def estimate_ns(p: Plan, batch: int) -> float:
     clock = 1.9  # GHz
     barrier = 800 + 4 * p.blocks
     smem_weights = p.smem_chunks * p.chunk_bytes
-    fmas = p.threads * p.chunks * p.rows_per_warp * p.vec * batch
+    if p.mma:  # an instruction: 2 clocks of the tensor cores, its A fragments from shared memory
+        staged = mma_staged_rows(batch) // MMA_ROWS  # 8 or 16 rows: 256 or 512 bytes
+        products = (p.warps * p.chunks * 2 * p.vec * mma_tiles(batch) * (2 + 2 * staged)
+                    / clock)
+    else:
+        products = p.threads * p.chunks * p.rows_per_warp * p.vec * batch / (128 * clock)
     stage = batch * p.chunks * 32 * p.vec * 4
     streamed = p.streamed_bytes / p.blocks  # from L2, about 20 bytes a clock a multiprocessor
-    return (barrier + smem_weights / (128 * clock) + fmas / (128 * clock) + stage / (64 * clock)
+    return (barrier + smem_weights / (128 * clock) + products + stage / (64 * clock)
             + streamed / (20 * clock))
 
 
@@ -389,52 +405,58 @@ def overlap_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
                    smem_bytes=smem, reg_estimate=regs)
 
 
-#: Tensor-core products: a warp's rows (the mma's N) and the most batch rows a group (its M
-#: holds 16; rows 8-15 would need a second pair of A registers).
-MMA_ROWS, MMA_MAX_BATCH = 8, 8
-#: Independent accumulators of the tensor-core products (k-step f adds into f % MMA_CHAINS,
-#: summed in a fixed order at the end): one chain would make each mma wait for the previous.
+#: Tensor-core products: a warp's rows (the mma's N), the batch rows of an instruction (its
+#: M), and the most batch rows a group (4 tiles).
+MMA_ROWS, MMA_TILE, MMA_MAX_BATCH = 8, 16, 64
+#: Independent accumulators of the tensor-core products of one tile (k-step f adds into f %
+#: chains, summed in a fixed order at the end): one chain would make each mma wait for the
+#: previous. Tiles are independent of each other, so T tiles take MMA_CHAINS / T chains each.
 MMA_CHAINS = 4
-#: Registers the tensor-core products need: the chains' 4 sums each, the A (4) and B (2)
-#: fragments and their addresses (2).
-MMA_REGS = 4 * MMA_CHAINS + 8
-#: Fewest K chunks (of 256 float16 values) a row for tensor cores: with fewer, a warp's few
-#: mma instructions leave their latency exposed (H200, us/step, CUDA cores / tensor cores: LSTM
-#: 2048 N=4 6.76 / 4.85 (8 chunks), LSTM 1024 N=4 2.88 / 2.61 (4); LSTM 512 N=2 1.24 / 1.51
-#: (2), LSTM 256 N=1 1.04 / 1.12 (1)).
+#: Fewest K chunks (of 256 float16 values) a row for tensor cores, times the batch's tiles:
+#: with fewer, a warp's few mma instructions leave their latency exposed (H200, us/step, CUDA
+#: cores / tensor cores: LSTM 2048 N=4 6.76 / 4.85 (8 chunks), LSTM 1024 N=4 2.88 / 2.61 (4);
+#: LSTM 512 N=2 1.24 / 1.51 (2), LSTM 256 N=1 1.04 / 1.12 (1)).
 MMA_MIN_CHUNKS = 4
+#: Storage dtypes the tensor cores take.
+MMA_DTYPES = ("float16", "bfloat16")
+#: Fewest batch rows a group and warps a block on tensor cores: one row fills 1/16 of an
+#: instruction, and 2-3 warps leave its latency and h's loads exposed (H200, float16, us a
+#: step, CUDA cores / tensor cores: GRU 1024 N=1 2.05 / 2.20 (3 warps), GRU 2048 N=1 3.17 /
+#: 3.72, LSTM 512 N=32 4.81 / 5.56 (2 warps); bfloat16 LSTM 1024 N=1 2.44 / 2.54).
+MMA_MIN_BATCH, MMA_MIN_WARPS = 2, 4
+
+
+def mma_tiles(batch: int) -> int:
+    """Tiles of :data:`MMA_TILE` batch rows a group of ``batch`` rows takes."""
+    return -(-batch // MMA_TILE)
+
+
+def mma_chains(batch: int) -> int:
+    """Chains of sums a tile (:data:`MMA_CHAINS` over the tiles, at least one)."""
+    return max(1, MMA_CHAINS // mma_tiles(batch))
+
+
+def mma_staged_rows(batch: int) -> int:
+    """Batch rows h is staged for: :data:`MMA_ROWS` (half a tile, the instruction's rows
+    8-15 zero) up to 8, else whole tiles."""
+    return MMA_ROWS if batch <= MMA_ROWS else MMA_TILE * mma_tiles(batch)
+
+
+def mma_regs(batch: int) -> int:
+    """Registers the tensor-core products need: the chains' 4 sums each of every tile, the A
+    (4) and B (2) fragments and their addresses (2)."""
+    return 4 * mma_chains(batch) * mma_tiles(batch) + 8
+
+
+def _mma_staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> int:
+    """Shared memory for h_{t-1} in 16-bit fragment order (:func:`mma_staged_rows`, zeros
+    past N), and the gates' sums (float32) in a buffer of their own."""
+    return 2 * mma_staged_rows(batch) * chunks * 32 * vec + 4 * warps * rpw * batch
 
 
 def mma_staging_bytes(p: Plan, batch: int) -> int:
-    """Shared memory for h_{t-1} in 16-bit fragment order (8 batch rows, zeros past N), and
-    the gates' sums (float32) in a buffer of their own."""
-    return 2 * MMA_ROWS * p.chunks * 32 * p.vec + 4 * p.warps * p.rows_per_warp * batch
-
-
-def tensor_cores(p: Plan, dtype: str, batch: int, gpu: GPU) -> Plan | None:
-    """``p`` with its products on tensor cores (see "Tensor cores"), or None where they do not
-    apply: float16 or bfloat16 storage, :data:`MMA_ROWS` rows a warp, at most
-    :data:`MMA_MAX_BATCH` batch rows a group (``batch``: all groups), at least
-    :data:`MMA_MIN_CHUNKS` chunks of K, no fused input projection, no streamed chunks (not
-    measured on a GPU yet), and shared memory for h's 16-bit fragments. The registers the
-    CUDA-core products needed for their accumulators and h (RW*N and 4*N) hold further weight
-    chunks instead (fewer in shared memory)."""
-    local = batch // p.batch_groups
-    if (dtype not in ("float16", "bfloat16") or p.rows_per_warp != MMA_ROWS or local > MMA_MAX_BATCH
-            or p.fused or p.global_chunks or p.chunks < MMA_MIN_CHUNKS):
-        return None
-    per_chunk = p.rows_per_warp * p.vec * 2 // 4
-    fixed = (p.reg_estimate - p.reg_chunks * per_chunk - _next_pow2(p.rows_per_warp * local)
-             - 4 * local + MMA_REGS)
-    limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // p.threads) - p.reg_margin
-    held = p.reg_chunks + p.smem_chunks
-    reg_chunks = max(p.reg_chunks, min(held, (limit - fixed) // per_chunk))
-    smem_chunks = held - reg_chunks
-    smem = smem_chunks * p.chunk_bytes + mma_staging_bytes(p, local)  # no fused projection
-    if smem > gpu.smem_per_block:
-        return None
-    return replace(p, mma=True, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
-                   reg_estimate=fixed + reg_chunks * per_chunk, smem_bytes=smem)
+    """:func:`_mma_staging_bytes` of plan ``p`` at ``batch`` rows a group."""
+    return _mma_staging_bytes(batch, p.chunks, p.vec, p.warps, p.rows_per_warp)
 
 
 def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
@@ -462,7 +484,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
          directions: int = 1, layers: int = 1, width: int | None = None,
-         pair_regs: int | None = None) -> Plan:
+         pair_regs: int | None = None, mma: bool = False) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -475,15 +497,39 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     each of at most ``max_blocks`` blocks; ``layers``: L grids side by side, one a layer (see
     "Layers as a wavefront"; one direction, not with ``stream``). ``width``: K, the length of
     the vector the products take, if not H (the backward pass, :func:`backward`);
-    ``pair_regs``: registers a (unit, batch) pair needs, if not 2*G + states."""
+    ``pair_regs``: registers a (unit, batch) pair needs, if not 2*G + states. ``mma``: the
+    products on tensor cores (see "Tensor cores"; batch groups by default: the most whose
+    weights fit in registers, else the fewest that fit)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
+    if mma and (dtype not in MMA_DTYPES or stream):
+        raise Unfit(f"tensor-core products take {' or '.join(MMA_DTYPES)} weights held on-chip "
+                    f"(not streamed), not {dtype}{' streamed' if stream else ''}")
+    most = MMA_MAX_BATCH if mma else MAX_BATCH
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
         more = {"directions": directions, "layers": layers, "width": width,
-                "pair_regs": pair_regs}
+                "pair_regs": pair_regs, "mma": mma}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
+        if mma:
+            fits = []
+            for groups in divisors + [1]:
+                if not MMA_MIN_BATCH <= batch // groups <= most:
+                    continue
+                try:
+                    found = plan(*args, batch_groups=groups, **more)
+                except Unfit:
+                    continue
+                if found.smem_chunks == 0:
+                    return found
+                fits.append(found)
+            if fits:
+                return fits[-1]
+            if batch > most:
+                raise Unfit(f"batch {batch} is over the tensor-core products' {most} a group, "
+                            f"and no split into batch groups of at most {most} fits on-chip")
+            return plan(*args, batch_groups=1, **more)
         if not stream and batch <= MAX_BATCH:
             for groups in divisors:
                 try:
@@ -515,16 +561,26 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if stream and batch_groups > 1:
         raise Unfit("a streaming plan takes no batch groups")
     local = batch // batch_groups
-    if local > MAX_BATCH:
+    if local > most:
         raise Unfit(f"batch {local}{' a group' if batch_groups > 1 else ''} is over the "
-                    f"persistent kernel's {MAX_BATCH} (its accumulators live in registers)")
+                    f"persistent kernel's {most} ("
+                    + ("tiles of tensor-core sums" if mma else "its accumulators live in registers")
+                    + ")")
+    if mma and local < MMA_MIN_BATCH:
+        raise Unfit(f"tensor-core products take at least {MMA_MIN_BATCH} batch rows a group "
+                    f"(one fills 1/16 of an instruction), got {local}")
+    chunks = -(-(width or hidden) // (32 * 16 // elem))
+    if mma and chunks * mma_tiles(local) < MMA_MIN_CHUNKS:
+        raise Unfit(f"tensor-core products take at least {MMA_MIN_CHUNKS} chunks of K times "
+                    f"tiles of batch; K = {width or hidden} is {chunks} of 256 at "
+                    f"{mma_tiles(local)} tile(s) (batch {local})")
     grids = directions * layers
     cap = min(gpu.sms // grids, max_blocks or gpu.sms) // batch_groups
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
-        for wn in (warps,) if warps else WARPS:
+        for wn in (warps,) if warps or mma else WARPS:
             found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream,
-                         width, pair_regs)
+                         width, pair_regs, mma)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, local) < estimate_ns(best, local):

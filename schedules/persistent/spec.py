@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import planner
 from .planner import Plan
 
 
@@ -104,6 +105,21 @@ class KernelSpec:
     def accumulators(self) -> int:
         """A lane's sums of the CUDA-core products, RW*N rounded up to a power of two."""
         return 1 << max(0, math.ceil(math.log2(self.plan.rows_per_warp * self.local_batch)))
+
+    @property
+    def mma_tiles(self) -> int:
+        """Tiles of 16 batch rows of the tensor-core products (planner: "Tensor cores")."""
+        return planner.mma_tiles(self.local_batch)
+
+    @property
+    def mma_chains(self) -> int:
+        """Chains of sums a tile of the tensor-core products."""
+        return planner.mma_chains(self.local_batch)
+
+    @property
+    def mma_rows(self) -> int:
+        """Batch rows h is staged for on tensor cores: 8 (half a tile) or whole tiles."""
+        return planner.mma_staged_rows(self.local_batch)
 
     @property
     def tagged(self) -> bool:

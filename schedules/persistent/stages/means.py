@@ -33,18 +33,19 @@ def _accumulate(spec, racc, e, value):
 @T.macro
 def _row_sums(spec, racc, red, mv, r, warp, lane, tx):
     """``mv[r*N + n]``: the mean over H of what the block's threads summed in ``racc``."""
-    n_, warps = T.meta_var((spec.local_batch, spec.plan.warps))
+    n_, warps, threads = T.meta_var((spec.local_batch, spec.plan.warps, spec.plan.threads))
     for n in T.unroll(n_):
         for m in T.unroll(5):
             racc[n] = racc[n] + device.shfl_xor(racc[n], T.shift_left(1, 4 - m))
         if lane == 0:
             red[warp * n_ + n] = racc[n]
     T.tvm_storage_sync("shared")
-    if tx < n_:
-        racc[0] = T.float32(0)
-        for w in range(warps):
-            racc[0] = racc[0] + red[w * n_ + tx]
-        mv[r * n_ + tx] = racc[0] * T.float32(1.0 / spec.hidden)
+    for e in spec.spread(n_):
+        if e * threads + tx < n_:
+            racc[0] = T.float32(0)
+            for w in range(warps):
+                racc[0] = racc[0] + red[w * n_ + e * threads + tx]
+            mv[r * n_ + e * threads + tx] = racc[0] * T.float32(1.0 / spec.hidden)
     T.tvm_storage_sync("shared")
 
 
