@@ -290,7 +290,7 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(dtype):
     """Half-precision training at batch 64 (no persistent kernel): the input projection of
     all steps, dx and both weight gradients on tensor cores (cuda.mma_gemm, no spills), each

@@ -267,7 +267,14 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
+def _slow(*names):
+    """``names`` as parameters, those marked slow for the default run (2 cores): each kind of
+    variant stays there once (tensor cores, barrier, lengths ... each in another test)."""
+    return lambda values: [pytest.param(v, marks=pytest.mark.slow) if v in names else v
+                           for v in values]
+
+
+@pytest.mark.parametrize("name", _slow("overlapped, grid")(list(KERNELS)))
 def test_kernel_variant_matches_reference(name, rng):
     """Every variant of the plan, as the interpreter runs its kernel, within the dtype's
     tolerance of float64 at T = 1 and 5 (over a chunk of steps, a group of the overlapped
@@ -278,11 +285,13 @@ def test_kernel_variant_matches_reference(name, rng):
     check_kernel(cell, p, input_size, hidden, batch, dtype, rng, chunk=chunk)
 
 
-@pytest.mark.parametrize("name", ["tagged, chunks of steps", "barrier, K in registers, shared "
-                                  "and global memory", "batch groups", "tensor cores",
-                                  "fused, odd C", "overlapped, staged x, barrier",
-                                  "bidirectional, tagged, chunks of steps",
-                                  "bidirectional, barrier, batch groups, K in three places"])
+@pytest.mark.parametrize("name", _slow(
+    "barrier, K in registers, shared and global memory",
+    "bidirectional, barrier, batch groups, K in three places")([
+        "tagged, chunks of steps", "barrier, K in registers, shared and global memory",
+        "batch groups", "tensor cores", "fused, odd C", "overlapped, staged x, barrier",
+        "bidirectional, tagged, chunks of steps",
+        "bidirectional, barrier, batch groups, K in three places"]))
 def test_kernel_with_lengths_matches_reference(name, rng):
     """Samples of their own lengths: each pair keeps its states past its sample's length,
     publishes them, and writes zero to y (T = 1 and 5, lengths 1 to T)."""
@@ -322,8 +331,9 @@ def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
                  lengths=True)
 
 
-@pytest.mark.parametrize("name", ["tagged", "tensor cores", "fused", "bidirectional",
-                                  "barrier, batch groups", "grid", "overlapped, barrier"])
+@pytest.mark.parametrize("name", _slow("fused", "grid", "overlapped, barrier")([
+    "tagged", "tensor cores", "fused", "bidirectional", "barrier, batch groups", "grid",
+    "overlapped, barrier"]))
 def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
     """The GRU that resets before its product: each step evaluates the cell up to r * h,
     exchanges it as h is exchanged (tagged words, or plain and a second round of the barrier),
@@ -347,9 +357,12 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
     check_kernel("gru_reset_before", p, input_size, hidden, batch, dtype, rng, lengths=True)
 
 
-@pytest.mark.parametrize("cell", ["ln_gru", "ln_lstm"])
-@pytest.mark.parametrize("name", ["tagged", "barrier, batch groups", "tensor cores",
-                                  "tensor cores, more batch rows than threads", "bidirectional"])
+@pytest.mark.parametrize("cell, name", [
+    ("ln_lstm", name) for name in ("tagged", "barrier, batch groups", "tensor cores",
+                                   "tensor cores, more batch rows than threads", "bidirectional")
+] + [("ln_gru", "tagged")] + [pytest.param("ln_gru", name, marks=pytest.mark.slow) for name in (
+    "barrier, batch groups", "tensor cores", "tensor cores, more batch rows than threads",
+    "bidirectional")])
 def test_kernel_of_a_step_that_takes_means(cell, name, rng):
     """The layer-normalised cells: each of a step's means a round (its argument exchanged as h
     is, summed over the row by every block), lengths included (T = 1 and 5)."""
