@@ -45,9 +45,10 @@ for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15). Pa
 64 in 16 groups 3.59 us a step against 9.59 for the non-persistent schedule, GRU 512 in 8
 groups 10.42 against 15.79).
 
-Tensor cores (``plan(mma=True)``; float16 or bfloat16 weights, 8 rows a warp, at most
-:data:`MMA_MAX_BATCH` batch rows a group, at least :data:`MMA_MIN_CHUNKS` chunks of K (times
-the batch's tiles), no fused input projection or streamed chunks): a warp's products are
+Tensor cores (``plan(mma=True)``; float16 or bfloat16 weights, 8 rows a warp and at least
+:data:`MMA_MIN_WARPS` warps, :data:`MMA_MIN_BATCH` to :data:`MMA_MAX_BATCH` batch rows a group,
+at least :data:`MMA_MIN_CHUNKS` chunks of K (times the batch's tiles), no fused input
+projection or streamed chunks): a warp's products are
 ``mma.sync`` m16n8k16 instructions (16-bit operands, float32 sums): the warp's 8 rows are the
 instruction's N, the batch its M, 16 k a step. Up to 8 batch rows the instruction's rows 8-15
 are zeros (half a tile: h staged for 8 rows); past 8, the batch is tiles of 16 rows, an
