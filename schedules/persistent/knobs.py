@@ -144,9 +144,7 @@ def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None
                f"0 or unset), not input_rows={knobs.get('input_rows')} "
                f"input_steps={knobs.get('input_steps')}")
     else:
-        margins = [reg_margin] + ([0] if tight and "reg_margin" not in knobs and reg_margin
-                                  else [])
-        for margin in margins:
+        for margin in _margins(request, reg_margin, tight):
             try:
                 return request.weights(margin, mma=True)
             except Unfit as err:
@@ -156,14 +154,19 @@ def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None
     return None
 
 
+def _margins(request: _Request, reg_margin: int, tight: bool) -> list:
+    """The register margins to plan with: ``reg_margin``, then (``tight``, unless the knobs fix
+    reg_margin) none."""
+    loose = tight and "reg_margin" not in request.knobs and reg_margin > 0
+    return [reg_margin, 0] if loose else [reg_margin]
+
+
 def weights_on_chip(request: _Request, reg_margin: int, tight: bool) -> Plan:
     """With ``reg_margin`` registers kept free; else (``tight``, unless the knobs fix
     reg_margin) with none, where ptxas then says whether it spills (the driver falls back if
     it does); else streaming, the weights that do not fit read from L2 every step (not with
     batch groups, which keep the weights on-chip)."""
-    tries = [(reg_margin, False)]
-    if tight and "reg_margin" not in request.knobs and reg_margin > 0:
-        tries.append((0, False))
+    tries = [(margin, False) for margin in _margins(request, reg_margin, tight)]
     if (request.knobs.get("batch_groups") in (None, 1) and request.problem.directions == 1
             and request.problem.layers == 1):
         tries.append((reg_margin, True))

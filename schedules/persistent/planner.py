@@ -513,18 +513,20 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         more = {"directions": directions, "layers": layers, "width": width,
                 "pair_regs": pair_regs, "mma": mma}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
-        if mma:
+
+        def fitting(tried):  # the plans that fit, up to the first with every weight in registers
             fits = []
-            for groups in divisors + [1]:
-                if not MMA_MIN_BATCH <= batch // groups <= most:
-                    continue
+            for groups in tried:
                 try:
-                    found = plan(*args, batch_groups=groups, **more)
+                    fits.append(plan(*args, batch_groups=groups, **more))
                 except Unfit:
                     continue
-                if found.smem_chunks == 0:
-                    return found
-                fits.append(found)
+                if fits[-1].smem_chunks == 0:
+                    break
+            return fits
+
+        if mma:  # the first in registers, else the fewest groups that fit
+            fits = fitting([d for d in divisors + [1] if MMA_MIN_BATCH <= batch // d <= most])
             if fits:
                 return fits[-1]
             if batch > most:
@@ -532,13 +534,9 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
                             f"and no split into batch groups of at most {most} fits on-chip")
             return plan(*args, batch_groups=1, **more)
         if not stream and batch <= MAX_BATCH:
-            for groups in divisors:
-                try:
-                    found = plan(*args, batch_groups=groups, **more)
-                except Unfit:
-                    continue
-                if found.smem_chunks == 0:
-                    return found
+            fits = fitting(divisors)
+            if fits and fits[-1].smem_chunks == 0:
+                return fits[-1]
         elif not stream:  # past MAX_BATCH only in groups: the most that fit at all
             for groups in divisors:
                 if batch // groups <= MAX_BATCH:
