@@ -50,6 +50,9 @@ def _add_problem_args(p):
     p.add_argument("--proj-size", "-P", type=int, default=0,
                    help="LSTM with projections (LSTMP, torch's proj_size): h = W_hr h', P wide "
                         "(weights weight_hr_l0 [P, H]; default 0: none)")
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="float32 products may run on tensor cores in TF32 (10-bit mantissas, "
+                        "float32 sums), as torch's allow_tf32; default IEEE float32")
 
 
 def _add_tuning_args(p):
@@ -95,6 +98,9 @@ def _parser():
     p.add_argument("--arch", default=None)
     p.add_argument("--proj-size", "-P", type=int, default=0,
                    help="LSTM with projections (LSTMP): h P wide (default 0: none)")
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="float32 products may run on tensor cores in TF32 (10-bit mantissas, "
+                        "float32 sums), as torch's allow_tf32; default IEEE float32")
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -131,7 +137,8 @@ def _problem_kwargs(args) -> dict:
                 persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args),
                 lengths=getattr(args, "lengths", False),
                 directions=2 if getattr(args, "bidirectional", False) else 1,
-                **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}))
+                **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}),
+                **({"allow_tf32": True} if args.allow_tf32 else {}))
 
 
 def _check_writable(path: str) -> None:
@@ -189,8 +196,13 @@ def _print_details(meta: dict, indent: str = "  ") -> None:
 def _network_summary(meta: dict) -> str:
     return (f"{meta['cell']} network C={meta['input_size']} H={meta['hidden_size']} "
             f"L={meta['layers']}{' bidirectional' if meta['directions'] == 2 else ''} "
-            f"N={meta['batch']} {meta['dtype']}{' with lengths' if meta['lengths'] else ''} "
+            f"N={meta['batch']} {meta['dtype']}{_tf32(meta)}"
+            f"{' with lengths' if meta['lengths'] else ''} "
             f"{meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
+
+
+def _tf32(meta: dict) -> str:
+    return " (TF32 allowed)" if meta.get("allow_tf32") else ""
 
 
 def _stage_line(kind: str, first: int, count: int) -> str:
@@ -224,7 +236,8 @@ def _summary(meta: dict) -> str:
     schedule, layers = meta["schedule"], meta.get("layers", 1)
     head = (f"{meta['cell']} C={meta['input_size']} H={meta['hidden_size']} "
             + (f"P={meta['proj_size']} " if meta.get("proj_size") else "") + f"N={meta['batch']} "
-            f"{meta['dtype']}{' bidirectional' if meta.get('directions', 1) == 2 else ''}"
+            f"{meta['dtype']}{_tf32(meta)}"
+            f"{' bidirectional' if meta.get('directions', 1) == 2 else ''}"
             f"{f' {layers} layers' if layers > 1 else ''}"
             f"{' with lengths' if meta.get('lengths') else ''} "
             f"{meta['target']['kind']} {meta['target']['arch'] or ''}").rstrip()
@@ -304,7 +317,8 @@ def _cmd_bench(args) -> int:
                                hidden_size=args.hidden_size, batch=args.batch, dtype=args.dtype,
                                target=args.target, arch=args.arch, gpu=args.gpu,
                                tuning=_tuning(args), **({"proj_size": args.proj_size}
-                                                        if args.proj_size else {}))
+                                                        if args.proj_size else {}),
+                               **({"allow_tf32": True} if args.allow_tf32 else {}))
     if args.steps < 1 or args.repeat < 1:
         raise _CliError("--steps and --repeat must be positive")
     layers = getattr(module, "layers", 1)
@@ -312,7 +326,7 @@ def _cmd_bench(args) -> int:
     what = (f"{module.cell} C={module.input_size} H={module.hidden_size}"
             f"{f' P={proj}' if proj else ''}{f' L={layers}' if layers > 1 else ''}"
             f"{' bidirectional' if module.directions == 2 else ''} N={module.batch} "
-            f"{module.dtype} T={args.steps}")
+            f"{module.dtype}{' (TF32 allowed)' if module.allow_tf32 else ''} T={args.steps}")
     if module.target == "cuda":
         result = bench.time_gpu(module, args.steps, args.repeat)
     else:

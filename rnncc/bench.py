@@ -2,7 +2,8 @@
 
 GPU times are per call, from CUDA events around replays of a CUDA graph (both rnncc and cuDNN
 are captured, so kernel-launch and Python overheads stay out), median of many replays; at
-float32 TF32 is off for cuDNN, so both sides compute IEEE float32. CPU times are wall-clock
+float32 TF32 is off for cuDNN, so both sides compute IEEE float32, unless the module allows
+TF32 (``allow_tf32``): then cuDNN may use it too. CPU times are wall-clock
 medians.
 """
 
@@ -107,8 +108,9 @@ def time_gpu(module, steps: int, repeat: int = 100, cudnn: bool = True,
                           f"({torch.__version__}) sees none")
     from .cells import registry
 
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+    # cuDNN in the module's precision: IEEE float32, or TF32 where the module allows it
+    torch.backends.cudnn.allow_tf32 = module.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = module.allow_tf32
     dt = getattr(torch, module.dtype)
     x64, w64 = random_problem(module, steps)
     x = torch.tensor(x64, dtype=dt, device="cuda")

@@ -24,3 +24,17 @@ def check_dtype(dtype: str) -> str:
 def accum_dtype(dtype: str) -> str:
     """The dtype that matrix products and the cell's point-wise step are computed in."""
     return "float32" if dtype in ("float16", "bfloat16", "float32") else dtype
+
+
+def round_tf32(value):
+    """A float32 TIR expression ``value`` rounded to TF32 (10-bit mantissa), to nearest with
+    ties away from zero as ``cvt.rna.tf32.f32`` does; infinities and NaNs as they are. The
+    tensor cores' TF32 products read such values (they would otherwise drop the low bits)."""
+    from tvm import tirx
+
+    value = tirx.Cast("float32", value)
+    bits = tirx.reinterpret("uint32", value)
+    rounded = tirx.reinterpret("float32", (bits + tirx.const(0x1000, "uint32"))
+                               & tirx.const(0xFFFFE000, "uint32"))
+    special = (bits & tirx.const(0x7F800000, "uint32")) == tirx.const(0x7F800000, "uint32")
+    return tirx.Select(special, value, rounded)

@@ -32,7 +32,10 @@ class Problem:
     layer). ``proj_size`` P > 0 (LSTMP, torch's ``proj_size``; a cell whose step reads h only
     through W_hh): the new h is W_hr h' [P] of the cell's h' [H], with W_hr
     (``weight_hr_l0``) [P, H]; then h and y are P wide (y [T, N, D*P], h's state [D, N, P],
-    W_hh [G*H, P]); the other states stay [D, N, H].
+    W_hh [G*H, P]); the other states stay [D, N, H]. ``allow_tf32`` (float32 only, as
+    torch's ``allow_tf32``): the matrix products may round their operands to TF32 (10-bit
+    mantissas, float32 sums) on tensor cores where a schedule has such a form; the cell's
+    element-wise step stays IEEE float32. Off: every product is IEEE float32.
     """
 
     cell: Cell
@@ -45,6 +48,7 @@ class Problem:
     layers: int = 1
     training: bool = False
     proj_size: int = 0
+    allow_tf32: bool = False
 
     def __post_init__(self):
         if not isinstance(self.cell, Cell):
@@ -75,6 +79,12 @@ class Problem:
                 f"{self.directions}, layers={self.layers}")
 
         self._check_projection()
+        if not isinstance(self.allow_tf32, bool):
+            raise ConfigError(f"allow_tf32 must be True or False, got {self.allow_tf32!r}")
+        if self.allow_tf32 and self.dtype != "float32":
+            raise ConfigError(f"allow_tf32=True applies to float32 (TF32 rounds float32's "
+                              f"products); got dtype {self.dtype!r}, whose products already "
+                              "run on tensor cores in its own precision")
 
     def _check_projection(self) -> None:
         proj = self.proj_size
@@ -117,7 +127,8 @@ class Problem:
                 + (f" {self.layers} layers" if self.layers > 1 else "")
                 + (f" proj {self.proj_size}" if self.proj_size else "")
                 + (" with lengths" if self.lengths else "")
-                + (" for training" if self.training else ""))
+                + (" for training" if self.training else "")
+                + (" (TF32 allowed)" if self.allow_tf32 else ""))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """CUDA: float16 and bfloat16 products of many rows on tensor cores (``mma.sync`` m16n8k16,
 float32 sums), written out in TIR: the input projection of all steps, a training step's dx =
-dGI W_ih, and its weight gradients.
+dGI W_ih, and its weight gradients; and a float32 projection in TF32 (m16n8k8) where the
+component allows it (:mod:`._mma`).
 
 Both forms are C[i, j] = sum_k A[i, k] B[j, k]:
 
@@ -10,22 +11,22 @@ Both forms are C[i, j] = sum_k A[i, k] B[j, k]:
   dw in the weights' type.
 
 The weights are float16 or bfloat16; an operand in float32 (a gradient, a kept state) is
-rounded to the weights' type as it is staged, as cuDNN's half-precision RNNs compute.
+rounded to the weights' type as it is staged, as cuDNN's half-precision RNNs compute. In TF32
+both float32 operands are rounded to TF32 as they are staged.
 
 A block of :data:`THREADS` threads computes a :data:`TILE` x TILE tile of C, its 8 warps 2 x 4
 of 64 x 32 (4 x 4 instruction tiles, 64 sums a lane). K goes through shared memory in chunks
-of :data:`BK`, double-buffered (the next chunk's global loads issued before the current
-chunk's products, stored after them; one barrier a chunk). An operand whose k is its buffer's
-last index ("inner": a, w [O, K]) is staged as it is read, [row][k]; one whose k runs along
-the buffer's rows ("outer": w [K, O], and both operands of a gradient) as [k][row], each k-row
-padded to an odd count of words so that a lane's scalar reads of its fragment hit 32 banks.
+of BK (32 halves or 16 TF32 values: 64 bytes of a row), double-buffered (the next chunk's
+global loads issued before the current chunk's products, stored after them; one barrier a
+chunk). An operand whose k is its buffer's last index ("inner": a, w [O, K]) is staged as it
+is read, [row][k]; one whose k runs along the buffer's rows ("outer": w [K, O], and both
+operands of a gradient) as [k][row], each k-row padded to an odd count of words so that a
+lane's scalar reads of its fragment hit 32 banks.
 
-Fragments. Any permutation of k that A and B share leaves the sums unchanged; this one (that
-of :mod:`.cuda_mma_gemv`) gives lane l (q = l % 4, g = l // 4) the 8 k from 8q of a chunk of
-32 for its rows g and g + 8 of A and its row g of B: 16 contiguous bytes of an inner operand.
-k-step s uses elements 4s .. 4s + 3, which the instruction takes as its k = 2q + {0, 1} and
-8 + 2q + {0, 1}. The sums land as the instruction leaves them: lane l holds rows g and g + 8
-of each instruction tile, columns 2q + {0, 1}.
+Fragments (:mod:`._mma`): lane l (q = l % 4, g = l // 4) takes 16 bytes of a chunk's k from
+q's quarter for its rows g and g + 8 of A and its row g of B, two k-steps' worth: 16
+contiguous bytes of an inner operand. The sums land as the instruction leaves them: lane l
+holds rows g and g + 8 of each instruction tile, columns 2q + {0, 1}.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
+from . import _mma
 from ._common import (
     block_named,
     buffer_parameters,
@@ -45,14 +47,21 @@ from ._common import (
 )
 from ._rule import Rule
 
-HALF = {"float16": "fp16", "bfloat16": "bf16"}  # the weights' types: mma's operand types
 TILE = 128  # rows (i) and columns (j) of C a block
-BK = 32  # k a chunk
 THREADS = 256
 WARPS_J = 4  # warps along j (2 along i)
 MT, NT = 4, 4  # instruction tiles a warp: 16-row tiles along i, 8-column tiles along j
-#: Halves from one k-row of an outer operand's staged chunk to the next: an odd count of words.
-OUTER_STRIDE = TILE + 2
+
+
+def chunk_k(op: _mma.Operand) -> int:
+    """BK: k a chunk, a lane's 16 bytes of each of the 4 lanes of a row."""
+    return 4 * op.lane_k
+
+
+def fits(outputs: int, depth: int, op: _mma.Operand) -> bool:
+    """Whether a projection of O ``outputs`` and K ``depth`` in ``op`` has this rule's
+    sizes."""
+    return outputs % TILE == 0 and depth % (2 * chunk_k(op)) == 0
 
 
 @dataclass(frozen=True)
@@ -60,22 +69,22 @@ class Product:
     """A product this rule computes: ``form`` "projection" or "gradient"; ``specs`` the
     component's parameters (name, shape, dtype) with run-time sizes as None; ``inner``
     whether A and B each have k as their buffer's last index; J ``columns``; for a projection
-    its K ``depth`` (a gradient's K, its rows M, is a run-time size); ``half`` the weights'
-    type."""
+    its K ``depth`` (a gradient's K, its rows M, is a run-time size); ``op`` the operands'
+    type (the weights', or TF32)."""
 
     form: str
     specs: tuple
     inner: tuple
     columns: int
     depth: int
-    half: str
+    op: _mma.Operand
 
 
 def sizes(func, target) -> Product | None:
     """The product of rnncc's gemm (all steps) or weight_gradient component ``func`` when this
-    rule takes it, else None: weights float16 or bfloat16 on sm_80 or later; a projection
-    with a run-time row count, O a multiple of :data:`TILE` and K of 2 * :data:`BK`; a
-    gradient with O and K multiples of TILE."""
+    rule takes it, else None: weights float16 or bfloat16 (or a projection's float32 where
+    the component allows TF32) on sm_80 or later; a projection with a run-time row count and
+    sizes that :func:`fits`; a gradient with O and K multiples of TILE."""
     if not has_mma(target):
         return None
     specs = tuple((str(p.name), tuple(static(d) for d in p.shape), str(p.dtype))
@@ -84,20 +93,22 @@ def sizes(func, target) -> Product | None:
     blocks = gemm_blocks(sch)
     if blocks is not None and block_named(sch, "gemm_rows") is None:
         (_, a_shape, a_dtype), (_, _, w_dtype) = specs[:2]
-        if w_dtype not in HALF or a_dtype not in (w_dtype, "float32") or None not in a_shape:
+        op = _mma.operand(w_dtype, func)
+        if op is None or a_dtype not in (w_dtype, "float32") or None not in a_shape:
             return None  # one step's product: cuda.mma_gemv
         _, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0])[-3:])
-        if outputs % TILE or depth % (2 * BK):
+        if not fits(outputs, depth, op):
             return None
         rows = weights_are_rows(sch, blocks[0])
-        return Product("projection", specs, (True, rows), outputs, depth, w_dtype)
+        return Product("projection", specs, (True, rows), outputs, depth, op)
     if block_named(sch, "weight_grad") is not None:
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
-        if dw_dtype not in HALF or g_dtype != "float32" or a_dtype not in ("float32", dw_dtype):
+        op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written
+        if op is None or g_dtype != "float32" or a_dtype not in ("float32", dw_dtype):
             return None
         if dw_shape[0] % TILE or dw_shape[1] % TILE:
             return None
-        return Product("gradient", specs, (False, False), dw_shape[1], 0, dw_dtype)
+        return Product("gradient", specs, (False, False), dw_shape[1], 0, op)
     return None
 
 
@@ -112,6 +123,13 @@ class Tile:
 
     def __init__(self, product: Product):
         self.product = product
+        op = product.op
+        self.bk = bk = chunk_k(op)
+        #: 4-element vectors of an operand a thread stages a chunk
+        self.vectors = TILE * bk // 4 // THREADS
+        #: elements from one k-row of an outer operand's staged chunk to the next: an odd
+        #: count of words
+        self.outer_stride = TILE + (1 if op.tf32 else 2)
         self.rows = tirx.Var("M", "int64")
         if product.form == "projection":
             a_shape = product.specs[0][1]
@@ -120,13 +138,13 @@ class Tile:
             self.batch = a_shape[1] if len(a_shape) == 3 else None
             self.m = self.runtime * self.batch if self.batch else self.rows
             self.i_tiles = (self.m + (TILE - 1)) // TILE
-            self.chunk_pairs = product.depth // (2 * BK)
+            self.chunk_pairs = product.depth // (2 * bk)
         else:
             self.runtime = self.m = self.rows
             self.i_tiles = product.specs[2][1][0] // TILE
-            self.chunk_pairs = (self.m + (2 * BK - 1)) // (2 * BK)
+            self.chunk_pairs = (self.m + (2 * bk - 1)) // (2 * bk)
         self.j_tiles = product.columns // TILE
-        self.stage = [TILE * BK if inner else BK * OUTER_STRIDE for inner in product.inner]
+        self.stage = [TILE * bk if inner else bk * self.outer_stride for inner in product.inner]
 
     def parameters(self):
         """Inside the PrimFunc being built: the component's parameters, run-time sizes as this
@@ -140,39 +158,35 @@ class Tile:
         return [m // self.batch, m % self.batch] if self.batch else [m]
 
     def element(self, io, op: int, i, k):
-        """Element (i, k) of operand ``op`` (0: A, 1: B) in the weights' type; rows of A past
+        """Element (i, k) of operand ``op`` (0: A, 1: B) in the operands' type; rows of A past
         a projection's M read row M - 1 (never stored), a gradient's k past M read zeros."""
-        p, half = self.product, self.product.half
+        p, kind = self.product, self.product.op
         if p.form == "projection":
             a, w = io[0], io[1]
             if op == 0:
-                return tirx.Cast(half, tirx.BufferLoad(a, [*self.at(tirx.min(i, self.m - 1)),
-                                                           k]))
-            return tirx.Cast(half, tirx.BufferLoad(w, [i, k] if p.inner[1] else [k, i]))
+                return kind.round(tirx.BufferLoad(a, [*self.at(tirx.min(i, self.m - 1)), k]))
+            return kind.round(tirx.BufferLoad(w, [i, k] if p.inner[1] else [k, i]))
         value = tirx.BufferLoad(io[op], [tirx.min(k, self.m - 1), i])  # g [M, O], a [M, K]
-        return tirx.if_then_else(k < self.m, tirx.Cast(half, value), tirx.const(0, half))
+        return tirx.if_then_else(k < self.m, kind.round(value), tirx.const(0, kind.dtype))
 
     def stage_place(self, op: int, p_, tx):
         """(row, k) in a chunk of operand ``op`` of the thread's vector ``p_`` (4 elements along
         k for an inner operand, along the rows for an outer one)."""
         f = p_ * THREADS + tx
         if self.product.inner[op]:
-            return f // (BK // 4), f % (BK // 4) * 4
+            return f // (self.bk // 4), f % (self.bk // 4) * 4
         return f % (TILE // 4) * 4, f // (TILE // 4)
 
     def slot(self, op: int, row, k):
         """Where element (row, k) of a chunk of operand ``op`` is in its shared buffer."""
-        return row * BK + k if self.product.inner[op] else k * OUTER_STRIDE + row
-
-
-VECTORS = TILE * BK // 4 // THREADS  # 4-element vectors of an operand a thread stages a chunk
+        return row * self.bk + k if self.product.inner[op] else k * self.outer_stride + row
 
 
 @T.macro
 def _load(t, io, op, regs, k0, base, tx):
     """Operand ``op``'s global reads of the chunk from k = ``k0`` (its rows from ``base``):
-    the thread's vectors into ``regs``, rounded to the weights' type."""
-    for p_ in T.unroll(VECTORS):
+    the thread's vectors into ``regs``, in the operands' type."""
+    for p_ in T.unroll(t.vectors):
         row, k = T.meta_var(t.stage_place(op, p_, tx))
         for v in T.vectorized(4):
             if t.product.inner[op]:
@@ -184,9 +198,9 @@ def _load(t, io, op, regs, k0, base, tx):
 @T.macro
 def _store(t, op, regs, shared, tx):
     """Operand ``op``'s registers of a chunk to shared memory: an inner operand's vectors as
-    they are (8 bytes), an outer one's element by element (its k-rows are not 8-byte
-    aligned)."""
-    for p_ in T.unroll(VECTORS):
+    they are (16 bytes at most), an outer one's element by element (its k-rows are not
+    vector-aligned)."""
+    for p_ in T.unroll(t.vectors):
         row, k = T.meta_var(t.stage_place(op, p_, tx))
         if t.product.inner[op]:
             for v in T.vectorized(4):
@@ -212,41 +226,36 @@ def _stage(t, regs, shared, tx):
 
 @T.macro
 def _fragment(t, op, shared, out, offset, row, q):
-    """out[offset ..] = the 8 k from 8q of ``row`` of operand ``op``'s chunk: 16 bytes of an
-    inner one, 8 scalar reads of an outer one (the same row of 8 k-rows)."""
+    """out[offset ..] = the lane's 16 bytes of ``row`` of operand ``op``'s chunk (its k from
+    q's quarter): one load of an inner one, scalar reads of an outer one (the same row of
+    consecutive k-rows)."""
+    e = T.meta_var(t.product.op.lane_k)
     if t.product.inner[op]:
-        for v in T.vectorized(8):
-            out[offset + v] = shared[t.slot(op, row, q * 8 + v)]
+        for v in T.vectorized(e):
+            out[offset + v] = shared[t.slot(op, row, q * e + v)]
     else:
-        for v in T.unroll(8):
-            out[offset + v] = shared[t.slot(op, row, q * 8 + v)]
+        for v in T.unroll(e):
+            out[offset + v] = shared[t.slot(op, row, q * e + v)]
 
 
 @T.macro
 def _products(t, shared, frags, acc, tx):
-    """A chunk's products: the warp's 64 x 32 of C, 2 k-steps of 16 (4 x 4 instructions
-    each)."""
+    """A chunk's products: the warp's 64 x 32 of C, 2 k-steps (4 x 4 instructions each)."""
     bf, ha, af, wb = T.meta_var(frags)
+    kind = T.meta_var(t.product.op)
     g, q = T.meta_var((tx % 32 // 4, tx % 4))
     i0 = T.meta_var(tx // 32 // WARPS_J * (MT * 16))
     j0 = T.meta_var(tx // 32 % WARPS_J * (NT * 8))
     for n in T.unroll(NT):
-        _fragment(t, 1, shared[1], bf, n * 8, j0 + n * 8 + g, q)
+        _fragment(t, 1, shared[1], bf, n * kind.lane_k, j0 + n * 8 + g, q)
     for m in T.unroll(MT):
         _fragment(t, 0, shared[0], ha, 0, i0 + m * 16 + g, q)
-        _fragment(t, 0, shared[0], ha, 8, i0 + m * 16 + 8 + g, q)
+        _fragment(t, 0, shared[0], ha, kind.lane_k, i0 + m * 16 + 8 + g, q)
         for s in T.unroll(2):
-            for h in T.unroll(2):  # k 2q + {0, 1}, then 8 + 2q + {0, 1}
-                for r in T.unroll(2):  # rows g, g + 8
-                    for v in T.vectorized(2):
-                        af[h * 4 + r * 2 + v] = ha[r * 8 + s * 4 + h * 2 + v]
+            _mma.a_fragment(kind, af, ha, s)
             for n in T.unroll(NT):
-                for v in T.vectorized(4):
-                    wb[v] = bf[n * 8 + s * 4 + v]
-                T.evaluate(T.ptx_legacy.mma(
-                    "m16n8k16", "row", "col", HALF[t.product.half], HALF[t.product.half],
-                    "fp32", af.data, 0, wb.data, 0, acc.data, (m * NT + n) * 4, False,
-                    dtype="float32"))
+                _mma.b_fragment(kind, wb, bf, n * kind.lane_k, s)
+                _mma.mma(kind, af, wb, acc, (m * NT + n) * 4)
 
 
 @T.macro
@@ -267,7 +276,7 @@ def _epilogue(t, io, acc, bi, bj, tx):
                                 t.at(i) + [j0 + n * 8 + q * 2 + v])
                 else:
                     for v in T.vectorized(2):
-                        T.buffer_store(io[2], T.Cast(t.product.half,
+                        T.buffer_store(io[2], T.Cast(t.product.op.dtype,
                                                      acc[(m * NT + n) * 4 + h * 2 + v]),
                                        [i, j0 + n * 8 + q * 2 + v])
 
@@ -275,7 +284,8 @@ def _epilogue(t, io, acc, bi, bj, tx):
 def kernel(product: Product):
     """The PrimFunc, with the component's parameters."""
     t = Tile(product)
-    half = product.half
+    op = product.op
+    dtype = op.dtype
 
     @T.prim_func(s_tir=True)
     def mma_gemm():
@@ -284,17 +294,17 @@ def kernel(product: Product):
         with T.sblock("root"):
             # two buffers an operand and chunk pairs unrolled (as cuda.sgemm: TVM's barrier
             # insertion cannot tell the halves of one buffer apart)
-            a0 = T.sblock_alloc_buffer((t.stage[0],), half, scope="shared")
-            a1 = T.sblock_alloc_buffer((t.stage[0],), half, scope="shared")
-            b0 = T.sblock_alloc_buffer((t.stage[1],), half, scope="shared")
-            b1 = T.sblock_alloc_buffer((t.stage[1],), half, scope="shared")
-            ra = T.sblock_alloc_buffer((VECTORS * 4,), half, scope="local")
-            rb = T.sblock_alloc_buffer((VECTORS * 4,), half, scope="local")
+            a0 = T.sblock_alloc_buffer((t.stage[0],), dtype, scope="shared")
+            a1 = T.sblock_alloc_buffer((t.stage[0],), dtype, scope="shared")
+            b0 = T.sblock_alloc_buffer((t.stage[1],), dtype, scope="shared")
+            b1 = T.sblock_alloc_buffer((t.stage[1],), dtype, scope="shared")
+            ra = T.sblock_alloc_buffer((t.vectors * 4,), dtype, scope="local")
+            rb = T.sblock_alloc_buffer((t.vectors * 4,), dtype, scope="local")
             acc = T.sblock_alloc_buffer((MT * NT * 4,), "float32", scope="local")
-            bf = T.sblock_alloc_buffer((NT * 8,), half, scope="local")
-            ha = T.sblock_alloc_buffer((16,), half, scope="local")
-            af = T.sblock_alloc_buffer((8,), half, scope="local")
-            wb = T.sblock_alloc_buffer((4,), half, scope="local")
+            bf = T.sblock_alloc_buffer((NT * op.lane_k,), dtype, scope="local")
+            ha = T.sblock_alloc_buffer((2 * op.lane_k,), dtype, scope="local")
+            af = T.sblock_alloc_buffer((4 * op.per_register,), dtype, scope="local")
+            wb = T.sblock_alloc_buffer((op.lane_k // 2,), dtype, scope="local")
             for bx in T.thread_binding(t.i_tiles * t.j_tiles, thread="blockIdx.x"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                     bi, bj = T.meta_var((bx // t.j_tiles, bx % t.j_tiles))
@@ -305,11 +315,11 @@ def kernel(product: Product):
                     _stage(t, regs, (a0, b0), tx)
                     T.tvm_storage_sync("shared")
                     for c in range(t.chunk_pairs):
-                        _chunk(t, io, regs, (c * 2 + 1) * BK, bi, bj, tx)
+                        _chunk(t, io, regs, (c * 2 + 1) * t.bk, bi, bj, tx)
                         _products(t, (a0, b0), frags, acc, tx)
                         _stage(t, regs, (a1, b1), tx)
                         T.tvm_storage_sync("shared")
-                        _chunk(t, io, regs, T.min(c * 2 + 2, t.chunk_pairs * 2 - 1) * BK,
+                        _chunk(t, io, regs, T.min(c * 2 + 2, t.chunk_pairs * 2 - 1) * t.bk,
                                bi, bj, tx)
                         _products(t, (a1, b1), frags, acc, tx)
                         _stage(t, regs, (a0, b0), tx)

@@ -13,6 +13,14 @@ from rnncc.cells.autodiff import reduces
 #: inputs rounded to the module's dtype).
 TOL_F32 = 1e-5
 TOL = {"float32": TOL_F32, "float16": 2e-3, "bfloat16": 1e-2}
+#: The bound with ``allow_tf32=True`` (products of operands rounded to 10-bit mantissas).
+TOL_TF32 = 5e-3
+
+
+def round_tf32(x) -> np.ndarray:
+    """``x`` (float32) rounded to TF32, to nearest with ties away from zero (``cvt.rna``)."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def persistent_cells() -> list[str]:

@@ -69,7 +69,8 @@ def test_compile_half_storage_and_bench_it(dtype, capsys, tmp_path):
 @pytest.mark.parametrize("flags, summary, field, last_weight", [
     (["--lengths"], "float32 with lengths llvm", ("lengths", True), "bias_hh_l0"),
     (["--bidirectional", "--lengths"], "float32 bidirectional with lengths llvm",
-     ("directions", 2), "bias_hh_l0_reverse")])
+     ("directions", 2), "bias_hh_l0_reverse"),
+    (["--allow-tf32"], "float32 (TF32 allowed) llvm", ("allow_tf32", True), "bias_hh_l0")])
 def test_compile_with_lengths_or_both_directions(capsys, tmp_path, flags, summary, field,
                                                   last_weight):
     path = str(tmp_path / "gru.so")
@@ -137,6 +138,8 @@ def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     (["compile", "lstm", "-H", "1", "-N", "1", "-o", "x.so"], "required"),
     (["inspect", "/nonexistent.so"], "cannot read module file"),
     (["bench", "lstm", "-C", "3"], "bench of a cell needs --hidden-size, --batch"),
+    (["compile", "lstm", "-C", "1", "-H", "1", "-N", "1", "--dtype", "bfloat16",
+      "--allow-tf32", "-o", "x.so"], "allow_tf32=True applies to float32"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_errors_are_one_line(capsys, argv, message):

@@ -15,6 +15,7 @@ from conftest import random_weights
 from helpers import (
     TOL,
     TOL_F32,
+    TOL_TF32,
     check_across_steps,
     check_against_reference,
     check_repeats_exactly,
@@ -368,6 +369,60 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
     for steps, initial in ((1, True), (37, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch, step_rule", [
+    ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
+    ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.mma_gemv"),
+    ("gru", 96, 128, 64, "cuda.sgemm")])  # 48 blocks of 8 rows at most: IEEE
+def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rule, rng):
+    """allow_tf32=True: the products of all steps (cuda.mma_gemm) and each step's
+    (cuda.mma_gemv, where its grid is large enough) in TF32, within TF32's bound of float64
+    and past float32's (the operands are rounded: TF32 ran), a partial last tile of batch
+    rows; the same module without allow_tf32 stays within float32's."""
+    module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off",
+                      allow_tf32=True)
+    rules = module.metadata["schedule"]["rules"]
+    assert module.allow_tf32
+    assert (rules["input_gemm"], rules["recurrent_gemm"]) == ("cuda.mma_gemm", step_rule)
+    for steps, initial in ((1, True), (37, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert TOL_F32 < err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
+    ieee = compiled(cell, input_size, hidden, batch, "cuda", persistent="off")
+    assert check_against_reference(ieee, rng, 37, False) < TOL_F32
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("lstm", 64, 256, 32), ("gru", 48, 512, 9), ("lstm", 33, 512, 40), ("rnn_tanh", 16, 257, 24),
+    ("gru", 40, 333, 17), ("lstm", 64, 1024, 16)])
+def test_tf32_persistent_kernel_matches_reference(cell, input_size, hidden, batch, rng):
+    """allow_tf32=True and the knob mma=True: the persistent kernel's products on tensor cores
+    in TF32 (m16n8k8, whole tiles of 16 batch rows, a partial last one; batch groups; padded
+    rows; weights in registers and shared memory), within TF32's bound of float64 and past
+    float32's; the same bits run to run. Without the knob, the CUDA cores' float32 plan."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", allow_tf32=True,
+                           knobs={"mma": True})
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["mma"], module.metadata["schedule"]
+    for steps, initial in ((1, True), (23, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert TOL_F32 < err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
+    check_repeats_exactly(module, rng, steps=17, repeats=3)
+
+
+def test_nn_tf32_where_allowed(torch, rng):
+    """rnncc.nn with allow_tf32=True: a 2-layer GRU at batch 40 (bucket 64) within TF32's
+    bound of torch's float64; its modules say TF32 is allowed."""
+    theirs = torch.nn.GRU(64, 128, num_layers=2)
+    ours = rnncc.nn.from_torch(theirs, allow_tf32=True).cuda()
+    x = torch.randn(21, 40, 64)
+    with torch.no_grad():
+        mine = [t.double().cpu().numpy() for t in ours(x.cuda())]
+        expect = [t.numpy() for t in theirs.double()(x.double())]
+    for a, b in zip(mine, expect):
+        assert reference.relative_error(a, b) < TOL_TF32
+    network = next(iter(ours._networks.values()))
+    assert all(n.allow_tf32 for n in network._compiled.values())
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [

@@ -196,6 +196,9 @@ def test_load_errors(tmp_path):
     (dict(target="opencl"), "unknown target 'opencl'; allowed: cuda, llvm"),
     (dict(target="cuda", arch="sm90"), "unknown CUDA architecture 'sm90'"),
     (dict(fuse_everything=True), r"unknown schedule option\(s\) \['fuse_everything'\]"),
+    (dict(dtype="float16", allow_tf32=True), "allow_tf32=True applies to float32 .* got dtype "
+     "'float16'"),
+    (dict(allow_tf32=1), "allow_tf32 must be True or False, got 1"),
 ])
 def test_bad_configurations(kwargs, match):
     args = dict(input_size=3, hidden_size=4, batch=1, target="llvm")

@@ -267,6 +267,7 @@ def test_compiled_modules_are_kept_on_disk(monkeypatch):
     (lambda: rnncc.nn.GRU(3, 4), lambda m: m(torch.randn(2, 1, 3).double()),
      "input is torch.float64, but the parameters are torch.float32"),
     (lambda: rnncc.nn.GRU(3, 4), lambda m: m(torch.randn(2, 1, 1, 3)), "input must be 3-D"),
+    (lambda: rnncc.nn.GRU(3, 4, allow_tf32="yes"), None, "allow_tf32 must be True or False"),
 ])
 def test_errors(make, call, match):
     error = (ConfigError, InputError)
@@ -284,6 +285,11 @@ def test_from_torch_takes_only_recurrent_modules():
     with pytest.raises(ConfigError, match="takes a torch.nn.LSTM, GRU or RNN, got Linear"):
         rnncc.nn.from_torch(torch.nn.Linear(2, 3))
     assert rnncc.nn.from_torch(torch.nn.LSTM(3, 4, proj_size=2)).proj_size == 2
+    ours = rnncc.nn.from_torch(torch.nn.GRU(3, 4), allow_tf32=True)
+    assert ours.allow_tf32 and "allow_tf32=True" in repr(ours)
+    # TF32 reaches float32 modules only: the half types' products are already on tensor cores
+    assert ours._layout.module_options("float32") == {"allow_tf32": True}
+    assert ours._layout.module_options("bfloat16") == {}
 
 
 @pytest.mark.parametrize("lengths", [False, True])

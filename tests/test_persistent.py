@@ -409,14 +409,18 @@ def test_tensor_core_plans():
     wide = plan(4, 1024, 64, "float16", H100, states=2, mma=True, batch_groups=None)
     assert wide.mma and wide.batch_groups == 2 and wide.smem_chunks == 0
     assert plan(3, 1024, 37, "float16", H100, mma=True, batch_groups=1).mma  # a partial tile
-    with pytest.raises(Unfit, match="take float16 or bfloat16 weights"):
+    with pytest.raises(Unfit, match="float32 tensor-core products take at least 9 batch rows "
+                                    "a group, got 4"):  # TF32: whole tiles
         plan(4, 1024, 4, "float32", H100, states=2, mma=True)
+    tf32 = plan(4, 1024, 16, "float32", H100, states=2, mma=True)  # 4-byte vectors of 4 k
+    assert tf32.mma and tf32.vec == 4 and tf32.chunks == 8
+    assert planner.mma_staging_bytes(tf32, 16) == 4 * 16 * 1024 + 4 * tf32.warps * 8 * 16
     with pytest.raises(Unfit, match="batch 80 is over the persistent kernel's 64"):
         plan(4, 1024, 80, "float16", H100, states=2, mma=True, batch_groups=1)
     with pytest.raises(Unfit, match="at least 4 chunks of K times tiles of batch; K = 512 is 2"):
         plan(4, 512, 2, "float16", H100, states=2, mma=True)
     assert plan(4, 512, 32, "float16", H100, states=2, mma=True).mma  # 2 chunks, 2 tiles
-    with pytest.raises(Unfit, match="at least 2 batch rows a group .* got 1"):
+    with pytest.raises(Unfit, match="at least 2 batch rows a group, got 1"):
         plan(4, 1024, 1, "float16", H100, states=2, mma=True)
     assert plan(4, 1024, 2, "float16", H100, states=2, mma=True, batch_groups=None
                 ).batch_groups == 1  # never a group of one row
@@ -440,10 +444,13 @@ def test_mma_knob():
     lstm = Problem(cells.get("lstm"), 2048, 2048, 4, "float16")
     assert knobs.plan_for(lstm, H100, {}, 24).mma
     assert not knobs.plan_for(lstm, H100, {"mma": False}, 24).mma
-    fp32 = Problem(cells.get("lstm"), 32, 1024, 1, "float32")
+    fp32 = Problem(cells.get("lstm"), 32, 1024, 16, "float32")
     with pytest.raises(Unfit, match=r"mma=True, but the tensor-core products do not apply: "
-                                    r"they take float16 or bfloat16 weights, not float32$"):
+                                    r"float32 products run on them only in TF32 "):
         knobs.plan_for(fp32, H100, {"mma": True}, 24)
+    tf32 = Problem(cells.get("lstm"), 32, 1024, 16, "float32", allow_tf32=True)
+    assert not knobs.plan_for(tf32, H100, {}, 24).mma  # TF32 on tensor cores when asked for
+    assert knobs.plan_for(tf32, H100, {"mma": True}, 24).mma
     with pytest.raises(Unfit, match=r"do not apply: they take the input projection as a "
                                     r"separate GEMM .* not input_rows=8 input_steps=None$"):
         knobs.plan_for(lstm, H100, {"mma": True, "input_rows": 8}, 24)

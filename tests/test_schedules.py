@@ -10,7 +10,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 import rnncc
-from helpers import TOL_F32, check_against_reference, takes_means
+from helpers import TOL_F32, check_against_reference, round_tf32, takes_means
 from rnncc import schedules
 from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
@@ -84,8 +84,8 @@ def test_float16_step_products_on_tensor_cores():
         assert '"m16n8k16"' in result.func.script()
     # (N, K, O): NT, KC and S warps a column group (K split among them where O alone leaves
     # under 128 blocks; the chunk of h and the split sums in 48 KiB)
-    plans = {(64, 1024, 4096): (1, 256, 2), (64, 4096, 1024): (1, 256, 8),
-             (64, 2048, 16384): (2, 256, 1), (100, 128, 128): (1, 128, 2),
+    plans = {(64, 1024, 4096): (1, 256, 2), (64, 4096, 1024): (1, 256, 4),
+             (64, 2048, 16384): (2, 256, 1), (100, 128, 128): (1, 64, 2),
              (256, 2048, 8192): (1, 64, 1), (128, 4096, 1024): (1, 64, 2)}
     found = {key: cuda_mma_gemv.plan(*key, "float32") for key in plans}
     assert {key: (p.n_tiles, p.chunk, p.k_split) for key, p in found.items()} == plans
@@ -102,25 +102,38 @@ def test_float16_step_products_on_tensor_cores():
                                old_gpu) is None
 
 
+@pytest.mark.parametrize("operands", ["bfloat16", "tf32"])
 @pytest.mark.parametrize("batch, depth, outputs, k_split", [(33, 256, 64, 8), (64, 128, 256, 4),
                                                             (9, 64, 8192, 1)])
 def test_mma_gemv_splits_k_among_a_blocks_warps_on_the_simulator(batch, depth, outputs, k_split,
-                                                                 rng):
+                                                                 operands, rng):
     """One step's product on tensor cores where O gives few blocks: S warps share a block's
     columns, each a 1/S of every chunk, their sums added through shared memory; on the NumPy
-    interpreter of TIR against NumPy's product of the same bfloat16-rounded operands."""
-    from rnncc.schedules import cuda_mma_gemv
+    interpreter of TIR against NumPy's product of the same rounded operands (bfloat16, or
+    float32 rounded to TF32 where the component allows it, and the plan has enough blocks:
+    else the IEEE rules take it)."""
+    from rnncc.schedules import _mma, cuda_mma_gemv
     from tir_sim import Simulator
 
-    assert cuda_mma_gemv.plan(batch, depth, outputs, "float32", "bfloat16").k_split == k_split
-    kernel = cuda_mma_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "bfloat16",
-                                           "float32"), CUDA).mod["main"]
+    dtype = "float32" if operands == "tf32" else operands
+    func = comp.gemm((batch,), depth, outputs, "rows", dtype, "float32")
+    if operands == "tf32":
+        assert cuda_mma_gemv.apply(func, CUDA) is None  # IEEE unless the component allows it
+        func = func.with_attr(_mma.TF32_ATTR, True)
+        if outputs < 8 * cuda_mma_gemv.TF32_MIN_BLOCKS:  # too few blocks of 8 rows
+            assert cuda_mma_gemv.apply(func, CUDA) is None
+            return
+    assert cuda_mma_gemv.plan(batch, depth, outputs, "float32", dtype).k_split == k_split
+    kernel = cuda_mma_gemv.apply(func, CUDA).mod["main"]
     a = rng.standard_normal((batch, depth)).astype(np.float32)
-    w, b = (rng.standard_normal(s).astype("bfloat16") for s in ((outputs, depth), outputs))
+    w, b = (rng.standard_normal(s).astype(dtype) for s in ((outputs, depth), outputs))
     out = np.full((batch, outputs), np.nan, np.float32)
     Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
-    want = (a.astype("bfloat16").astype(np.float64) @ w.astype(np.float64).T
-            + b.astype(np.float64))
+
+    def rounded(x):
+        return (round_tf32(x) if operands == "tf32" else x.astype(dtype)).astype(np.float64)
+
+    want = rounded(a) @ rounded(w).T + b.astype(np.float64)
     assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
@@ -290,6 +303,29 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
 
 
+def test_tf32_products_only_where_allowed():
+    """allow_tf32=True: the float32 products of all steps (cuda.mma_gemm) and each step's at
+    9 to 256 batch rows (cuda.mma_gemv) on tensor cores in TF32 (m16n8k8, no spills); without
+    it, and on the CPU, the same components stay IEEE float32."""
+    from conftest import has_nvcc
+    from rnncc.compiler.cuda_binary import compile_cubin
+
+    problem = Problem(rnncc.cells.get("lstm"), 128, 1024, 64, "float32", allow_tf32=True)
+    tf32 = sequence.build(problem, Options(persistent="off"), CUDA)
+    ieee = sequence.build(replace(problem, allow_tf32=False), Options(persistent="off"), CUDA)
+    keys = ("input_gemm", "recurrent_gemm")
+    assert [tf32.rules[k] for k in keys] == ["cuda.mma_gemm", "cuda.mma_gemv"]
+    assert "mma" not in " ".join(ieee.rules[k] for k in keys)
+    cpu = TargetSpec("llvm").tvm_target()
+    assert sequence.build(problem, Options(), cpu).rules == sequence.build(
+        replace(problem, allow_tf32=False), Options(), cpu).rules
+    source = tvm.compile(tf32.mod, target=CUDA).mod.imports[0].inspect_source()
+    assert source.count("m16n8k8") >= 2 and ".tf32.tf32" in source
+    if has_nvcc():
+        _, report = compile_cubin(source, "sm_90")
+        assert not any(k["spill_stores"] or k["stack"] for k in report.values()), report
+
+
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(dtype):
     """Half-precision training at batch 64 (no persistent kernel): the input projection of
@@ -324,18 +360,24 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
     assert cuda_mma_gemm.apply(comp.weight_gradient(m, 128, 128, dtype, dtype), old_gpu) is None
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient"])
 def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     """cuda.mma_gemm's kernel on the NumPy interpreter of TIR (tests/tir_sim.py): a
     projection of T*N = 135 rows (two row tiles, the second partial) with weights [O, K] and
     a of the weights' type, [K, O] and float32 a, flat rows; a gradient over M = 70 rows (the
-    last chunk pair partly past M); against NumPy's product of the same rounded operands."""
-    from rnncc.schedules import cuda_mma_gemm
+    last chunk pair partly past M); against NumPy's product of the same rounded operands
+    (float32 rounded to TF32 where the component allows it: projections only)."""
+    from rnncc.schedules import _mma, cuda_mma_gemm
     from tir_sim import Simulator
 
+    tf32 = dtype == "tf32"
+    if tf32 and form == "gradient":
+        pytest.skip("the weight gradients stay IEEE float32 with allow_tf32")
+    dtype = "float32" if tf32 else dtype
+
     def rounded(x):
-        return x.astype(dtype).astype(np.float64)
+        return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
 
     steps, n, k, o = 3, 45, 128, 256
     m = tirx.Var("M", "int64")
@@ -348,11 +390,13 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
         lead = (m,) if form == "flat" else (tirx.Var("T", "int64"), n)
         a_dtype = "float32" if form == "cols" else dtype
         func = comp.gemm(lead, k, o, "cols" if form == "cols" else "rows", dtype, a_dtype)
+        func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
         a = rng.standard_normal((steps * n, k) if form == "flat" else (steps, n, k))
         w, b = rng.standard_normal((o, k)), rng.standard_normal(o)
         args = [a.astype(a_dtype), (w.T if form == "cols" else w).astype(dtype), b.astype(dtype),
                 np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
-        want = rounded(args[0]) @ rounded(w.astype(dtype)).T + rounded(args[2])
+        want = (rounded(args[0]) @ rounded(w.astype(dtype)).T
+                + args[2].astype(np.float64))
     kernel = cuda_mma_gemm.apply(func, CUDA).mod["main"]
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)

@@ -14,7 +14,7 @@ from tvm.script.ir_builder import IRBuilder
 
 import rnncc
 from conftest import random_weights
-from helpers import TOL, persistent_cells
+from helpers import TOL, TOL_TF32, persistent_cells, round_tf32
 from rnncc import reference
 from rnncc.cells import autodiff
 from rnncc.lowering import components as comp
@@ -166,7 +166,8 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
         ref_y, ref_states = run(cell, x, weights, initial, ln)
         errors = [reference.relative_error(y, ref_y)] + [
             reference.relative_error(finals[s], ref_states[s]) for s in cell.states]
-        assert max(errors) < TOL[dtype], f"T={t}: relative errors {errors}"
+        tol = TOL_TF32 if p.mma and dtype == "float32" else TOL[dtype]
+        assert max(errors) < tol, f"T={t}: relative errors {errors}"
 
 
 @pytest.mark.parametrize("variant", ["one direction", "fused input", "two directions"])
@@ -241,6 +242,8 @@ KERNELS = {
                                                                   mma=True), 1),
     "tensor cores, tiles of batch rows": lambda: ("gru", 5, 64, 21, "float16", crafted(
         3, 64, 21, "float16", 8, 3, mma=True, sync="barrier"), 1),
+    "tensor cores in TF32, tiles of batch rows": lambda: ("lstm", 5, 64, 21, "float32", crafted(
+        4, 64, 21, "float32", 8, 4, mma=True, sync="barrier"), 1),
     "tensor cores, shared memory, batch groups": lambda: (
         "lstm", 5, 300, 4, "float16", crafted(4, 300, 4, "float16", 4, 2, (1, 1, 0), groups=2,
                                               mma=True, sync="barrier"), 1),
@@ -556,14 +559,18 @@ def _check_sums(spec, hs, w_hh, hv, rtol):
 
 @pytest.mark.parametrize("batch, groups, dtype", [
     (3, 1, "float16"), (16, 2, "float16"), (5, 1, "bfloat16"), (9, 1, "float16"),
-    (16, 1, "bfloat16"), (37, 1, "float16"), (64, 1, "float16"), (96, 2, "bfloat16")])
+    (16, 1, "bfloat16"), (37, 1, "float16"), (64, 1, "float16"), (96, 2, "bfloat16"),
+    (9, 1, "tf32"), (40, 2, "tf32")])
 def test_tensor_core_products(batch, groups, dtype, rng):
-    """h staged in 16-bit fragments (``tensor_cores.store_h`` through the exchange's
-    staging), then ``chunk`` as mma.sync over every chunk (registers and shared memory) and
-    the chains' sums into shared memory: the block's W_hh rows by h rounded to the weights'
-    type. Half a tile (up to 8 batch rows a group) and tiles of 16 (a partial last one)."""
-    p = crafted(4, 300, batch, dtype, 4, 2, (1, 1, 0), groups=groups, mma=True,
-                sync="barrier")
+    """h staged in fragments (``tensor_cores.store_h`` through the exchange's staging), then
+    ``chunk`` as mma.sync over every chunk (registers and shared memory) and the chains' sums
+    into shared memory: the block's W_hh rows by h rounded to the weights' type (float32
+    weights: both rounded to TF32). Half a tile (up to 8 batch rows a group) and tiles of 16
+    (a partial last one)."""
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+    p = crafted(4, 300, batch, dtype, 4, 2, (2, 1, 0) if tf32 else (1, 1, 0), groups=groups,
+                mma=True, sync="barrier")
     spec = KernelSpec(p, 4, 1, 300, batch, dtype)
     w_hh = rng.standard_normal((4 * 300, 300)).astype(dtype)
     hv = rng.standard_normal((batch, 300)).astype(np.float32)
@@ -584,7 +591,10 @@ def test_tensor_core_products(batch, groups, dtype, rng):
         tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
 
     sim = run_stage(spec, body, args)
-    _check_sums(spec, sim.chip["hs"], w_hh.astype(np.float32), hv.astype(dtype), 1e-4)
+    if tf32:
+        _check_sums(spec, sim.chip["hs"], round_tf32(w_hh), round_tf32(hv), 1e-4)
+    else:
+        _check_sums(spec, sim.chip["hs"], w_hh.astype(np.float32), hv.astype(dtype), 1e-4)
 
 
 @pytest.mark.parametrize("sync", ["tagged", "barrier"])

@@ -7,9 +7,10 @@ hold for. It knows the TIR the kernel's stages build (as parsed, before TVM lowe
 and stores, integer, float and bit arithmetic, and the CUDA device functions and intrinsics the
 kernel calls: shuffles within a warp, acquire loads and waits of tagged words (a wait whose tag
 never comes is an error, not a hang), the counter barrier (an error where it would wait
-forever), asynchronous copies (done at once), ``mma.sync`` m16n8k16 (row.col, f16 x f16 + f32),
-and the GPU's fast exponential and division. Block barriers are no-ops: in lockstep every store
-is seen at once, so this checks the arithmetic and the layouts, not the synchronisation.
+forever), asynchronous copies (done at once), ``mma.sync`` m16n8k16 (row.col, f16 x f16 + f32)
+and m16n8k8 (tf32 x tf32 + f32), and the GPU's fast exponential and division. Block barriers
+are no-ops: in lockstep every store is seen at once, so this checks the arithmetic and the
+layouts, not the synchronisation.
 """
 
 from __future__ import annotations
@@ -317,9 +318,16 @@ class Simulator:
     def _mma(self, args):
         """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 on every warp: lane l (group g =
         l // 4, t = l % 4) holds A[g + 8*(i//2 % 2)][2t + i % 2 + 8*(i // 4)] in a_i, B[2t + i %
-        2 + 8*(i // 2)][g] in b_i, and C, D[g + 8*(i // 2)][2t + i % 2] in c_i."""
-        a = self.store[args[6].args[0]][1][:, int(args[7]):].astype(np.float32)
-        b = self.store[args[8].args[0]][1][:, int(args[9]):].astype(np.float32)
+        2 + 8*(i // 2)][g] in b_i, and C, D[g + 8*(i // 2)][2t + i % 2] in c_i. m16n8k8 with
+        .tf32 operands: A[g + 8*(i % 2)][t + 4*(i // 2)] in a_i, B[t + 4*i][g] in b_i, the
+        operands' 13 low mantissa bits ignored (as the hardware does)."""
+        a = self.store[args[6].args[0]][1][:, int(args[7]):]
+        b = self.store[args[8].args[0]][1][:, int(args[9]):]
+        if str(args[0].value) == "m16n8k8":
+            assert str(args[3].value) == str(args[4].value) == "tf32", "m16n8k8: TF32 only"
+            return self._mma_tf32(args, *(np.asarray(x, np.float32).view(np.uint32)
+                                          & np.uint32(0xFFFFE000) for x in (a, b)))
+        a, b = a.astype(np.float32), b.astype(np.float32)
         _, c_all = self.store[args[10].args[0]]
         off = int(self._expr(args[11]))
         c = c_all[:, off:off + 4]
@@ -334,6 +342,28 @@ class Simulator:
         for i in range(4):
             big_b[:, 2 * t + i % 2 + 8 * (i // 2), g] = b[:, :, i]
             big_c[:, g + 8 * (i // 2), 2 * t + i % 2] = c[:, :, i]
+        d = big_a @ big_b + big_c
+        for i in range(4):
+            c[:, :, i] = d[:, g + 8 * (i // 2), 2 * t + i % 2]
+        c_all[:, off:off + 4] = c.reshape(self.lanes, 4)
+        return None
+
+    def _mma_tf32(self, args, a_bits, b_bits):
+        a, b = a_bits.view(np.float32).astype(np.float64), b_bits.view(np.float32)
+        _, c_all = self.store[args[10].args[0]]
+        off = int(self._expr(args[11]))
+        warps = self.lanes // 32
+        g, t = (np.arange(32) // 4), (np.arange(32) % 4)
+        big_a = np.zeros((warps, 16, 8))
+        big_b = np.zeros((warps, 8, 8))
+        big_c = np.zeros((warps, 16, 8))
+        a, b = a[:, :4].reshape(warps, 32, 4), b[:, :2].reshape(warps, 32, 2)
+        c = c_all[:, off:off + 4].reshape(warps, 32, 4)
+        for i in range(4):
+            big_a[:, g + 8 * (i % 2), t + 4 * (i // 2)] = a[:, :, i]
+            big_c[:, g + 8 * (i // 2), 2 * t + i % 2] = c[:, :, i]
+        for i in range(2):
+            big_b[:, t + 4 * i, g] = b[:, :, i]
         d = big_a @ big_b + big_c
         for i in range(4):
             c[:, :, i] = d[:, g + 8 * (i // 2), 2 * t + i % 2]

@@ -144,7 +144,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                    cpu: str | None = None, sms: int | None = None, knobs: dict | None = None,
                    gpu: str | None = None, tuning: str = "auto", lengths: bool = False,
                    directions: int = 1, layers: int = 1, training: bool = False,
-                   proj_size: int = 0, **options) -> Module:
+                   proj_size: int = 0, allow_tf32: bool = False, **options) -> Module:
     """Compile one layer of ``cell`` into a :class:`rnncc.Module`.
 
     The module is built into a shared library at once (for CUDA, with a cubin from nvcc), so
@@ -164,14 +164,16 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     module also has a training step's entries (:meth:`rnncc.Module.train_forward`,
     :meth:`rnncc.Module.backward`; one layer, one direction). ``proj_size`` P > 0: an LSTM
     with projections (LSTMP, torch's ``proj_size``; the module takes ``weight_hr_l0`` [P, H],
-    and h and y are P wide; the non-persistent schedule).
+    and h and y are P wide; the non-persistent schedule). ``allow_tf32``: float32 products
+    may run on tensor cores in TF32 (see :class:`rnncc.spec.Problem`; off by default, as IEEE
+    float32); the metadata's "allow_tf32" says so and its "rules" which products did.
     """
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
 
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype, lengths,
-                      directions, layers, training, proj_size)
+                      directions, layers, training, proj_size, allow_tf32)
     if training and not _options(options).all_optimisations:
         raise ConfigError("training=True needs input_gemm, gate_gemm and fuse_pointwise on")
     tspec = TargetSpec(target, arch, cpu)
@@ -324,6 +326,7 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=N
         "layers": problem.layers,
         "training": problem.training,
         "proj_size": problem.proj_size,
+        "allow_tf32": problem.allow_tf32,
         "target": tspec.as_dict(),
         "schedule": {
             "kind": "persistent" if plan is not None else "sequence",

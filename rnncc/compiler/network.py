@@ -70,7 +70,8 @@ def compile_network(cell, input_size: int, hidden_size: int, batch: int, *, laye
                     "params": list(cell.params), "proj_size": proj_size,
                     "input_size": input_size, "hidden_size": hidden_size, "layers": layers,
                     "directions": directions, "batch": batch, "dtype": dtype,
-                    "lengths": bool(lengths), "target": meta["target"],
+                    "lengths": bool(lengths), "allow_tf32": meta.get("allow_tf32", False),
+                    "target": meta["target"],
                     "rnncc_version": meta["rnncc_version"],
                     "tvm_version": meta["tvm_version"]}, stages)
 

@@ -25,7 +25,7 @@ import tvm
 from tvm import te, tirx
 
 from ..cells import Cell, ops
-from ..dtypes import accum_dtype
+from ..dtypes import accum_dtype, round_tf32
 from ..errors import CellError
 from .staged import Staged
 
@@ -543,8 +543,9 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
     warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
     r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside).
     A plan on tensor cores (``plan.mma``, RW = 8) keeps the shape and holds the mma's B
-    fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 16 k-steps) and
-    c = e % 4, row r = w*RW + l // 4 and k = i*256 + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2).
+    fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 2*VEC k-steps) and
+    c = e % 4, row r = w*RW + l // 4 and k = i*32*VEC + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2);
+    float32 (TF32) rounded to TF32.
     ``transposed``: W_hh^T [H, G*H] for the backward kernel, one row a unit (j = b*U + r,
     k < G*H), from the same W_hh. ``folded`` P (a projection, LSTMP): from W_hh [G*H, P] and
     W_hr [P, H] (the function's first two parameters), the product W_hh W_hr [G*H, H] (summed
@@ -577,7 +578,8 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
             e = q * vec + v
             c = e % 4
             k = i * (32 * vec) + e // 4 * 16 + lane % 4 * 2 + c % 2 + c // 2 * 8
-            return _block_row(at, rows, hidden, depth, u, b, wp * rw + lane // 4, k, dtype)
+            w_ = _block_row(at, rows, hidden, depth, u, b, wp * rw + lane // 4, k, dtype)
+            return round_tf32(w_) if dtype == "float32" else w_
         return _block_row(at, rows, hidden, depth, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
                           dtype)
 

@@ -58,12 +58,15 @@ class Lowered:
 def layout_for(target, options: Options, problem: Problem) -> Layout:
     """CUDA keeps PyTorch's [O, K] rows (coalesced along K); CPUs want [K, O] to vectorise.
     On CUDA the input projections of all steps go in chunks of steps where that lets the
-    tiled GEMM rule take their product (float32 at a batch of 1 to 8); in float16, as flat rows
-    where dlight's rule then puts their product on tensor cores."""
+    tiled GEMM rule take their product (float32 at a batch of 1 to 8; not with TF32 allowed
+    where cuda.mma_gemm takes it); in float16, as flat rows where dlight's rule then puts
+    their product on tensor cores."""
     cuda = target.kind.name == "cuda"
     combined = options.gate_gemm
     chunk, flat = 1, False
-    if cuda and combined and options.input_gemm:
+    tf32 = problem.allow_tf32 and schedules.cuda_mma_gemm.fits(
+        problem.gates * problem.hidden_size, problem.input_size, schedules.TF32)
+    if cuda and combined and options.input_gemm and not tf32:
         chunk = schedules.cuda_tiled_gemm.chunk_steps(
             problem.batch, problem.gates * problem.hidden_size, problem.input_size,
             problem.dtype)
@@ -84,6 +87,8 @@ class _Builder:
     def scheduled(self, key: str, func, role: str):
         if key in self._done:  # the same component in both entries (the input GEMM)
             return self._done[key]
+        if self.p.allow_tf32 and role == "gemm":  # a rule may put it on tensor cores in TF32
+            func = func.with_attr(schedules.TF32_ATTR, True)
         self.lowered.components[key] = (func, role)
         result = schedules.schedule(func, self.target, role, self.database)
         self._done[key] = result.func

@@ -36,11 +36,14 @@ class Recurrent(torch.nn.Module):
     """A multi-layer, optionally bidirectional network of ``cell`` (a registered cell's name,
     an :class:`rnncc.cells.Cell`, or a cell file's path), as ``torch.nn.LSTM`` is of LSTM
     cells. Arguments as torch's; ``proj_size`` P > 0 (LSTMP: h = W_hr h', ``weight_hr_l{k}``
-    [P, H]) takes a cell whose step reads h only through W_hh."""
+    [P, H]) takes a cell whose step reads h only through W_hh. ``allow_tf32``: float32
+    products may run on tensor cores in TF32, as torch's ``allow_tf32`` lets cuDNN (default
+    off: IEEE float32; the half types are unaffected)."""
 
     def __init__(self, cell, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
-                 bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None):
+                 bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None,
+                 allow_tf32: bool = False):
         super().__init__()
         from ..compiler.driver import resolve_cell
 
@@ -51,6 +54,8 @@ class Recurrent(torch.nn.Module):
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not (
                 0 <= dropout <= 1):
             raise ConfigError(f"dropout must be a number from 0 to 1, got {dropout!r}")
+        if not isinstance(allow_tf32, bool):
+            raise ConfigError(f"allow_tf32 must be True or False, got {allow_tf32!r}")
         self.cell = resolve_cell(cell)
         if proj_size:  # checked as a module of it would be (P below H, the cell fits)
             Problem(self.cell, input_size, hidden_size, 1, proj_size=proj_size)
@@ -58,8 +63,9 @@ class Recurrent(torch.nn.Module):
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
             bidirectional)
         self.dropout, self.proj_size = float(dropout), int(proj_size)
+        self.allow_tf32 = allow_tf32
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
-                              2 if bidirectional else 1, self.proj_size)
+                              2 if bidirectional else 1, self.proj_size, allow_tf32)
         self._networks: dict = {}
         self._said_autocast = False
         self._key = op.register(self)
@@ -103,7 +109,8 @@ class Recurrent(torch.nn.Module):
         if self.num_layers != 1:
             s += f", num_layers={self.num_layers}"
         for name, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
-                              ("bidirectional", False), ("proj_size", 0)):
+                              ("bidirectional", False), ("proj_size", 0),
+                              ("allow_tf32", False)):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)}"
         return s
@@ -343,9 +350,10 @@ class RNN(Recurrent):
                          **kwargs)
 
 
-def from_torch(module) -> Recurrent:
+def from_torch(module, allow_tf32: bool = False) -> Recurrent:
     """The rnncc module for a ``torch.nn.LSTM``, ``GRU`` or ``RNN``: the same configuration
-    (``batch_first`` included), device, dtype and weights."""
+    (``batch_first`` included), device, dtype and weights; ``allow_tf32`` as
+    :class:`Recurrent` takes it (torch's own flag is global, and not read here)."""
     kinds = {torch.nn.LSTM: LSTM, torch.nn.GRU: GRU, torch.nn.RNN: RNN}
     kind = kinds.get(type(module))
     if kind is None:
@@ -354,7 +362,7 @@ def from_torch(module) -> Recurrent:
     first = next(module.parameters())
     kw = dict(num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first,
               dropout=module.dropout, bidirectional=module.bidirectional,
-              device=first.device, dtype=first.dtype)
+              device=first.device, dtype=first.dtype, allow_tf32=allow_tf32)
     if getattr(module, "proj_size", 0):
         kw["proj_size"] = module.proj_size
     if kind is RNN:

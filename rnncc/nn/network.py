@@ -26,7 +26,8 @@ def bucket(batch: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """The network: the cell, C, H, L layers, D directions, the projection's P (0: none)."""
+    """The network: the cell, C, H, L layers, D directions, the projection's P (0: none),
+    and whether its float32 products may run in TF32."""
 
     cell: object
     input_size: int
@@ -34,6 +35,13 @@ class Layout:
     layers: int
     directions: int
     proj_size: int = 0
+    allow_tf32: bool = False
+
+    def module_options(self, dtype: str) -> dict:
+        """The options of its modules in ``dtype`` beyond the sizes (TF32 for float32
+        only: the half types' products are on tensor cores in their own precision)."""
+        return ({"proj_size": self.proj_size} if self.proj_size else {}) | (
+            {"allow_tf32": True} if self.allow_tf32 and dtype == "float32" else {})
 
     @property
     def recurrent_size(self) -> int:
@@ -97,8 +105,7 @@ class Network:
             self._compiled[key] = compile_network(
                 lay.cell, lay.input_size, lay.hidden_size, rows, layers=lay.layers,
                 directions=lay.directions, dtype=dtype, target=self.target, arch=self.arch,
-                lengths=lengths, build=cache.compiled, **(
-                    {"proj_size": lay.proj_size} if lay.proj_size else {}))
+                lengths=lengths, build=cache.compiled, **lay.module_options(dtype))
         return self._compiled[key]
 
     def _weights(self, key: tuple, network, weights: dict):

@@ -137,7 +137,7 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
         module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
                                 dtype=dtype, target=target, arch=arch,
                                 lengths=lengths is not None, training=True,
-                                **({"proj_size": lay.proj_size} if lay.proj_size else {}))
+                                **lay.module_options(dtype))
         outputs = []
         for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
             given = [weights.get(f"{name}_l{layer}{suffix}")

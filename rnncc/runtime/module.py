@@ -141,6 +141,11 @@ class Module:
         return int(self.metadata.get("proj_size", 0))
 
     @property
+    def allow_tf32(self) -> bool:
+        """Whether float32 products may run in TF32 (``allow_tf32=True``); IEEE if not."""
+        return bool(self.metadata.get("allow_tf32", False))
+
+    @property
     def weight_names(self) -> tuple[str, ...]:
         """The weights the module takes, by PyTorch's names."""
         return sum(self._weight_groups(), ())

@@ -125,17 +125,24 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
 
 def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None:
     """The plan on tensor cores (planner: "Tensor cores") where they apply: float16 or
-    bfloat16, one layer or two directions, the input projection a separate GEMM (neither
-    input_rows nor input_steps set), the weights on-chip with ``reg_margin`` registers kept
-    free, else (``tight``, unless the knobs fix reg_margin) with none. None where they do not
-    apply, unless the knobs say ``mma=True``: then an Unfit saying why; ``mma=False``: None."""
+    bfloat16, or float32 where the problem allows TF32 and the knobs ask for it (``mma=True``);
+    one layer or two directions, the input projection a separate GEMM (neither input_rows nor
+    input_steps set), the weights on-chip with ``reg_margin`` registers kept free, else
+    (``tight``, unless the knobs fix reg_margin) with none. None where they do not apply,
+    unless the knobs say ``mma=True``: then an Unfit saying why; ``mma=False``: None."""
     problem, knobs = request.problem, request.knobs
     mma = knobs.get("mma")
-    if mma is False:
+    # float32 (TF32 allowed) only with the knob mma=True: on an H200 (us a step, TF32 tensor
+    # cores / float32 CUDA cores, both with TF32 input projections) it lost at most sizes,
+    # LSTM 256 N64 16.8 / 3.1, LSTM 512 N16 6.6 / 3.1, LSTM 1024 N16 13.2 / 8.2, GRU 1024 N16
+    # 13.0 / 7.4, GRU 512 N64 9.7 / 6.9, and won at LSTM 512 N64, 5.9 / 7.9
+    if mma is False or (mma is None and problem.dtype == "float32"):
         return None
     why = ""
     if problem.dtype not in planner.MMA_DTYPES:
         why = f"they take {' or '.join(planner.MMA_DTYPES)} weights, not {problem.dtype}"
+    elif problem.dtype == "float32" and not problem.allow_tf32:
+        why = "float32 products run on them only in TF32 (allow_tf32=True)"
     elif problem.layers > 1:
         why = (f"they run one layer or two directions, not a wavefront of {problem.layers} "
                "layers (whose input projections are overlapped, in float32)")

@@ -61,7 +61,10 @@ layout, another order), h_{t-1} is staged in 16 bits in the fragment order of A,
 instruction sums over k: no per-element conversion of the weights and no reduction over the
 lanes, and the registers of the CUDA cores' accumulators hold weights instead. h is rounded to
 the weights' type for the product (as cuDNN's half-precision RNNs keep it); the sums, the cell
-and the states stay float32.
+and the states stay float32. float32 weights where the problem allows TF32 take the same
+plans (whole tiles only, 9 batch rows or more): a vector of 16 bytes is one k-step's 4 values
+(chunks of 128 k), packed rounded to TF32, and each k-step is two m16n8k8 instructions; h is
+staged in float32, rounded to TF32.
 
 Directions (``directions`` D = 2, a bidirectional layer): the grid is D grids side by side,
 one a direction, each planned as the layer alone would be on a D-th of the multiprocessors
@@ -275,8 +278,9 @@ def estimate_ns(p: Plan, batch: int) -> float:
     smem_weights = p.smem_chunks * p.chunk_bytes
     if p.mma:  # an instruction: 2 clocks of the tensor cores, its A fragments from shared memory
         staged = mma_staged_rows(batch) // MMA_ROWS  # 8 or 16 rows: 256 or 512 bytes
+        tf32 = 8 // p.vec  # TF32: two instructions of 8 k a 16, twice the bytes of A
         products = (p.warps * p.chunks * 2 * p.vec * mma_tiles(batch) * (2 + 2 * staged)
-                    / clock)
+                    * tf32 / clock)
     else:
         products = p.threads * p.chunks * p.rows_per_warp * p.vec * batch / (128 * clock)
     stage = batch * p.chunks * 32 * p.vec * 4
@@ -418,13 +422,22 @@ MMA_CHAINS = 4
 #: cores / tensor cores: LSTM 2048 N=4 6.76 / 4.85 (8 chunks), LSTM 1024 N=4 2.88 / 2.61 (4);
 #: LSTM 512 N=2 1.24 / 1.51 (2), LSTM 256 N=1 1.04 / 1.12 (1)).
 MMA_MIN_CHUNKS = 4
-#: Storage dtypes the tensor cores take.
-MMA_DTYPES = ("float16", "bfloat16")
+#: Storage dtypes the tensor cores take; float32 in TF32, where the problem allows it (the
+#: caller's choice: :func:`~.knobs.tensor_cores`).
+MMA_DTYPES = ("float16", "bfloat16", "float32")
 #: Fewest batch rows a group and warps a block on tensor cores: one row fills 1/16 of an
 #: instruction, and 2-3 warps leave its latency and h's loads exposed (H200, float16, us a
 #: step, CUDA cores / tensor cores: GRU 1024 N=1 2.05 / 2.20 (3 warps), GRU 2048 N=1 3.17 /
 #: 3.72, LSTM 512 N=32 4.81 / 5.56 (2 warps); bfloat16 LSTM 1024 N=1 2.44 / 2.54).
 MMA_MIN_BATCH, MMA_MIN_WARPS = 2, 4
+#: Fewest batch rows a group in TF32: whole tiles only (half a tile's zero rows are the 16-bit
+#: A fragments' layout), and up to 8 rows the CUDA cores' float32 plans are as fast.
+TF32_MIN_BATCH = 9
+
+
+def mma_min_batch(dtype: str) -> int:
+    """Fewest batch rows a group on tensor cores for storage ``dtype``."""
+    return TF32_MIN_BATCH if dtype == "float32" else MMA_MIN_BATCH
 
 
 def mma_tiles(batch: int) -> int:
@@ -450,9 +463,10 @@ def mma_regs(batch: int) -> int:
 
 
 def _mma_staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> int:
-    """Shared memory for h_{t-1} in 16-bit fragment order (:func:`mma_staged_rows`, zeros
-    past N), and the gates' sums (float32) in a buffer of their own."""
-    return 2 * mma_staged_rows(batch) * chunks * 32 * vec + 4 * warps * rpw * batch
+    """Shared memory for h_{t-1} in the weights' type (16 // ``vec`` bytes) in fragment order
+    (:func:`mma_staged_rows`, zeros past N), and the gates' sums (float32) in a buffer of
+    their own."""
+    return 16 * mma_staged_rows(batch) * chunks * 32 + 4 * warps * rpw * batch
 
 
 def mma_staging_bytes(p: Plan, batch: int) -> int:
@@ -526,7 +540,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
             return fits
 
         if mma:  # the first in registers, else the fewest groups that fit
-            fits = fitting([d for d in divisors + [1] if MMA_MIN_BATCH <= batch // d <= most])
+            fits = fitting([d for d in divisors + [1]
+                            if mma_min_batch(dtype) <= batch // d <= most])
             if fits:
                 return fits[-1]
             if batch > most:
@@ -565,14 +580,14 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
                     f"persistent kernel's {most} ("
                     + ("tiles of tensor-core sums" if mma else "its accumulators live in registers")
                     + ")")
-    if mma and local < MMA_MIN_BATCH:
-        raise Unfit(f"tensor-core products take at least {MMA_MIN_BATCH} batch rows a group "
-                    f"(one fills 1/16 of an instruction), got {local}")
+    if mma and local < mma_min_batch(dtype):
+        raise Unfit(f"{dtype} tensor-core products take at least {mma_min_batch(dtype)} batch "
+                    f"rows a group, got {local}")
     chunks = -(-(width or hidden) // (32 * 16 // elem))
     if mma and chunks * mma_tiles(local) < MMA_MIN_CHUNKS:
         raise Unfit(f"tensor-core products take at least {MMA_MIN_CHUNKS} chunks of K times "
-                    f"tiles of batch; K = {width or hidden} is {chunks} of 256 at "
-                    f"{mma_tiles(local)} tile(s) (batch {local})")
+                    f"tiles of batch; K = {width or hidden} is {chunks} of {32 * 16 // elem} "
+                    f"at {mma_tiles(local)} tile(s) (batch {local})")
     grids = directions * layers
     cap = min(gpu.sms // grids, max_blocks or gpu.sms) // batch_groups
     best = None

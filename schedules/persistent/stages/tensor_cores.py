@@ -18,6 +18,14 @@ Tile m's k-step f adds into its chain f % C (``dacc`` [tiles, C, 4], C =
 chains are summed in a fixed order. No reduction over the lanes: lane l ends with batch rows
 m*16 + l // 4 (+ 8) of rows (l % 4)*2 + {0, 1}.
 
+TF32 (float32 weights where the problem allows it; tiles only): lane l's vector of 16 bytes
+holds one k-step's 4 values (W[row l // 4][k0 + (l % 4)*2 + {0, 1, 8, 9}], rounded to TF32 when
+packed), and the k-step is two m16n8k8 instructions, of k0 + (l % 4)*2 + {0, 1} and of 8
+more, whose instruction k l % 4 and l % 4 + 4 are those two. h is staged in float32 rounded to
+TF32, each instruction's A registers a lane's 16 contiguous bytes (a warp's load hits every
+bank once a phase): (row, k) (g, 2q), (g + 8, 2q), (g, 2q + 1), (g + 8, 2q + 1) at ((tile*KS
++ k-step)*2 + s)*32 + l)*4, s = 0 for k 2q + {0, 1}, 1 for 8 more (g = l // 4, q = l % 4).
+
 The operands are dedicated 4- and 8-element register arrays at offset 0: TVM types a local
 buffer that only sees 8-wide vector accesses as ``uint4``, and a half offset into it would then
 be wrong.
@@ -28,7 +36,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...cuda_mma_gemm import HALF
+from ... import _mma
 from ..planner import MMA_ROWS, MMA_TILE
 
 
@@ -49,14 +57,18 @@ def prepare(spec, hs16, af, tx):
 @T.macro
 def store_h(spec, hs16, e, value):
     """Element e = n*KP + k of h_{t-1}, rounded to the weights' type, in A fragment order."""
-    kp = T.meta_var(spec.width)
+    kp, op = T.meta_var((spec.width, _mma.Operand(spec.dtype)))
     if spec.mma_rows == MMA_ROWS:
         hs16[(e % kp // 16 * 32 + e // kp * 4 + e % kp % 8 // 2) * 4 + e % kp % 16 // 8 * 2
-             + e % kp % 2] = T.Cast(spec.dtype, value)
+             + e % kp % 2] = op.round(value)
+    elif op.tf32:  # an instruction's 4 values a lane, 16 bytes: rows g, g + 8 inner to k
+        hs16[((((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 2 + e % kp % 16 // 8) * 32
+               + e // kp % 8 * 4 + e % kp % 8 // 2) * 4) + e % kp % 2 * 2
+             + e // kp % MMA_TILE // 8] = op.round(value)
     else:
         hs16[(((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 32 + e // kp % 8 * 4
                + e % kp % 8 // 2) * 8) + e % kp % 16 // 8 * 4 + e // kp % MMA_TILE // 8 * 2
-             + e % kp % 2] = T.Cast(spec.dtype, value)
+             + e % kp % 2] = op.round(value)
 
 
 @T.macro
@@ -67,24 +79,31 @@ def zero(spec, dacc):
 
 @T.macro
 def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
-    """Chunk i (two k-steps of 16) of the warp's rows: ``read(q)`` puts the B fragments of row
-    group q's two k-steps in ``wv``. k-step f = i*2*VEC + q*2 + s goes to chain (q*2 + s) % C
-    (f % C: 2*VEC is a multiple of C)."""
+    """Chunk i (2*VEC k-steps of 16) of the warp's rows: ``read(q)`` puts vector q's B
+    fragments in ``wv``, two k-steps' (16-bit weights) or one's (TF32). In 16 bits k-step f =
+    i*2*VEC + q*2 + s goes to chain (q*2 + s) % C (f % C: 2*VEC is a multiple of C); in TF32
+    k-step f = i*2*VEC + q, its instruction s (8 k each) to chain (q*2 + s) % C."""
     vec, chains, steps = T.meta_var((spec.plan.vec, spec.mma_chains, spec.width // 16))
+    op = T.meta_var(_mma.Operand(spec.dtype))
     for q in T.unroll(spec.plan.rows_per_warp):
         read(q)
         for s in T.unroll(2):
-            if spec.mma_rows == MMA_ROWS:
+            if op.tf32:
+                for v in T.vectorized(2):
+                    wb[v] = wv[s * 2 + v]
+                for m in T.unroll(spec.mma_tiles):
+                    for v in T.vectorized(4):
+                        af[v] = hs16[(((m * steps + i * (vec * 2) + q) * 2 + s) * 32 + lane) * 4
+                                     + v]
+                    _mma.mma(op, af, wb, dacc, (m * chains + (q * 2 + s) % chains) * 4)
+            elif spec.mma_rows == MMA_ROWS:
                 for v in T.vectorized(2):
                     af[v] = hs16[((i * (vec * 2) + q * 2 + s) * 32 + lane) * 4 + v]
                 for v in T.vectorized(2):
                     af[4 + v] = hs16[((i * (vec * 2) + q * 2 + s) * 32 + lane) * 4 + 2 + v]
                 for v in T.vectorized(4):
                     wb[v] = wv[s * 4 + v]
-                T.evaluate(T.ptx_legacy.mma(
-                    "m16n8k16", "row", "col", HALF[spec.dtype], HALF[spec.dtype], "fp32",
-                    af.data, 0, wb.data, 0, dacc.data, (q * 2 + s) % chains * 4, False,
-                    dtype="float32"))
+                _mma.mma(_mma.Operand(spec.dtype), af, wb, dacc, (q * 2 + s) % chains * 4)
             else:
                 for v in T.vectorized(4):
                     wb[v] = wv[s * 4 + v]
@@ -92,10 +111,8 @@ def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
                     for v in T.vectorized(8):
                         af[v] = hs16[((m * steps + i * (vec * 2) + q * 2 + s) * 32 + lane) * 8
                                      + v]
-                    T.evaluate(T.ptx_legacy.mma(
-                        "m16n8k16", "row", "col", HALF[spec.dtype], HALF[spec.dtype], "fp32",
-                        af.data, 0, wb.data, 0, dacc.data, (m * chains + (q * 2 + s) % chains)
-                        * 4, False, dtype="float32"))
+                    _mma.mma(_mma.Operand(spec.dtype), af, wb, dacc,
+                             (m * chains + (q * 2 + s) % chains) * 4)
 
 
 def _chain_sum(spec, dacc, m, c):
