@@ -1,7 +1,8 @@
 """The sweep: one layer of rnncc against cuDNN through PyTorch over the regimes a new user
 meets (on-chip persistent, streamed weights, batch groups, per-step GEMMs): cells lstm and
-gru, hidden 256 to 4096, batch 1 to 256, float32 (TF32 off on both sides), float16 and
-bfloat16, C = H and C = H/2, T = 100, each side captured in a CUDA graph, median of
+gru, hidden 256 to 4096, batch 1 to 256, float32 (TF32 off on both sides), TF32 (float32
+with ``allow_tf32=True``, and cuDNN with TF32 on), float16 and bfloat16, C = H and C = H/2,
+T = 100, each side captured in a CUDA graph, median of
 ``--repeat`` replays, in one process. Run on a GPU machine from the repository root:
 
     python3 benchmarks/sweep.py [--jobs 16] [--part 1/2] [--where H=2048 N=4,16] [--json out.json]
@@ -24,14 +25,17 @@ from rnncc.runtime.files import write_json
 
 HIDDEN = (256, 512, 1024, 2048, 4096)
 BATCHES = (1, 4, 16, 64, 256)
-#: (cell, C, H, N, dtype): float32 over the whole grid, the half types and C != H on a part.
+#: (cell, C, H, N, dtype): float32 over the whole grid, TF32 ("tf32": float32 products in
+#: TF32 on both sides), the half types and C != H on a part.
 CONFIGS = ([(cell, h, h, n, "float32") for cell in ("lstm", "gru") for h in HIDDEN
             for n in BATCHES]
            + [(cell, h, h, n, dtype) for dtype in ("float16", "bfloat16")
               for cell, hs in (("lstm", (512, 1024, 2048)), ("gru", (1024,)))
               for h in hs for n in (1, 8, 64)]
            + [(cell, h // 2, h, n, "float32") for cell in ("lstm", "gru") for h in (1024,)
-              for n in (1, 32, 128)])
+              for n in (1, 32, 128)]
+           + [(cell, h, h, n, "tf32") for cell in ("lstm", "gru") for h in (512, 1024, 2048)
+              for n in (1, 16, 64, 256)])
 STEPS = 100
 
 
@@ -40,8 +44,9 @@ def _compile(job):
 
     (cell, c, h, n, dtype), folder = job
     path = os.path.join(folder, f"{cell}_{c}_{h}_{n}_{dtype}.so")
+    precision = {"dtype": "float32", "allow_tf32": True} if dtype == "tf32" else {"dtype": dtype}
     try:
-        return rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype).export(path)
+        return rnncc.compile(cell, c, h, n, target="cuda", **precision).export(path)
     except Exception as err:  # noqa: BLE001 - a configuration that does not build is a row
         return f"error: {type(err).__name__}: {str(err).splitlines()[0]}"
 
@@ -106,8 +111,15 @@ def _plot(paths, out):
             found = json.load(f)
         rows += [r for r in found["rows"] if "ratio" in r]
         device = found["device"]
-    panels = sorted({(r["cell"], r["dtype"]) for r in rows if r["C"] == r["H"]})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True)
+    panels = sorted({(r["cell"], r["dtype"]) for r in rows if r["C"] == r["H"]},
+                    key=lambda p: (p[1], p[0]))
+    cols = min(4, len(panels))
+    grid = -(-len(panels) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(4.2 * cols, 3.6 * grid), sharey=True,
+                             squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     for ax, (cell, dtype) in zip(axes, panels):
         own = [r for r in rows if (r["cell"], r["dtype"]) == (cell, dtype) and r["C"] == r["H"]]
         for n in sorted({r["N"] for r in own}):
@@ -119,7 +131,8 @@ def _plot(paths, out):
         ax.set_title(f"{cell} {dtype}, C = H")
         ax.set_xlabel("hidden size H")
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("cuDNN time / rnncc time")
+    for ax in axes[::cols]:
+        ax.set_ylabel("cuDNN time / rnncc time")
     fig.suptitle(f"One layer, T = {STEPS}, {device}: above 1, rnncc is faster", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -145,15 +158,13 @@ def main():
     folder = tempfile.mkdtemp(prefix="rnncc_sweep_")
     with ProcessPoolExecutor(args.jobs) as pool:
         paths = list(pool.map(_compile, [(c, folder) for c in configs]))
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     rows = []
     for config, path in zip(configs, paths):
         rows.append(_row(config, path, args.repeat))
         print(_table(rows[-1:]).splitlines()[-1], flush=True)
     device = next((r["device"] for r in rows if "device" in r), "no GPU")
-    print(f"\n{device}, {datetime.date.today()}, T = {STEPS}, us a step, TF32 off\n")
+    print(f"\n{device}, {datetime.date.today()}, T = {STEPS}, us a step, TF32 off but in "
+          "the tf32 rows\n")
     print(_table(rows))
     if args.json:
         write_json(args.json, {"device": device, "date": str(datetime.date.today()),
