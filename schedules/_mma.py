@@ -2,7 +2,8 @@
 bfloat16 (m16n8k16), and float32 rounded to TF32 (m16n8k8), the last only in a component
 that allows it (:data:`TF32_ATTR`, set by the lowering for ``allow_tf32=True``).
 
-Fragments. Every rule gives a lane 16 contiguous bytes of an operand's row for two k-steps:
+Fragments. The GEMM rules give a lane 16 contiguous bytes of an operand's row for two k-steps
+(the persistent kernel's stage has an order of its own, :mod:`.persistent.stages.tensor_cores`):
 :attr:`Operand.lane_k` elements (8 halves, 4 TF32 values), from ``lane_k * q`` (q = lane %
 4) of a block of ``4 * lane_k`` k. k-step s takes the elements ``s * lane_k / 2`` onwards,
 which the instruction reads as its k = 2q + {0, 1} and 8 + 2q + {0, 1} (halves) or q and q + 4
