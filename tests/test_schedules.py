@@ -303,6 +303,36 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
 
 
+def test_tf32_rounding_to_nearest_ties_away(rng):
+    """``rnncc.dtypes.round_tf32`` built for this CPU: normal floats to the nearest value of 10
+    mantissa bits, ties away from zero (computed here from frexp), the largest float to
+    infinity, zeros, infinities and NaNs as they are."""
+    from tvm import te
+
+    from rnncc.dtypes import round_tf32
+
+    x = te.placeholder((64,), "float32", "x")
+    func = te.create_prim_func([x, te.compute((64,), lambda i: round_tf32(x[i]), name="r")])
+    lib = tvm.compile(func, target="llvm")
+    ties = np.float32(1 + 2.0 ** -11) * np.array([1, -1, 3, -1024], np.float32)
+    near = np.nextafter(ties, np.float32(0))  # just below a tie: rounded down in magnitude
+    values = np.concatenate([rng.standard_normal(48).astype(np.float32) * 100, ties, near,
+                             np.float32([0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -7.5]),
+                             [np.finfo(np.float32).max]])
+    out = tvm.runtime.tensor(np.zeros(64, np.float32))
+    lib(tvm.runtime.tensor(values), out)
+    got = out.numpy()
+    finite = np.isfinite(values)
+    finite[-1] = False  # the largest float: rounded up, past the largest TF32 value
+    m, e = np.frexp(values[finite].astype(np.float64))
+    scaled = m * 2.0 ** 11
+    want = np.ldexp(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), e - 11)
+    np.testing.assert_array_equal(got[finite], want.astype(np.float32))
+    assert got[-1] == np.inf and np.isnan(got[np.isnan(values)]).all()
+    assert np.array_equal(got[np.isinf(values)], values[np.isinf(values)])
+    assert np.signbit(got[np.argwhere(values == 0)[1]])  # -0 stays -0
+
+
 def test_tf32_products_only_where_allowed():
     """allow_tf32=True: the float32 products of all steps (cuda.mma_gemm) and each step's at
     9 to 256 batch rows (cuda.mma_gemv) on tensor cores in TF32 (m16n8k8, no spills); without
