@@ -123,6 +123,8 @@ def _parser():
     p.add_argument("--work-dir", default=None,
                    help="measurements kept for resuming (~/.cache/rnncc/tune/...)")
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length timed (100)")
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="tune the float32 module that allows TF32 (its own log)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY",
                    help="measure MetaSchedule candidates on the servers of a TVM RPC tracker")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
@@ -352,7 +354,7 @@ def _cmd_tune(args) -> int:
     summary = tune(args.cell, args.input_size, args.hidden_size, args.batch, dtype=args.dtype,
                    target=args.target, arch=args.arch, cpu=args.cpu, trials=args.trials,
                    time_budget=args.time_budget, log_dir=args.log_dir, work_dir=args.work_dir,
-                   steps=args.steps, rpc=args.rpc,
+                   steps=args.steps, rpc=args.rpc, allow_tf32=args.allow_tf32,
                    progress=lambda line: print(f"[tune] {line}", flush=True))
     if args.json:
         print(json.dumps(summary, sort_keys=True))

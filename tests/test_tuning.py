@@ -51,6 +51,26 @@ def test_nearby_configuration_gives_its_knobs(root):
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
 
 
+def test_tf32_modules_take_tf32_logs_else_float32_knobs(root):
+    """A module that allows TF32 takes its own ("tf32") log; without one, the float32 log's
+    knobs (not its component records, which schedule IEEE components); a float32 module never
+    takes a TF32 log, and a TF32 module refuses a float32 log given by path."""
+    ieee = _write(root, knobs={"sync": "barrier"})
+    info = rnncc.compile("lstm", 16, 16, 2, gpu="h200", allow_tf32=True).metadata["tuning"]
+    assert (info["log"], info["precision"]) == (ieee, "float32 log")
+    assert info["applied"] == {"knobs": {"sync": "barrier"}, "components": []}
+    own = _write(root, logs.LogKey("h200", "lstm", 16, 16, 2, "tf32"), {"sync": "grid"})
+    assert own.endswith("lstm_c16_h16_n2_tf32")
+    module = rnncc.compile("lstm", 16, 16, 2, gpu="h200", allow_tf32=True)
+    assert (module.metadata["tuning"]["log"], module.metadata["tuning"]["match"]) == (
+        own, "exact")
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
+    assert rnncc.compile("lstm", 16, 16, 2, gpu="h200").metadata["tuning"]["log"] == ieee
+    with pytest.raises(ConfigError, match=r"is for lstm C=16 H=16 N=2 float32 on h200, not "
+                                          r"lstm C=16 H=16 N=2 tf32 on h200"):
+        rnncc.compile("lstm", 16, 16, 2, gpu="h200", allow_tf32=True, tuning=ieee)
+
+
 def test_no_gpu_kind_means_no_log(root):
     _write(root)
     module = rnncc.compile("lstm", 16, 16, 2)
@@ -129,6 +149,19 @@ def test_cuda_tune_needs_a_gpu(tmp_path):
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         rnncc.tuning.tune("lstm", 8, 8, 1, log_dir=str(tmp_path))
+
+
+def test_a_tf32_tune_has_its_own_key(tmp_path):
+    """rnncc tune --allow-tf32 tunes the module that allows TF32 under a "tf32" log; TF32 is
+    float32's only."""
+    from rnncc.tuning import tuner
+
+    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
+                             0.0, print, allow_tf32=True)
+    assert session.problem.allow_tf32 and session.key.dtype == "tf32"
+    with pytest.raises(ConfigError, match="allow_tf32=True applies to float32"):
+        tuner._session("gru", 8, 8, 2, "float16", "llvm", None, None, str(tmp_path), 5, 0.0,
+                       print, allow_tf32=True)
 
 
 def _free_port():

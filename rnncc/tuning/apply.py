@@ -6,7 +6,10 @@ same device, cell, dtype and batch gives its persistent knobs only (a starting p
 planner re-checks them for this size; component records are per shape and never carry over),
 less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, and how, is
 the planner's to decide at each size. A bidirectional layer takes its one direction's log
-the same way: each direction runs that plan, and its input projections are one GEMM.
+the same way: each direction runs that plan, and its input projections are one GEMM. A
+module that allows TF32 takes a TF32 log (:func:`.log.precision`), else the float32 one's
+knobs as a float32 module would (its component records schedule IEEE components, which a TF32
+module's are not).
 """
 
 from __future__ import annotations
@@ -67,7 +70,19 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
         return _exact(found)
     if device is None:
         return Applied(info={"log": None, "reason": how})
-    key = _key(problem, device)
+    found = _lookup(problem, _key(problem, device))
+    if found.info["log"] is None and problem.allow_tf32:  # no TF32 log: float32's knobs
+        ieee = _lookup(problem, _key(problem, device, "float32"))
+        if ieee.info["log"] is not None:
+            return Applied(knobs=ieee.knobs, info={**ieee.info, "precision": "float32 log",
+                                                   "applied": {"knobs": ieee.knobs,
+                                                               "components": []}})
+    return found
+
+
+def _lookup(problem, key: logs.LogKey) -> Applied:
+    """The exact log of ``key``, else the nearest size's knobs, else none."""
+    device = key.device
     exact, others = logs.find(key)
     if exact is not None and problem.directions > 1:
         others, exact = [(key, exact), *others], None
@@ -108,9 +123,9 @@ def _exact(found: logs.TuningLog) -> Applied:
         "applied": {"knobs": found.knobs, "components": list(found.record["components"])}})
 
 
-def _key(problem, device: str) -> logs.LogKey:
+def _key(problem, device: str, precision: str | None = None) -> logs.LogKey:
     return logs.LogKey(device, problem.cell.name, problem.input_size, problem.hidden_size,
-                       problem.batch, problem.dtype)
+                       problem.batch, precision or logs.precision(problem))
 
 
 def _distance(a: logs.LogKey, b: logs.LogKey) -> tuple:

@@ -3,7 +3,7 @@
 Candidates are the planner's default, a starting point (a nearby configuration's tuned knobs),
 each synchronisation variant, each number of batch groups, smaller grids, other block sizes,
 more weights in shared memory, the input projection fused or not, and the products on tensor
-cores or not (float16); knobs that give the same
+cores or not (float16, bfloat16, TF32); knobs that give the same
 plan are measured once. Candidates build in parallel (one process each, the machine's cores);
 each is then run in a separate measuring process on fresh random inputs, its output checked
 against the float64 reference (a wrong result is rejected with its error) and only then timed
@@ -22,9 +22,11 @@ import os
 import time
 
 from ..errors import RnnccError
+from .log import precision
 
-#: Relative error against float64 (of the same rounded inputs) a candidate must stay under.
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+#: Relative error against float64 (of the same rounded inputs) a candidate must stay under, by
+#: precision (:func:`.log.precision`).
+TOLERANCE = {"float32": 1e-5, "tf32": 5e-3, "float16": 2e-3, "bfloat16": 1e-2}
 #: Seconds a candidate's check and timing may take before it counts as hung.
 MEASURE_TIMEOUT = 40.0
 
@@ -77,7 +79,8 @@ def _build(args):
         module = rnncc.compile(spec["cell"], spec["input_size"], spec["hidden_size"],
                                spec["batch"], dtype=spec["dtype"], target="cuda",
                                arch=spec["arch"], sms=spec["sms"], knobs=knobs,
-                               persistent="on", tuning="off")
+                               persistent="on", tuning="off",
+                               allow_tf32=spec.get("allow_tf32", False))
         module.export(path)
         return path, None
     except RnnccError as err:
@@ -166,7 +169,7 @@ def search(problem, spec: dict, gpu, work_dir: str, steps: int, deadline: float,
         progress(f"persistent knobs: resuming, {len(results)} measured, {len(todo)} to go")
     if not todo:
         return results
-    tol = TOLERANCE.get(problem.dtype, 2e-3)
+    tol = TOLERANCE[precision(problem)]
     cores = max(1, min(len(todo), os.cpu_count() or 1))
     measurer = _Measurer()
     total = len(results) + len(todo)

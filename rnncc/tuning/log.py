@@ -1,6 +1,6 @@
 """Tuning logs: one directory a (device, configuration).
 
-    <root>/<device>/<cell>_c<C>_h<H>_n<N>_<dtype>/
+    <root>/<device>/<cell>_c<C>_h<H>_n<N>_<precision>/
         rnncc.json                    rnncc's record (below)
         database_workload.json        MetaSchedule's JSON database, best record a workload
         database_tuning_record.json   (only when a tuned component beat its default schedule)
@@ -13,6 +13,9 @@ a call at "steps": default, tuned, cudnn), "search" (what was tried), "created"}
 A log is refused (:class:`LogError`) when a file does not parse, a field is missing or wrong,
 it was written by another TVM (MetaSchedule traces are not portable across versions), or it is
 for another device or configuration than the one it is applied to.
+
+The precision (a key's and a record's "dtype") is the storage dtype, or "tf32" for float32
+with ``allow_tf32=True`` (:func:`precision`): such a module's products are other kernels.
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ class LogError(RnnccError):
     """A tuning log that cannot be used; the message says which and why."""
 
 
+def precision(problem) -> str:
+    """The precision a log of ``problem`` is for: its dtype, or "tf32" where it allows TF32."""
+    return "tf32" if problem.allow_tf32 else problem.dtype
+
+
 @dataclass(frozen=True)
 class LogKey:
-    """What a log is for: a device and one configuration."""
+    """What a log is for: a device and one configuration (``dtype``: :func:`precision`)."""
 
     device: str
     cell: str

@@ -41,14 +41,15 @@ class _Session:
 
         p, t = self.problem, self.tspec
         return compile_module(p.cell, p.input_size, p.hidden_size, p.batch, dtype=p.dtype,
-                              target=t.kind, arch=t.arch, cpu=t.cpu, sms=self.sms, **kw)
+                              target=t.kind, arch=t.arch, cpu=t.cpu, sms=self.sms,
+                              allow_tf32=p.allow_tf32, **kw)
 
 
 def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
          target: str = "cuda", arch: str | None = None, cpu: str | None = None,
          trials: int = DEFAULT_TRIALS, time_budget: float = 300.0, log_dir: str = "tuning_logs",
          work_dir: str | None = None, steps: int = 100, rpc: str | None = None,
-         progress=print) -> dict:
+         allow_tf32: bool = False, progress=print) -> dict:
     """Tune one layer configuration here (CUDA: on this machine's GPU 0) within
     ``time_budget`` seconds, write its log under ``log_dir`` and return the summary.
 
@@ -57,14 +58,15 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
     "host:port:key" of a TVM RPC tracker). What was measured stays in ``work_dir`` (default
     ~/.cache/rnncc/tune/<device>/<config>), so running the same command again resumes. The
     tuned module is kept only where it beats the default: a log never makes a module slower
-    than its untuned schedule, as measured here.
+    than its untuned schedule, as measured here. ``allow_tf32``: tune the module that allows
+    TF32 (its own log, "tf32" in place of the dtype).
     """
     start = time.monotonic()
     if trials < 0 or time_budget <= 0 or steps < 1:
         raise ConfigError("trials must be >= 0, time budget > 0 and steps >= 1")
     _check_before_measuring(log_dir, rpc)
     session = _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu,
-                       work_dir, steps, start + time_budget, progress)
+                       work_dir, steps, start + time_budget, progress, allow_tf32)
     progress(f"tuning {logs.describe(session.key)} ({session.device_name}); budget "
              f"{time_budget:.0f} s, work directory {session.work_dir}")
     default = session.compiled(tuning="off")
@@ -105,13 +107,14 @@ def _check_before_measuring(log_dir: str, rpc: str | None) -> None:
 
 
 def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, work_dir, steps,
-             deadline, progress) -> _Session:
+             deadline, progress, allow_tf32=False) -> _Session:
     """The problem and the device it is tuned on (CUDA: this machine's GPU, or an error)."""
     from ..compiler.driver import resolve_cell
     from ..spec import Problem
     from ..target import TargetSpec
 
-    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype)
+    problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype,
+                      allow_tf32=allow_tf32)
     tspec = TargetSpec(target, arch, cpu)
     if tspec.kind == "cuda":
         here = local_gpu()
@@ -121,7 +124,8 @@ def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, wor
         device, device_name, sms = here
     else:
         device, device_name, sms = cpu_key(tspec.cpu), cpu_key(tspec.cpu), None
-    key = logs.LogKey(device, problem.cell.name, input_size, hidden_size, batch, dtype)
+    key = logs.LogKey(device, problem.cell.name, input_size, hidden_size, batch,
+                      logs.precision(problem))
     work_dir = work_dir or default_work_dir(key)
     os.makedirs(work_dir, exist_ok=True)
     return _Session(problem, tspec, key, device_name, sms, work_dir, steps, deadline, progress)
@@ -163,7 +167,7 @@ def _search_knobs(session: _Session, gpu) -> _Found:
     near = for_compile(problem, tspec, session.key.device, "auto")
     start_knobs = near.knobs if near.info.get("match") == "nearby" else {}
     spec = {**session.key.config(), "cell": _cell_ref(problem.cell), "arch": tspec.arch,
-            "sms": session.sms}
+            "sms": session.sms, "dtype": problem.dtype, "allow_tf32": problem.allow_tf32}
     results = knob_search(problem, spec, gpu, os.path.join(session.work_dir, "persistent"),
                           session.steps, session.deadline, start_knobs, session.progress)
     valid = [r for r in results if r["ms"] is not None]
