@@ -152,13 +152,14 @@ def test_cuda_tune_needs_a_gpu(tmp_path):
 
 
 def test_a_tf32_tune_has_its_own_key(tmp_path):
-    """rnncc tune --allow-tf32 tunes the module that allows TF32 under a "tf32" log; TF32 is
-    float32's only."""
+    """rnncc tune --allow-tf32 tunes the module that allows TF32 under a "tf32" log on CUDA;
+    on a CPU, where TF32 changes no kernel, under float32's; TF32 is float32's only."""
     from rnncc.tuning import tuner
 
     session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
                              0.0, print, allow_tf32=True)
-    assert session.problem.allow_tf32 and session.key.dtype == "tf32"
+    assert session.problem.allow_tf32 and session.key.dtype == "float32"
+    assert logs.precision(session.problem, "cuda") == "tf32"
     with pytest.raises(ConfigError, match="allow_tf32=True applies to float32"):
         tuner._session("gru", 8, 8, 2, "float16", "llvm", None, None, str(tmp_path), 5, 0.0,
                        print, allow_tf32=True)

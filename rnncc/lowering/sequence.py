@@ -87,7 +87,8 @@ class _Builder:
     def scheduled(self, key: str, func, role: str):
         if key in self._done:  # the same component in both entries (the input GEMM)
             return self._done[key]
-        if self.p.allow_tf32 and role == "gemm":  # a rule may put it on tensor cores in TF32
+        if self.p.allow_tf32 and role == "gemm" and self.target.kind.name == "cuda":
+            # a rule may put it on tensor cores in TF32
             func = func.with_attr(schedules.TF32_ATTR, True)
         self.lowered.components[key] = (func, role)
         result = schedules.schedule(func, self.target, role, self.database)

@@ -63,16 +63,17 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
             found = logs.read(tuning)
         except logs.LogError as err:
             raise ConfigError(str(err)) from err
-        want = _key(problem, device or found.key.device)
+        want = _key(problem, tspec, device or found.key.device)
         if found.key != want:
             raise ConfigError(f"tuning log {tuning} is for {logs.describe(found.key)}, not "
                               f"{logs.describe(want)}")
         return _exact(found)
     if device is None:
         return Applied(info={"log": None, "reason": how})
-    found = _lookup(problem, _key(problem, device))
-    if found.info["log"] is None and problem.allow_tf32:  # no TF32 log: float32's knobs
-        ieee = _lookup(problem, _key(problem, device, "float32"))
+    key = _key(problem, tspec, device)
+    found = _lookup(problem, key)
+    if found.info["log"] is None and key.dtype == "tf32":  # no TF32 log: float32's knobs
+        ieee = _lookup(problem, _key(problem, tspec, device, "float32"))
         if ieee.info["log"] is not None:
             return Applied(knobs=ieee.knobs, info={**ieee.info, "precision": "float32 log",
                                                    "applied": {"knobs": ieee.knobs,
@@ -123,9 +124,9 @@ def _exact(found: logs.TuningLog) -> Applied:
         "applied": {"knobs": found.knobs, "components": list(found.record["components"])}})
 
 
-def _key(problem, device: str, precision: str | None = None) -> logs.LogKey:
+def _key(problem, tspec, device: str, precision: str | None = None) -> logs.LogKey:
     return logs.LogKey(device, problem.cell.name, problem.input_size, problem.hidden_size,
-                       problem.batch, precision or logs.precision(problem))
+                       problem.batch, precision or logs.precision(problem, tspec.kind))
 
 
 def _distance(a: logs.LogKey, b: logs.LogKey) -> tuple:

@@ -169,7 +169,7 @@ def search(problem, spec: dict, gpu, work_dir: str, steps: int, deadline: float,
         progress(f"persistent knobs: resuming, {len(results)} measured, {len(todo)} to go")
     if not todo:
         return results
-    tol = TOLERANCE[precision(problem)]
+    tol = TOLERANCE[precision(problem, "cuda")]
     cores = max(1, min(len(todo), os.cpu_count() or 1))
     measurer = _Measurer()
     total = len(results) + len(todo)

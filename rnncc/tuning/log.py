@@ -15,7 +15,8 @@ it was written by another TVM (MetaSchedule traces are not portable across versi
 for another device or configuration than the one it is applied to.
 
 The precision (a key's and a record's "dtype") is the storage dtype, or "tf32" for float32
-with ``allow_tf32=True`` (:func:`precision`): such a module's products are other kernels.
+with ``allow_tf32=True`` on CUDA (:func:`precision`): such a module's products are other
+kernels.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ class LogError(RnnccError):
     """A tuning log that cannot be used; the message says which and why."""
 
 
-def precision(problem) -> str:
-    """The precision a log of ``problem`` is for: its dtype, or "tf32" where it allows TF32."""
-    return "tf32" if problem.allow_tf32 else problem.dtype
+def precision(problem, target_kind: str) -> str:
+    """The precision a log of ``problem`` for a ``target_kind`` ("cuda", "llvm") is for: its
+    dtype, or "tf32" where it allows TF32 on CUDA (on a CPU TF32 changes no kernel)."""
+    return "tf32" if problem.allow_tf32 and target_kind == "cuda" else problem.dtype
 
 
 @dataclass(frozen=True)

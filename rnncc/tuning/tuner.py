@@ -125,7 +125,7 @@ def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, wor
     else:
         device, device_name, sms = cpu_key(tspec.cpu), cpu_key(tspec.cpu), None
     key = logs.LogKey(device, problem.cell.name, input_size, hidden_size, batch,
-                      logs.precision(problem))
+                      logs.precision(problem, tspec.kind))
     work_dir = work_dir or default_work_dir(key)
     os.makedirs(work_dir, exist_ok=True)
     return _Session(problem, tspec, key, device_name, sms, work_dir, steps, deadline, progress)
