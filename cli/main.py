@@ -17,6 +17,10 @@ class _Parser(argparse.ArgumentParser):
         raise _CliError(message)
 
 
+_TF32_HELP = ("float32 products may run on tensor cores in TF32 (10-bit mantissas, float32 "
+             "sums), as torch's allow_tf32; default IEEE float32")
+
+
 class _CliError(Exception):
     pass
 
@@ -50,9 +54,7 @@ def _add_problem_args(p):
     p.add_argument("--proj-size", "-P", type=int, default=0,
                    help="LSTM with projections (LSTMP, torch's proj_size): h = W_hr h', P wide "
                         "(weights weight_hr_l0 [P, H]; default 0: none)")
-    p.add_argument("--allow-tf32", action="store_true",
-                   help="float32 products may run on tensor cores in TF32 (10-bit mantissas, "
-                        "float32 sums), as torch's allow_tf32; default IEEE float32")
+    p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
 
 
 def _add_tuning_args(p):
@@ -98,9 +100,7 @@ def _parser():
     p.add_argument("--arch", default=None)
     p.add_argument("--proj-size", "-P", type=int, default=0,
                    help="LSTM with projections (LSTMP): h P wide (default 0: none)")
-    p.add_argument("--allow-tf32", action="store_true",
-                   help="float32 products may run on tensor cores in TF32 (10-bit mantissas, "
-                        "float32 sums), as torch's allow_tf32; default IEEE float32")
+    p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -328,7 +328,7 @@ def _cmd_bench(args) -> int:
     what = (f"{module.cell} C={module.input_size} H={module.hidden_size}"
             f"{f' P={proj}' if proj else ''}{f' L={layers}' if layers > 1 else ''}"
             f"{' bidirectional' if module.directions == 2 else ''} N={module.batch} "
-            f"{module.dtype}{' (TF32 allowed)' if module.allow_tf32 else ''} T={args.steps}")
+            f"{module.dtype}{_tf32(module.metadata)} T={args.steps}")
     if module.target == "cuda":
         result = bench.time_gpu(module, args.steps, args.repeat)
     else:

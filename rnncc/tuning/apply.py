@@ -73,16 +73,16 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
     key = _key(problem, tspec, device)
     found = _lookup(problem, key)
     if found.info["log"] is None and key.dtype == "tf32":  # no TF32 log: float32's knobs
-        ieee = _lookup(problem, _key(problem, tspec, device, "float32"))
+        ieee = _lookup(problem, _key(problem, tspec, device, "float32"), records=False)
         if ieee.info["log"] is not None:
-            return Applied(knobs=ieee.knobs, info={**ieee.info, "precision": "float32 log",
-                                                   "applied": {"knobs": ieee.knobs,
-                                                               "components": []}})
+            ieee.info["precision"] = "float32 log"
+            return ieee
     return found
 
 
-def _lookup(problem, key: logs.LogKey) -> Applied:
-    """The exact log of ``key``, else the nearest size's knobs, else none."""
+def _lookup(problem, key: logs.LogKey, records: bool = True) -> Applied:
+    """The exact log of ``key``, else the nearest size's knobs, else none; ``records``: an
+    exact log's component records too (its MetaSchedule database, read only then)."""
     device = key.device
     exact, others = logs.find(key)
     if exact is not None and problem.directions > 1:
@@ -90,7 +90,7 @@ def _lookup(problem, key: logs.LogKey) -> Applied:
     refused = {}
     if exact is not None:
         try:
-            return _exact(logs.read(exact, key))
+            return _exact(logs.read(exact, key), records)
         except logs.LogError as err:
             warnings.warn(f"rnncc: {err}; compiling without it", stacklevel=3)
             refused = {"refused": exact, "reason": str(err)}
@@ -116,12 +116,12 @@ def refuse_knobs(applied: Applied, reason: str) -> Applied:
     return Applied(info={"log": None, "refused": applied.info["log"], "reason": reason})
 
 
-def _exact(found: logs.TuningLog) -> Applied:
-    database = found.database()
-    return Applied(knobs=found.knobs, database=database, info={
+def _exact(found: logs.TuningLog, records: bool = True) -> Applied:
+    components = list(found.record["components"]) if records else []
+    return Applied(knobs=found.knobs, database=found.database() if records else None, info={
         "log": found.path, "match": "exact", "device": found.key.device,
         "tvm_version": found.record["tvm_version"],
-        "applied": {"knobs": found.knobs, "components": list(found.record["components"])}})
+        "applied": {"knobs": found.knobs, "components": components}})
 
 
 def _key(problem, tspec, device: str, precision: str | None = None) -> logs.LogKey:

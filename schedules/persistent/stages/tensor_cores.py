@@ -103,7 +103,7 @@ def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
                     af[4 + v] = hs16[((i * (vec * 2) + q * 2 + s) * 32 + lane) * 4 + 2 + v]
                 for v in T.vectorized(4):
                     wb[v] = wv[s * 4 + v]
-                _mma.mma(_mma.Operand(spec.dtype), af, wb, dacc, (q * 2 + s) % chains * 4)
+                _mma.mma(op, af, wb, dacc, (q * 2 + s) % chains * 4)
             else:
                 for v in T.vectorized(4):
                     wb[v] = wv[s * 4 + v]
@@ -111,8 +111,7 @@ def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
                     for v in T.vectorized(8):
                         af[v] = hs16[((m * steps + i * (vec * 2) + q * 2 + s) * 32 + lane) * 8
                                      + v]
-                    _mma.mma(_mma.Operand(spec.dtype), af, wb, dacc,
-                             (m * chains + (q * 2 + s) % chains) * 4)
+                    _mma.mma(op, af, wb, dacc, (m * chains + (q * 2 + s) % chains) * 4)
 
 
 def _chain_sum(spec, dacc, m, c):
