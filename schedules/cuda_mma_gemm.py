@@ -1,27 +1,37 @@
 """CUDA: float16 and bfloat16 products of many rows on tensor cores (``mma.sync`` m16n8k16,
-float32 sums), written out in TIR: the input projection of all steps, a training step's dx =
-dGI W_ih, and its weight gradients; and a float32 projection in TF32 (m16n8k8) where the
-component allows it (:mod:`._mma`).
+float32 sums), written out in TIR: the input projection of all steps, each step's recurrent
+product at a large batch, a training step's dx = dGI W_ih, and its weight gradients; and float32
+products in TF32 (m16n8k8) where the component allows it (:mod:`._mma`).
 
-Both forms are C[i, j] = sum_k A[i, k] B[j, k]:
+All forms are C[i, j] = sum_k A[i, k] B[j, k]:
 
 - projection: out[.., n, o] = sum_k a[.., n, k] w[o, k] + b[o] (w [O, K], PyTorch's rows, or
-  [K, O]): i the M rows of a (T*N or a flat run-time M), j the O outputs; out float32;
+  [K, O]): i the M rows of a (T*N, a flat run-time M, or one step's static N), j the O
+  outputs; out float32;
+- slices (rnncc's gemm_parts, one step's product): out[s, n, o] = the same sum over slice s of
+  K, no bias; the reader adds the S slices (:func:`parts` chooses S to fill the GPU);
 - gradient: dw[o, k] = sum_m g[m, o] a[m, k] over the M = T*N rows of all steps: i = o, j = k;
   dw in the weights' type.
 
-The weights are float16 or bfloat16; an operand in float32 (a gradient, a kept state) is
+The weights are float16 or bfloat16; an operand in float32 (h, a gradient, a kept state) is
 rounded to the weights' type as it is staged, as cuDNN's half-precision RNNs compute. In TF32
-both float32 operands are rounded to TF32 as they are staged.
+both float32 operands are rounded to TF32 (as they are staged, or as a lane reads them).
 
-A block of :data:`THREADS` threads computes a :data:`TILE` x TILE tile of C, its 8 warps 2 x 4
-of 64 x 32 (4 x 4 instruction tiles, 64 sums a lane). K goes through shared memory in chunks
-of BK (32 halves or 16 TF32 values: 64 bytes of a row), double-buffered (the next chunk's
-global loads issued before the current chunk's products, stored after them; one barrier a
-chunk). An operand whose k is its buffer's last index ("inner": a, w [O, K]) is staged as it
-is read, [row][k]; one whose k runs along the buffer's rows ("outer": w [K, O], and both
-operands of a gradient) as [k][row], each k-row padded to an odd count of words so that a
-lane's scalar reads of its fragment hit 32 banks.
+A block's 8 warps (4 where a one-step tile has 64 rows) compute a TILE-column tile of C, 2 x 4
+(1 x 4) warps of 64 x 32 (4 x 4 instruction tiles, 64 sums a lane). K goes through shared
+memory in chunks of BK (32 halves or 16 TF32 values: 64 bytes of a row). Two ways:
+
+- pipelined, where both operands have k as their buffer's last index ("inner": a, w [O, K]):
+  :data:`STAGES` chunks in flight, copied by ``cp.async`` (16 bytes a copy, no registers;
+  an a in float32 under half weights goes through registers, rounded, stored a chunk after
+  its load was issued), one barrier a chunk; staged [row][k], 64 bytes a row, so a lane's
+  16-byte fragment reads (8 lanes a phase: rows g, g + 1) hit each bank once. Two blocks a
+  multiprocessor (:data:`BLOCKS_PER_SM`).
+- through registers, where an operand's k runs along its buffer's rows ("outer": w [K, O],
+  both operands of a gradient): double-buffered (the next chunk's global loads issued before
+  the current chunk's products, stored after them), the outer operand staged [k][row], each
+  k-row padded to an odd count of words so that a lane's scalar reads of its fragment hit 32
+  banks.
 
 Fragments (:mod:`._mma`): lane l (q = l % 4, g = l // 4) takes 16 bytes of a chunk's k from
 q's quarter for its rows g and g + 8 of A and its row g of B, two k-steps' worth: 16
@@ -47,10 +57,23 @@ from ._common import (
 )
 from ._rule import Rule
 
-TILE = 128  # rows (i) and columns (j) of C a block
-THREADS = 256
-WARPS_J = 4  # warps along j (2 along i)
+TILE = 128  # columns (j) of C a block, and rows (i) of a tile of many rows
+STEP_TILE = 64  # rows of a one-step tile where N is at most this
+WARPS_J = 4  # warps along j (2 along i, 1 in a 64-row tile)
 MT, NT = 4, 4  # instruction tiles a warp: 16-row tiles along i, 8-column tiles along j
+THREADS = 256  # a block of the register-staged kernel
+#: Chunks of K in flight in the pipelined kernel, and its blocks a multiprocessor (registers
+#: capped at 128 a thread). H200, kernel alone, float16 [6400 x 1024] x [1024 x 4096]: 2
+#: chunks of 128 bytes a row in 3 stages 255 us, 1 of 64 in 3 stages 200, in 4 191.
+STAGES = 4
+BLOCKS_PER_SM = 2
+#: One step's product: the fewest batch rows this rule takes (fewer: cuda.mma_gemv), and its
+#: slices of K (gemm_parts): the fewest (a power of two up to MAX_PARTS, each at least
+#: MIN_SLICE deep) that give TARGET_BLOCKS blocks, two a multiprocessor. H200, float16 and
+#: TF32, batch 64-256, K 512-2048, O 2048-8192: that count was the fastest or within 3% of it
+#: in all 16 products (docs/benchmarks.md); against cuda.mma_gemv 1.3-3.5x faster.
+MIN_BATCH = 64
+MAX_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 128, 256
 
 
 def chunk_k(op: _mma.Operand) -> int:
@@ -66,11 +89,11 @@ def fits(outputs: int, depth: int, op: _mma.Operand) -> bool:
 
 @dataclass(frozen=True)
 class Product:
-    """A product this rule computes: ``form`` "projection" or "gradient"; ``specs`` the
-    component's parameters (name, shape, dtype) with run-time sizes as None; ``inner``
+    """A product this rule computes: ``form`` "projection", "slices" or "gradient"; ``specs``
+    the component's parameters (name, shape, dtype) with run-time sizes as None; ``inner``
     whether A and B each have k as their buffer's last index; J ``columns``; for a projection
-    its K ``depth`` (a gradient's K, its rows M, is a run-time size); ``op`` the operands'
-    type (the weights', or TF32)."""
+    its K ``depth`` (of a slice: K / S; a gradient's K, its rows M, is a run-time size);
+    ``op`` the operands' type (the weights', or TF32); S ``parts`` (slices)."""
 
     form: str
     specs: tuple
@@ -78,29 +101,106 @@ class Product:
     columns: int
     depth: int
     op: _mma.Operand
+    parts: int = 1
+
+    @property
+    def pipelined(self) -> bool:
+        return all(self.inner)
+
+    @property
+    def rows(self) -> int | None:
+        """One step's static M, else None."""
+        shape = self.specs[0][1]
+        return shape[0] if self.form != "gradient" and None not in shape else None
+
+    @property
+    def tile_rows(self) -> int:
+        rows = self.rows
+        return STEP_TILE if rows is not None and rows <= STEP_TILE else TILE
+
+    @property
+    def threads(self) -> int:
+        return self.tile_rows // 16 * 32 if self.pipelined else THREADS
+
+    @property
+    def copied(self) -> bool:
+        """Whether A is copied as it is (cp.async): stored in the operands' type."""
+        return self.specs[0][2] == self.op.dtype
 
 
 def sizes(func, target) -> Product | None:
-    """The product of rnncc's gemm (all steps) or weight_gradient component ``func`` when this
-    rule takes it, else None: weights float16 or bfloat16 (or a projection's float32 where
-    the component allows TF32) on sm_80 or later; a projection with a run-time row count and
-    sizes that :func:`fits`; a gradient with O and K multiples of TILE."""
+    """The product of rnncc's gemm (all steps; one step's in N >= MIN_BATCH rows where its
+    tiles alone fill the GPU), gemm_parts or weight_gradient component ``func`` when this rule
+    takes it, else None: weights float16 or bfloat16 (or float32 where the component allows
+    TF32) on sm_80 or later; a projection with sizes that :func:`fits`; a gradient with O and
+    K multiples of TILE."""
+    found = product_of(func, target)
+    if found is not None and found.form == "projection" and found.rows is not None:
+        return found if _tiles(found) >= TARGET_BLOCKS else None
+    if found is not None and found.form == "slices" and _sliced(found) != found.parts:
+        return None  # slices this rule would not have chosen (cuda.sgemm's)
+    return found
+
+
+def parts(func, target) -> int:
+    """The slices of K this rule splits the one-step product of gemm component ``func`` into
+    (1 where it does not take it, where its grid is large enough whole, or where even its
+    slices give under a quarter of TARGET_BLOCKS blocks: small products stay with
+    cuda.mma_gemv):
+    a reader that adds them itself takes the product as rnncc's gemm_parts component in as
+    many slices."""
+    found = product_of(func, target)
+    return 1 if found is None or found.rows is None else _sliced(found)
+
+
+def _sliced(product: Product) -> int:
+    """:func:`parts` of one step's ``product``."""
+    count = slices(product)
+    return count if _tiles(product) * count >= TARGET_BLOCKS // 4 else 1
+
+
+def _tiles(product: Product) -> int:
+    """Tiles of C of one step's ``product`` (of each slice)."""
+    return -(-product.rows // product.tile_rows) * (product.columns // TILE)
+
+
+def slices(product: Product) -> int:
+    """The slices of K of one step's ``product``: the fewest that give TARGET_BLOCKS blocks
+    (a power of two up to MAX_PARTS, each whole chunks and at least MIN_SLICE deep), else the
+    most allowed."""
+    tiles = _tiles(product)
+    bk = chunk_k(product.op)
+    depth = product.depth * product.parts
+    choices = [c for c in range(1, MAX_PARTS + 1) if c & (c - 1) == 0
+               and depth % (c * bk) == 0 and (c == 1 or depth // c >= MIN_SLICE)]
+    return next((c for c in choices if tiles * c >= TARGET_BLOCKS), choices[-1])
+
+
+def product_of(func, target) -> Product | None:
+    """The product :func:`sizes` describes, whatever its grid (:func:`kernel` computes it
+    at any size; the grid's conditions choose where it is worth it)."""
     if not has_mma(target):
         return None
     specs = tuple((str(p.name), tuple(static(d) for d in p.shape), str(p.dtype))
                   for p in func.params)
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
-    if blocks is not None and block_named(sch, "gemm_rows") is None:
+    sliced = block_named(sch, "gemm_parts")
+    if (blocks is not None and block_named(sch, "gemm_rows") is None) or sliced is not None:
         (_, a_shape, a_dtype), (_, _, w_dtype) = specs[:2]
         op = _mma.operand(w_dtype, func)
-        if op is None or a_dtype not in (w_dtype, "float32") or None not in a_shape:
-            return None  # one step's product: cuda.mma_gemv
-        _, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0])[-3:])
-        if not fits(outputs, depth, op):
+        if op is None or a_dtype not in (w_dtype, "float32"):
             return None
-        rows = weights_are_rows(sch, blocks[0])
-        return Product("projection", specs, (True, rows), outputs, depth, op)
+        block = blocks[0] if sliced is None else sliced
+        *_, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(block))
+        rows = weights_are_rows(sch, block)
+        if None not in a_shape and (a_shape[0] < MIN_BATCH or not rows):
+            return None  # one step's product: pipelined only
+        count = 1 if sliced is None else specs[2][1][0]
+        if not fits(outputs, depth * count, op) or depth % chunk_k(op):
+            return None
+        form = "projection" if sliced is None else "slices"
+        return Product(form, specs, (True, rows), outputs, depth, op, count)
     if block_named(sch, "weight_grad") is not None:
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
         op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written
@@ -119,32 +219,42 @@ def static(dim):
 
 class Tile:
     """A product's tile arithmetic: where each operand's elements are, how a chunk is staged,
-    the rows M (a run-time size) and the grid."""
+    the rows M (a run-time size, or one step's N) and the grid."""
 
     def __init__(self, product: Product):
         self.product = product
         op = product.op
         self.bk = bk = chunk_k(op)
-        #: 4-element vectors of an operand a thread stages a chunk
-        self.vectors = TILE * bk // 4 // THREADS
+        self.tile_rows, self.threads = product.tile_rows, product.threads
+        #: 4-element vectors of an operand a thread stages a chunk through registers
+        self.vectors = [self.tile_rows * bk // 4 // self.threads, TILE * bk // 4 // self.threads]
+        #: 16-byte copies of an operand a thread issues a chunk (pipelined)
+        self.copies = [self.tile_rows * 4 // self.threads, TILE * 4 // self.threads]
         #: elements from one k-row of an outer operand's staged chunk to the next: an odd
         #: count of words
         self.outer_stride = TILE + (1 if op.tf32 else 2)
         self.rows = tirx.Var("M", "int64")
-        if product.form == "projection":
-            a_shape = product.specs[0][1]
-            # the one run-time size: T (N rows a step) or the rows themselves (flat rows)
-            self.runtime = tirx.Var("T_len", "int64") if len(a_shape) == 3 else self.rows
-            self.batch = a_shape[1] if len(a_shape) == 3 else None
-            self.m = self.runtime * self.batch if self.batch else self.rows
-            self.i_tiles = (self.m + (TILE - 1)) // TILE
-            self.chunk_pairs = product.depth // (2 * bk)
-        else:
+        self.batch = None
+        if product.form == "gradient":
             self.runtime = self.m = self.rows
             self.i_tiles = product.specs[2][1][0] // TILE
             self.chunk_pairs = (self.m + (2 * bk - 1)) // (2 * bk)
+        else:
+            a_shape = product.specs[0][1]
+            if product.rows is not None:
+                self.runtime, self.m = None, product.rows
+            elif len(a_shape) == 3:  # T (N rows a step) the one run-time size
+                self.runtime, self.batch = tirx.Var("T_len", "int64"), a_shape[1]
+                self.m = self.runtime * self.batch
+            else:  # flat rows
+                self.runtime = self.m = self.rows
+            self.i_tiles = (self.m + (self.tile_rows - 1)) // self.tile_rows
+            self.chunk_pairs = product.depth // (2 * bk)
+        self.chunks = product.depth // bk
         self.j_tiles = product.columns // TILE
         self.stage = [TILE * bk if inner else bk * self.outer_stride for inner in product.inner]
+        if product.pipelined:
+            self.stage = [self.tile_rows * bk, TILE * bk]
 
     def parameters(self):
         """Inside the PrimFunc being built: the component's parameters, run-time sizes as this
@@ -157,57 +267,74 @@ class Tile:
         """The leading indices of row m of a projection's a or out."""
         return [m // self.batch, m % self.batch] if self.batch else [m]
 
+    def source(self, io, op: int, i, k):
+        """Element (i, k) of operand ``op`` (0: A, 1: B) of a projection as it is stored;
+        rows of A past M read row M - 1 (never stored)."""
+        if op == 0:
+            return tirx.BufferLoad(io[0], [*self.at(tirx.min(i, self.m - 1)), k])
+        return tirx.BufferLoad(io[1], [i, k] if self.product.inner[1] else [k, i])
+
     def element(self, io, op: int, i, k):
-        """Element (i, k) of operand ``op`` (0: A, 1: B) in the operands' type; rows of A past
-        a projection's M read row M - 1 (never stored), a gradient's k past M read zeros."""
-        p, kind = self.product, self.product.op
-        if p.form == "projection":
-            a, w = io[0], io[1]
-            if op == 0:
-                return kind.round(tirx.BufferLoad(a, [*self.at(tirx.min(i, self.m - 1)), k]))
-            return kind.round(tirx.BufferLoad(w, [i, k] if p.inner[1] else [k, i]))
+        """Element (i, k) of operand ``op`` in the operands' type; a gradient's k past M reads
+        zeros."""
+        kind = self.product.op
+        if self.product.form != "gradient":
+            return kind.round(self.source(io, op, i, k))
         value = tirx.BufferLoad(io[op], [tirx.min(k, self.m - 1), i])  # g [M, O], a [M, K]
         return tirx.if_then_else(k < self.m, kind.round(value), tirx.const(0, kind.dtype))
 
     def stage_place(self, op: int, p_, tx):
         """(row, k) in a chunk of operand ``op`` of the thread's vector ``p_`` (4 elements along
         k for an inner operand, along the rows for an outer one)."""
-        f = p_ * THREADS + tx
+        f = p_ * self.threads + tx
         if self.product.inner[op]:
             return f // (self.bk // 4), f % (self.bk // 4) * 4
         return f % (TILE // 4) * 4, f // (TILE // 4)
 
     def slot(self, op: int, row, k):
-        """Where element (row, k) of a chunk of operand ``op`` is in its shared buffer."""
+        """Where element (row, k) of a chunk of operand ``op`` is in its stage."""
         return row * self.bk + k if self.product.inner[op] else k * self.outer_stride + row
 
 
 @T.macro
-def _load(t, io, op, regs, k0, base, tx):
-    """Operand ``op``'s global reads of the chunk from k = ``k0`` (its rows from ``base``):
-    the thread's vectors into ``regs``, in the operands' type."""
-    for p_ in T.unroll(t.vectors):
-        row, k = T.meta_var(t.stage_place(op, p_, tx))
-        for v in T.vectorized(4):
-            if t.product.inner[op]:
-                regs[p_ * 4 + v] = t.element(io, op, base + row, k0 + k + v)
-            else:
-                regs[p_ * 4 + v] = t.element(io, op, base + row + v, k0 + k)
+def _copy(t, io, op, shared, base, k0, first, tx):
+    """Operand ``op``'s chunk from k = ``k0`` (its rows from ``first``) copied by
+    ``cp.async`` to ``shared`` from ``base``: 16 bytes a copy, 4 lanes a row."""
+    per = T.meta_var(t.bk // 4)
+    for p_ in T.unroll(t.copies[op]):
+        row = T.meta_var((p_ * t.threads + tx) // 4)
+        k = T.meta_var((p_ * t.threads + tx) % 4 * per)
+        T.ptx.cp.async_.cg.shared.global_(
+            T.address_of(shared[base + t.slot(op, row, k)]),
+            T.address_of(t.source(io, op, first + row, k0 + k)), 16)
 
 
 @T.macro
-def _store(t, op, regs, shared, tx):
-    """Operand ``op``'s registers of a chunk to shared memory: an inner operand's vectors as
-    they are (16 bytes at most), an outer one's element by element (its k-rows are not
-    vector-aligned)."""
-    for p_ in T.unroll(t.vectors):
+def _load(t, io, op, regs, k0, first, tx):
+    """Operand ``op``'s global reads of the chunk from k = ``k0`` (its rows from ``first``):
+    the thread's vectors into ``regs``, in the operands' type."""
+    for p_ in T.unroll(t.vectors[op]):
+        row, k = T.meta_var(t.stage_place(op, p_, tx))
+        for v in T.vectorized(4):
+            if t.product.inner[op]:
+                regs[p_ * 4 + v] = t.element(io, op, first + row, k0 + k + v)
+            else:
+                regs[p_ * 4 + v] = t.element(io, op, first + row + v, k0 + k)
+
+
+@T.macro
+def _store(t, op, regs, shared, base, tx):
+    """Operand ``op``'s registers of a chunk to shared memory from ``base``: an inner
+    operand's vectors as they are (16 bytes at most), an outer one's element by element (its
+    k-rows are not vector-aligned)."""
+    for p_ in T.unroll(t.vectors[op]):
         row, k = T.meta_var(t.stage_place(op, p_, tx))
         if t.product.inner[op]:
             for v in T.vectorized(4):
-                shared[t.slot(op, row, k + v)] = regs[p_ * 4 + v]
+                shared[base + t.slot(op, row, k + v)] = regs[p_ * 4 + v]
         else:
             for v in T.unroll(4):
-                shared[t.slot(op, row + v, k)] = regs[p_ * 4 + v]
+                shared[base + t.slot(op, row + v, k)] = regs[p_ * 4 + v]
 
 
 @T.macro
@@ -220,22 +347,40 @@ def _chunk(t, io, regs, k0, bi, bj, tx):
 @T.macro
 def _stage(t, regs, shared, tx):
     """Both operands' registers to shared memory."""
-    _store(t, 0, regs[0], shared[0], tx)
-    _store(t, 1, regs[1], shared[1], tx)
+    _store(t, 0, regs[0], shared[0], 0, tx)
+    _store(t, 1, regs[1], shared[1], 0, tx)
+
+
+@T.macro
+def _fetch(t, io, regs, shared, c, k0, bi, bj, tx):
+    """The pipelined kernel's loads of chunk ``c`` (from k = ``k0``) into its stage: B's, and
+    A's where it is stored in the operands' type, by ``cp.async``; a float32 A's into
+    registers (:func:`_store` puts them in the stage once the stage is free)."""
+    st = T.meta_var(c % STAGES)
+    if t.product.copied:
+        _copy(t, io, 0, shared[0], st * t.stage[0], k0, bi * t.tile_rows, tx)
+    else:
+        _load(t, io, 0, regs, k0, bi * t.tile_rows, tx)
+    _copy(t, io, 1, shared[1], st * t.stage[1], k0, bj * TILE, tx)
 
 
 @T.macro
 def _fragment(t, op, shared, out, offset, row, q):
-    """out[offset ..] = the lane's 16 bytes of ``row`` of operand ``op``'s chunk (its k from
-    q's quarter): one load of an inner one, scalar reads of an outer one (the same row of
-    consecutive k-rows)."""
+    """out[offset ..] = the lane's 16 bytes of ``row`` of operand ``op``'s chunk in ``shared``
+    (a stage: (buffer, base)), its k from q's quarter: one load of an inner one, scalar reads
+    of an outer one (the same row of consecutive k-rows); a pipelined TF32 operand, copied
+    as it is stored, rounded here."""
     e = T.meta_var(t.product.op.lane_k)
+    buf, base = T.meta_var(shared)
     if t.product.inner[op]:
         for v in T.vectorized(e):
-            out[offset + v] = shared[t.slot(op, row, q * e + v)]
+            out[offset + v] = buf[base + t.slot(op, row, q * e + v)]
     else:
         for v in T.unroll(e):
-            out[offset + v] = shared[t.slot(op, row, q * e + v)]
+            out[offset + v] = buf[base + t.slot(op, row, q * e + v)]
+    if t.product.pipelined and t.product.op.tf32:
+        for v in T.unroll(e):
+            out[offset + v] = t.product.op.round(out[offset + v])
 
 
 @T.macro
@@ -259,21 +404,28 @@ def _products(t, shared, frags, acc, tx):
 
 
 @T.macro
-def _epilogue(t, io, acc, bi, bj, tx):
-    """The tile's sums to C: a projection's rows below M plus b, a gradient's in its type."""
+def _epilogue(t, io, acc, bi, bj, part, tx):
+    """The tile's sums to C: a projection's rows below M plus b, a slice's rows below M as
+    they are, a gradient's in its type."""
     g, q = T.meta_var((tx % 32 // 4, tx % 4))
-    i0 = T.meta_var(bi * TILE + tx // 32 // WARPS_J * (MT * 16))
+    i0 = T.meta_var(bi * t.tile_rows + tx // 32 // WARPS_J * (MT * 16))
     j0 = T.meta_var(bj * TILE + tx // 32 % WARPS_J * (NT * 8))
+    form = T.meta_var(t.product.form)
     for m in T.unroll(MT):
         for n in T.unroll(NT):
             for h in T.unroll(2):
                 i = T.meta_var(i0 + m * 16 + h * 8 + g)
-                if t.product.form == "projection":
+                if form == "projection":
                     if i < t.m:
                         for v in T.vectorized(2):
                             T.buffer_store(io[3], acc[(m * NT + n) * 4 + h * 2 + v] + T.Cast(
                                 "float32", io[2][j0 + n * 8 + q * 2 + v]),
                                 t.at(i) + [j0 + n * 8 + q * 2 + v])
+                elif form == "slices":
+                    if i < t.m:
+                        for v in T.vectorized(2):
+                            io[2][part, i, j0 + n * 8 + q * 2 + v] = acc[
+                                (m * NT + n) * 4 + h * 2 + v]
                 else:
                     for v in T.vectorized(2):
                         T.buffer_store(io[2], T.Cast(t.product.op.dtype,
@@ -281,8 +433,8 @@ def _epilogue(t, io, acc, bi, bj, tx):
                                        [i, j0 + n * 8 + q * 2 + v])
 
 
-def kernel(product: Product):
-    """The PrimFunc, with the component's parameters."""
+def _registers_kernel(product: Product):
+    """The PrimFunc staging both operands through registers, double-buffered."""
     t = Tile(product)
     op = product.op
     dtype = op.dtype
@@ -298,8 +450,8 @@ def kernel(product: Product):
             a1 = T.sblock_alloc_buffer((t.stage[0],), dtype, scope="shared")
             b0 = T.sblock_alloc_buffer((t.stage[1],), dtype, scope="shared")
             b1 = T.sblock_alloc_buffer((t.stage[1],), dtype, scope="shared")
-            ra = T.sblock_alloc_buffer((t.vectors * 4,), dtype, scope="local")
-            rb = T.sblock_alloc_buffer((t.vectors * 4,), dtype, scope="local")
+            ra = T.sblock_alloc_buffer((t.vectors[0] * 4,), dtype, scope="local")
+            rb = T.sblock_alloc_buffer((t.vectors[1] * 4,), dtype, scope="local")
             acc = T.sblock_alloc_buffer((MT * NT * 4,), "float32", scope="local")
             bf = T.sblock_alloc_buffer((NT * op.lane_k,), dtype, scope="local")
             ha = T.sblock_alloc_buffer((2 * op.lane_k,), dtype, scope="local")
@@ -316,17 +468,75 @@ def kernel(product: Product):
                     T.tvm_storage_sync("shared")
                     for c in range(t.chunk_pairs):
                         _chunk(t, io, regs, (c * 2 + 1) * t.bk, bi, bj, tx)
-                        _products(t, (a0, b0), frags, acc, tx)
+                        _products(t, ((a0, 0), (b0, 0)), frags, acc, tx)
                         _stage(t, regs, (a1, b1), tx)
                         T.tvm_storage_sync("shared")
                         _chunk(t, io, regs, T.min(c * 2 + 2, t.chunk_pairs * 2 - 1) * t.bk,
                                bi, bj, tx)
-                        _products(t, (a1, b1), frags, acc, tx)
+                        _products(t, ((a1, 0), (b1, 0)), frags, acc, tx)
                         _stage(t, regs, (a0, b0), tx)
                         T.tvm_storage_sync("shared")
-                    _epilogue(t, io, acc, bi, bj, tx)
+                    _epilogue(t, io, acc, bi, bj, 0, tx)
 
     return mma_gemm
+
+
+def _pipelined_kernel(product: Product):
+    """The PrimFunc copying chunks ahead by ``cp.async``, :data:`STAGES` in flight."""
+    t = Tile(product)
+    op = product.op
+    dtype = op.dtype
+    ahead = STAGES - 1
+    grid = product.parts * t.i_tiles * t.j_tiles
+
+    @T.prim_func(s_tir=True)
+    def mma_gemm():
+        T.func_attr({"tirx.noalias": True})
+        io = T.meta_var(t.parameters())
+        with T.sblock("root"):
+            sa = T.sblock_alloc_buffer((STAGES * t.stage[0],), dtype, scope="shared.dyn")
+            sb = T.sblock_alloc_buffer((STAGES * t.stage[1],), dtype, scope="shared.dyn")
+            ra = T.sblock_alloc_buffer((t.vectors[0] * 4,), dtype, scope="local")
+            acc = T.sblock_alloc_buffer((MT * NT * 4,), "float32", scope="local")
+            bf = T.sblock_alloc_buffer((NT * op.lane_k,), dtype, scope="local")
+            ha = T.sblock_alloc_buffer((2 * op.lane_k,), dtype, scope="local")
+            af = T.sblock_alloc_buffer((4 * op.per_register,), dtype, scope="local")
+            wb = T.sblock_alloc_buffer((op.lane_k // 2,), dtype, scope="local")
+            for bx in T.thread_binding(grid, thread="blockIdx.x"):
+                for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
+                    T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", BLOCKS_PER_SM)
+                    part = T.meta_var(bx // (t.i_tiles * t.j_tiles))
+                    bi = T.meta_var(bx // t.j_tiles % t.i_tiles)
+                    bj = T.meta_var(bx % t.j_tiles)
+                    k0 = T.meta_var(part * product.depth)
+                    frags = T.meta_var((bf, ha, af, wb))
+                    for e in T.unroll(MT * NT * 4):
+                        acc[e] = T.float32(0)
+                    for c in T.unroll(ahead):
+                        if c < t.chunks:
+                            _fetch(t, io, ra, (sa, sb), c, k0 + c * t.bk, bi, bj, tx)
+                            if not product.copied:
+                                _store(t, 0, ra, sa, c * t.stage[0], tx)
+                        T.ptx.cp.async_.commit_group()
+                    for c in range(t.chunks):
+                        T.ptx.cp.async_.wait_group(ahead - 1)
+                        T.tvm_storage_sync("shared.dyn")
+                        if c + ahead < t.chunks:
+                            _fetch(t, io, ra, (sa, sb), c + ahead, k0 + (c + ahead) * t.bk,
+                                   bi, bj, tx)
+                        T.ptx.cp.async_.commit_group()
+                        _products(t, ((sa, c % STAGES * t.stage[0]),
+                                      (sb, c % STAGES * t.stage[1])), frags, acc, tx)
+                        if not product.copied and c + ahead < t.chunks:
+                            _store(t, 0, ra, sa, (c + ahead) % STAGES * t.stage[0], tx)
+                    _epilogue(t, io, acc, bi, bj, part, tx)
+
+    return mma_gemm
+
+
+def kernel(product: Product):
+    """The PrimFunc, with the component's parameters."""
+    return _pipelined_kernel(product) if product.pipelined else _registers_kernel(product)
 
 
 def apply(func, target):

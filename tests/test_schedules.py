@@ -390,14 +390,43 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
     assert cuda_mma_gemm.apply(comp.weight_gradient(m, 128, 128, dtype, dtype), old_gpu) is None
 
 
+@pytest.mark.parametrize("batch, k, o, dtype, parts", [
+    (64, 1024, 4096, "float16", 8), (256, 2048, 8192, "float16", 2), (256, 512, 2048, "tf32", 4),
+    (64, 512, 1536, "tf32", 1), (63, 1024, 4096, "float16", 1), (256, 1024, 16384, "bfloat16", 1),
+    (256, 1024, 4096, "float32", 1)])
+def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, parts):
+    """One step's product at batch 64 and more on tensor cores: K in the fewest slices that
+    give 256 blocks (two a multiprocessor), each at least 128 deep; none where the tiles alone
+    give them (the whole product is then this rule's), or where even the slices give under 64
+    blocks (cuda.mma_gemv's); IEEE float32 is not this rule's; slices of another count (a
+    reader's choice for another rule) are not taken."""
+    from rnncc.schedules import _mma, cuda_mma_gemm
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+
+    def allowed(func):
+        return func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+
+    whole = allowed(comp.gemm((batch,), k, o, "rows", dtype, "float32"))
+    assert cuda_mma_gemm.parts(whole, CUDA) == parts
+    takes_whole = parts == 1 and batch >= 64 and o // 128 * -(-batch // 128) >= 256
+    assert (cuda_mma_gemm.apply(whole, CUDA) is not None) == takes_whole
+    for count in (2, 4, 8):
+        sliced = allowed(comp.gemm_parts(batch, k, o, count, "rows", dtype, "float32"))
+        assert (cuda_mma_gemm.apply(sliced, CUDA) is not None) == (count == parts)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
-@pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient"])
+@pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient", "step", "slices"])
 def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     """cuda.mma_gemm's kernel on the NumPy interpreter of TIR (tests/tir_sim.py): a
     projection of T*N = 135 rows (two row tiles, the second partial) with weights [O, K] and
-    a of the weights' type, [K, O] and float32 a, flat rows; a gradient over M = 70 rows (the
-    last chunk pair partly past M); against NumPy's product of the same rounded operands
-    (float32 rounded to TF32 where the component allows it: projections only)."""
+    a of the weights' type (pipelined), [K, O] and float32 a (through registers), flat rows;
+    one step's product of N = 135 float32 rows (h), and one of 64 rows (a 64-row tile) in 2
+    slices of K; a gradient over M = 70 rows (the last chunk pair partly past M); against
+    NumPy's product of the same rounded operands (float32 rounded to TF32 where the component
+    allows it: projections only). The kernel at these sizes, whatever the grid's policy."""
     from rnncc.schedules import _mma, cuda_mma_gemm
     from tir_sim import Simulator
 
@@ -416,6 +445,16 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
         g, a = (rng.standard_normal(s).astype(np.float32) for s in ((70, o), (70, k)))
         args = [g, a, np.full((o, k), np.nan, dtype)]
         want = rounded(g).T @ rounded(a)
+    elif form in ("step", "slices"):
+        rows = steps * n if form == "step" else 64
+        func = (comp.gemm((rows,), k, o, "rows", dtype, "float32") if form == "step"
+                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, "float32"))
+        func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+        h = rng.standard_normal((rows, k)).astype(np.float32)
+        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+        want = rounded(h) @ rounded(w).T + (b.astype(np.float64) if form == "step" else 0)
+        args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if form == "step"
+                else [h, w, np.full((2, rows, o), np.nan, np.float32)])
     else:
         lead = (m,) if form == "flat" else (tirx.Var("T", "int64"), n)
         a_dtype = "float32" if form == "cols" else dtype
@@ -427,9 +466,10 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
                 np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
         want = (rounded(args[0]) @ rounded(w.astype(dtype)).T
                 + args[2].astype(np.float64))
-    kernel = cuda_mma_gemm.apply(func, CUDA).mod["main"]
+    kernel = cuda_mma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
+    got = got.sum(0) if form == "slices" else got
     bound = TOL_F32 if form != "gradient" else 2.0 ** -(8 if dtype == "bfloat16" else 11)
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 

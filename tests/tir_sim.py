@@ -164,6 +164,8 @@ class Simulator:
             self.env[node.var] = self._expr(node.value)
         elif kind == "Evaluate":
             self._call(node.value, mask)
+        elif kind == "AttrStmt":  # launch bounds and the like
+            self._stmt(node.body, mask)
         else:
             raise NotImplementedError(f"statement {kind}")
 
@@ -253,6 +255,10 @@ class Simulator:
             return self._device(str(args[0].value), args[1:-1], mask)
         if op == "tirx.ptx_legacy.mma":
             return self._mma(args)
+        if op.startswith("tirx.ptx.cp"):
+            return self._ptx_copy(args, mask)
+        if op == "tirx.cuda.cvta_generic_to_shared":
+            return self._expr(args[0])
         raise NotImplementedError(f"call {op}")
 
     def _select(self, args):
@@ -314,6 +320,20 @@ class Simulator:
         if name == "rnncc_cp_async_wait":
             return None
         raise NotImplementedError(f"device function {name}")
+
+    def _ptx_copy(self, args, mask):
+        """``cp.async`` of 16 bytes (done at once); its groups' commits and waits do
+        nothing."""
+        if any(type(a).__name__ == "StringImm" and a.value in ("commit_group", "wait_group")
+               for a in args):
+            return None
+        dst, src, size = (self._expr(a) for a in args[:3])
+        count = int(size) // np.dtype(_np_dtype(src.buffer.ty.dtype)).itemsize
+        flat = np.broadcast_to(np.asarray(src.flat, np.int64), (self.lanes,))
+        for v in range(count):
+            self._write(dst.buffer, np.asarray(dst.flat) + v, self._load(src.buffer, flat + v),
+                        mask)
+        return None
 
     def _mma(self, args):
         """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 on every warp: lane l (group g =
