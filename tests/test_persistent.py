@@ -462,6 +462,28 @@ def test_mma_knob():
     assert knobs.plan_for(wide, H100, {}, 24).mma  # past the CUDA cores' 16 batch rows
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_layers_past_batch_64_are_not_persistent_by_default(dtype):
+    """A layer of 16-bit weights at batch 65 and more has no persistent plan by default (the
+    non-persistent schedule's tensor-core products are faster there), unless knobs ask for
+    one; batch 64, float32 and a wavefront of layers are unaffected."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    lstm = Problem(cells.get("lstm"), 256, 256, 128, dtype)
+    with pytest.raises(Unfit, match=f"batch 128 in {dtype} is over 64, where the non-persistent"):
+        knobs.plan_for(lstm, H100, {}, 24)
+    assert knobs.plan_for(lstm, H100, {"batch_groups": 2}, 24).batch_groups == 2
+    assert knobs.plan_for(dataclasses.replace(lstm, batch=64), H100, {}, 24).mma
+    for other in (dataclasses.replace(lstm, dtype="float32"),
+                  dataclasses.replace(lstm, layers=2)):
+        try:
+            knobs.plan_for(other, H100, {}, 24)
+        except Unfit as err:  # its own reasons (on-chip room), not this rule's
+            assert "is over 64" not in str(err)
+
+
 @pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [
     (4, 1024, 1024, 1, None), (4, 1024, 1024, 4, None), (3, 33, 257, 3, None),
     (1, 7, 3, 1, None), (4, 100, 64, 7, 5), (3, 1024, 1024, 4, 200)])

@@ -3,6 +3,7 @@
 :func:`plan_for` is what ``rnncc compile`` plans and ``rnncc tune`` searches over; it decides,
 one named step after another:
 
+0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows: none, unless knobs ask;
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
    no: a plan of their own (the weights on-chip, the input projection a separate GEMM); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
@@ -53,6 +54,12 @@ FUSE_SLAB_MAX_BATCH = 1
 #: with one chunk of W_hh moved, GRU 1024 N=1 2.02 / 1.86 and LSTM 1024 N=1 2.08 / 1.95 with
 #: the counter barrier).
 OVERLAP_ROOM = (0, 24, 48)
+#: A layer of 16-bit weights runs persistently by default only up to HALF_MAX_BATCH batch rows
+#: (past it only in batch groups, and tensor-core GEMMs a step of the non-persistent schedule,
+#: its slices of K filling the GPU, were faster; H200, us a step, persistent / not: float16
+#: LSTM 256 N128 30.6 / 12.1, GRU 1024 N128 30.6 / 17.1; at N64 LSTM 1024 8.6 / 13.4, LSTM 512
+#: 4.4 / 8.7, GRU 1024 11.8 / 11.0). Knobs that ask for a plan still get one.
+HALF_MAX_BATCH = 64
 
 
 def check_knobs(knobs) -> dict:
@@ -115,6 +122,10 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     :class:`~.planner.Unfit` saying why there is none (see the module docstring for the
     order of the decisions). ``tight``: a configuration that does not fit with ``reg_margin``
     registers kept free may be planned with none."""
+    if (problem.dtype in ("float16", "bfloat16") and problem.batch > HALF_MAX_BATCH
+            and problem.layers == 1 and not knobs):
+        raise Unfit(f"batch {problem.batch} in {problem.dtype} is over {HALF_MAX_BATCH}, where "
+                    "the non-persistent schedule's tensor-core products are faster")
     request = _Request(problem, gpu, knobs)
     tensor = tensor_cores(request, reg_margin, tight)
     if tensor is not None:
