@@ -70,8 +70,9 @@ BLOCKS_PER_SM = 2
 #: One step's product: the fewest batch rows this rule takes (fewer: cuda.mma_gemv), and its
 #: slices of K (gemm_parts): the fewest (a power of two up to MAX_PARTS, each at least
 #: MIN_SLICE deep) that give TARGET_BLOCKS blocks, two a multiprocessor. H200, float16 and
-#: TF32, batch 64-256, K 512-2048, O 2048-8192: that count was the fastest or within 3% of it
-#: in all 16 products (docs/benchmarks.md); against cuda.mma_gemv 1.3-3.5x faster.
+#: TF32, batch 64-256, K 512-2048, O 2048-8192: that count was the fastest or within 1% of it
+#: in 15 of 16 products (TF32 64 x 512 x 2048: 6.4 us against 5.3 in 8 slices of 64;
+#: docs/benchmarks.md); against cuda.mma_gemv 1.3-3.5x faster.
 MIN_BATCH = 64
 MAX_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 128, 256
 
