@@ -121,6 +121,7 @@ class Product:
 
     @property
     def threads(self) -> int:
+        """Threads a block: 2 x 4 warps (1 x 4 in a 64-row tile) pipelined."""
         return self.tile_rows // 16 * 32 if self.pipelined else THREADS
 
     @property

@@ -359,9 +359,10 @@ def test_tf32_products_only_where_allowed():
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(dtype):
     """Half-precision training at batch 64 (no persistent kernel): the input projection of
-    all steps, dx and both weight gradients on tensor cores (cuda.mma_gemm, no spills), each
-    step's products on cuda.mma_gemv; float32, sizes off its tiles, one step's product and
-    GPUs before sm_80 go to the next rule."""
+    all steps, dx and both weight gradients on tensor cores (cuda.mma_gemm, no spills; the
+    projections of rows, and one step's slices, copied ahead by cp.async), each step's
+    products on cuda.mma_gemv or in slices on cuda.mma_gemm; float32, sizes off its tiles, one
+    step's product whole and GPUs before sm_80 go to the next rule."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_mma_gemm
 
@@ -372,12 +373,15 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
                     "recurrent_gemm": "cuda.mma_gemv", "recurrent_gemm_backward": "cuda.mma_gemv"}
     assert {key: rules[key] for key in tensor_cores} == tensor_cores
     t_len, m = tirx.Var("T", "int64"), tirx.Var("M", "int64")
-    for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", dtype, "float32"),
-                 comp.weight_gradient(m, 4096, 1024, dtype, "float32")):
+    for func, pipelined in ((comp.gemm((t_len, 64), 1024, 4096, "cols", dtype, "float32"), False),
+                            (comp.weight_gradient(m, 4096, 1024, dtype, "float32"), False),
+                            (comp.gemm((t_len, 64), 1024, 4096, "rows", dtype, dtype), True),
+                            (comp.gemm_parts(64, 1024, 4096, 8, "rows", dtype, "float32"), True)):
         source = tvm.compile(tvm.IRModule({"main": cuda_mma_gemm.apply(func, CUDA).mod[
             "main"].with_attr("global_symbol", "mg")}), target=CUDA).mod.imports[0]
         _, report = compile_cubin(source.inspect_source(), "sm_90")
         assert report["mg_kernel"]["spill_stores"] == report["mg_kernel"]["stack"] == 0
+        assert ("cp.async.cg.shared.global" in source.inspect_source()) == pipelined
     declined = [comp.gemm((t_len, 64), 1024, 4096, "rows", "float32", "float32"),
                 comp.gemm((t_len, 64), 1024, 4000, "rows", dtype, dtype),  # O % 128
                 comp.gemm((t_len, 64), 1056, 4096, "rows", dtype, dtype),  # K % 64
