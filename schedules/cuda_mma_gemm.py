@@ -145,12 +145,11 @@ def sizes(func, target) -> Product | None:
 
 
 def parts(func, target) -> int:
-    """The slices of K this rule splits the one-step product of gemm component ``func`` into
-    (1 where it does not take it, where its grid is large enough whole, or where even its
-    slices give under a quarter of TARGET_BLOCKS blocks: small products stay with
-    cuda.mma_gemv):
-    a reader that adds them itself takes the product as rnncc's gemm_parts component in as
-    many slices."""
+    """The slices of K this rule splits the one-step product of gemm component ``func`` into,
+    for a reader that adds them itself (rnncc's gemm_parts component in as many slices); 1
+    where it does not take the product, where its grid is large enough whole, or where even
+    its slices give under a quarter of TARGET_BLOCKS blocks (small products stay with
+    cuda.mma_gemv)."""
     found = product_of(func, target)
     return 1 if found is None or found.rows is None else _sliced(found)
 
