@@ -137,11 +137,11 @@ def sizes(func, target) -> Product | None:
     TF32) on sm_80 or later; a projection with sizes that :func:`fits`; a gradient with O and
     K multiples of TILE."""
     found = product_of(func, target)
-    if found is not None and found.form == "projection" and found.rows is not None:
+    if found is None or found.rows is None:  # all steps, or a gradient
+        return found
+    if found.form == "projection":
         return found if _tiles(found) >= TARGET_BLOCKS else None
-    if found is not None and found.form == "slices" and _sliced(found) != found.parts:
-        return None  # slices this rule would not have chosen (cuda.sgemm's)
-    return found
+    return found if slices(found) == found.parts else None  # not another rule's count
 
 
 def parts(func, target) -> int:
@@ -151,13 +151,7 @@ def parts(func, target) -> int:
     its slices give under a quarter of TARGET_BLOCKS blocks (small products stay with
     cuda.mma_gemv)."""
     found = product_of(func, target)
-    return 1 if found is None or found.rows is None else _sliced(found)
-
-
-def _sliced(product: Product) -> int:
-    """:func:`parts` of one step's ``product``."""
-    count = slices(product)
-    return count if _tiles(product) * count >= TARGET_BLOCKS // 4 else 1
+    return 1 if found is None or found.rows is None else slices(found)
 
 
 def _tiles(product: Product) -> int:
@@ -168,13 +162,14 @@ def _tiles(product: Product) -> int:
 def slices(product: Product) -> int:
     """The slices of K of one step's ``product``: the fewest that give TARGET_BLOCKS blocks
     (a power of two up to MAX_PARTS, each whole chunks and at least MIN_SLICE deep), else the
-    most allowed."""
+    most allowed; 1 where those give under a quarter of TARGET_BLOCKS."""
     tiles = _tiles(product)
     bk = chunk_k(product.op)
     depth = product.depth * product.parts
     choices = [c for c in range(1, MAX_PARTS + 1) if c & (c - 1) == 0
                and depth % (c * bk) == 0 and (c == 1 or depth // c >= MIN_SLICE)]
-    return next((c for c in choices if tiles * c >= TARGET_BLOCKS), choices[-1])
+    count = next((c for c in choices if tiles * c >= TARGET_BLOCKS), choices[-1])
+    return count if tiles * count >= TARGET_BLOCKS // 4 else 1
 
 
 def product_of(func, target) -> Product | None:
@@ -253,9 +248,9 @@ class Tile:
             self.chunk_pairs = product.depth // (2 * bk)
         self.chunks = product.depth // bk
         self.j_tiles = product.columns // TILE
-        self.stage = [TILE * bk if inner else bk * self.outer_stride for inner in product.inner]
-        if product.pipelined:
-            self.stage = [self.tile_rows * bk, TILE * bk]
+        #: elements of an operand's staged chunk
+        self.stage = [rows * bk if inner else bk * self.outer_stride
+                      for rows, inner in zip((self.tile_rows, TILE), product.inner)]
 
     def parameters(self):
         """Inside the PrimFunc being built: the component's parameters, run-time sizes as this
