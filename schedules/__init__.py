@@ -32,6 +32,7 @@ from . import (
     cuda_small_batch_gemv,
     cuda_tiled_gemm,
     cuda_weight_grad,
+    cuda_wgmma_gemm,
     tuned,
 )
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32
@@ -42,9 +43,9 @@ ROLES = ("gemm", "elementwise", "reduction")
 
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
-    ("cuda", "gemm"): [cuda_mma_gemm.RULE, cuda_mma_gemv.RULE, cuda_small_batch_gemv.RULE,
-                       cuda_gemv.RULE, cuda_sgemm.RULE, cuda_tiled_gemm.RULE,
-                       cuda_matmul.RULE, cuda_gemm_simple.RULE],
+    ("cuda", "gemm"): [cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_mma_gemv.RULE,
+                       cuda_small_batch_gemv.RULE, cuda_gemv.RULE, cuda_sgemm.RULE,
+                       cuda_tiled_gemm.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_row_means.RULE, cuda_fallback.RULE],
     ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_mma_gemm.RULE, cuda_column_sum.RULE,
                            cuda_matmul.RULE, cuda_fallback.RULE],

@@ -356,6 +356,15 @@ def test_tiled_gemm_matches_reference(cell, input_size, hidden, batch, dtype, rn
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
 
 
+def on_this_gpu(rule: str) -> str:
+    """The rule expected on this GPU: cuda.wgmma_gemm's products are cuda.mma_gemm's before
+    sm_90."""
+    import tvm
+
+    hopper = tvm.cuda().compute_version == "9.0"
+    return "cuda.mma_gemm" if rule == "cuda.wgmma_gemm" and not hopper else rule
+
+
 def step_product_rule(rules: dict) -> str:
     """The rule of each step's recurrent product: of its slices of K where it is left in
     them."""
@@ -367,11 +376,13 @@ def step_product_rule(rules: dict) -> str:
     ("rnn_tanh", 64, 128, 9, "bfloat16")])
 def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_size, hidden,
                                                                     batch, dtype, rng):
-    """float16 / bfloat16: the input projection of all steps on cuda.mma_gemm (flat rows in
-    float16, T x N in bfloat16; a partial last row tile) and each step's on cuda.mma_gemv."""
+    """float16 / bfloat16: the input projection of all steps on cuda.wgmma_gemm (sm_90;
+    flat rows in float16, T x N in bfloat16; a partial last row tile) and each step's on
+    cuda.mma_gemv."""
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype, persistent="off")
     rules = module.metadata["schedule"]["rules"]
-    assert (rules["input_gemm"], rules["recurrent_gemm"]) == ("cuda.mma_gemm", "cuda.mma_gemv")
+    assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
+        on_this_gpu("cuda.wgmma_gemm"), "cuda.mma_gemv")
     for steps, initial in ((1, True), (37, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
@@ -379,19 +390,20 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, step_rule", [
     ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
-    ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.mma_gemm"),
+    ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.wgmma_gemm"),
     ("gru", 96, 128, 64, "cuda.sgemm")])  # 48 blocks of 8 rows at most: IEEE
 def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rule, rng):
-    """allow_tf32=True: the products of all steps (cuda.mma_gemm) and each step's
-    (cuda.mma_gemv where its grid is large enough, cuda.mma_gemm's slices of K at batch 64 and
-    more) in TF32, within TF32's bound of float64 and past float32's (the operands are
-    rounded: TF32 ran), a partial last tile of batch rows; the same module without
-    allow_tf32 stays within float32's."""
+    """allow_tf32=True: the products of all steps (cuda.wgmma_gemm on sm_90) and each step's
+    (cuda.mma_gemv where its grid is large enough, slices of K at batch 64 and more) in TF32,
+    within TF32's bound of float64 and past float32's (the operands are rounded: TF32 ran), a
+    partial last tile of batch rows; the same module without allow_tf32 stays within
+    float32's."""
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off",
                       allow_tf32=True)
     rules = module.metadata["schedule"]["rules"]
     assert module.allow_tf32
-    assert (rules["input_gemm"], step_product_rule(rules)) == ("cuda.mma_gemm", step_rule)
+    assert (rules["input_gemm"], step_product_rule(rules)) == (
+        on_this_gpu("cuda.wgmma_gemm"), on_this_gpu(step_rule))
     for steps, initial in ((1, True), (37, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert TOL_F32 < err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
@@ -436,15 +448,16 @@ def test_nn_tf32_where_allowed(torch, rng):
     ("lstm", 64, 256, 9, "cuda.mma_gemv"), ("gru", 48, 512, 33, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 128, 100, "cuda.mma_gemv"), ("lstm", 40, 1024, 64, "cuda.mma_gemm"),
     ("rnn_relu", 16, 96, 17, "cuda.mma_gemv"), ("gru", 32, 256, 200, "cuda.mma_gemv"),
-    ("lstm", 48, 512, 250, "cuda.mma_gemm")])
+    ("lstm", 48, 512, 250, "cuda.wgmma_gemm")])
 def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, batch, rule, rng):
     """Each step's recurrent projection in float16 on tensor cores: cuda.mma_gemv (batch rows
     past N in the last 16-row tile, chunks of K of 32 to 256, one and two 8-row tiles a warp)
-    and, at batch 64 and more where its slices fill the GPU, cuda.mma_gemm (K in 8 and 4
-    slices, a partial last tile of 64 and 128 rows)."""
+    and, at batch 64 and more where its slices fill the GPU, cuda.mma_gemm (K in 8 slices, a
+    partial last tile of 64 rows) and past 64 on sm_90 cuda.wgmma_gemm (4 slices, a partial
+    last tile of 128 rows)."""
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype="float16",
                       persistent="off")
-    assert step_product_rule(module.metadata["schedule"]["rules"]) == rule
+    assert step_product_rule(module.metadata["schedule"]["rules"]) == on_this_gpu(rule)
     for steps, initial in ((1, True), (29, False)):
         err = check_against_reference(module, rng, steps, initial)
         assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"

@@ -21,6 +21,7 @@ from rnncc.spec import Options, Problem
 from rnncc.target import TargetSpec
 
 CUDA = TargetSpec("cuda").tvm_target()
+AMPERE = TargetSpec("cuda", arch="sm_80").tvm_target()  # tensor cores, no warpgroup MMA
 LLVM = TargetSpec("llvm").tvm_target()
 
 
@@ -334,40 +335,40 @@ def test_tf32_rounding_to_nearest_ties_away(rng):
 
 
 def test_tf32_products_only_where_allowed():
-    """allow_tf32=True: the float32 products of all steps (cuda.mma_gemm) and each step's at
-    9 to 256 batch rows (cuda.mma_gemv) on tensor cores in TF32 (m16n8k8, no spills); without
-    it, and on the CPU, the same components stay IEEE float32."""
+    """allow_tf32=True on an sm_80 GPU: the float32 products of all steps (cuda.mma_gemm) and
+    each step's at 9 to 256 batch rows (cuda.mma_gemv) on tensor cores in TF32 (m16n8k8, no
+    spills); without it, and on the CPU, the same components stay IEEE float32."""
     from conftest import has_nvcc
     from rnncc.compiler.cuda_binary import compile_cubin
 
     problem = Problem(rnncc.cells.get("lstm"), 128, 1024, 64, "float32", allow_tf32=True)
-    tf32 = sequence.build(problem, Options(persistent="off"), CUDA)
-    ieee = sequence.build(replace(problem, allow_tf32=False), Options(persistent="off"), CUDA)
+    tf32 = sequence.build(problem, Options(persistent="off"), AMPERE)
+    ieee = sequence.build(replace(problem, allow_tf32=False), Options(persistent="off"), AMPERE)
     keys = ("input_gemm", "recurrent_gemm")
     assert [tf32.rules[k] for k in keys] == ["cuda.mma_gemm", "cuda.mma_gemv"]
     assert "mma" not in " ".join(ieee.rules[k] for k in keys)
     cpu = TargetSpec("llvm").tvm_target()
     assert sequence.build(problem, Options(), cpu).rules == sequence.build(
         replace(problem, allow_tf32=False), Options(), cpu).rules
-    source = tvm.compile(tf32.mod, target=CUDA).mod.imports[0].inspect_source()
+    source = tvm.compile(tf32.mod, target=AMPERE).mod.imports[0].inspect_source()
     assert source.count("m16n8k8") >= 2 and ".tf32.tf32" in source
     if has_nvcc():
-        _, report = compile_cubin(source, "sm_90")
+        _, report = compile_cubin(source, "sm_80")
         assert not any(k["spill_stores"] or k["stack"] for k in report.values()), report
 
 
 @pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(dtype):
-    """Half-precision training at batch 64 (no persistent kernel): the input projection of
-    all steps, dx and both weight gradients on tensor cores (cuda.mma_gemm, no spills; the
-    projections of rows, and one step's slices, copied ahead by cp.async), each step's
-    products on cuda.mma_gemv or in slices on cuda.mma_gemm; float32, sizes off its tiles, one
-    step's product whole and GPUs before sm_80 go to the next rule."""
+    """Half-precision training at batch 64 (no persistent kernel) on an sm_80 GPU: the input
+    projection of all steps, dx and both weight gradients on tensor cores (cuda.mma_gemm, no
+    spills; the projections of rows, and one step's slices, copied ahead by cp.async), each
+    step's products on cuda.mma_gemv or in slices on cuda.mma_gemm; float32, sizes off its
+    tiles, one step's product whole and GPUs before sm_80 go to the next rule."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_mma_gemm
 
     problem = Problem(rnncc.cells.get("lstm"), 128, 256, 64, dtype, training=True)
-    rules = sequence.build(problem, Options(), CUDA).rules
+    rules = sequence.build(problem, Options(), AMPERE).rules
     tensor_cores = {"input_gemm": "cuda.mma_gemm", "input_gemm_backward": "cuda.mma_gemm",
                     "weight_grad_ih": "cuda.mma_gemm", "weight_grad_hh": "cuda.mma_gemm",
                     "recurrent_gemm": "cuda.mma_gemv", "recurrent_gemm_backward": "cuda.mma_gemv"}
@@ -476,6 +477,87 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     got = got.sum(0) if form == "slices" else got
     bound = TOL_F32 if form != "gradient" else 2.0 ** -(8 if dtype == "bfloat16" else 11)
     assert np.abs(got - want).max() / np.abs(want).max() < bound
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
+def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
+    """cuda.wgmma_gemm's kernel on the NumPy interpreter of TIR (warpgroup MMA through matrix
+    descriptors of 128-byte swizzled rows): a projection of T*N = 135 rows (two row tiles, the
+    second partial) of a in the weights' type, flat rows; one step's product of N = 135
+    float32 rows (h, rounded through registers) and one of 64 rows (a one-warpgroup tile) in 2
+    slices of K; K of 6 chunks (12 in TF32: both operands through registers) so that chunks
+    are copied ahead in the loop; against NumPy's product of the same rounded operands."""
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+
+    def rounded(x):
+        return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
+
+    steps, n, k, o = 3, 45, 384, 256
+    if form in ("step", "slices"):
+        rows, k = (steps * n, k) if form == "step" else (64, 2 * k)
+        func = (comp.gemm((rows,), k, o, "rows", dtype, "float32") if form == "step"
+                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, "float32"))
+        h = rng.standard_normal((rows, k)).astype(np.float32)
+        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+        want = rounded(h) @ rounded(w).T + (b.astype(np.float64) if form == "step" else 0)
+        args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if form == "step"
+                else [h, w, np.full((2, rows, o), np.nan, np.float32)])
+    else:
+        lead = (tirx.Var("M", "int64"),) if form == "flat" else (tirx.Var("T", "int64"), n)
+        func = comp.gemm(lead, k, o, "rows", dtype, dtype)
+        a = rng.standard_normal((steps * n, k) if form == "flat" else (steps, n, k))
+        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+        args = [a.astype(dtype), w, b, np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
+        want = rounded(args[0]) @ rounded(w).T + b.astype(np.float64)
+    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+    kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = args[-1].astype(np.float64)
+    got = got.sum(0) if form == "slices" else got
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+
+
+def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
+    """On sm_90 (built as sm_90a) cuda.wgmma_gemm takes the input projection of all steps
+    (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
+    cuda.mma_gemm's, as all of them do on sm_80; w [K, O], K off its 128-byte chunks and IEEE
+    float32 go to the next rule. Its kernels compile without spills, one barrier a chunk."""
+    from conftest import has_nvcc
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import _mma, cuda_wgmma_gemm
+
+    def rules(dtype, batch, target, tf32=False):
+        problem = Problem(rnncc.cells.get("lstm"), 512, 1024, batch, dtype, allow_tf32=tf32)
+        found = sequence.build(problem, Options(persistent="off"), target).rules
+        return found["input_gemm"], found.get("recurrent_gemm_parts")
+
+    wgmma, mma = "cuda.wgmma_gemm", "cuda.mma_gemm"
+    assert rules("float16", 256, CUDA) == (wgmma, wgmma)
+    assert rules("float32", 256, CUDA, tf32=True) == (wgmma, wgmma)
+    assert rules("bfloat16", 64, CUDA) == (wgmma, mma)
+    assert rules("float16", 256, AMPERE) == (mma, mma)
+    assert rules("float32", 256, CUDA)[0] == "cuda.sgemm"
+    t_len = tirx.Var("T", "int64")
+    for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", "float16", "float16"),
+                 comp.gemm((t_len, 64), 1056, 4096, "rows", "float16", "float16")):
+        assert cuda_wgmma_gemm.apply(func, CUDA) is None
+    tf32 = comp.gemm_parts(256, 1024, 4096, 4, "rows", "float32", "float32")
+    for func in (comp.gemm((t_len, 64), 1024, 4096, "rows", "bfloat16", "bfloat16"),
+                 tf32.with_attr(_mma.TF32_ATTR, True),
+                 comp.gemm_parts(256, 1024, 4096, 4, "rows", "float16", "float32")):
+        source = tvm.compile(tvm.IRModule({"main": cuda_wgmma_gemm.apply(func, CUDA).mod[
+            "main"].with_attr("global_symbol", "wg")}), target=CUDA).mod.imports[0]
+        source = source.inspect_source()
+        assert "wgmma.mma_async" in source and kernel_bodies(source)["wg_kernel"].count(
+            "__syncthreads()") == 1
+        if has_nvcc():
+            _, report = compile_cubin(source, "sm_90")
+            assert report["wg_kernel"]["spill_stores"] == report["wg_kernel"]["stack"] == 0
 
 
 @pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (4, "float32"),

@@ -8,9 +8,10 @@ and stores, integer, float and bit arithmetic, and the CUDA device functions and
 kernel calls: shuffles within a warp, acquire loads and waits of tagged words (a wait whose tag
 never comes is an error, not a hang), the counter barrier (an error where it would wait
 forever), asynchronous copies (done at once), ``mma.sync`` m16n8k16 (row.col, f16 x f16 + f32)
-and m16n8k8 (tf32 x tf32 + f32), and the GPU's fast exponential and division. Block barriers
-are no-ops: in lockstep every store is seen at once, so this checks the arithmetic and the
-layouts, not the synchronisation.
+and m16n8k8 (tf32 x tf32 + f32), Hopper's ``wgmma.mma_async`` (both operands in shared memory
+through matrix descriptors, done at once) and the GPU's fast exponential and division. Block
+barriers and fences are no-ops: in lockstep every store is seen at once, so this checks the
+arithmetic and the layouts, not the synchronisation.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ class Simulator:
         elif kind == "Bind":
             self.env[node.var] = self._expr(node.value)
         elif kind == "Evaluate":
-            self._call(node.value, mask)
+            if type(node.value).__name__ == "Call":  # else a no-op: evaluate(0)
+                self._call(node.value, mask)
         elif kind == "AttrStmt":  # launch bounds and the like
             self._stmt(node.body, mask)
         else:
@@ -190,7 +192,7 @@ class Simulator:
                "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal,
                "And": np.logical_and, "Or": np.logical_or, "FloorDiv": np.floor_divide,
                "FloorMod": np.mod, "BitwiseAnd": np.bitwise_and, "BitwiseOr": np.bitwise_or,
-               "LShift": np.left_shift, "RShift": np.right_shift}
+               "LShift": np.left_shift, "RShift": np.right_shift, "BitwiseXor": np.bitwise_xor}
 
     def _expr(self, node):
         kind = type(node).__name__
@@ -229,6 +231,8 @@ class Simulator:
             return np.bitwise_and(self._expr(args[0]), self._expr(args[1]))
         if op == "tirx.bitwise_or":
             return np.bitwise_or(self._expr(args[0]), self._expr(args[1]))
+        if op == "tirx.bitwise_xor":
+            return np.bitwise_xor(self._expr(args[0]), self._expr(args[1]))
         if op == "tirx.shift_left":
             return np.left_shift(self._expr(args[0]), self._expr(args[1]))
         if op == "tirx.shift_right":
@@ -259,6 +263,12 @@ class Simulator:
             return self._ptx_copy(args, mask)
         if op == "tirx.cuda.cvta_generic_to_shared":
             return self._expr(args[0])
+        if op.startswith("tirx.ptx.fence"):
+            return None
+        if op.startswith("tirx.ptx.wgmma"):
+            return self._wgmma(args)
+        if op == "tirx.cuda.wgmma_encode_matrix_descriptor":
+            return self._describe(args, mask)
         raise NotImplementedError(f"call {op}")
 
     def _select(self, args):
@@ -388,4 +398,79 @@ class Simulator:
         for i in range(4):
             c[:, :, i] = d[:, g + 8 * (i // 2), 2 * t + i % 2]
         c_all[:, off:off + 4] = c.reshape(self.lanes, 4)
+        return None
+
+    # -- warpgroup MMA -------------------------------------------------------------------------
+
+    #: a matrix descriptor's layout field by TVM's swizzle code, and back: bytes a swizzled row
+    _LAYOUT = {0: 0, 1: 3, 2: 2, 3: 1}
+    _SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}
+
+    def _describe(self, args, mask):
+        """``wgmma_encode_matrix_descriptor(desc, addr, ldo, sdo, swizzle)``: the descriptor's
+        bits (start address and offsets in 16-byte units; addresses are byte offsets in the
+        block's dynamic shared memory)."""
+        desc, addr = self._expr(args[0]), self._expr(args[1])
+        ldo, sdo, swizzle = (int(self._expr(a)) for a in args[2:])
+        size = np.dtype(_np_dtype(addr.buffer.ty.dtype)).itemsize
+        start = np.asarray(addr.flat, np.uint64) * np.uint64(size) >> np.uint64(4)
+        value = (start & np.uint64(0x3FFF) | np.uint64(ldo << 16) | np.uint64(sdo << 32)
+                 | np.uint64(self._LAYOUT[swizzle] << 62))
+        self._write(desc.buffer, desc.flat, value, mask)
+        return None
+
+    def _shared_dyn(self):
+        (found,) = [(b, a) for b, (scope, a) in self.store.items() if scope == "shared.dyn"]
+        return found
+
+    def _matrix(self, desc, rows, k, block):
+        """The [rows, k] K-major operand a descriptor names, in the block's shared memory."""
+        buffer, smem = self._shared_dyn()
+        size = np.dtype(_np_dtype(buffer.ty.dtype)).itemsize
+        desc = int(desc)
+        start, sbo = (desc & 0x3FFF) << 4, (desc >> 32 & 0x3FFF) << 4
+        row_bytes = self._SWIZZLE_BYTES[desc >> 62]
+        assert row_bytes == 128, "128-byte swizzled K-major operands only"
+        r, kb = np.arange(rows)[:, None], np.arange(k)[None, :] * size
+        addr = start + r // 8 * sbo + r % 8 * row_bytes + kb
+        addr = addr ^ ((addr >> 7 & 7) << 4)  # the 128-byte swizzle: bits 4-6 ^= bits 7-9
+        assert (addr % size == 0).all()
+        return smem[block, addr // size]
+
+    def _wgmma(self, args):
+        """``wgmma.mma_async`` m64nNkK: D[64, N] = A[64, K] B[N, K]^T (+ D) for each warpgroup,
+        both operands K-major in shared memory (the 128-byte swizzle), TF32 operands' low 13
+        mantissa bits ignored; thread t of warp w holds D[16 w + t // 4 + 8 h][8 n + 2 (t % 4)
+        + v] in its sum 4 n + 2 h + v. Fences, commits and waits do nothing."""
+        names = [str(a.value) for a in args if type(a).__name__ == "StringImm"]
+        if "mma_async" not in names:
+            return None
+        shape = next(n for n in names if n.startswith("m64n"))
+        n, k = (int(x) for x in shape[4:].split("k"))
+        tf32 = "tf32" in names
+        count = n // 2
+        acc = [(a.source, int(self._flat_index(a.source, [self._expr(i) for i in a.indices])))
+               for a in args[:count]]
+        descs = [np.broadcast_to(np.asarray(self._expr(a), np.uint64), (self.lanes,))
+                 for a in args[count:count + 2]]
+        keep = bool(self._expr(args[count + 2]))
+        t = np.arange(128)
+        rows = 16 * (t // 32)[:, None, None] + (t % 32 // 4)[:, None, None] + 8 * np.arange(
+            2)[None, None, :]
+        cols = 8 * np.arange(n // 8)[None, :, None] + 2 * (t % 4)[:, None, None]
+        for g in range(0, self.lanes, 128):
+            lanes = np.arange(g, g + 128)
+            assert all((d[lanes] == d[g]).all() for d in descs), "a warpgroup's descriptors"
+            block = g // self.threads
+            a, b = (self._matrix(d[g], r, k, block).astype(np.float32)
+                    for d, r in zip(descs, (64, n)))
+            if tf32:
+                a, b = (x.view(np.uint32) & np.uint32(0xFFFFE000) for x in (a, b))
+                a, b = a.view(np.float32), b.view(np.float32)
+            d = a.astype(np.float64) @ b.astype(np.float64).T
+            for e, (buffer, flat) in enumerate(acc):
+                h, v, j = e // 2 % 2, e % 2, e // 4
+                _, array = self.store[buffer]
+                value = d[rows[:, 0, h], cols[:, j, 0] + v]
+                array[lanes, flat] = value + (array[lanes, flat] if keep else 0)
         return None

@@ -88,8 +88,11 @@ def cooperative_kernels(source: str) -> list[str]:
 
 
 def compile_cubin(source: str, arch: str) -> tuple[bytes, dict]:
-    """nvcc ``source`` to a cubin for ``arch`` (e.g. sm_90); returns (cubin, ptxas report)."""
+    """nvcc ``source`` to a cubin for ``arch`` (e.g. sm_90); returns (cubin, ptxas report).
+    sm_90 is built as sm_90a (the same GPUs; its warpgroup MMA needs the arch-specific
+    target)."""
     nvcc = find_nvcc()
+    arch = "sm_90a" if arch == "sm_90" else arch
     with tempfile.TemporaryDirectory(prefix="rnncc_nvcc_") as tmp:
         src, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.cubin")
         with open(src, "w") as f:

@@ -1,0 +1,292 @@
+"""CUDA on Hopper (sm_90): the products of :mod:`.cuda_mma_gemm` whose operands both have k as
+their buffer's last index (the input projection of all steps, one step's product in slices of
+K) on warpgroup MMA, ``wgmma.mma_async``: the tensor cores read both operands from shared
+memory through matrix descriptors, the sums stay in registers.
+
+C[i, j] = sum_k A[i, k] B[j, k] as :mod:`.cuda_mma_gemm` names its forms: a projection (plus b,
+M a run-time size or one step's N) or slice s of K of one step's product (no bias).
+
+A block computes a tile of C of ``tile_rows`` (128, or 64 where one step's N is at most 64)
+x TILE (128) columns: a warpgroup (4 warps, 128 threads) a 64 x 128 part, one m64n128k16
+(halves) or m64n128k8 (TF32) instruction a 32-byte step of k, 64 float32 sums a thread. K goes
+through shared memory in chunks of 128 bytes a row (64 halves, 32 TF32 values), :data:`STAGES`
+in one dynamic buffer, :data:`AHEAD` chunks copied ahead by ``cp.async`` (16 bytes a copy, 8
+threads a row). Rows are staged with the 128-byte swizzle the descriptors name: 16-byte piece
+p of row r lies at piece p ^ (r % 8) of its 128 bytes, so 8 threads copying a row write 8
+different bank groups. An operand that must be rounded (a float32 A under half weights, one
+step's h; both operands in TF32, which the tensor cores would truncate) goes through registers
+instead: loaded AHEAD chunks ahead, stored rounded a chunk later, as that chunk's first work.
+A chunk: the thread's copies of it are waited for, the stores of the last loads made, all
+made visible to the tensor cores' (async) proxy, one barrier; the copies (loads) of chunk c +
+AHEAD are issued into the stage that chunk c - 2 read (its products are done: a warpgroup
+waits for all but its last group of products); 4 instructions are issued and committed as one
+group. The sums land as the instruction leaves them: thread t of warp w of the warpgroup holds
+rows 16 w + t // 4 + {0, 8}, columns 8 n + 2 (t % 4) + {0, 1} of each 8-column tile n.
+
+The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from . import cuda_mma_gemm
+from ._rule import Rule
+
+TILE = cuda_mma_gemm.TILE  # columns of C a block, and rows of a tile of many rows
+ROW_BYTES = 128  # a staged row of a chunk: one swizzle row
+SWIZZLE_ROWS = 8  # rows of the swizzle's period (1024 bytes): the descriptors' stride
+STEP_BYTES = 32  # k of an instruction: 16 halves or 8 TF32 values
+SWIZZLE_128B = 3  # TVM's code for the 128-byte swizzle in a matrix descriptor
+WARPGROUP = 128
+#: Chunks in shared memory, and how far ahead they are copied (at most STAGES - 2: chunk c -
+#: 1's products may still read theirs). H200, float16 [6400 x 1024] x [1024 x 4096], 128 x 128
+#: tiles, kernel alone: 4 stages 2 ahead 180 us, 5 and 3 172, 6 and 4 171 (cuBLAS 91).
+#: Against cuda.mma_gemm (H100, kernel alone): that product 112 us against 190, TF32 420
+#: against 553 (cuBLAS 95, 173); one step's in slices, 256 x 1024 x 4096: 14.8 against 16.5,
+#: TF32 24.8 against 28.4; at N = 64 (64-row tiles) TF32 64 x 2048 x 8192 46.8 against 41.1.
+STAGES, AHEAD = 5, 3
+
+
+def has_wgmma(target) -> bool:
+    """Whether ``target`` is a Hopper GPU (sm_90, built as sm_90a)."""
+    return str(target.attrs.get("arch", "")) in ("sm_90", "sm_90a")
+
+
+def sizes(func, target) -> cuda_mma_gemm.Product | None:
+    """The product of component ``func`` where this rule takes it: one that
+    :func:`.cuda_mma_gemm.sizes` takes with both operands' k last, on sm_90, but for one
+    step's product in N <= 64 rows (one warpgroup a block: :mod:`.cuda_mma_gemm`'s is
+    faster there); else None."""
+    if not has_wgmma(target):
+        return None
+    found = cuda_mma_gemm.sizes(func, target)
+    if found is None or not found.pipelined or found.depth % Plan.chunk(found.op):
+        return None
+    return None if found.tile_rows < TILE else found
+
+
+class Plan:
+    """A product's block, chunks and staging; the grid and the operands' elements are those of
+    :class:`.cuda_mma_gemm.Tile` (the same tiles of C)."""
+
+    def __init__(self, product: cuda_mma_gemm.Product):
+        self.product = product
+        self.tile = cuda_mma_gemm.Tile(product)
+        op = product.op
+        self.esize = 4 if op.tf32 else 2
+        self.bk = self.chunk(op)
+        self.steps = ROW_BYTES // STEP_BYTES  # instructions a chunk
+        self.rows = product.tile_rows
+        self.threads = self.rows // 64 * WARPGROUP
+        self.a_bytes = self.rows * ROW_BYTES
+        self.stage_bytes = self.a_bytes + TILE * ROW_BYTES
+        #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
+        self.pieces = [self.rows * 8 // self.threads, TILE * 8 // self.threads]
+        self.per = 16 // self.esize  # elements a piece
+        self.chunks = product.depth // self.bk
+        self.grid = product.parts * self.tile.i_tiles * self.tile.j_tiles
+        self.sums = TILE // 2  # a thread's float32 sums
+        kstep = STEP_BYTES // self.esize
+        ptx = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}[op.dtype]
+        shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{TILE}k{kstep}").f32
+        self.instruction = getattr(getattr(shape, ptx), ptx)
+        #: scale-a, scale-b (and for halves: A and B k-major, not transposed)
+        self.flags = (1, 1) if op.tf32 else (1, 1, 0, 0)
+
+    @staticmethod
+    def chunk(op) -> int:
+        """k a chunk: 128 bytes of a row."""
+        return ROW_BYTES // (4 if op.tf32 else 2)
+
+    def place(self, p_, tx):
+        """(row, piece) of a chunk the thread's ``p_``-th piece is (8 threads a row)."""
+        v = p_ * self.threads + tx
+        return v // 8, v % 8
+
+    def slot(self, op: int, stage, row, piece):
+        """Where piece ``piece`` of ``row`` of operand ``op`` (0: A, 1: B) in ``stage`` is
+        stored (an element of the buffer): swizzled within its 128 bytes."""
+        base = stage * self.stage_bytes + (self.a_bytes if op else 0) + row * ROW_BYTES
+        return (base + (piece ^ row % SWIZZLE_ROWS) * 16) // self.esize
+
+    def step(self, op: int, stage, s, tx):
+        """The element where the rows of operand ``op`` that k-step ``s`` reads start: the
+        thread's warpgroup's 64 rows of A, all TILE rows of B."""
+        rows = tx // WARPGROUP * 64 * ROW_BYTES if op == 0 else self.a_bytes
+        return (stage * self.stage_bytes + rows + s * STEP_BYTES) // self.esize
+
+    def copied(self, op: int) -> bool:
+        """Whether operand ``op`` is copied as it is stored (else through registers,
+        rounded): A where it is stored in the weights' half type, B in a half type."""
+        return not self.product.op.tf32 and (op == 1 or self.product.copied)
+
+
+@T.macro
+def _copy(p, io, op, smem, stage, k0, first, tx):
+    """Operand ``op``'s chunk from k = ``k0`` (its rows from ``first``) copied by
+    ``cp.async`` into ``stage``: the thread's pieces."""
+    for p_ in T.unroll(p.pieces[op]):
+        row, piece = T.meta_var(p.place(p_, tx))
+        T.ptx.cp.async_.cg.shared.global_(
+            T.address_of(smem[p.slot(op, stage, row, piece)]),
+            T.address_of(p.tile.source(io, op, first + row, k0 + piece * p.per)), 16)
+
+
+@T.macro
+def _load(p, io, op, regs, k0, first, tx):
+    """Operand ``op``'s pieces of the chunk from k = ``k0`` (its rows from ``first``) into
+    ``regs``, as stored (float32)."""
+    for p_ in T.unroll(p.pieces[op]):
+        row, piece = T.meta_var(p.place(p_, tx))
+        for h in T.unroll(p.per // 4):
+            for v in T.vectorized(4):
+                regs[p_ * p.per + h * 4 + v] = p.tile.source(
+                    io, op, first + row, k0 + piece * p.per + h * 4 + v)
+
+
+@T.macro
+def _store(p, op, regs, smem, stage, tx):
+    """Operand ``op``'s pieces in ``regs`` into ``stage``, rounded to the operands' type."""
+    for p_ in T.unroll(p.pieces[op]):
+        row, piece = T.meta_var(p.place(p_, tx))
+        for v in T.vectorized(p.per):
+            smem[p.slot(op, stage, row, piece) + v] = p.product.op.round(regs[p_ * p.per + v])
+
+
+@T.macro
+def _put(p, io, op, smem, stage, k0, first, tx):
+    """Operand ``op``'s pieces of the chunk from k = ``k0`` read and stored rounded into
+    ``stage`` at once (the chunks before the loop; not through ``regs``: TVM's CUDA code
+    would reuse its first vector read of a register for the next ones in one scope)."""
+    for p_ in T.unroll(p.pieces[op]):
+        row, piece = T.meta_var(p.place(p_, tx))
+        for h in T.unroll(p.per // 4):
+            for v in T.vectorized(4):
+                smem[p.slot(op, stage, row, piece) + h * 4 + v] = p.product.op.round(
+                    p.tile.source(io, op, first + row, k0 + piece * p.per + h * 4 + v))
+
+
+@T.macro
+def _fetch_operand(p, io, op, smem, regs, c, k0, first, tx):
+    """Operand ``op``'s chunk ``c`` (its rows from ``first``): copies into its stage; else
+    loads into ``regs``, or before the loop (``regs`` None) stored at once."""
+    if p.copied(op):
+        _copy(p, io, op, smem, c % STAGES, k0 + c * p.bk, first, tx)
+    elif regs is None:
+        _put(p, io, op, smem, c % STAGES, k0 + c * p.bk, first, tx)
+    else:
+        _load(p, io, op, regs, k0 + c * p.bk, first, tx)
+
+
+@T.macro
+def _fetch(p, io, smem, regs, c, k0, bi, bj, tx):
+    """Chunk ``c`` of the block's part of K (from ``k0``), both operands (``regs`` None:
+    before the loop)."""
+    _fetch_operand(p, io, 0, smem, None if regs is None else regs[0], c, k0, bi * p.rows, tx)
+    _fetch_operand(p, io, 1, smem, None if regs is None else regs[1], c, k0, bj * TILE, tx)
+
+
+@T.macro
+def _stage(p, regs, smem, stage, tx):
+    """The operands loaded into registers stored into ``stage``."""
+    if not p.copied(0):
+        _store(p, 0, regs[0], smem, stage, tx)
+    if not p.copied(1):
+        _store(p, 1, regs[1], smem, stage, tx)
+
+
+@T.macro
+def _describe(p, op, smem, desc, stage, s, tx):
+    """desc[op]: the matrix descriptor of operand ``op``'s rows for k-step ``s``: 128-byte
+    swizzled rows, 8 rows (1024 bytes) from one core matrix to the next (no leading offset
+    within a swizzled row)."""
+    T.cuda.wgmma.encode_matrix_descriptor(
+        T.address_of(desc[op]), T.address_of(smem[p.step(op, stage, s, tx)]),
+        1, SWIZZLE_ROWS * ROW_BYTES // 16, SWIZZLE_128B)
+
+
+@T.macro
+def _products(p, smem, acc, desc, stage, tx):
+    """A chunk's products in ``stage``, issued as one group; then a wait for all but this
+    group (the previous chunk's products are done)."""
+    T.ptx.wgmma.fence.sync.aligned()
+    for s in T.unroll(p.steps):
+        _describe(p, 0, smem, desc, stage, s, tx)
+        _describe(p, 1, smem, desc, stage, s, tx)
+        p.instruction(*[acc[e] for e in range(p.sums)], desc[0], desc[1], T.bool(True),
+                      *p.flags)
+    T.ptx.wgmma.commit_group.sync.aligned()
+    T.ptx.wgmma.wait_group.sync.aligned(1)
+
+
+@T.macro
+def _epilogue(p, io, acc, bi, bj, part, tx):
+    """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are."""
+    lane = T.meta_var(tx % 32)
+    first = T.meta_var(bi * p.rows + tx // 32 * 16 + lane // 4)
+    for n in T.unroll(TILE // 8):
+        for h in T.unroll(2):
+            i = T.meta_var(first + h * 8)
+            j = T.meta_var(bj * TILE + n * 8 + lane % 4 * 2)
+            if i < p.tile.m:
+                for v in T.vectorized(2):
+                    if p.product.form == "projection":
+                        T.buffer_store(io[3], acc[n * 4 + h * 2 + v] + T.Cast(
+                            "float32", io[2][j + v]), p.tile.at(i) + [j + v])
+                    else:
+                        io[2][part, i, j + v] = acc[n * 4 + h * 2 + v]
+
+
+def kernel(product: cuda_mma_gemm.Product):
+    """The PrimFunc, with the component's parameters."""
+    p = Plan(product)
+    dtype = product.op.dtype
+
+    @T.prim_func(s_tir=True)
+    def wgmma_gemm():
+        T.func_attr({"tirx.noalias": True})
+        io = T.meta_var(p.tile.parameters())
+        with T.sblock("root"):
+            smem = T.sblock_alloc_buffer((STAGES * p.stage_bytes // p.esize,), dtype,
+                                         scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
+            ra = T.sblock_alloc_buffer((p.pieces[0] * p.per,), "float32", scope="local")
+            rb = T.sblock_alloc_buffer((p.pieces[1] * p.per,), "float32", scope="local")
+            acc = T.sblock_alloc_buffer((p.sums,), "float32", scope="local")
+            desc = T.sblock_alloc_buffer((2,), "uint64", scope="local")
+            for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
+                for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
+                    part = T.meta_var(bx // (p.tile.i_tiles * p.tile.j_tiles))
+                    bi = T.meta_var(bx // p.tile.j_tiles % p.tile.i_tiles)
+                    bj = T.meta_var(bx % p.tile.j_tiles)
+                    k0 = T.meta_var(part * product.depth)
+                    regs = T.meta_var((ra, rb))
+                    for e in T.unroll(p.sums):
+                        acc[e] = T.float32(0)
+                    for c in T.unroll(AHEAD):
+                        if c < p.chunks:
+                            _fetch(p, io, smem, None, c, k0, bi, bj, tx)
+                        T.ptx.cp.async_.commit_group()
+                    for c in range(p.chunks):
+                        T.ptx.cp.async_.wait_group(AHEAD - 1)
+                        if 1 <= c and c + AHEAD - 1 < p.chunks:
+                            _stage(p, regs, smem, (c + AHEAD - 1) % STAGES, tx)
+                        T.ptx.fence.proxy.async_.shared__cta()
+                        T.tvm_storage_sync("shared.dyn")
+                        if c + AHEAD < p.chunks:
+                            _fetch(p, io, smem, regs, c + AHEAD, k0, bi, bj, tx)
+                        T.ptx.cp.async_.commit_group()
+                        _products(p, smem, acc, desc, c % STAGES, tx)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    _epilogue(p, io, acc, bi, bj, part, tx)
+
+    return wgmma_gemm
+
+
+def apply(func, target):
+    found = sizes(func, target)
+    return None if found is None else s_tir.Schedule(kernel(found))
+
+
+RULE = Rule("cuda.wgmma_gemm", apply)
