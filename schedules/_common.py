@@ -30,6 +30,12 @@ def has_mma(target) -> bool:
     return arch.startswith("sm_") and int(arch[3:].rstrip("a")) >= 80
 
 
+def has_wgmma(target) -> bool:
+    """Whether ``target`` has warpgroup MMA, ``wgmma.mma_async`` (Hopper: sm_90, built as
+    sm_90a)."""
+    return str(target.attrs.get("arch", "")) in ("sm_90", "sm_90a")
+
+
 def loop_nests(sch: s_tir.Schedule):
     """The top-level loop nests: (outer loops, blocks in the nest) for each child of root."""
     root = sch.get_sblock("root")

@@ -32,6 +32,7 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from . import cuda_mma_gemm
+from ._common import has_wgmma
 from ._rule import Rule
 
 TILE = cuda_mma_gemm.TILE  # columns of C a block, and rows of a tile of many rows
@@ -49,11 +50,6 @@ WARPGROUP = 128
 STAGES, AHEAD = 5, 3
 
 
-def has_wgmma(target) -> bool:
-    """Whether ``target`` is a Hopper GPU (sm_90, built as sm_90a)."""
-    return str(target.attrs.get("arch", "")) in ("sm_90", "sm_90a")
-
-
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
     """The product of component ``func`` where this rule takes it: one that
     :func:`.cuda_mma_gemm.sizes` takes with both operands' k last, on sm_90, but for one
@@ -67,6 +63,11 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     return None if found.tile_rows < TILE else found
 
 
+def _bytes(op) -> int:
+    """Bytes an element of operand type ``op``."""
+    return 4 if op.tf32 else 2
+
+
 class Plan:
     """A product's block, chunks and staging; the grid and the operands' elements are those of
     :class:`.cuda_mma_gemm.Tile` (the same tiles of C)."""
@@ -75,7 +76,7 @@ class Plan:
         self.product = product
         self.tile = cuda_mma_gemm.Tile(product)
         op = product.op
-        self.esize = 4 if op.tf32 else 2
+        self.esize = _bytes(op)
         self.bk = self.chunk(op)
         self.steps = ROW_BYTES // STEP_BYTES  # instructions a chunk
         self.rows = product.tile_rows
@@ -98,7 +99,7 @@ class Plan:
     @staticmethod
     def chunk(op) -> int:
         """k a chunk: 128 bytes of a row."""
-        return ROW_BYTES // (4 if op.tf32 else 2)
+        return ROW_BYTES // _bytes(op)
 
     def place(self, p_, tx):
         """(row, piece) of a chunk the thread's ``p_``-th piece is (8 threads a row)."""

@@ -422,6 +422,48 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
         assert (cuda_mma_gemm.apply(sliced, CUDA) is not None) == (count == parts)
 
 
+def _product_case(form, dtype, k, rng):
+    """(component, arguments with a poisoned output, float64 expected output) of a product
+    the tensor-core GEMM rules take, in ``form``: "rows" (a projection of T*N = 135 rows, a of
+    the weights' type, w [O, K]), "cols" (float32 a, w [K, O]), "flat" (135 flat rows), "step"
+    (one step's N = 135 float32 rows), "slices" (64 rows in 2 slices of K),
+    "gradient" (over M = 70 rows); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides
+    rounded to it). The expected output is of the rounded operands (a slice form's summed)."""
+    from rnncc.schedules import _mma
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+
+    def rounded(x):
+        return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
+
+    steps, n, o = 3, 45, 256
+    m = tirx.Var("M", "int64")
+    if form == "gradient":
+        func = comp.weight_gradient(m, o, k, dtype, "float32")
+        g, a = (rng.standard_normal(s).astype(np.float32) for s in ((70, o), (70, k)))
+        return func, [g, a, np.full((o, k), np.nan, dtype)], rounded(g).T @ rounded(a)
+    if form in ("step", "slices"):
+        rows = steps * n if form == "step" else 64
+        func = (comp.gemm((rows,), k, o, "rows", dtype, "float32") if form == "step"
+                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, "float32"))
+        h = rng.standard_normal((rows, k)).astype(np.float32)
+        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+        want = rounded(h) @ rounded(w).T + (b.astype(np.float64) if form == "step" else 0)
+        args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if form == "step"
+                else [h, w, np.full((2, rows, o), np.nan, np.float32)])
+    else:
+        lead = (m,) if form == "flat" else (tirx.Var("T", "int64"), n)
+        a_dtype = "float32" if form == "cols" else dtype
+        func = comp.gemm(lead, k, o, "cols" if form == "cols" else "rows", dtype, a_dtype)
+        a = rng.standard_normal((steps * n, k) if form == "flat" else (steps, n, k))
+        w, b = rng.standard_normal((o, k)), rng.standard_normal(o)
+        args = [a.astype(a_dtype), (w.T if form == "cols" else w).astype(dtype), b.astype(dtype),
+                np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
+        want = rounded(args[0]) @ rounded(w.astype(dtype)).T + args[2].astype(np.float64)
+    return (func.with_attr(_mma.TF32_ATTR, True) if tf32 else func), args, want
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient", "step", "slices"])
 def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
@@ -432,45 +474,12 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     slices of K; a gradient over M = 70 rows (the last chunk pair partly past M); against
     NumPy's product of the same rounded operands (float32 rounded to TF32 where the component
     allows it: projections only). The kernel at these sizes, whatever the grid's policy."""
-    from rnncc.schedules import _mma, cuda_mma_gemm
+    from rnncc.schedules import cuda_mma_gemm
     from tir_sim import Simulator
 
-    tf32 = dtype == "tf32"
-    if tf32 and form == "gradient":
+    if dtype == "tf32" and form == "gradient":
         pytest.skip("the weight gradients stay IEEE float32 with allow_tf32")
-    dtype = "float32" if tf32 else dtype
-
-    def rounded(x):
-        return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
-
-    steps, n, k, o = 3, 45, 128, 256
-    m = tirx.Var("M", "int64")
-    if form == "gradient":
-        func = comp.weight_gradient(m, o, k, dtype, "float32")
-        g, a = (rng.standard_normal(s).astype(np.float32) for s in ((70, o), (70, k)))
-        args = [g, a, np.full((o, k), np.nan, dtype)]
-        want = rounded(g).T @ rounded(a)
-    elif form in ("step", "slices"):
-        rows = steps * n if form == "step" else 64
-        func = (comp.gemm((rows,), k, o, "rows", dtype, "float32") if form == "step"
-                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, "float32"))
-        func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
-        h = rng.standard_normal((rows, k)).astype(np.float32)
-        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
-        want = rounded(h) @ rounded(w).T + (b.astype(np.float64) if form == "step" else 0)
-        args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if form == "step"
-                else [h, w, np.full((2, rows, o), np.nan, np.float32)])
-    else:
-        lead = (m,) if form == "flat" else (tirx.Var("T", "int64"), n)
-        a_dtype = "float32" if form == "cols" else dtype
-        func = comp.gemm(lead, k, o, "cols" if form == "cols" else "rows", dtype, a_dtype)
-        func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
-        a = rng.standard_normal((steps * n, k) if form == "flat" else (steps, n, k))
-        w, b = rng.standard_normal((o, k)), rng.standard_normal(o)
-        args = [a.astype(a_dtype), (w.T if form == "cols" else w).astype(dtype), b.astype(dtype),
-                np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
-        want = (rounded(args[0]) @ rounded(w.astype(dtype)).T
-                + args[2].astype(np.float64))
+    func, args, want = _product_case(form, dtype, 128, rng)
     kernel = cuda_mma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
@@ -488,33 +497,10 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     float32 rows (h, rounded through registers) and one of 64 rows (a one-warpgroup tile) in 2
     slices of K; K of 6 chunks (12 in TF32: both operands through registers) so that chunks
     are copied ahead in the loop; against NumPy's product of the same rounded operands."""
-    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
 
-    tf32 = dtype == "tf32"
-    dtype = "float32" if tf32 else dtype
-
-    def rounded(x):
-        return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
-
-    steps, n, k, o = 3, 45, 384, 256
-    if form in ("step", "slices"):
-        rows, k = (steps * n, k) if form == "step" else (64, 2 * k)
-        func = (comp.gemm((rows,), k, o, "rows", dtype, "float32") if form == "step"
-                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, "float32"))
-        h = rng.standard_normal((rows, k)).astype(np.float32)
-        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
-        want = rounded(h) @ rounded(w).T + (b.astype(np.float64) if form == "step" else 0)
-        args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if form == "step"
-                else [h, w, np.full((2, rows, o), np.nan, np.float32)])
-    else:
-        lead = (tirx.Var("M", "int64"),) if form == "flat" else (tirx.Var("T", "int64"), n)
-        func = comp.gemm(lead, k, o, "rows", dtype, dtype)
-        a = rng.standard_normal((steps * n, k) if form == "flat" else (steps, n, k))
-        w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
-        args = [a.astype(dtype), w, b, np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
-        want = rounded(args[0]) @ rounded(w).T + b.astype(np.float64)
-    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+    func, args, want = _product_case(form, dtype, 768 if form == "slices" else 384, rng)
     kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
