@@ -402,9 +402,8 @@ class Simulator:
 
     # -- warpgroup MMA -------------------------------------------------------------------------
 
-    #: a matrix descriptor's layout field by TVM's swizzle code, and back: bytes a swizzled row
+    #: a matrix descriptor's layout field by TVM's swizzle code (3: the 128-byte swizzle)
     _LAYOUT = {0: 0, 1: 3, 2: 2, 3: 1}
-    _SWIZZLE_BYTES = {1: 128, 2: 64, 3: 32}
 
     def _describe(self, args, mask):
         """``wgmma_encode_matrix_descriptor(desc, addr, ldo, sdo, swizzle)``: the descriptor's
@@ -429,10 +428,9 @@ class Simulator:
         size = np.dtype(_np_dtype(buffer.ty.dtype)).itemsize
         desc = int(desc)
         start, sbo = (desc & 0x3FFF) << 4, (desc >> 32 & 0x3FFF) << 4
-        row_bytes = self._SWIZZLE_BYTES[desc >> 62]
-        assert row_bytes == 128, "128-byte swizzled K-major operands only"
+        assert desc >> 62 == self._LAYOUT[3], "128-byte swizzled K-major operands only"
         r, kb = np.arange(rows)[:, None], np.arange(k)[None, :] * size
-        addr = start + r // 8 * sbo + r % 8 * row_bytes + kb
+        addr = start + r // 8 * sbo + r % 8 * 128 + kb
         addr = addr ^ ((addr >> 7 & 7) << 4)  # the 128-byte swizzle: bits 4-6 ^= bits 7-9
         assert (addr % size == 0).all()
         return smem[block, addr // size]
@@ -455,9 +453,7 @@ class Simulator:
                  for a in args[count:count + 2]]
         keep = bool(self._expr(args[count + 2]))
         t = np.arange(128)
-        rows = 16 * (t // 32)[:, None, None] + (t % 32 // 4)[:, None, None] + 8 * np.arange(
-            2)[None, None, :]
-        cols = 8 * np.arange(n // 8)[None, :, None] + 2 * (t % 4)[:, None, None]
+        row, col = 16 * (t // 32) + t % 32 // 4, 2 * (t % 4)  # of sum 0
         for g in range(0, self.lanes, 128):
             lanes = np.arange(g, g + 128)
             assert all((d[lanes] == d[g]).all() for d in descs), "a warpgroup's descriptors"
@@ -469,8 +465,8 @@ class Simulator:
                 a, b = a.view(np.float32), b.view(np.float32)
             d = a.astype(np.float64) @ b.astype(np.float64).T
             for e, (buffer, flat) in enumerate(acc):
-                h, v, j = e // 2 % 2, e % 2, e // 4
+                j, h, v = e // 4, e // 2 % 2, e % 2
                 _, array = self.store[buffer]
-                value = d[rows[:, 0, h], cols[:, j, 0] + v]
+                value = d[row + 8 * h, col + 8 * j + v]
                 array[lanes, flat] = value + (array[lanes, flat] if keep else 0)
         return None
