@@ -512,10 +512,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     """On sm_90 (built as sm_90a) cuda.wgmma_gemm takes the input projection of all steps
     (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
     cuda.mma_gemm's, as all of them do on sm_80; w [K, O], K off its 128-byte chunks and IEEE
-    float32 go to the next rule. Its kernels compile without spills, one barrier a chunk."""
-    from conftest import has_nvcc
-    from rnncc.compiler.cuda_binary import compile_cubin
-    from rnncc.schedules import _mma, cuda_wgmma_gemm
+    float32 go to the next rule."""
+    from rnncc.schedules import cuda_wgmma_gemm
 
     def rules(dtype, batch, target, tf32=False):
         problem = Problem(rnncc.cells.get("lstm"), 512, 1024, batch, dtype, allow_tf32=tf32)
@@ -532,18 +530,33 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", "float16", "float16"),
                  comp.gemm((t_len, 64), 1056, 4096, "rows", "float16", "float16")):
         assert cuda_wgmma_gemm.apply(func, CUDA) is None
-    tf32 = comp.gemm_parts(256, 1024, 4096, 4, "rows", "float32", "float32")
-    for func in (comp.gemm((t_len, 64), 1024, 4096, "rows", "bfloat16", "bfloat16"),
-                 tf32.with_attr(_mma.TF32_ATTR, True),
-                 comp.gemm_parts(256, 1024, 4096, 4, "rows", "float16", "float32")):
-        source = tvm.compile(tvm.IRModule({"main": cuda_wgmma_gemm.apply(func, CUDA).mod[
-            "main"].with_attr("global_symbol", "wg")}), target=CUDA).mod.imports[0]
-        source = source.inspect_source()
-        assert "wgmma.mma_async" in source and kernel_bodies(source)["wg_kernel"].count(
-            "__syncthreads()") == 1
-        if has_nvcc():
-            _, report = compile_cubin(source, "sm_90")
-            assert report["wg_kernel"]["spill_stores"] == report["wg_kernel"]["stack"] == 0
+
+
+@pytest.mark.parametrize("form", [
+    "slices of h", pytest.param("projection", marks=pytest.mark.slow),
+    pytest.param("TF32 slices", marks=pytest.mark.slow)])
+def test_wgmma_gemm_kernels_compile_without_spills(form):
+    """cuda.wgmma_gemm's kernels (one step's float32 h under float16 weights in slices: copies
+    and registers; a bfloat16 projection of all steps: copies; TF32 slices: registers) issue
+    wgmma and one barrier a chunk, and compile without spills."""
+    from conftest import has_nvcc
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import _mma, cuda_wgmma_gemm
+
+    func = {"slices of h": lambda: comp.gemm_parts(256, 1024, 4096, 4, "rows", "float16",
+                                                   "float32"),
+            "projection": lambda: comp.gemm((tirx.Var("T", "int64"), 64), 1024, 4096, "rows",
+                                            "bfloat16", "bfloat16"),
+            "TF32 slices": lambda: comp.gemm_parts(256, 1024, 4096, 4, "rows", "float32",
+                                                   "float32").with_attr(_mma.TF32_ATTR, True),
+            }[form]()
+    source = tvm.compile(tvm.IRModule({"main": cuda_wgmma_gemm.apply(func, CUDA).mod[
+        "main"].with_attr("global_symbol", "wg")}), target=CUDA).mod.imports[0].inspect_source()
+    assert "wgmma.mma_async" in source
+    assert kernel_bodies(source)["wg_kernel"].count("__syncthreads()") == 1
+    if has_nvcc():
+        _, report = compile_cubin(source, "sm_90")
+        assert report["wg_kernel"]["spill_stores"] == report["wg_kernel"]["stack"] == 0
 
 
 @pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (4, "float32"),
