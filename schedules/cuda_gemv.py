@@ -1,4 +1,5 @@
-"""CUDA: matrix-vector products (batch 1), through dlight's GEMV rule.
+"""CUDA: matrix-vector products (batch 1), through dlight's GEMV rule: those
+:mod:`.cuda_small_batch_gemv` declines (K not a multiple of 32).
 
 dlight stages the vector through shared memory in vectors of up to 8 elements (32 bytes of
 float32, at K a multiple of 4096); CUDA has no such type, and TVM 0.27's code generator fails

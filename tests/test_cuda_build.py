@@ -44,12 +44,26 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_batch_one_past_on_chip_capacity_builds(cell):
-    """H 4096 at batch 1 (the recurrent product by dlight's GEMV, whose vector of 8 floats
-    CUDA has no type for, split in two) builds, and says why it is not persistent."""
+    """H 4096 at batch 1 (the recurrent product streamed by cuda.small_batch_gemv) builds, and
+    says why it is not persistent."""
     module = compiled(cell, 4096, 4096, 1, "cuda")
     meta = module.metadata["schedule"]
-    assert meta["kind"] == "sequence" and meta["rules"]["recurrent_gemm"] == "cuda.gemv"
+    assert (meta["kind"] == "sequence"
+            and meta["rules"]["recurrent_gemm"] == "cuda.small_batch_gemv")
     assert "more than their registers and shared memory hold" in meta["persistent"]["reason"]
+
+
+def test_dlight_gemv_splits_vectors_cuda_has_no_type_for():
+    """cuda.gemv (dlight's GEMV) at K 4096 stages h in vectors of 8 floats, which CUDA has no
+    type for: split in two, the product builds."""
+    import tvm
+
+    from rnncc.lowering import components as comp
+    from rnncc.schedules import cuda_gemv
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    sch = cuda_gemv.apply(comp.gemm((1,), 4096, 16384, "rows", "float32"), target)
+    assert "float4" in tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
 
 
 def test_cuda_module_for_other_arch_and_variants(tmp_path):

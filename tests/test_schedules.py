@@ -62,7 +62,8 @@ def test_unfused_step_is_several_kernels():
 
 def test_cuda_gemm_rule_choice():
     t_len = tirx.Var("T", "int64")
-    cases = [((1,), 512, 2048, "cuda.gemv"), ((64,), 512, 2048, "cuda.sgemm"),
+    cases = [((1,), 512, 2048, "cuda.small_batch_gemv"), ((1,), 1500, 6000, "cuda.gemv"),
+             ((64,), 512, 2048, "cuda.sgemm"),
              ((64,), 320, 960, "cuda.tiled_gemm"),
              ((t_len, 64), 512, 2048, "cuda.sgemm"), ((t_len, 64), 40, 2048, "cuda.tiled_gemm"),
              ((64,), 33, 99, "cuda.matmul"),
