@@ -23,7 +23,6 @@ from . import (
     cuda_elementwise,
     cuda_fallback,
     cuda_gemm_simple,
-    cuda_gemv,
     cuda_matmul,
     cuda_mma_gemm,
     cuda_mma_gemv,
@@ -44,7 +43,7 @@ ROLES = ("gemm", "elementwise", "reduction")
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
     ("cuda", "gemm"): [cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_mma_gemv.RULE,
-                       cuda_small_batch_gemv.RULE, cuda_gemv.RULE, cuda_sgemm.RULE,
+                       cuda_small_batch_gemv.RULE, cuda_sgemm.RULE,
                        cuda_tiled_gemm.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_row_means.RULE, cuda_fallback.RULE],
     ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_mma_gemm.RULE, cuda_column_sum.RULE,

@@ -17,7 +17,11 @@ stored k-major, double-buffered: the next chunk's global loads (16-byte vectors)
 before the current chunk's products and stored to the other buffer after them, so one barrier a
 chunk suffices and the loads' latency hides behind the FMAs. The k-major rows are padded by
 :data:`PAD` floats, which keeps the transposed stores free of bank conflicts. Rows past M read
-row M - 1 (no branch in the loop) and are not written.
+row M - 1 (no branch in the loop) and are not written; so are the columns past O where O is not
+whole tiles (weights as rows). Where K is not whole pairs of chunks, a's loads past K give
+zeros (a branch a 16-byte vector, in such kernels only) and w's read its last columns. Those
+odd sizes (LSTM 1500 at batch 32: O 6000, K 1500) went to dlight's Matmul before, about 2x
+slower than cuDNN.
 
 One step's grid alone is small (LSTM 1024 at batch 64: 32 tiles for 132 multiprocessors), so
 its K is split in slices (:attr:`Product.splits`; blockIdx.z), each written to an [S, N, O]
@@ -104,6 +108,23 @@ class Product:
         return TILE if self.all_steps else STEP_TILE
 
     @property
+    def whole(self) -> bool:
+        """Whether K is whole pairs of chunks (else the loads past K give zeros)."""
+        return self.depth % (2 * BK) == 0
+
+    def slice_chunks(self, splits: int) -> int:
+        """Chunks of K a slice of ``splits``: K / S / BK where K is whole pairs of chunks (and
+        S divides it), else K / S rounded up to whole pairs."""
+        if self.whole:
+            return self.depth // BK // splits
+        return -(-self.depth // (splits * 2 * BK)) * 2
+
+    @property
+    def tiles_across(self) -> int:
+        """Tiles along O (the last one partial where O is not whole tiles)."""
+        return -(-self.outputs // TILE)
+
+    @property
     def threads(self) -> int:
         """Threads a block: 8 x 8 outputs each."""
         return self.tile_rows * TILE // 64
@@ -115,24 +136,30 @@ class Product:
         :data:`SPLIT_BLOCKS` blocks. The products of all steps choose theirs at run time."""
         if self.all_steps:
             return 1
-        tiles = -(-self.batch // self.tile_rows) * (self.outputs // TILE)
+        tiles = -(-self.batch // self.tile_rows) * self.tiles_across
         return max(s for s in self.split_choices() if s == 1 or tiles * s <= SPLIT_BLOCKS)
 
     def split_choices(self) -> tuple[int, ...]:
         """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS` (all steps:
         :data:`ALL_STEPS_MAX_SPLITS`), each slice whole pairs of chunks and at least
-        :data:`MIN_SLICE` deep."""
+        :data:`MIN_SLICE` deep (where K is not whole pairs, any count whose last slice is not
+        all past K)."""
         most = ALL_STEPS_MAX_SPLITS if self.all_steps else MAX_SPLITS
-        return tuple(s for s in (2 ** i for i in range(most.bit_length()))
-                     if s <= most and self.depth % (s * 2 * BK) == 0
-                     and (s == 1 or self.depth // s >= MIN_SLICE))
+
+        def fits(s):
+            deep = self.slice_chunks(s) * BK
+            if self.whole:
+                return self.depth % (s * 2 * BK) == 0 and (s == 1 or deep >= MIN_SLICE)
+            return s == 1 or (deep >= MIN_SLICE and (s - 1) * deep < self.depth)
+
+        return tuple(s for s in (2 ** i for i in range(most.bit_length())) if s <= most and fits(s))
 
 
 def sizes(func) -> Product | None:
     """The product of rnncc's gemm component ``func`` when this rule takes it, else None: in
-    float32, weights as rows [O, K] or columns [K, O], N >= MIN_BATCH for one step's, O a
-    multiple of :data:`TILE` and K of 2 * :data:`BK` (chunks go in pairs, one a buffer); lead
-    (T, N) or (N,)."""
+    float32, weights as rows [O, K] or columns [K, O], N >= MIN_BATCH for one step's, O and K
+    multiples of 4 (rows of 16-byte vectors), O whole tiles of :data:`TILE` where the weights
+    are columns; lead (T, N) or (N,)."""
     sch = s_tir.Schedule(func)
     if any(str(buf.dtype) != "float32" for buf in func.params):
         return None
@@ -148,7 +175,7 @@ def sizes(func) -> Product | None:
     all_steps = len(sch.get_loops(blocks[0])) == 4
     if None in (batch, outputs, depth) or (batch < MIN_BATCH and not all_steps):
         return None
-    if outputs % TILE or depth % (2 * BK):
+    if outputs % 4 or depth % 4 or (not w_rows and outputs % TILE):
         return None
     return Product(batch, depth, outputs, all_steps, w_rows)
 
@@ -157,20 +184,24 @@ def _parts_sizes(sch, block) -> Product | None:
     """The product of a gemm_parts component ([S, N, O] slices of K): taken where this rule
     would split the whole product into the same S slices."""
     count, batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(block))
-    if None in (count, batch, outputs, depth) or batch < MIN_BATCH or outputs % TILE:
+    if None in (count, batch, outputs, depth) or batch < MIN_BATCH or outputs % 4:
         return None
     product = Product(batch, depth * count, outputs, False, weights_are_rows(sch, block), True)
-    if product.depth % (2 * BK) or count == 1 or product.splits != count:
+    if (product.depth % (2 * BK) or count == 1 or product.splits != count
+            or (not product.w_rows and outputs % TILE)):
         return None
     return product
 
 
 def parts(func) -> int:
     """The slices of K this rule splits the one-step product of gemm component ``func`` into
-    (1 where it does not take it or does not split it): a reader that adds them itself takes
-    the product as rnncc's gemm_parts component in as many slices."""
+    (1 where it does not take it, does not split it, or K is not whole pairs of chunks): a
+    reader that adds them itself takes the product as rnncc's gemm_parts component in as many
+    slices."""
     found = sizes(func)
-    return 1 if found is None or found.all_steps else found.splits
+    if found is None or found.all_steps or not found.whole:
+        return 1
+    return found.splits
 
 
 def thread_row(tx):
@@ -212,20 +243,38 @@ class Tile:
         return p * 4 * self.lanes[op] + tx % self.lanes[op] * 4
 
     def row(self, op: str, by, bx, tx):
-        """The row of ``op`` a thread stages: of a (rows past M read row M - 1), or of w."""
+        """The row of ``op`` a thread stages: of a (rows past M read row M - 1), or of w (rows
+        past O read row O - 1)."""
         if op == "a":
             return tirx.min(by * self.m + tx // self.lanes["a"], self.rows - 1)
-        return bx * TILE + tx // self.lanes["w"]
+        row = bx * TILE + tx // self.lanes["w"]
+        outputs = self.product.outputs
+        return row if outputs % TILE == 0 else tirx.min(row, outputs - 1)
+
+    def inside(self, p, k0, tx):
+        """Whether the thread's vector p of a in the chunk from K column ``k0`` on lies before
+        K (True where K is whole pairs of chunks). Past K, a's vectors are zeros and w's
+        read its last columns (finite: their products are zeros)."""
+        if self.product.whole:
+            return True
+        return k0 + self.col("a", p, tx) < self.product.depth
+
+    def _w_k(self, k):
+        """Column k of w (its first of 4 where w is rows), or the last one's where k is past
+        K."""
+        if self.product.whole:
+            return k
+        return tirx.min(k, self.product.depth - (4 if self.product.w_rows else 1))
 
     def w_load(self, w, p, v, k0, bx, tx):
         """Element v of the thread's vector p of w in the chunk from K column ``k0`` on: 4
         consecutive k of a row of w [O, K] (transposed when stored), or 4 consecutive o of a
         row of w [K, O] (stored as they are: a warp reads 512 contiguous bytes)."""
         if self.product.w_rows:
-            return tirx.BufferLoad(w, [self.row("w", None, bx, tx), k0 + self.col("w", p, tx)
-                                       + v])
+            return tirx.BufferLoad(w, [self.row("w", None, bx, tx),
+                                       self._w_k(k0 + self.col("w", p, tx)) + v])
         f = (p * self.threads + tx) * 4
-        return tirx.BufferLoad(w, [k0 + f // TILE, bx * TILE + f % TILE + v])
+        return tirx.BufferLoad(w, [self._w_k(k0 + f // TILE), bx * TILE + f % TILE + v])
 
     def w_slot(self, p, v, tx):
         """Where element v of the thread's vector p of w goes in a k-major shared tile."""
@@ -252,7 +301,7 @@ class Tile:
         p = self.product
         if not p.all_steps or len(p.split_choices()) == 1:
             return of(p.splits)
-        tiles = (self.rows + (self.m - 1)) // self.m * (p.outputs // TILE)
+        tiles = (self.rows + (self.m - 1)) // self.m * p.tiles_across
         value = tirx.const(of(1), "int32")
         for s in p.split_choices()[1:]:
             value = tirx.Select(tiles * s <= ALL_STEPS_SPLIT_BLOCKS, tirx.const(of(s), "int32"),
@@ -266,9 +315,13 @@ class Tile:
             return [bz, m, o]
         return [(bz * self.rows + m) * self.product.outputs + o]
 
+    def column_inside(self, o):
+        """Whether column ``o`` (the first of 4) is before O (True where O is whole tiles)."""
+        return True if self.product.outputs % TILE == 0 else o < self.product.outputs
+
     def chunks(self):
         """K chunks a slice."""
-        return self.splits(lambda s: self.product.depth // BK // s)
+        return self.splits(self.product.slice_chunks)
 
 
 def _parameters(t: Tile):
@@ -292,9 +345,13 @@ def _load(t, a, w, ar, wr, k0, by, bx, tx):
     one block a multiprocessor instead of two)."""
     for p in T.unroll(t.most):
         if p < t.vectors["a"]:
-            for v in T.vectorized(4):
-                ar[p * 4 + v] = t.load(a, t.at(t.row("a", by, bx, tx)), k0 + t.col("a", p, tx)
-                                       + v)
+            if t.inside(p, k0, tx):
+                for v in T.vectorized(4):
+                    ar[p * 4 + v] = t.load(a, t.at(t.row("a", by, bx, tx)),
+                                           k0 + t.col("a", p, tx) + v)
+            else:
+                for v in T.vectorized(4):
+                    ar[p * 4 + v] = T.float32(0)
         if p < t.vectors["w"]:
             for v in T.vectorized(4):
                 wr[p * 4 + v] = t.w_load(w, p, v, k0, bx, tx)
@@ -370,12 +427,14 @@ def _tile(t, io, chunks, slices, bz, by, bx, tx):
         m = T.meta_var(by * t.m + r // 4 * t.half["a"] + t.ty(tx) * 4 + r % 4)
         if m < t.rows:
             for h in T.unroll(2):
-                for v in T.vectorized(4):
-                    o = T.meta_var(bx * TILE + h * t.half["w"] + t.tq(tx) * 4 + v)
-                    if slices is None:
-                        T.buffer_store(out, acc[r * 8 + h * 4 + v] + b[o], t.at(m) + [o])
-                    else:
-                        T.buffer_store(slices, acc[r * 8 + h * 4 + v], t.slice_at(bz, m, o))
+                if t.column_inside(bx * TILE + h * t.half["w"] + t.tq(tx) * 4):
+                    for v in T.vectorized(4):
+                        o = T.meta_var(bx * TILE + h * t.half["w"] + t.tq(tx) * 4 + v)
+                        if slices is None:
+                            T.buffer_store(out, acc[r * 8 + h * 4 + v] + b[o], t.at(m) + [o])
+                        else:
+                            T.buffer_store(slices, acc[r * 8 + h * 4 + v],
+                                           t.slice_at(bz, m, o))
 
 
 @T.macro
@@ -383,13 +442,13 @@ def _grid(t, io, splits, slices):
     """The tiles of M x O (and the slices of K, blockIdx.z, where ``slices`` is given)."""
     if slices is None:
         for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
-            for bx in T.thread_binding(t.product.outputs // TILE, thread="blockIdx.x"):
+            for bx in T.thread_binding(t.product.tiles_across, thread="blockIdx.x"):
                 for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                    _tile(t, io, t.product.depth // BK, None, 0, by, bx, tx)
+                    _tile(t, io, t.product.slice_chunks(1), None, 0, by, bx, tx)
     else:
         for bz in T.thread_binding(splits, thread="blockIdx.z"):
             for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
-                for bx in T.thread_binding(t.product.outputs // TILE, thread="blockIdx.x"):
+                for bx in T.thread_binding(t.product.tiles_across, thread="blockIdx.x"):
                     for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
                         _tile(t, io, t.chunks(), slices, bz, by, bx, tx)
 

@@ -53,19 +53,6 @@ def test_batch_one_past_on_chip_capacity_builds(cell):
     assert "more than their registers and shared memory hold" in meta["persistent"]["reason"]
 
 
-def test_dlight_gemv_splits_vectors_cuda_has_no_type_for():
-    """cuda.gemv (dlight's GEMV) at K 4096 stages h in vectors of 8 floats, which CUDA has no
-    type for: split in two, the product builds."""
-    import tvm
-
-    from rnncc.lowering import components as comp
-    from rnncc.schedules import cuda_gemv
-
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    sch = cuda_gemv.apply(comp.gemm((1,), 4096, 16384, "rows", "float32"), target)
-    assert "float4" in tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
-
-
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)

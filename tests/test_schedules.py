@@ -62,18 +62,21 @@ def test_unfused_step_is_several_kernels():
 
 def test_cuda_gemm_rule_choice():
     t_len = tirx.Var("T", "int64")
-    cases = [((1,), 512, 2048, "cuda.small_batch_gemv"), ((1,), 1500, 6000, "cuda.gemv"),
-             ((64,), 512, 2048, "cuda.sgemm"),
-             ((64,), 320, 960, "cuda.tiled_gemm"),
-             ((t_len, 64), 512, 2048, "cuda.sgemm"), ((t_len, 64), 40, 2048, "cuda.tiled_gemm"),
-             ((64,), 33, 99, "cuda.matmul"),
+    cases = [((1,), 512, 2048, "cuda.small_batch_gemv"), ((64,), 512, 2048, "cuda.sgemm"),
+             ((1,), 1500, 6000, "cuda.small_batch_gemv"), ((4,), 650, 2600,
+                                                         "cuda.small_batch_gemv"),
+             ((64,), 320, 960, "cuda.sgemm"), ((32,), 1500, 6000, "cuda.sgemm"),
+             ((t_len, 64), 512, 2048, "cuda.sgemm"), ((t_len, 64), 40, 2048, "cuda.sgemm"),
+             ((64,), 33, 99, "cuda.matmul"), ((64,), 320, 962, "cuda.matmul"),
              ((t_len, 1), 256, 2048, "cuda.sgemm"), ((t_len, 16), 512, 2048, "cuda.sgemm"),
-             ((t_len, 3), 40, 2048, "cuda.matmul"), ((16,), 2048, 8192, "cuda.small_batch_gemv"),
-             ((1,), 1, 4, "cuda.gemm_simple")]
+             ((t_len, 3), 42, 2048, "cuda.matmul"), ((16,), 2048, 8192, "cuda.small_batch_gemv"),
+             ((1,), 1, 4, "cuda.small_batch_gemv")]
     for lead, k, o, rule in cases:
         result = schedules.schedule(comp.gemm(lead, k, o, "rows", "float32"), CUDA, "gemm")
         assert result.rule == rule, (lead, k, o, result.notes)
         assert {"blockIdx.x", "threadIdx.x"} <= thread_tags(result.func) | {"blockIdx.x"}
+    chunked = comp.gemm((t_len, 4), 512, 2048, "rows", "float32", chunk=16)  # small batch
+    assert schedules.schedule(chunked, CUDA, "gemm").rule == "cuda.tiled_gemm"
 
 
 def test_float16_step_products_on_tensor_cores():
@@ -160,19 +163,51 @@ def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
             product = cuda_sgemm.sizes(comp.gemm(lead, k, o, weights, "float32"))
             assert product == cuda_sgemm.Product(lead[-1], k, o, len(lead) == 2,
                                                  weights == "rows"), lead
+    odd = [((t_len, 64), 1024, 4000), ((64,), 1032, 4096), ((32,), 1500, 6000),
+           ((t_len, 3), 20, 132)]  # O not whole tiles, K not whole pairs of chunks, or both
+    for lead, k, o in odd:
+        product = cuda_sgemm.sizes(comp.gemm(lead, k, o, "rows", "float32"))
+        assert product == cuda_sgemm.Product(lead[-1], k, o, len(lead) == 2), lead
     declined = [((16,), 1024, 4096, "rows", "float32"),  # one step's, batch under 32
-                ((t_len, 64), 1024, 4000, "rows", "float32"),  # O not whole tiles
-                ((64,), 1032, 4096, "rows", "float32"),  # K not whole pairs of chunks
+                ((t_len, 64), 1024, 4000, "cols", "float32"),  # O not whole tiles of columns
+                ((64,), 1026, 4096, "rows", "float32"),  # rows of K not whole 16-byte vectors
+                ((64,), 1024, 4098, "rows", "float32"),  # nor of O
                 ((t_len * 64,), 1024, 4096, "rows", "float32"),  # flat rows
                 ((64,), 1024, 4096, "rows", "float16")]
     for lead, k, o, weights, dtype in declined:
         assert cuda_sgemm.apply(comp.gemm(lead, k, o, weights, dtype), CUDA) is None, lead
 
 
+@pytest.mark.parametrize("lead, depth, outputs, weights", [
+    ((33,), 36, 132, "rows"), ((40,), 36, 260, "rows"), ((64,), 32, 256, "rows"),
+    (("T", 3), 20, 132, "rows"), ((33,), 44, 128, "cols"), (("T", 3), 60, 128, "cols")])
+def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng):
+    """The SGEMM of one step's product and of all steps' (T = 5), on the NumPy interpreter of
+    TIR against float64: O not whole tiles (the columns past O read its last row of w and are
+    not written), K not whole pairs of chunks (a's vectors past K zeros, w's its last
+    columns), both, and neither; the output poisoned. (Products of one kernel: the
+    interpreter runs one grid.)"""
+    from rnncc.schedules import cuda_sgemm
+    from tir_sim import Simulator
+
+    lead = tuple(tirx.Var("T", "int64") if d == "T" else d for d in lead)
+    shape = tuple(5 if isinstance(d, tirx.Var) else d for d in lead)
+    kernel = cuda_sgemm.apply(comp.gemm(lead, depth, outputs, weights, "float32"), CUDA)
+    kernel = kernel.mod["main"]
+    a = rng.standard_normal(shape + (depth,)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full(shape + (outputs,), np.nan, np.float32)
+    given = w if weights == "rows" else np.ascontiguousarray(w.T)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, (a, given, b, out))}).run()
+    want = a.astype(np.float64) @ w.T.astype(np.float64) + b
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+
+
 @pytest.mark.parametrize("batch, depth, outputs, splits", [
     (64, 1024, 4096, 8), (64, 1536, 6144, 8), (64, 1024, 3072, 16), (64, 2048, 6144, 8),
     (64, 4096, 1024, 32), (64, 8192, 2048, 16), (96, 256, 1024, 4), (33, 128, 128, 2),
-    (40, 32, 128, 1)])
+    (40, 32, 128, 1), (32, 1500, 6000, 8), (64, 1000, 4000, 8), (33, 116, 132, 2)])
 def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits):
     """One step's product: 64-row tiles of 128 threads, K in slices (the four standard batch-64
     sizes as measured best, H200; a training step's dh of LSTM 1024 and 2048) of whole pairs
@@ -182,10 +217,12 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits):
 
     product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
     assert product.splits == splits
-    tiles = -(-batch // cuda_sgemm.STEP_TILE) * outputs // cuda_sgemm.TILE
+    tiles = -(-batch // cuda_sgemm.STEP_TILE) * -(-outputs // cuda_sgemm.TILE)
     assert splits == 1 or tiles * splits <= cuda_sgemm.SPLIT_BLOCKS
-    assert depth % (splits * 2 * cuda_sgemm.BK) == 0
-    assert splits == 1 or depth // splits >= cuda_sgemm.MIN_SLICE
+    deep = product.slice_chunks(splits) * cuda_sgemm.BK
+    assert deep * splits == depth or (not product.whole and 0 <= deep * splits - depth
+                                      < splits * 2 * cuda_sgemm.BK)
+    assert splits == 1 or deep >= cuda_sgemm.MIN_SLICE
     func = cuda_sgemm.kernel(product).with_attr("global_symbol", "step")
     source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
     bodies = kernel_bodies(source.inspect_source())

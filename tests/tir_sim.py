@@ -57,7 +57,8 @@ class Simulator:
             for dim, size in zip(buffer.ty.shape, args[buffer.name].shape):
                 if isinstance(dim, tirx.Var):
                     self.env[dim] = int(size)
-        self.blocks, self.threads = self._grid(func.body)
+        self.grid, self.threads = self._grid(func.body)
+        self.blocks = int(np.prod(self.grid))
         self.lanes = self.blocks * self.threads
         self.lane = np.arange(self.lanes)
         self.chip = {}
@@ -77,16 +78,20 @@ class Simulator:
     # -- the grid and the buffers ------------------------------------------------------------
 
     def _grid(self, body):
-        """(blocks, threads): the extents of blockIdx.x and threadIdx.x (of run-time sizes
-        too, bound from the arguments' shapes)."""
+        """(grid, threads): the extents of blockIdx.x, .y and .z, and of threadIdx.x (of
+        run-time sizes too, bound from the arguments' shapes). One grid: a function of
+        several kernels must launch them all on the same one."""
         extents = {}
 
         def visit(node):
             if isinstance(node, tirx.For) and node.thread_binding is not None:
-                extents[str(node.thread_binding.thread_tag)] = int(self._expr(node.extent))
+                tag, extent = str(node.thread_binding.thread_tag), int(self._expr(node.extent))
+                if extents.setdefault(tag, extent) != extent:
+                    raise NotImplementedError(f"kernels of different grids ({tag})")
 
         tvm_ffi.structural_walk(body, (tirx.For, visit))
-        return extents.get("blockIdx.x", 1), extents.get("threadIdx.x", 1)
+        grid = tuple(extents.get(f"blockIdx.{axis}", 1) for axis in "xyz")
+        return grid, extents.get("threadIdx.x", 1)
 
     def _allocate(self, buffer):
         size = int(np.prod([int(d) for d in buffer.ty.shape]))
@@ -166,6 +171,8 @@ class Simulator:
         elif kind == "Evaluate":
             if type(node.value).__name__ == "Call":  # else a no-op: evaluate(0)
                 self._call(node.value, mask)
+        elif kind == "AllocBuffer":
+            self._allocate(node.buffer)
         elif kind == "AttrStmt":  # launch bounds and the like
             self._stmt(node.body, mask)
         else:
@@ -174,8 +181,12 @@ class Simulator:
     def _for(self, node, mask):
         if node.thread_binding is not None:
             tag = str(node.thread_binding.thread_tag)
-            self.env[node.loop_var] = (self.lane // self.threads if tag == "blockIdx.x"
-                                       else self.lane % self.threads)
+            block = self.lane // self.threads
+            self.env[node.loop_var] = {
+                "blockIdx.x": block % self.grid[0],
+                "blockIdx.y": block // self.grid[0] % self.grid[1],
+                "blockIdx.z": block // (self.grid[0] * self.grid[1])}.get(
+                    tag, self.lane % self.threads)
             self._stmt(node.body, mask)
             return
         start, extent = self._expr(node.min), self._expr(node.extent)
