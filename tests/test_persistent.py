@@ -10,6 +10,7 @@ from conftest import has_nvcc
 from helpers import persistent_cells
 from rnncc.errors import ConfigError
 from rnncc.schedules.persistent import Unfit, fuse_input, gpu_for_arch, overlap_input, plan
+from rnncc.schedules.persistent.planner import TAGGED_MAX_GROUP_LOAD
 
 H100 = gpu_for_arch("sm_90")
 
@@ -29,6 +30,21 @@ def test_plans_that_fit(gates, hidden, batch):
     weights = p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * p.vec
     assert weights >= gates * hidden * hidden  # the packed layout holds all of W_hh
     assert p.sync == ("tagged" if p.blocks <= 32 else "barrier")
+
+
+@pytest.mark.parametrize("gates, hidden, batch, groups, sync", [
+    (4, 384, 48, 12, "barrier"), (3, 512, 64, 8, "barrier"), (3, 512, 16, 4, "barrier"),
+    (4, 256, 64, 16, "tagged"), (3, 256, 64, 32, "tagged"), (4, 512, 4, 4, "tagged"),
+    (4, 256, 128, 16, "barrier")])
+def test_batch_groups_exchange_h_tagged_only_where_groups_poll_little(gates, hidden, batch,
+                                                                      groups, sync):
+    """In batch groups, the tagged exchange where a group's blocks times its batch rows are at
+    most TAGGED_MAX_GROUP_LOAD (each block polls its group's words of h), else the counter
+    barrier (the sizes measured, H200: docs/benchmarks.md)."""
+    p = plan(gates, hidden, batch, "float32", H100, states=2, batch_groups=groups)
+    assert p.batch_groups == groups and p.sync == sync
+    load = p.blocks // groups * batch // groups
+    assert (load <= TAGGED_MAX_GROUP_LOAD) == (sync == "tagged")
 
 
 @pytest.mark.parametrize("gates, hidden, batch", [(4, 2048, 4), (3, 2048, 1), (4, 33, 7)])
@@ -657,7 +673,7 @@ def test_batch_groups_kernel():
     lstm = rnncc.cells.get("lstm")
     p = plan(4, 256, 4, "float32", H100, states=2, batch_groups=2)
     bg = p.group_blocks
-    text = kernel(lstm, 256, 4, p).script()
+    text = kernel(lstm, 256, 4, dataclasses.replace(p, sync="tagged")).script()
     assert f'T.thread_binding({p.blocks}, thread="blockIdx.x")' in text
     assert f"= w[bx % {bg}, tx // 32, i, q, tx % 32, v]" in text
     assert f"hw[t % T.int64(2), bx // {bg} * 2 + T.min(" in text

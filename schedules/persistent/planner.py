@@ -216,6 +216,11 @@ REG_MARGIN = 24
 MAX_BATCH = 16
 #: Largest grid that exchanges h as tagged words; larger grids use the counter barrier.
 TAGGED_MAX_BLOCKS = 32
+#: In batch groups, the tagged exchange only where a group's blocks times its batch rows are
+#: at most this (H200, us a step, tagged / barrier: LSTM 512 at batch 64, 4 groups of 32
+#: blocks and 16 rows, 14.81 / 8.99; GRU 512 at batch 16, 4 of 32 and 4, 3.76 / 3.09; LSTM 256
+#: at batch 64, 16 of 8 and 4, 3.31 / 3.52; LSTM 512 at batch 4, 4 of 32 and 1, 1.60 / 2.02).
+TAGGED_MAX_GROUP_LOAD = 32
 
 
 def _chunk_bytes(warps: int, rows_per_warp: int) -> int:
@@ -602,7 +607,9 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if best is not None:
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.
-        return replace(best, sync="tagged" if best.blocks <= TAGGED_MAX_BLOCKS else "barrier",
+        tagged = best.blocks <= TAGGED_MAX_BLOCKS and (
+            batch_groups == 1 or best.blocks * local <= TAGGED_MAX_GROUP_LOAD)
+        return replace(best, sync="tagged" if tagged else "barrier",
                        blocks=best.blocks * batch_groups * grids,
                        batch_groups=batch_groups, directions=directions, layers=layers)
     need = gates * hidden * (width or hidden) * elem / max(cap, 1)
