@@ -55,6 +55,7 @@ def test_missing_or_misshapen_parameters_are_refused(peephole, rng):
         module(x, {**w, "w_co_l0": np.zeros(5, "float32")})
 
 
+@pytest.mark.slow
 def test_persistent_kernels_take_them_forward_and_backward(peephole):
     """The persistent kernels (one layer, both directions, the wavefront of layers, a
     training forward and the backward) load the parameters once a pair (their arithmetic: the

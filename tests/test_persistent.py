@@ -189,6 +189,7 @@ class TestPersistentBuild:
         first = chosen["reg_chunks"] + chosen["smem_chunks"]
         assert f"w[bx, tx // 32, {first} + gc, q, tx % 32, v]" in module.source("tir")
 
+    @pytest.mark.slow
     def test_streamed_chunks_are_a_loop(self):
         """The streamed chunks are a loop, not unrolled: unrolled, this plan (8 blocks, 6 of 7
         chunks streamed, 254 registers) spilled once its launch bounds had a minimum, and

@@ -98,6 +98,7 @@ def test_cuda_persistent_kernel_with_w_hh_w_hr_folded(directions):
             in other.metadata["schedule"]["persistent"]["reason"])
 
 
+@pytest.mark.slow
 def test_cuda_build_of_a_product_in_slices():
     """At batch 64 the recurrent product (K = P) is left in K slices for the cell to add."""
     if not has_nvcc():

@@ -361,9 +361,10 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
 
 
 @pytest.mark.parametrize("cell, name", [
-    ("ln_lstm", name) for name in ("tagged", "barrier, batch groups", "tensor cores",
-                                   "tensor cores, more batch rows than threads", "bidirectional")
-] + [("ln_gru", "tagged")] + [pytest.param("ln_gru", name, marks=pytest.mark.slow) for name in (
+    ("ln_lstm", name) for name in ("tagged", "barrier, batch groups", "tensor cores")
+] + [pytest.param("ln_lstm", name, marks=pytest.mark.slow) for name in (
+    "tensor cores, more batch rows than threads", "bidirectional")] + [("ln_gru", "tagged")] + [
+    pytest.param("ln_gru", name, marks=pytest.mark.slow) for name in (
     "barrier, batch groups", "tensor cores", "tensor cores, more batch rows than threads",
     "bidirectional")])
 def test_kernel_of_a_step_that_takes_means(cell, name, rng):
