@@ -766,3 +766,20 @@ def test_batch_one_past_on_chip_capacity(cell, rng):
     module = compiled(cell, 4096, 4096, 1, "cuda")
     assert check_against_reference(module, rng, 6, True) < TOL_F32
 
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tune_measures_half_precision_candidates(dtype, tmp_path):
+    """rnncc tune's knob search checks each candidate against float64 and times it in the
+    module's dtype (bfloat16 outputs had no NumPy type: every candidate was refused)."""
+    import json
+
+    from rnncc.tuning import tuner
+
+    summary = tuner.tune("lstm", 16, 64, 2, dtype=dtype, trials=0, time_budget=120, steps=5,
+                         log_dir=str(tmp_path / "logs"), work_dir=str(tmp_path / "work"),
+                         progress=lambda line: None)
+    with open(tmp_path / "work" / "persistent" / "results.jsonl") as f:
+        results = [json.loads(line) for line in f]
+    assert len([r for r in results if r["ms"] is not None]) >= 2, results
+    assert summary["tuned_ms"] <= summary["default_ms"]
