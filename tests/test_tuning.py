@@ -71,6 +71,21 @@ def test_tf32_modules_take_tf32_logs_else_float32_knobs(root):
         rnncc.compile("lstm", 16, 16, 2, gpu="h200", allow_tf32=True, tuning=ieee)
 
 
+def test_a_gpu_kind_without_logs_takes_its_siblings(root):
+    """An H100 takes the H200's log where it has none of its own (same architecture and
+    size), and says so; its own log comes first; a kind with no sibling takes none."""
+    theirs = _write(root, knobs={"sync": "barrier"})
+    info = rnncc.compile("lstm", 16, 16, 2, gpu="h100").metadata["tuning"]
+    assert (info["log"], info["device"]) == (theirs, "h200")
+    assert info["for_device"] == "h100, which has no log of its own"
+    own = _write(root, logs.LogKey("h100", "lstm", 16, 16, 2, "float32"), {"sync": "grid"})
+    module = rnncc.compile("lstm", 16, 16, 2, gpu="h100")
+    assert module.metadata["tuning"]["log"] == own and "for_device" not in module.metadata[
+        "tuning"]
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
+    assert rnncc.compile("lstm", 16, 16, 2, gpu="a100").metadata["tuning"]["log"] is None
+
+
 def test_no_gpu_kind_means_no_log(root):
     _write(root)
     module = rnncc.compile("lstm", 16, 16, 2)
