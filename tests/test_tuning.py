@@ -74,16 +74,22 @@ def test_tf32_modules_take_tf32_logs_else_float32_knobs(root):
 def test_a_gpu_kind_without_logs_takes_its_siblings(root):
     """An H100 takes the H200's log where it has none of its own (same architecture and
     size), and says so; its own log comes first; a kind with no sibling takes none."""
+    from rnncc.spec import Problem
+    from rnncc.target import TargetSpec
+    from rnncc.tuning.apply import for_compile
+
     theirs = _write(root, knobs={"sync": "barrier"})
-    info = rnncc.compile("lstm", 16, 16, 2, gpu="h100").metadata["tuning"]
+    module = rnncc.compile("lstm", 16, 16, 2, gpu="h100")
+    info = module.metadata["tuning"]
     assert (info["log"], info["device"]) == (theirs, "h200")
     assert info["for_device"] == "h100, which has no log of its own"
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "barrier"
     own = _write(root, logs.LogKey("h100", "lstm", 16, 16, 2, "float32"), {"sync": "grid"})
-    module = rnncc.compile("lstm", 16, 16, 2, gpu="h100")
-    assert module.metadata["tuning"]["log"] == own and "for_device" not in module.metadata[
-        "tuning"]
-    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
-    assert rnncc.compile("lstm", 16, 16, 2, gpu="a100").metadata["tuning"]["log"] is None
+    problem, cuda = Problem(rnncc.cells.get("lstm"), 16, 16, 2), TargetSpec("cuda")
+    found = for_compile(problem, cuda, "h100", "auto")
+    assert found.info["log"] == own and "for_device" not in found.info
+    assert found.knobs == {"sync": "grid"}
+    assert for_compile(problem, cuda, "a100", "auto").info["log"] is None
 
 
 def test_no_gpu_kind_means_no_log(root):
