@@ -263,8 +263,10 @@ def _tuning_line(meta: dict) -> str:
     if not info.get("log"):
         return f"no log ({info.get('reason', 'n/a')})"
     applied = info.get("applied", {})
+    sibling = (f"; the {info['device']} log, for {info['for_device']}"
+               if info.get("for_device") else "")
     return (f"{info['match']} log {info['log']} (knobs {applied.get('knobs') or 'default'}, "
-            f"tuned components {applied.get('components') or 'none'})")
+            f"tuned components {applied.get('components') or 'none'}{sibling})")
 
 
 def _cmd_inspect(args) -> int:

@@ -74,6 +74,7 @@ def test_tf32_modules_take_tf32_logs_else_float32_knobs(root):
 def test_a_gpu_kind_without_logs_takes_its_siblings(root):
     """An H100 takes the H200's log where it has none of its own (same architecture and
     size), and says so; its own log comes first; a kind with no sibling takes none."""
+    from rnncc.cli.main import _tuning_line
     from rnncc.spec import Problem
     from rnncc.target import TargetSpec
     from rnncc.tuning.apply import for_compile
@@ -83,6 +84,8 @@ def test_a_gpu_kind_without_logs_takes_its_siblings(root):
     info = module.metadata["tuning"]
     assert (info["log"], info["device"]) == (theirs, "h200")
     assert info["for_device"] == "h100, which has no log of its own"
+    assert _tuning_line(module.metadata).endswith(
+        "; the h200 log, for h100, which has no log of its own)")  # rnncc inspect's line
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "barrier"
     own = _write(root, logs.LogKey("h100", "lstm", 16, 16, 2, "float32"), {"sync": "grid"})
     problem, cuda = Problem(rnncc.cells.get("lstm"), 16, 16, 2), TargetSpec("cuda")
