@@ -7,7 +7,8 @@ needs no bounds checks). At a smaller batch (1, 2, 4 or 8) the input projection 
 comes in chunks of S steps (:func:`chunk_steps`; the lowering lays xp out so): a chunk's S*N
 rows are the tile rows, read from x through the component's "gemm_rows" block straight into
 shared memory. :mod:`.cuda_sgemm` comes first for float32 projections (of all steps and of one
-step) at batch >= 32 with O a multiple of 128 and K of 16; this rule takes those it declines.
+step) at batch >= 32 with O and K multiples of 4 (O of 128 where the weights are columns);
+this rule takes those it declines, and the half types' that the tensor-core rules decline.
 
 A block computes a BN x BO tile of one step's output, TM x TO outputs a thread (8 x 4 by
 default: 8 rows of a, read as two 16-byte vectors that a warp's threads mostly share, and 4
