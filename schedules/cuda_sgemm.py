@@ -187,7 +187,7 @@ def _parts_sizes(sch, block) -> Product | None:
     if None in (count, batch, outputs, depth) or batch < MIN_BATCH or outputs % 4:
         return None
     product = Product(batch, depth * count, outputs, False, weights_are_rows(sch, block), True)
-    if (product.depth % (2 * BK) or count == 1 or product.splits != count
+    if (not product.whole or count == 1 or product.splits != count
             or (not product.w_rows and outputs % TILE)):
         return None
     return product

@@ -90,7 +90,8 @@ def apply(func, target, rw: int | None = None):
     sch.bind(inner[0], "threadIdx.x")  # a cross-thread (shuffle) reduction
     sch.set_scope(gemm, 0, "local")
     sch.reverse_compute_at(bias, o_t)
-    for loop in sch.get_loops(bias)[len(sch.get_loops(bias)) - len(inner) + 1:]:
+    bias_loops = sch.get_loops(bias)
+    for loop in bias_loops[len(bias_loops) - len(inner) + 1:]:  # [batch rows][, unit rows]
         sch.unroll(loop)
     return sch
 

@@ -181,12 +181,13 @@ class Simulator:
     def _for(self, node, mask):
         if node.thread_binding is not None:
             tag = str(node.thread_binding.thread_tag)
-            block = self.lane // self.threads
-            self.env[node.loop_var] = {
-                "blockIdx.x": block % self.grid[0],
-                "blockIdx.y": block // self.grid[0] % self.grid[1],
-                "blockIdx.z": block // (self.grid[0] * self.grid[1])}.get(
-                    tag, self.lane % self.threads)
+            if tag.startswith("blockIdx."):  # x fastest, then y, then z
+                axis = "xyz".index(tag[-1])
+                below = int(np.prod(self.grid[:axis]))
+                value = self.lane // self.threads // below % self.grid[axis]
+            else:
+                value = self.lane % self.threads
+            self.env[node.loop_var] = value
             self._stmt(node.body, mask)
             return
         start, extent = self._expr(node.min), self._expr(node.extent)
