@@ -121,6 +121,9 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
                            np.zeros((2, dirs * n, h), np.uint64))[1]
     else:
         args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
+    if buffers.published_h(p, n, dtype):  # NaN: the kernel zeroes what none publishes
+        shape, hx_dtype = buffers.published_h(p, n, dtype)
+        args["hx"] = np.full(shape, np.nan, hx_dtype)
     graph = autodiff.trace(cell)  # the values a step reduces, exchanged as h is
     for r in range(sum(node.op == "mean" for node in graph.order) or len(graph.products)):
         args[f"aw{r}"] = (args["hw"].copy() if p.sync == "tagged"
@@ -438,6 +441,9 @@ def kernel_args(spec, steps):
         args["hw"] = np.zeros((2, n, h), np.uint64)
     else:
         args["cnt"] = np.zeros(p.batch_groups, np.uint32)
+    if buffers.published_h(p, n, spec.dtype):
+        shape, hx_dtype = buffers.published_h(p, n, spec.dtype)
+        args["hx"] = np.full(shape, np.nan, hx_dtype)
     return args
 
 
@@ -583,8 +589,8 @@ def test_tensor_core_products(batch, groups, dtype, rng):
         warp, lane, blk = tx // 32, tx % 32, spec.weights_of(bx)
         weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
         tensor_cores.prepare(spec, b.hs16, b.af, tx)
-        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(tensor_cores.store_h, spec, b.hs16),
-                         0, bx, tx)
+        exchange.stage_h(spec, g.s[0], g.hw, b.tv,
+                         partial(tensor_cores.store_h, spec, b.hs16, 0), 0, bx, tx)
         tensor_cores.zero(spec, b.dacc)
         weights.each_chunk(spec, partial(tensor_cores.chunk, spec, b.hs16, b.af, b.wb, b.wv,
                                          b.dacc, lane), b.wv, b.wreg, b.wsm, g.w, blk, warp,
@@ -612,7 +618,7 @@ def test_exchange_stages_h_as_published(sync, rng):
         args["s0"][1] = hv
 
     def body(g, b, bx, tx, out):
-        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(cuda_cores.store_h, spec, b.hs), 3,
+        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(cuda_cores.store_h, spec, b.hs, 0), 3,
                          bx, tx)
 
     sim = run_stage(spec, body, args)
@@ -622,6 +628,44 @@ def test_exchange_stages_h_as_published(sync, rng):
         args["hw"][1, 4, 7] = np.uint64(2) << np.uint64(32)
         with pytest.raises(Deadlock, match="tag is not step 3"):
             run_stage(spec, body, args)
+
+
+@pytest.mark.parametrize("batch, dtype", [(6, "float16"), (40, "bfloat16"), (20, "float16")])
+def test_exchange_copies_h_as_published(batch, dtype, rng):
+    """The barriers' staging after step 0 on tensor cores in 16 bits: each block publishes its
+    pairs' h_2 where step 3 copies it from (``hx``, NaN before; the elements none publishes
+    zeroed by each group's first block), and the copy stages exactly what staging h_2 element
+    by element from the states' buffer does: 2 batch groups, H = 40 short of KP, half a tile
+    (3 rows a group) and tiles (20, 10 rows)."""
+    p = crafted(3, 40, batch, dtype, 5, 2, groups=2, sync="barrier", mma=True,
+                rows_per_warp=8)
+    spec = KernelSpec(p, 3, 1, 40, batch, dtype)
+    store_h = tensor_cores.store_h
+    args = kernel_args(spec, 1)
+    args["s0"][:] = rng.standard_normal((batch, 40)).astype(np.float32)
+
+    def by_element(g, b, bx, tx, out):
+        tensor_cores.prepare(spec, b.hs16, b.af, tx)
+        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(store_h, spec, b.hs16, 0), 3, bx,
+                         tx)
+
+    def copied(g, b, bx, tx, out):
+        publish = partial(store_h, spec, g.hx)
+        exchange.zero_unpublished(spec, publish, bx, tx)
+        for it in range(p.items):
+            valid, n, j = spec.pair(it, bx, tx)
+            with T.If(valid):
+                with T.Then():
+                    row = spec.state_row(bx, n)
+                    exchange.publish(spec, g.s[0], g.hw, 2, g.s[0][0, row, j], row, j,
+                                     hx=publish)
+        exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(store_h, spec, b.hs16, 0), 3, bx,
+                         tx, g.hx, b.hs16)
+
+    expect = run_stage(spec, by_element, {k: v.copy() for k, v in args.items()}).chip["hs16"]
+    got = run_stage(spec, copied, args).chip["hs16"]
+    assert not np.isnan(got[:, :spec.staged_size]).any()
+    np.testing.assert_array_equal(got[:, :spec.staged_size], expect[:, :spec.staged_size])
 
 
 @pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])

@@ -335,7 +335,7 @@ class Simulator:
         if name == "rnncc_cp_async":
             dst, src, size = values
             flat = np.broadcast_to(np.asarray(src.flat, np.int64), (self.lanes,))
-            for v in range(4):  # 16 bytes of float32
+            for v in range(16 // np.dtype(_np_dtype(src.buffer.ty.dtype)).itemsize):  # 16 bytes
                 value = np.where(np.asarray(size) > 0, self._load(src.buffer, flat + v), 0)
                 self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
             return None

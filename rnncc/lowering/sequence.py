@@ -598,8 +598,13 @@ class _Builder:
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
-            more_sync = [self.param(sig, f"value{k}_exchanged", (2, rows, h), "workspace",
-                                    "float32") for k in range(values)]  # the counter orders
+            more_sync = []
+            published = buffers.published_h(plan, n, p.dtype)  # h for the next staging
+            if published:
+                shape, dtype = published
+                more_sync.append(self.param(sig, "h_published", shape, "workspace", dtype))
+            more_sync += [self.param(sig, f"value{k}_exchanged", (2, rows, h), "workspace",
+                                     "float32") for k in range(values)]  # the counter orders
         prologue = folded.prologue if proj else [
             stage for d in range(dirs) for stage in self.states_copy(
                 "init_states", [Region(s, (d, ALL, ALL)) for s in s0],

@@ -67,7 +67,7 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)
                         exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                         partial(cuda_cores.store_h, spec, b.hs), t, bx, tx)
+                                         partial(cuda_cores.store_h, spec, b.hs, 0), t, bx, tx)
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_backward.apply(spec, graph, kept, g.dgi, g.dgh, b.hs, r, b.ln,
@@ -75,7 +75,7 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                                             g.T_len, bx, tx)
                         exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
                     exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                     partial(cuda_cores.store_h, spec, b.hs), g.T_len, bx, tx)
+                                     partial(cuda_cores.store_h, spec, b.hs, 0), g.T_len, bx, tx)
                     T.tvm_storage_sync("shared.dyn")
                     gate_sums(spec, b, g.w, blk, warp, lane)
                     cell_backward.store_initial(spec, g.d_initial, g.dps, b.hs, r, bx, tx)

@@ -17,7 +17,7 @@ from tvm.script.ir_builder import IRBuilder
 
 from . import planner
 from .planner import Plan
-from .spec import KernelSpec
+from .spec import KernelSpec, staged_rows
 from .stages import exchange
 
 
@@ -30,6 +30,18 @@ def input_weight_shape(p: Plan, gates: int) -> tuple:
     return (p.layers * p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
 
 
+def published_h(p: Plan, batch: int, dtype: str) -> tuple | None:
+    """(shape, dtype) of ``hx``, h as the blocks publish it for the next step's staging to
+    copy, where the planner says so (:func:`.planner.publishes_staged_h`): a block's staging
+    of h_{t-1} ([S]: :func:`.spec.staged_rows` rows of KP in the products' order,
+    :mod:`.stages.exchange`) for each step slot, grid and batch group, [2*D*NG*S], in the
+    staged type (the weights' on tensor cores, else float32); else None."""
+    if not planner.publishes_staged_h(p, dtype):
+        return None
+    size = staged_rows(p, batch // p.batch_groups) * p.chunks * 32 * p.vec
+    return (2 * p.grids * p.batch_groups * size,), dtype if p.mma else "float32"
+
+
 def parameters(spec: KernelSpec) -> SimpleNamespace:
     """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
     projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
@@ -40,9 +52,10 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     lengths: the samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a
     state (h first), (a training forward's, ``spec.kept``: the states of every step [T+1,N,H]
     each and the kept parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or
-    the barrier counters [NG] uint32, one a batch group, (the values of the step it exchanges
-    before h, its product's argument or each of its means', [2,N,H] each, uint64 tagged as h,
-    else float32). T is the symbolic length ``T_len``.
+    the barrier counters [NG] uint32, one a batch group, (h as published for the next step's
+    staging ``hx``, where the planner says so: :func:`published_h`), (the values of the step
+    it exchanges before h, its product's argument or each of its means', [2,N,H] each, uint64
+    tagged as h, else float32). T is the symbolic length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
     the counters [D*NG]. With L layers (planner: "Layers as a wavefront") the same with L for D
@@ -57,14 +70,16 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += ["len"] if spec.lengths else []
     names += ["y"] + [f"s{k}" for k in range(spec.states)]
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
-    names += ["hw" if spec.tagged else "cnt"]
+    names += ["hw"] if spec.tagged else ["cnt"]
+    names += ["hx"] if published_h(p, n, dt) else []
     values = spec.means or spec.rounds  # a buffer a mean, or the product's
     names += [f"aw{r}" for r in range(values)]
     names += ["prog"] if spec.layers > 1 else []
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
     out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, lengths=None, hw=None,
-                          cnt=None, prog=None, steps=None, pre=None, first=None, aw=None)
+                          cnt=None, hx=None, prog=None, steps=None, pre=None, first=None,
+                          aw=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -99,6 +114,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
     else:
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
+    if published_h(p, n, dt):
+        match("hx", "hx", *published_h(p, n, dt))
     out.aw = [match(f"aw{r}", f"aw{r}", (2, rows, spec.hidden),
                     "uint64" if spec.tagged else "float32") for r in range(values)]
     if spec.layers > 1:

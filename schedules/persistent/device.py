@@ -100,11 +100,12 @@ __device__ __forceinline__ float rnncc_ldcg(const float* address) {
 }
 """
 
-# An asynchronous copy of 16 bytes from global to shared memory (``cp.async``, sm_80+): zeros
-# where ``bytes`` is 0 (then nothing is read). The overlapped input projection copies the next
-# slab's x while the step runs, so its slab does not wait on memory.
+# An asynchronous copy of 16 bytes from global to shared memory (``cp.async``, sm_80+, past
+# L1): zeros where ``bytes`` is 0 (then nothing is read). The overlapped input projection
+# copies the next slab's x while the step runs, so its slab does not wait on memory; the
+# barrier variants of the exchange copy h as the blocks published it.
 CP_ASYNC_SOURCE = """
-__device__ __forceinline__ void rnncc_cp_async(float* shared, const float* global, int bytes) {
+__device__ __forceinline__ void rnncc_cp_async(void* shared, const void* global, int bytes) {
   unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(global),
                "r"(bytes) : "memory");

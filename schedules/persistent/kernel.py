@@ -108,6 +108,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
             b = T.meta_var(buffers.on_chip(spec))
             io = T.meta_var(buffers.projection(g, b) if p.fused else None)
             staged = T.meta_var(b.hs16 if p.mma else b.hs)
+            published = T.meta_var(partial(products.store_h, spec, g.hx)
+                                   if g.hx is not None else None)
             for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
@@ -116,6 +118,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                     weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
                     if p.mma:
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
+                    if g.hx is not None:
+                        exchange.zero_unpublished(spec, published, bx, tx)
                     cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
                                               bx, tx, g.params, b.pv)
                     if len(spec.kept) > 0:
@@ -126,7 +130,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                         if p.input_steps > 0:
                             input_projection.start_copies(spec, io, t, g.T_len, bx, tx)
                         exchange.stage_h(spec, g.s[0], g.hw, b.tv,
-                                         partial(products.store_h, spec, staged), t, bx, tx)
+                                         partial(products.store_h, spec, staged, 0), t, bx, tx,
+                                         g.hx, staged)
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         if spec.product >= 0:
@@ -135,13 +140,13 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                                                         t), bx, tx)
                             exchange.value_barrier(spec, g.cnt, t, 0, bx, tx)
                             exchange.stage_value(spec, g.aw[0], b.tv, partial(
-                                products.store_h, spec, staged), t, bx, tx)
+                                products.store_h, spec, staged, 0), t, bx, tx)
                             T.tvm_storage_sync("shared.dyn")
                             gate_sums(spec, b, g.w, blk, warp, lane)
                         means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
-                            exchange.publish, spec, g.s[0], g.hw, t), t, g.T_len, bx, tx,
-                            history.keeper(spec, g.pre, g.steps), b.pv, b.gs, b.mv)
+                            exchange.publish, spec, g.s[0], g.hw, t, hx=published), t, g.T_len,
+                            bx, tx, history.keeper(spec, g.pre, g.steps), b.pv, b.gs, b.mv)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

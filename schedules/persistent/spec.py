@@ -19,6 +19,12 @@ from . import planner
 from .planner import Plan
 
 
+def staged_rows(plan: Plan, local_batch: int) -> int:
+    """Batch rows a block stages h_{t-1} for: on tensor cores those of whole instructions
+    (:func:`.planner.mma_staged_rows`), else the group's N/NG."""
+    return planner.mma_staged_rows(local_batch) if plan.mma else local_batch
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One persistent kernel: ``plan`` for a layer of ``gates`` G and ``states`` (h first),
@@ -120,6 +126,21 @@ class KernelSpec:
     def mma_rows(self) -> int:
         """Batch rows h is staged for on tensor cores: 8 (half a tile) or whole tiles."""
         return planner.mma_staged_rows(self.local_batch)
+
+    @property
+    def staged_rows(self) -> int:
+        """Batch rows h_{t-1} is staged for (:func:`staged_rows`)."""
+        return staged_rows(self.plan, self.local_batch)
+
+    @property
+    def staged_size(self) -> int:
+        """Elements of h_{t-1} as a block stages it (:attr:`staged_rows` rows of KP)."""
+        return self.staged_rows * self.width
+
+    @property
+    def replicas(self) -> int:
+        """D*NG or L*NG: the batch groups of every grid, each exchanging its own h."""
+        return self.grids * self.plan.batch_groups
 
     @property
     def tagged(self) -> bool:

@@ -12,9 +12,10 @@ from tvm.script import tirx as T
 
 
 @T.macro
-def store_h(spec, hs, e, value):
-    """Element e = n*KP + k of h_{t-1}, as the products read it."""
-    hs[e] = value
+def store_h(spec, hs, base, e, value):
+    """Element e = n*KP + k of h_{t-1}, as the products read it, at ``base`` of ``hs`` (the
+    staged h, or a group's published one: :mod:`.exchange`)."""
+    hs[base + e] = value
 
 
 @T.macro

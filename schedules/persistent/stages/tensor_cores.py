@@ -55,20 +55,21 @@ def prepare(spec, hs16, af, tx):
 
 
 @T.macro
-def store_h(spec, hs16, e, value):
-    """Element e = n*KP + k of h_{t-1}, rounded to the weights' type, in A fragment order."""
+def store_h(spec, hs16, base, e, value):
+    """Element e = n*KP + k of h_{t-1}, rounded to the weights' type, in A fragment order, at
+    ``base`` of ``hs16`` (the staged h, or a group's published one: :mod:`.exchange`)."""
     kp, op = T.meta_var((spec.width, _mma.Operand(spec.dtype)))
     if spec.mma_rows == MMA_ROWS:
-        hs16[(e % kp // 16 * 32 + e // kp * 4 + e % kp % 8 // 2) * 4 + e % kp % 16 // 8 * 2
-             + e % kp % 2] = op.round(value)
+        hs16[base + (e % kp // 16 * 32 + e // kp * 4 + e % kp % 8 // 2) * 4 + e % kp % 16 // 8
+             * 2 + e % kp % 2] = op.round(value)
     elif op.tf32:  # an instruction's 4 values a lane, 16 bytes: rows g, g + 8 inner to k
-        hs16[((((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 2 + e % kp % 16 // 8) * 32
-               + e // kp % 8 * 4 + e % kp % 8 // 2) * 4) + e % kp % 2 * 2
+        hs16[base + ((((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 2 + e % kp % 16 // 8)
+                      * 32 + e // kp % 8 * 4 + e % kp % 8 // 2) * 4) + e % kp % 2 * 2
              + e // kp % MMA_TILE // 8] = op.round(value)
     else:
-        hs16[(((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 32 + e // kp % 8 * 4
-               + e % kp % 8 // 2) * 8) + e % kp % 16 // 8 * 4 + e // kp % MMA_TILE // 8 * 2
-             + e % kp % 2] = op.round(value)
+        hs16[base + (((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 32 + e // kp % 8 * 4
+                      + e % kp % 8 // 2) * 8) + e % kp % 16 // 8 * 4 + e // kp % MMA_TILE // 8
+             * 2 + e % kp % 2] = op.round(value)
 
 
 @T.macro
