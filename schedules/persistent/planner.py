@@ -64,7 +64,8 @@ the weights' type for the product (as cuDNN's half-precision RNNs keep it); the 
 and the states stay float32. float32 weights where the problem allows TF32 take the same
 plans (whole tiles only, 9 batch rows or more): a vector of 16 bytes is one k-step's 4 values
 (chunks of 128 k), packed rounded to TF32, and each k-step is two m16n8k8 instructions; h is
-staged in float32, rounded to TF32.
+staged in float32, rounded to TF32. With the barriers in 16 bits the blocks publish h in
+that order too, and staging copies it (:func:`publishes_staged_h`).
 
 Directions (``directions`` D = 2, a bidirectional layer): the grid is D grids side by side,
 one a direction, each planned as the layer alone would be on a D-th of the multiprocessors

@@ -10,18 +10,19 @@ shared memory as the product stage wants it (its ``store_h``). Three variants (t
   (data and flag in one store, as NCCL's low-latency protocol does).
 - ``"barrier"``: rnncc's counter barrier, one counter a batch group: after a block barrier
   (every h_t stored), thread 0 arrives (a release) and waits for the group's count (an
-  acquire); then the block copies h past L1.
+  acquire); then the block reads h past L1.
 - ``"grid"``: cooperative groups' grid sync (the whole grid), then as ``"barrier"``.
 
-With the barriers, a block publishes each h_t it computes a second time, where the staging
-of the next step will want it (``hx``: the group's staged h, in the products' order and type,
-by their ``store_h``), so that staging is a copy of 16-byte vectors (asynchronous, past L1,
-no index arithmetic and, on tensor cores, half the bytes of float32): staging element by
-element cost more than the products at batch 32 and 5-6 warps (GRU 1024 at batch 64 on tensor
-cores, 2 groups of 32 rows: 330 million instructions, three quarters of them indexing). The
-elements no block publishes (rows past the batch of whole tensor-core tiles, k past K) are
-zeroed once by each group's first block; step 0 stages h0 from the states' buffer, element by
-element.
+With the barriers where the planner says so (on tensor cores in 16 bits:
+:func:`..planner.publishes_staged_h`), a block publishes each h_t it computes a second time,
+where the staging of the next step will want it (``hx``: the group's staged h, in the
+products' order and type, by their ``store_h``), so that staging is a copy of 16-byte vectors
+(asynchronous, past L1, no index arithmetic, half the bytes of float32): staging element by
+element cost more than the products at batch 32 and 5-6 warps (GRU 1024 at batch 64, 2 groups
+of 32 rows: 330 million instructions, three quarters of them indexing). The elements no block
+publishes (rows past the batch of whole tensor-core tiles, k past K) are zeroed once by each
+group's first block; step 0 stages h0 from the states' buffer, element by element, as the
+other plans stage every step.
 
 Between arriving and waiting the block may work on what needs no other block (the overlapped
 input projection): ``arrive`` and ``wait``; with nothing between, ``arrive_and_wait``. Block
