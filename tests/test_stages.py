@@ -650,15 +650,15 @@ def test_exchange_copies_h_as_published(batch, dtype, rng):
                          tx)
 
     def copied(g, b, bx, tx, out):
-        publish = partial(store_h, spec, g.hx)
-        exchange.zero_unpublished(spec, publish, bx, tx)
+        published = partial(store_h, spec, g.hx)
+        exchange.zero_unpublished(spec, published, bx, tx)
         for it in range(p.items):
             valid, n, j = spec.pair(it, bx, tx)
             with T.If(valid):
                 with T.Then():
                     row = spec.state_row(bx, n)
                     exchange.publish(spec, g.s[0], g.hw, 2, g.s[0][0, row, j], row, j,
-                                     hx=publish)
+                                     published=published)
         exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(store_h, spec, b.hs16, 0), 3, bx,
                          tx, g.hx, b.hs16)
 

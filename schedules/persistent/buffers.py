@@ -35,11 +35,11 @@ def published_h(p: Plan, batch: int, dtype: str) -> tuple | None:
     copy, where the planner says so (:func:`.planner.publishes_staged_h`): a block's staging
     of h_{t-1} ([S]: :func:`.spec.staged_rows` rows of KP in the products' order,
     :mod:`.stages.exchange`) for each step slot, grid and batch group, [2*D*NG*S], in the
-    staged type (the weights' on tensor cores, else float32); else None."""
+    weights' (16-bit) type; else None."""
     if not planner.publishes_staged_h(p, dtype):
         return None
     size = staged_rows(p, batch // p.batch_groups) * p.chunks * 32 * p.vec
-    return (2 * p.grids * p.batch_groups * size,), dtype if p.mma else "float32"
+    return (2 * p.grids * p.batch_groups * size,), dtype
 
 
 def parameters(spec: KernelSpec) -> SimpleNamespace:
@@ -71,7 +71,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += ["y"] + [f"s{k}" for k in range(spec.states)]
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
     names += ["hw"] if spec.tagged else ["cnt"]
-    names += ["hx"] if published_h(p, n, dt) else []
+    published = published_h(p, n, dt)
+    names += ["hx"] if published else []
     values = spec.means or spec.rounds  # a buffer a mean, or the product's
     names += [f"aw{r}" for r in range(values)]
     names += ["prog"] if spec.layers > 1 else []
@@ -114,8 +115,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
     else:
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
-    if published_h(p, n, dt):
-        match("hx", "hx", *published_h(p, n, dt))
+    if published:
+        match("hx", "hx", *published)
     out.aw = [match(f"aw{r}", f"aw{r}", (2, rows, spec.hidden),
                     "uint64" if spec.tagged else "float32") for r in range(values)]
     if spec.layers > 1:

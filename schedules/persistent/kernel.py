@@ -145,8 +145,9 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                             gate_sums(spec, b, g.w, blk, warp, lane)
                         means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
-                            exchange.publish, spec, g.s[0], g.hw, t, hx=published), t, g.T_len,
-                            bx, tx, history.keeper(spec, g.pre, g.steps), b.pv, b.gs, b.mv)
+                            exchange.publish, spec, g.s[0], g.hw, t, published=published), t,
+                            g.T_len, bx, tx, history.keeper(spec, g.pre, g.steps), b.pv, b.gs,
+                            b.mv)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)

@@ -134,10 +134,10 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None):
 
 
 @T.macro
-def zero_unpublished(spec, publish, bx, tx):
+def zero_unpublished(spec, published, bx, tx):
     """Once, before the first barrier: the elements of the published h that no block
     publishes (rows past N/NG, k past K) zero in both slots of the block's group, by its
-    first block; ``publish(base, e, value)``: the products' ``store_h`` into ``hx``."""
+    first block; ``published(base, e, value)``: the products' ``store_h`` into ``hx``."""
     rows, kp, n_, h = T.meta_var((spec.staged_rows, spec.width, spec.local_batch,
                                   spec.exchange_width))
     size, threads = T.meta_var((spec.staged_size, spec.plan.threads))
@@ -147,8 +147,8 @@ def zero_unpublished(spec, publish, bx, tx):
                 for i in spec.spread(size):
                     e = T.meta_var(i * threads + tx)
                     if e < size and (e // kp >= n_ or e % kp >= h):
-                        publish((slot * spec.replicas + spec.group_of(bx)) * size, e,
-                                T.float32(0))
+                        published((slot * spec.replicas + spec.group_of(bx)) * size, e,
+                                  T.float32(0))
 
 
 @T.macro
@@ -160,18 +160,18 @@ def publish_tagged(hw, t, value, row, j):
 
 
 @T.macro
-def publish(spec, s0, hw, t, value, row, j, hx=None):
+def publish(spec, s0, hw, t, value, row, j, published=None):
     """h_t of unit j (element j of the exchanged vector), batch row ``row``: into the states'
     buffer (the final state, and what step 0 of the barrier variants reads), and, tagged, as
-    the word of step t + 1, or where the next step's staging copies it from (``hx(base, e,
-    value)``: the products' ``store_h`` into the published h)."""
+    the word of step t + 1, or where the next step's staging copies it from (``published(base,
+    e, value)``: the products' ``store_h`` into the published h)."""
     s0[(t + 1) % 2, row, j] = value
     if spec.tagged:
         publish_tagged(hw, t, value, row, j)
-    elif hx is not None:
+    elif published is not None:
         n_ = T.meta_var(spec.local_batch)
-        hx(((t + 1) % 2 * spec.replicas + row // n_) * spec.staged_size,
-           row % n_ * spec.width + j, value)
+        published(((t + 1) % 2 * spec.replicas + row // n_) * spec.staged_size,
+                  row % n_ * spec.width + j, value)
 
 
 @T.macro
