@@ -13,15 +13,17 @@ through shared memory in chunks of 128 bytes a row (64 halves, 32 TF32 values), 
 in one dynamic buffer, :data:`AHEAD` chunks copied ahead by ``cp.async`` (16 bytes a copy, 8
 threads a row). Rows are staged with the 128-byte swizzle the descriptors name: 16-byte piece
 p of row r lies at piece p ^ (r % 8) of its 128 bytes, so 8 threads copying a row write 8
-different bank groups. An operand that must be rounded (a float32 A under half weights, one
-step's h; both operands in TF32, which the tensor cores would truncate) goes through registers
-instead: loaded AHEAD chunks ahead, stored rounded a chunk later, as that chunk's first work.
-A chunk: the thread's copies of it are waited for, the stores of the last loads made, all
-made visible to the tensor cores' (async) proxy, one barrier; the copies (loads) of chunk c +
-AHEAD are issued into the stage that chunk c - 2 read (its products are done: a warpgroup
-waits for all but its last group of products); 4 instructions are issued and committed as one
-group. The sums land as the instruction leaves them: thread t of warp w of the warpgroup holds
-rows 16 w + t // 4 + {0, 8}, columns 8 n + 2 (t % 4) + {0, 1} of each 8-column tile n.
+different bank groups. TF32 operands are copied as float32 and rounded in place (the tensor
+cores would drop the low bits): each thread rounds the pieces it copied once their copies are
+waited for. A float32 A under half weights (one step's h), whose type changes, goes through
+registers instead: loaded AHEAD chunks ahead, stored rounded a chunk later, as that chunk's
+first work. A chunk: the thread's copies of it are waited for (and rounded), the stores of the
+last loads made, all made visible to the tensor cores' (async) proxy, one barrier; the copies
+(loads) of chunk c + AHEAD are issued into the stage that chunk c - 2 read (its products are
+done: a warpgroup waits for all but its last group of products); 4 instructions are issued and
+committed as one group. The sums land as the instruction leaves them: thread t of warp w of
+the warpgroup holds rows 16 w + t // 4 + {0, 8}, columns 8 n + 2 (t % 4) + {0, 1} of each
+8-column tile n.
 
 The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 """
@@ -48,6 +50,21 @@ WARPGROUP = 128
 #: against 553 (cuBLAS 95, 173); one step's in slices, 256 x 1024 x 4096: 14.8 against 16.5,
 #: TF32 24.8 against 28.4; at N = 64 (64-row tiles) TF32 64 x 2048 x 8192 46.8 against 41.1.
 STAGES, AHEAD = 5, 3
+
+#: 16 bytes of shared memory (4 float32) rounded to TF32 in place, as ``cvt.rna.tf32.f32``.
+ROUND_SOURCE = """
+__device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {
+  float4* at = (float4*)shared;
+  float4 v = *at;
+  unsigned int r[4];
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[0]) : "f"(v.x));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[1]) : "f"(v.y));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[2]) : "f"(v.z));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[3]) : "f"(v.w));
+  *at = make_float4(__uint_as_float(r[0]), __uint_as_float(r[1]), __uint_as_float(r[2]),
+                    __uint_as_float(r[3]));
+}
+"""
 
 
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
@@ -120,8 +137,8 @@ class Plan:
 
     def copied(self, op: int) -> bool:
         """Whether operand ``op`` is copied as it is stored (else through registers,
-        rounded): A where it is stored in the weights' half type, B in a half type."""
-        return not self.product.op.tf32 and (op == 1 or self.product.copied)
+        rounded): B, and A where it is stored in the operands' type (TF32: rounded after)."""
+        return op == 1 or self.product.copied
 
 
 @T.macro
@@ -154,6 +171,17 @@ def _store(p, op, regs, smem, stage, tx):
         row, piece = T.meta_var(p.place(p_, tx))
         for v in T.vectorized(p.per):
             smem[p.slot(op, stage, row, piece) + v] = p.product.op.round(regs[p_ * p.per + v])
+
+
+@T.macro
+def _round(p, op, smem, stage, tx):
+    """TF32: the pieces of operand ``op`` the thread copied into ``stage`` rounded in place
+    (a device function a piece: TVM's barrier planner would see one thread's reads and
+    writes of different pieces as a race and put barriers between them)."""
+    for p_ in T.unroll(p.pieces[op]):
+        row, piece = T.meta_var(p.place(p_, tx))
+        T.cuda.func_call("rnncc_round_tf32x4", T.address_of(smem[p.slot(op, stage, row, piece)]),
+                         source_code=ROUND_SOURCE)
 
 
 @T.macro
@@ -271,6 +299,9 @@ def kernel(product: cuda_mma_gemm.Product):
                         T.ptx.cp.async_.commit_group()
                     for c in range(p.chunks):
                         T.ptx.cp.async_.wait_group(AHEAD - 1)
+                        if product.op.tf32:
+                            _round(p, 0, smem, c % STAGES, tx)
+                            _round(p, 1, smem, c % STAGES, tx)
                         if 1 <= c and c + AHEAD - 1 < p.chunks:
                             _stage(p, regs, smem, (c + AHEAD - 1) % STAGES, tx)
                         T.ptx.fence.proxy.async_.shared__cta()

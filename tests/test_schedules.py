@@ -533,8 +533,9 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     descriptors of 128-byte swizzled rows): a projection of T*N = 135 rows (two row tiles, the
     second partial) of a in the weights' type, flat rows; one step's product of N = 135
     float32 rows (h, rounded through registers) and one of 64 rows (a one-warpgroup tile) in 2
-    slices of K; K of 6 chunks (12 in TF32: both operands through registers) so that chunks
-    are copied ahead in the loop; against NumPy's product of the same rounded operands."""
+    slices of K; K of 6 chunks (12 in TF32: both operands copied, then rounded in place) so
+    that chunks are copied ahead in the loop; against NumPy's product of the same rounded
+    operands (checked to fail with TF32's rounding left out: the simulator truncates)."""
     from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
 
@@ -575,8 +576,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     pytest.param("TF32 slices", marks=pytest.mark.slow)])
 def test_wgmma_gemm_kernels_compile_without_spills(form):
     """cuda.wgmma_gemm's kernels (one step's float32 h under float16 weights in slices: copies
-    and registers; a bfloat16 projection of all steps: copies; TF32 slices: registers) issue
-    wgmma and one barrier a chunk, and compile without spills."""
+    and registers; a bfloat16 projection of all steps: copies; TF32 slices: copies rounded in
+    place) issue wgmma and one barrier a chunk, and compile without spills."""
     from conftest import has_nvcc
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import _mma, cuda_wgmma_gemm

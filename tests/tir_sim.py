@@ -341,6 +341,16 @@ class Simulator:
             return None
         if name == "rnncc_cp_async_wait":
             return None
+        if name == "rnncc_round_tf32x4":  # 4 float32 rounded to TF32 (cvt.rna) in place
+            flat = np.broadcast_to(np.asarray(values[0].flat, np.int64), (self.lanes,))
+            for v in range(4):
+                bits = np.asarray(self._load(values[0].buffer, flat + v), np.float32).view(
+                    np.uint32)
+                special = (bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+                rounded = np.where(special, bits, (bits + np.uint32(0x1000))
+                                   & np.uint32(0xFFFFE000))
+                self._write(values[0].buffer, flat + v, rounded.view(np.float32), mask)
+            return None
         raise NotImplementedError(f"device function {name}")
 
     def _ptx_copy(self, args, mask):
