@@ -6,24 +6,25 @@ memory through matrix descriptors, the sums stay in registers.
 C[i, j] = sum_k A[i, k] B[j, k] as :mod:`.cuda_mma_gemm` names its forms: a projection (plus b,
 M a run-time size or one step's N) or slice s of K of one step's product (no bias).
 
-A block computes a tile of C of ``tile_rows`` (128, or 64 where one step's N is at most 64)
-x TILE (128) columns: a warpgroup (4 warps, 128 threads) a 64 x 128 part, one m64n128k16
-(halves) or m64n128k8 (TF32) instruction a 32-byte step of k, 64 float32 sums a thread. K goes
-through shared memory in chunks of 128 bytes a row (64 halves, 32 TF32 values), :data:`STAGES`
-in one dynamic buffer, :data:`AHEAD` chunks copied ahead by ``cp.async`` (16 bytes a copy, 8
-threads a row). Rows are staged with the 128-byte swizzle the descriptors name: 16-byte piece
-p of row r lies at piece p ^ (r % 8) of its 128 bytes, so 8 threads copying a row write 8
-different bank groups. TF32 operands are copied as float32 and rounded in place (the tensor
-cores would drop the low bits): each thread rounds the pieces it copied once their copies are
-waited for. A float32 A under half weights (one step's h), whose type changes, goes through
-registers instead: loaded AHEAD chunks ahead, stored rounded a chunk later, as that chunk's
-first work. A chunk: the thread's copies of it are waited for (and rounded), the stores of the
-last loads made, all made visible to the tensor cores' (async) proxy, one barrier; the copies
-(loads) of chunk c + AHEAD are issued into the stage that chunk c - 2 read (its products are
-done: a warpgroup waits for all but its last group of products); 4 instructions are issued and
-committed as one group. The sums land as the instruction leaves them: thread t of warp w of
-the warpgroup holds rows 16 w + t // 4 + {0, 8}, columns 8 n + 2 (t % 4) + {0, 1} of each
-8-column tile n.
+A block computes a tile of C of ``tile_rows`` (128, or 64 where one step's N is at most 64) x
+``cols`` columns (TILE = 128, or WIDE = 256 where :func:`columns` says): a warpgroup (4 warps,
+128 threads) a 64-row part, one m64n<cols>k16 (halves) or m64n<cols>k8 (TF32) instruction a
+32-byte step of k, cols / 2 float32 sums a thread. K goes through shared memory in chunks of
+128 bytes a row (64 halves, 32 TF32 values), ``stages`` of them (up to :data:`STAGES`, as many
+as fit: 4 in wide tiles) in one dynamic buffer, ``ahead`` = stages - 2 chunks copied ahead by
+``cp.async`` (16 bytes a copy, 8 threads a row). Rows are staged with the 128-byte swizzle the
+descriptors name: 16-byte piece p of row r lies at piece p ^ (r % 8) of its 128 bytes, so 8
+threads copying a row write 8 different bank groups. TF32 operands are copied as float32 and
+rounded in place (the tensor cores would drop the low bits): each thread rounds the pieces it
+copied once their copies are waited for. A float32 A under half weights (one step's h), whose
+type changes, goes through registers instead: loaded ``ahead`` chunks ahead, stored rounded a
+chunk later, as that chunk's first work. A chunk: the thread's copies of it are waited for (and
+rounded), the stores of the last loads made, all made visible to the tensor cores' (async)
+proxy, one barrier; the copies (loads) of chunk c + ahead are issued into the stage that chunk
+c - 2 read (its products are done: a warpgroup waits for all but its last group of products); 4
+instructions are issued and committed as one group. The sums land as the instruction leaves
+them: thread t of warp w of the warpgroup holds rows 16 w + t // 4 + {0, 8}, columns
+8 n + 2 (t % 4) + {0, 1} of each 8-column tile n.
 
 The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 """
@@ -43,13 +44,23 @@ SWIZZLE_ROWS = 8  # rows of the swizzle's period (1024 bytes): the descriptors' 
 STEP_BYTES = 32  # k of an instruction: 16 halves or 8 TF32 values
 SWIZZLE_128B = 3  # TVM's code for the 128-byte swizzle in a matrix descriptor
 WARPGROUP = 128
-#: Chunks in shared memory, and how far ahead they are copied (at most STAGES - 2: chunk c -
-#: 1's products may still read theirs). H200, float16 [6400 x 1024] x [1024 x 4096], 128 x 128
-#: tiles, kernel alone: 4 stages 2 ahead 180 us, 5 and 3 172, 6 and 4 171 (cuBLAS 91).
-#: Against cuda.mma_gemm (H100, kernel alone): that product 112 us against 190, TF32 420
-#: against 553 (cuBLAS 95, 173); one step's in slices, 256 x 1024 x 4096: 14.8 against 16.5,
-#: TF32 24.8 against 28.4; at N = 64 (64-row tiles) TF32 64 x 2048 x 8192 46.8 against 41.1.
-STAGES, AHEAD = 5, 3
+#: Chunks in shared memory (at most STAGES, as many as SHARED_BYTES holds), copied 2 fewer ahead
+#: (chunk c - 1's products may still read theirs). H200, float16 [6400 x 1024] x [1024 x 4096],
+#: 128 x 128 tiles, kernel alone: 4 stages 2 ahead 180 us, 5 and 3 172, 6 and 4 171 (cuBLAS 91).
+#: Against cuda.mma_gemm (H100, kernel alone): that product 112 us against 190, TF32 420 against
+#: 553 (cuBLAS 95, 173); one step's in slices, 256 x 1024 x 4096: 14.8 against 16.5, TF32 24.8
+#: against 28.4; at N = 64 (64-row tiles) TF32 64 x 2048 x 8192 46.8 against 41.1.
+STAGES = 5
+SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
+#: Tiles WIDE columns wide (one m64n256 instruction a warpgroup a k-step: half the reads of A
+#: a product) where O allows and the grid keeps at least WIDE_BLOCKS blocks. H200, kernel
+#: alone, us, 128 -> 256 columns: TF32 projections 6400 x 1024 x 4096 356 -> 291, 6400 x
+#: 2048 x 8192 1402 -> 1073, 1600 x 1024 x 4096 113 -> 86; bfloat16 6400 x 2048 x 8192 510
+#: -> 387, float16 6400 x 1024 x 4096 108 -> 110, 1600 x 512 x 2048 14.8 -> 12.7; one step's
+#: slices (256 rows) TF32 1024 x 4096 in 4 20.9 -> 17.1 (128 blocks), 2048 x 8192 in 2 60.4 ->
+#: 47.4, float16 13.8 -> 12.3 and 39.6 -> 30.0; but with 64 blocks slower (TF32 256 x 512 x
+#: 2048 in 4 8.2 -> 10.1, 128 x 1024 x 4096 in 4 11.2 -> 14.8).
+WIDE, WIDE_BLOCKS = 256, 128
 
 #: 16 bytes of shared memory (4 float32) rounded to TF32 in place, as ``cvt.rna.tf32.f32``.
 ROUND_SOURCE = """
@@ -80,35 +91,51 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     return None if found.tile_rows < TILE else found
 
 
+def columns(product: cuda_mma_gemm.Product) -> int:
+    """Columns of C a block: WIDE where O is a multiple and the grid of one step's product
+    (a projection of all steps has a run-time M: many rows) keeps WIDE_BLOCKS blocks, else
+    TILE."""
+    if product.columns % WIDE:
+        return TILE
+    if product.rows is None:
+        return WIDE
+    tiles = -(-product.rows // product.tile_rows) * (product.columns // WIDE)
+    return WIDE if tiles * product.parts >= WIDE_BLOCKS else TILE
+
+
 def _bytes(op) -> int:
     """Bytes an element of operand type ``op``."""
     return 4 if op.tf32 else 2
 
 
 class Plan:
-    """A product's block, chunks and staging; the grid and the operands' elements are those of
-    :class:`.cuda_mma_gemm.Tile` (the same tiles of C)."""
+    """A product's block, chunks and staging: tiles of C of ``tile_rows`` x ``cols`` columns
+    (TILE or WIDE), the rows' elements those of :class:`.cuda_mma_gemm.Tile`."""
 
-    def __init__(self, product: cuda_mma_gemm.Product):
+    def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE):
         self.product = product
         self.tile = cuda_mma_gemm.Tile(product)
         op = product.op
+        self.cols = cols
         self.esize = _bytes(op)
         self.bk = self.chunk(op)
         self.steps = ROW_BYTES // STEP_BYTES  # instructions a chunk
         self.rows = product.tile_rows
         self.threads = self.rows // 64 * WARPGROUP
         self.a_bytes = self.rows * ROW_BYTES
-        self.stage_bytes = self.a_bytes + TILE * ROW_BYTES
+        self.stage_bytes = self.a_bytes + cols * ROW_BYTES
+        self.stages = min(STAGES, SHARED_BYTES // self.stage_bytes)
+        self.ahead = self.stages - 2  # chunk c - 1's products may still read theirs
         #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
-        self.pieces = [self.rows * 8 // self.threads, TILE * 8 // self.threads]
+        self.pieces = [self.rows * 8 // self.threads, cols * 8 // self.threads]
         self.per = 16 // self.esize  # elements a piece
         self.chunks = product.depth // self.bk
-        self.grid = product.parts * self.tile.i_tiles * self.tile.j_tiles
-        self.sums = TILE // 2  # a thread's float32 sums
+        self.j_tiles = product.columns // cols
+        self.grid = product.parts * self.tile.i_tiles * self.j_tiles
+        self.sums = cols // 2  # a thread's float32 sums
         kstep = STEP_BYTES // self.esize
         ptx = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}[op.dtype]
-        shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{TILE}k{kstep}").f32
+        shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k{kstep}").f32
         self.instruction = getattr(getattr(shape, ptx), ptx)
         #: scale-a, scale-b (and for halves: A and B k-major, not transposed)
         self.flags = (1, 1) if op.tf32 else (1, 1, 0, 0)
@@ -202,9 +229,9 @@ def _fetch_operand(p, io, op, smem, regs, c, k0, first, tx):
     """Operand ``op``'s chunk ``c`` (its rows from ``first``): copies into its stage; else
     loads into ``regs``, or before the loop (``regs`` None) stored at once."""
     if p.copied(op):
-        _copy(p, io, op, smem, c % STAGES, k0 + c * p.bk, first, tx)
+        _copy(p, io, op, smem, c % p.stages, k0 + c * p.bk, first, tx)
     elif regs is None:
-        _put(p, io, op, smem, c % STAGES, k0 + c * p.bk, first, tx)
+        _put(p, io, op, smem, c % p.stages, k0 + c * p.bk, first, tx)
     else:
         _load(p, io, op, regs, k0 + c * p.bk, first, tx)
 
@@ -214,7 +241,7 @@ def _fetch(p, io, smem, regs, c, k0, bi, bj, tx):
     """Chunk ``c`` of the block's part of K (from ``k0``), both operands (``regs`` None:
     before the loop)."""
     _fetch_operand(p, io, 0, smem, None if regs is None else regs[0], c, k0, bi * p.rows, tx)
-    _fetch_operand(p, io, 1, smem, None if regs is None else regs[1], c, k0, bj * TILE, tx)
+    _fetch_operand(p, io, 1, smem, None if regs is None else regs[1], c, k0, bj * p.cols, tx)
 
 
 @T.macro
@@ -255,10 +282,10 @@ def _epilogue(p, io, acc, bi, bj, part, tx):
     """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are."""
     lane = T.meta_var(tx % 32)
     first = T.meta_var(bi * p.rows + tx // 32 * 16 + lane // 4)
-    for n in T.unroll(TILE // 8):
+    for n in T.unroll(p.cols // 8):
         for h in T.unroll(2):
             i = T.meta_var(first + h * 8)
-            j = T.meta_var(bj * TILE + n * 8 + lane % 4 * 2)
+            j = T.meta_var(bj * p.cols + n * 8 + lane % 4 * 2)
             if i < p.tile.m:
                 for v in T.vectorized(2):
                     if p.product.form == "projection":
@@ -268,9 +295,10 @@ def _epilogue(p, io, acc, bi, bj, part, tx):
                         io[2][part, i, j + v] = acc[n * 4 + h * 2 + v]
 
 
-def kernel(product: cuda_mma_gemm.Product):
-    """The PrimFunc, with the component's parameters."""
-    p = Plan(product)
+def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
+    """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
+    :func:`columns`)."""
+    p = Plan(product, cols or columns(product))
     dtype = product.op.dtype
 
     @T.prim_func(s_tir=True)
@@ -278,7 +306,7 @@ def kernel(product: cuda_mma_gemm.Product):
         T.func_attr({"tirx.noalias": True})
         io = T.meta_var(p.tile.parameters())
         with T.sblock("root"):
-            smem = T.sblock_alloc_buffer((STAGES * p.stage_bytes // p.esize,), dtype,
+            smem = T.sblock_alloc_buffer((p.stages * p.stage_bytes // p.esize,), dtype,
                                          scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
             ra = T.sblock_alloc_buffer((p.pieces[0] * p.per,), "float32", scope="local")
             rb = T.sblock_alloc_buffer((p.pieces[1] * p.per,), "float32", scope="local")
@@ -286,30 +314,30 @@ def kernel(product: cuda_mma_gemm.Product):
             desc = T.sblock_alloc_buffer((2,), "uint64", scope="local")
             for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
-                    part = T.meta_var(bx // (p.tile.i_tiles * p.tile.j_tiles))
-                    bi = T.meta_var(bx // p.tile.j_tiles % p.tile.i_tiles)
-                    bj = T.meta_var(bx % p.tile.j_tiles)
+                    part = T.meta_var(bx // (p.tile.i_tiles * p.j_tiles))
+                    bi = T.meta_var(bx // p.j_tiles % p.tile.i_tiles)
+                    bj = T.meta_var(bx % p.j_tiles)
                     k0 = T.meta_var(part * product.depth)
                     regs = T.meta_var((ra, rb))
                     for e in T.unroll(p.sums):
                         acc[e] = T.float32(0)
-                    for c in T.unroll(AHEAD):
+                    for c in T.unroll(p.ahead):
                         if c < p.chunks:
                             _fetch(p, io, smem, None, c, k0, bi, bj, tx)
                         T.ptx.cp.async_.commit_group()
                     for c in range(p.chunks):
-                        T.ptx.cp.async_.wait_group(AHEAD - 1)
+                        T.ptx.cp.async_.wait_group(p.ahead - 1)
                         if product.op.tf32:
-                            _round(p, 0, smem, c % STAGES, tx)
-                            _round(p, 1, smem, c % STAGES, tx)
-                        if 1 <= c and c + AHEAD - 1 < p.chunks:
-                            _stage(p, regs, smem, (c + AHEAD - 1) % STAGES, tx)
+                            _round(p, 0, smem, c % p.stages, tx)
+                            _round(p, 1, smem, c % p.stages, tx)
+                        if 1 <= c and c + p.ahead - 1 < p.chunks:
+                            _stage(p, regs, smem, (c + p.ahead - 1) % p.stages, tx)
                         T.ptx.fence.proxy.async_.shared__cta()
                         T.tvm_storage_sync("shared.dyn")
-                        if c + AHEAD < p.chunks:
-                            _fetch(p, io, smem, regs, c + AHEAD, k0, bi, bj, tx)
+                        if c + p.ahead < p.chunks:
+                            _fetch(p, io, smem, regs, c + p.ahead, k0, bi, bj, tx)
                         T.ptx.cp.async_.commit_group()
-                        _products(p, smem, acc, desc, c % STAGES, tx)
+                        _products(p, smem, acc, desc, c % p.stages, tx)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     _epilogue(p, io, acc, bi, bj, part, tx)
 

@@ -526,9 +526,10 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
+@pytest.mark.parametrize("cols", [128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
-def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
+def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     """cuda.wgmma_gemm's kernel on the NumPy interpreter of TIR (warpgroup MMA through matrix
     descriptors of 128-byte swizzled rows): a projection of T*N = 135 rows (two row tiles, the
     second partial) of a in the weights' type, flat rows; one step's product of N = 135
@@ -540,7 +541,7 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     from tir_sim import Simulator
 
     func, args, want = _product_case(form, dtype, 768 if form == "slices" else 384, rng)
-    kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
+    kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA), cols)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
     got = got.sum(0) if form == "slices" else got
