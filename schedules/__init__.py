@@ -54,6 +54,13 @@ RULES: dict[tuple[str, str], list[Rule]] = {
 }
 
 
+def product_parts(func, target) -> int:
+    """The slices of K that the tensor-core rules split the one-step product of gemm component
+    ``func`` into on ``target``, for a reader that adds them itself (rnncc's gemm_parts
+    component in as many slices); 1 where they take it whole or not at all."""
+    return cuda_wgmma_gemm.parts(func, target)
+
+
 @dataclass
 class Scheduled:
     """A scheduled component, the rule that scheduled it and what the rules before it said."""

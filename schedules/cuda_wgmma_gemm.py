@@ -52,15 +52,22 @@ WARPGROUP = 128
 #: against 28.4; at N = 64 (64-row tiles) TF32 64 x 2048 x 8192 46.8 against 41.1.
 STAGES = 5
 SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
-#: Tiles WIDE columns wide (one m64n256 instruction a warpgroup a k-step: half the reads of A
-#: a product) where O allows and the grid keeps at least WIDE_BLOCKS blocks. H200, kernel
-#: alone, us, 128 -> 256 columns: TF32 projections 6400 x 1024 x 4096 356 -> 291, 6400 x
-#: 2048 x 8192 1402 -> 1073, 1600 x 1024 x 4096 113 -> 86; bfloat16 6400 x 2048 x 8192 510
-#: -> 387, float16 6400 x 1024 x 4096 108 -> 110, 1600 x 512 x 2048 14.8 -> 12.7; one step's
-#: slices (256 rows) TF32 1024 x 4096 in 4 20.9 -> 17.1 (128 blocks), 2048 x 8192 in 2 60.4 ->
-#: 47.4, float16 13.8 -> 12.3 and 39.6 -> 30.0; but with 64 blocks slower (TF32 256 x 512 x
-#: 2048 in 4 8.2 -> 10.1, 128 x 1024 x 4096 in 4 11.2 -> 14.8).
-WIDE, WIDE_BLOCKS = 256, 128
+#: One step's product (N past 64 rows): its slices of K and tiles' width, one wave of blocks
+#: (one a multiprocessor). Of the (S, width) whose grid has ONE_WAVE[0] to ONE_WAVE[1] blocks,
+#: the fewest slices of WIDE columns (each at least WIDE_DEPTH deep where A is copied), else
+#: the fewest of TILE columns. H100, kernel alone, TF32, us, that choice against the best of S
+#: 1-8 x both widths (cuda.mma_gemm's count in wide tiles, before): 256 x 1024 x 4096 17.4
+#: best (18.5), 256 x 1024 x 3072 16.7 best (23.7), 256 x 2048 x 8192 48.5 best, 256 x 2048 x
+#: 6144 46.1 best (52.2), 128 x 1024 x 4096 11.3 best (13.5), 128 x 2048 x 8192 34.0 best
+#: (38.8), 192 x 1024 x 4096 19.2 (17.1). Where A (h, float32) goes through registers under
+#: half weights, wide tiles halve its share of each chunk: H200 layers, us a step, narrow ->
+#: wide first: float16 LSTM 1024 N256 28.4 -> 26.2, N192 25.3 -> 21.6, N128 17.1 -> 18.8,
+#: bfloat16 GRU 1024 N256 25.6 -> 22.5 (29.5 before), LSTM 2048 N128 47.2 -> 39.0.
+#: Elsewhere (a projection of all steps: many rows) tiles are WIDE where O allows. H200, 128
+#: -> 256 columns: TF32 6400 x 1024 x 4096 356 -> 291, 6400 x 2048 x 8192 1402 -> 1073,
+#: 1600 x 1024 x 4096 113 -> 86; bfloat16 6400 x 2048 x 8192 510 -> 387, float16 6400 x
+#: 1024 x 4096 108 -> 110, 1600 x 512 x 2048 14.8 -> 12.7.
+WIDE, WIDE_DEPTH, ONE_WAVE = 256, 1024, (96, 132)
 
 #: 16 bytes of shared memory (4 float32) rounded to TF32 in place, as ``cvt.rna.tf32.f32``.
 ROUND_SOURCE = """
@@ -79,28 +86,57 @@ __device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {
 
 
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
-    """The product of component ``func`` where this rule takes it: one that
-    :func:`.cuda_mma_gemm.sizes` takes with both operands' k last, on sm_90, but for one
-    step's product in N <= 64 rows (one warpgroup a block: :mod:`.cuda_mma_gemm`'s is
-    faster there); else None."""
+    """The product of component ``func`` where this rule takes it, on sm_90: one step's in
+    the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes with
+    both operands' k last, but for one step's product in N <= 64 rows (one warpgroup a block:
+    :mod:`.cuda_mma_gemm`'s is faster there); else None."""
     if not has_wgmma(target):
         return None
-    found = cuda_mma_gemm.sizes(func, target)
+    found = cuda_mma_gemm.product_of(func, target)
     if found is None or not found.pipelined or found.depth % Plan.chunk(found.op):
         return None
-    return None if found.tile_rows < TILE else found
+    chosen = one_step(found)
+    if chosen is not None:
+        return found if found.parts == chosen[0] else None
+    found = cuda_mma_gemm.sizes(func, target)
+    return None if found is None or found.tile_rows < TILE else found
+
+
+def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
+    """(S slices of K, columns a tile) of one step's ``product`` (N past 64 rows, any slices
+    it is given) as :data:`ONE_WAVE` says; None where no choice gives one wave (or it is not
+    one step's product)."""
+    if product.rows is None or product.tile_rows < TILE:
+        return None
+    depth, bk = product.depth * product.parts, Plan.chunk(product.op)
+    row_tiles = -(-product.rows // product.tile_rows)
+    counts = [s for s in range(1, cuda_mma_gemm.MAX_PARTS + 1) if s & (s - 1) == 0
+              and depth % (s * bk) == 0 and (s == 1 or depth // s >= cuda_mma_gemm.MIN_SLICE)]
+    for cols, deep in ((WIDE, WIDE_DEPTH if product.copied else 0), (TILE, 0)):
+        for s in counts:
+            blocks = row_tiles * product.columns // cols * s
+            if product.columns % cols == 0 and depth // s >= deep and (
+                    ONE_WAVE[0] <= blocks <= ONE_WAVE[1]):
+                return s, cols
+    return None
+
+
+def parts(func, target) -> int:
+    """The slices of K this rule splits the one-step product of gemm component ``func`` into,
+    where it takes that product on this target (:func:`one_step`); else those of
+    :func:`.cuda_mma_gemm.parts` (1 where neither slices it)."""
+    found = cuda_mma_gemm.product_of(func, target) if has_wgmma(target) else None
+    chosen = None if found is None or not found.pipelined else one_step(found)
+    return chosen[0] if chosen else cuda_mma_gemm.parts(func, target)
 
 
 def columns(product: cuda_mma_gemm.Product) -> int:
-    """Columns of C a block: WIDE where O is a multiple and the grid of one step's product
-    (a projection of all steps has a run-time M: many rows) keeps WIDE_BLOCKS blocks, else
-    TILE."""
-    if product.columns % WIDE:
-        return TILE
-    if product.rows is None:
-        return WIDE
-    tiles = -(-product.rows // product.tile_rows) * (product.columns // WIDE)
-    return WIDE if tiles * product.parts >= WIDE_BLOCKS else TILE
+    """Columns of C a block: one step's product's by :func:`one_step`, else WIDE where O is
+    a multiple (TILE otherwise)."""
+    chosen = one_step(product)
+    if chosen is not None:
+        return chosen[1]
+    return WIDE if product.rows is None and product.columns % WIDE == 0 else TILE
 
 
 def _bytes(op) -> int:

@@ -526,6 +526,36 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
+@pytest.mark.parametrize("batch, k, o, dtype, parts, cols", [
+    (256, 1024, 4096, "tf32", 2, 128), (128, 1024, 4096, "tf32", 4, 128),
+    (256, 2048, 6144, "tf32", 2, 256), (512, 1024, 4096, "tf32", 1, 128),
+    (256, 1024, 3072, "float16", 4, 256), (256, 2048, 8192, "bfloat16", 2, 256),
+    (128, 1024, 4096, "float16", 8, 256), (100, 1024, 1024, "float16", 8, 128)])
+def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, parts, cols):
+    """On sm_90 one step's product past 64 rows goes in the fewest slices of K whose grid is one
+    wave (96 to 132 blocks), in tiles 256 wide where each slice is at least 1024 deep or h goes
+    through registers (float32 under half weights), else 128 wide; where no count gives one
+    wave (100 x 1024 x 1024: 64 blocks at most), the slices are cuda.mma_gemm's.
+    cuda.wgmma_gemm takes that count only; on sm_80 the count is cuda.mma_gemm's."""
+    from rnncc import schedules
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+
+    def product(count):
+        func = (comp.gemm((batch,), k, o, "rows", dtype, "float32") if count == 1
+                else comp.gemm_parts(batch, k, o, count, "rows", dtype, "float32"))
+        return func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+
+    assert schedules.product_parts(product(1), CUDA) == parts
+    assert schedules.product_parts(product(1), AMPERE) == cuda_mma_gemm.parts(product(1), AMPERE)
+    for count in (1, 2, 4, 8):
+        assert (cuda_wgmma_gemm.sizes(product(count), CUDA) is not None) == (count == parts)
+    taken = cuda_mma_gemm.product_of(product(parts), CUDA)
+    assert cuda_wgmma_gemm.columns(taken) == cols
+
+
 @pytest.mark.parametrize("cols", [128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
@@ -574,11 +604,13 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
 
 @pytest.mark.parametrize("form", [
     "slices of h", pytest.param("projection", marks=pytest.mark.slow),
-    pytest.param("TF32 slices", marks=pytest.mark.slow)])
+    pytest.param("TF32 slices", marks=pytest.mark.slow),
+    pytest.param("narrow slices of h", marks=pytest.mark.slow)])
 def test_wgmma_gemm_kernels_compile_without_spills(form):
     """cuda.wgmma_gemm's kernels (one step's float32 h under float16 weights in slices: copies
-    and registers; a bfloat16 projection of all steps: copies; TF32 slices: copies rounded in
-    place) issue wgmma and one barrier a chunk, and compile without spills."""
+    and registers, in tiles 256 and 128 wide; a bfloat16 projection of all steps: copies, wide
+    tiles; TF32 slices: copies rounded in place) issue wgmma and one barrier a chunk, and
+    compile without spills."""
     from conftest import has_nvcc
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import _mma, cuda_wgmma_gemm
@@ -587,8 +619,10 @@ def test_wgmma_gemm_kernels_compile_without_spills(form):
                                                    "float32"),
             "projection": lambda: comp.gemm((tirx.Var("T", "int64"), 64), 1024, 4096, "rows",
                                             "bfloat16", "bfloat16"),
-            "TF32 slices": lambda: comp.gemm_parts(256, 1024, 4096, 4, "rows", "float32",
+            "TF32 slices": lambda: comp.gemm_parts(256, 1024, 4096, 2, "rows", "float32",
                                                    "float32").with_attr(_mma.TF32_ATTR, True),
+            "narrow slices of h": lambda: comp.gemm_parts(256, 512, 2048, 4, "rows",
+                                                          "float16", "float32"),
             }[form]()
     source = tvm.compile(tvm.IRModule({"main": cuda_wgmma_gemm.apply(func, CUDA).mod[
         "main"].with_attr("global_symbol", "wg")}), target=CUDA).mod.imports[0].inspect_source()

@@ -100,13 +100,14 @@ class _Builder:
     def product_parts(self, key: str, func) -> int:
         """The slices S > 1 that one step's product ``func`` (gemm component ``key``) is left
         in for its reader to add (:func:`comp.gemm_parts`): where tensor cores take it in
-        slices of K (cuda.mma_gemm, whose grid needs them), or where the rule that schedules it
-        splits K anyway (cuda.sgemm: its own sum kernel is then saved), else 1."""
+        slices of K (:func:`schedules.product_parts`: their grids need them), or where the rule
+        that schedules it splits K anyway (cuda.sgemm: its own sum kernel is then saved), else
+        1."""
         if self.target.kind.name != "cuda" or self.layout.gates != "combined":
             return 1
         self.scheduled(key, func, "gemm")
         marked, _ = self.lowered.components[key]  # (allowing TF32 where the problem does)
-        tensor_cores = schedules.cuda_mma_gemm.parts(marked, self.target)
+        tensor_cores = schedules.product_parts(marked, self.target)
         if tensor_cores > 1:
             return tensor_cores
         return schedules.cuda_sgemm.parts(func) if self.lowered.rules[key] == "cuda.sgemm" else 1
