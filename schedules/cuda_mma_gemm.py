@@ -137,11 +137,18 @@ def sizes(func, target) -> Product | None:
     TF32) on sm_80 or later; a projection with sizes that :func:`fits`; a gradient with O and
     K multiples of TILE."""
     found = product_of(func, target)
-    if found is None or found.rows is None:  # all steps, or a gradient
-        return found
+    return found if found is not None and takes(found) else None
+
+
+def takes(found: Product) -> bool:
+    """Whether this rule's grid takes ``found`` (:func:`product_of`'s): every product of all
+    steps and gradient; one step's whole where its tiles give TARGET_BLOCKS, in slices where
+    they are :func:`slices`' count (not another rule's)."""
+    if found.rows is None:  # all steps, or a gradient
+        return True
     if found.form == "projection":
-        return found if _tiles(found) >= TARGET_BLOCKS else None
-    return found if slices(found) == found.parts else None  # not another rule's count
+        return _tiles(found) >= TARGET_BLOCKS
+    return slices(found) == found.parts
 
 
 def parts(func, target) -> int:

@@ -98,8 +98,7 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     chosen = one_step(found)
     if chosen is not None:
         return found if found.parts == chosen[0] else None
-    found = cuda_mma_gemm.sizes(func, target)
-    return None if found is None or found.tile_rows < TILE else found
+    return found if cuda_mma_gemm.takes(found) and found.tile_rows >= TILE else None
 
 
 def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
@@ -125,9 +124,11 @@ def parts(func, target) -> int:
     """The slices of K this rule splits the one-step product of gemm component ``func`` into,
     where it takes that product on this target (:func:`one_step`); else those of
     :func:`.cuda_mma_gemm.parts` (1 where neither slices it)."""
-    found = cuda_mma_gemm.product_of(func, target) if has_wgmma(target) else None
-    chosen = None if found is None or not found.pipelined else one_step(found)
-    return chosen[0] if chosen else cuda_mma_gemm.parts(func, target)
+    found = cuda_mma_gemm.product_of(func, target)
+    if found is None or found.rows is None:
+        return 1
+    chosen = one_step(found) if has_wgmma(target) and found.pipelined else None
+    return chosen[0] if chosen else cuda_mma_gemm.slices(found)
 
 
 def columns(product: cuda_mma_gemm.Product) -> int:

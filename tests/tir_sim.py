@@ -20,6 +20,8 @@ import numpy as np
 import tvm_ffi
 from tvm import tirx
 
+from helpers import round_tf32
+
 _INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
 
 
@@ -344,12 +346,8 @@ class Simulator:
         if name == "rnncc_round_tf32x4":  # 4 float32 rounded to TF32 (cvt.rna) in place
             flat = np.broadcast_to(np.asarray(values[0].flat, np.int64), (self.lanes,))
             for v in range(4):
-                bits = np.asarray(self._load(values[0].buffer, flat + v), np.float32).view(
-                    np.uint32)
-                special = (bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-                rounded = np.where(special, bits, (bits + np.uint32(0x1000))
-                                   & np.uint32(0xFFFFE000))
-                self._write(values[0].buffer, flat + v, rounded.view(np.float32), mask)
+                self._write(values[0].buffer, flat + v,
+                            round_tf32(self._load(values[0].buffer, flat + v)), mask)
             return None
         raise NotImplementedError(f"device function {name}")
 
