@@ -10,7 +10,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 import rnncc
-from helpers import TOL_F32, check_against_reference, round_tf32, takes_means
+from helpers import TOL, TOL_F32, check_against_reference, round_tf32, takes_means
 from rnncc import schedules
 from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
@@ -989,6 +989,40 @@ def test_flat_row_views_compute_the_sequence(monkeypatch, rng):
     assert module.metadata["schedule"]["layout"]["flat_rows"]
     for steps in (1, 6):
         assert check_against_reference(module, rng, steps, True) < TOL_F32
+
+
+@pytest.mark.parametrize("cell, directions", [("gru", 2), ("lstm", 1)])
+def test_half_products_read_h_in_16_bits(cell, directions, monkeypatch, rng):
+    """A half-precision layer on CUDA: one step's recurrent product reads h in float16 from
+    ``h_half`` [2, N, H], which the fused cell step writes with y's values, not the float32
+    state; float32, a projection (LSTMP) and CPUs read the state. The same wiring forced on
+    the CPU (lengths; both directions for the GRU; T 1 and 37) against float64."""
+    lstm = rnncc.cells.get("lstm")
+
+    def workspaces(problem, target):
+        lowered = sequence.build(problem, Options(), target)
+        return lowered, {e["name"]: e for e in lowered.signatures["forward"]}
+
+    lowered, names = workspaces(Problem(lstm, 64, 64, 128, "float16"), CUDA)
+    assert names["h_half"]["dtype"] == "float16" and names["h_half"]["shape"] == [2, 128, 64]
+    product, _ = lowered.components["recurrent_gemm"]
+    assert product.params[0].dtype == "float16"
+    for problem, target in [(Problem(lstm, 64, 64, 128), CUDA),
+                            (Problem(lstm, 64, 64, 128, "bfloat16", proj_size=16), CUDA),
+                            (Problem(lstm, 64, 64, 128, "float16"), LLVM)]:
+        lowered, names = workspaces(problem, target)
+        assert "h_half" not in names
+        assert lowered.components["recurrent_gemm"][0].params[0].dtype == "float32"
+    monkeypatch.setattr(sequence, "reads_half_h",
+                        lambda target, problem, options: problem.dtype == "float16")
+    module = rnncc.compile(cell, 5, 9, 3, target="llvm", dtype="float16", lengths=True,
+                           directions=directions, tuning="off")
+    shape = [(2, 3, 9), (2, 2, 3, 9)][directions - 1]
+    assert {"name": "h_half", "shape": list(shape), "dtype": "float16",
+            "kind": "workspace"} in module.metadata["functions"]["forward"]
+    for steps in (1, 37):
+        err = check_against_reference(module, rng, steps, True, lengths=True)
+        assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"
 
 
 def test_sequence_records_rules_and_layout():

@@ -210,7 +210,7 @@ def chunks(t_len, chunk: int):
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
               fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1,
               projected: bool = False, upto: int | None = None,
-              recurrent_gates: int | None = None) -> tirx.PrimFunc:
+              recurrent_gates: int | None = None, half_h: bool = False) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -236,7 +236,8 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     step takes before that gate's, and the output is that product's argument [N, H] alone
     (no ``active``; the accumulation dtype), what its GEMM multiplies. ``recurrent_gates``
     ("combined"): ``gh`` holds the first ones only, [N, that * H] (the step takes the others'
-    products of other values).
+    products of other values). ``half_h`` (fused, a half ``dtype``): last, h again [N, H] in
+    ``dtype``, y's values, for the next step's recurrent product to read in 16 bits.
     """
     from ..cells import autodiff
 
@@ -303,13 +304,17 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             parts = {"sum": lambda g: read_i(g, n, j) + read_h(g, n, j),
                      "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j),
                      "product": lambda k: products[order[k]][n, j]}
-            return (frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
-                    + [parts[part](g) for g, part in kept])
+            values = frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
+            return (values + [parts[part](g) for g, part in kept]
+                    + (values[:1] if half_h else []))
 
         reduced = RowReductions((n_, h_), body, products)
         outs = (reduced.argument(upto, "argument") if upto is not None
                 else te.compute((n_, h_), lambda n, j: reduced(n, j), name="cell"))
     else:
+        if half_h:
+            raise ValueError("h in 16 bits for the next product needs the fused step")
+
         def gate(read, g):
             return Staged(te.compute((n_, h_), lambda n, j: read(g, n, j), name=f"gate{g}"))
 
