@@ -367,6 +367,10 @@ class _Builder:
                   for s, w in zip(p.cell.states, widths)]
         h_half = (self.param(sig, "h_half", per_direction((2, n, h)), "workspace")
                   if half_h else None)
+        # the vectors the cell step reads, in the accumulation dtype (comp.cell_step)
+        given_vectors = ([b_hh] if rec_parts > 1 else []) + per_unit
+        vectors = {v.name: (self.param(sig, f"{v.name}_{acc}", (int(v.shape[0]),), "workspace",
+                                       acc) if p.dtype != acc else v) for v in given_vectors}
         x_rev = y_rev = None
         if dirs > 1:
             x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
@@ -387,6 +391,12 @@ class _Builder:
             prologue += [stage for d in range(dirs) for stage in self.states_copy(
                 "init_h_half", [Region(s0[0], (d, ALL, ALL))],
                 [Region(h_half, at(d, (0, ALL, ALL)))], f"init_h_half{_SUFFIX[d]}")]
+        for v in given_vectors:
+            if vectors[v.name] is not v:
+                func = self.scheduled(f"cast_{v.shape[0]}", comp.cast(
+                    int(v.shape[0]), p.dtype, acc), "elementwise")
+                prologue.append(Stage(f"cast_{v.name}", func, [
+                    Region(v, (ALL,)), Region(vectors[v.name], (ALL,))], 1))
         active = []
         if lengths is not None:  # active[t, n]: step t within sample n's length
             active = [self.param(sig, "active", (t_len, n), "workspace", "int32")]
@@ -431,7 +441,7 @@ class _Builder:
                     h_prev, Region(w_hh, (slice(d * g * h, (d * g + rec_gates) * h), ALL)),
                     Region(hp, at(d, (ALL, ALL, ALL)))], 1))
                 gh = [Region(hp, at(d, (ALL, ALL, ALL))),
-                      Region(b_hh, (slice(d * g * h, (d + 1) * g * h),))]
+                      Region(vectors[b_hh.name], (slice(d * g * h, (d + 1) * g * h),))]
             else:
                 steps += _named(self.projections(
                     "recurrent_gemm", h_prev, (n,), r, w_hh, b_hh,
@@ -440,7 +450,8 @@ class _Builder:
                 gh = ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(hp, at(d, (ALL, ALL)))])
             own = sw[1:] if proj else sw  # with a projection, h is the projection's to write
-            per_unit_d = [Region(v, (slice(d * h, (d + 1) * h),)) for v in per_unit]
+            per_unit_d = [Region(vectors[v.name], (slice(d * h, (d + 1) * h),))
+                          for v in per_unit]
             taken = []  # the step's products of its values so far
             for k, gate in enumerate(products):
                 steps += self.recurrent_product(
@@ -491,6 +502,7 @@ class _Builder:
                   *([] if in_place else [xp]),
                   hp, *([argument, products_ws] if products else []),
                   *sw, *([pre] if pre is not None else []), *([h_half] if half_h else []),
+                  *[vectors[v.name] for v in given_vectors if vectors[v.name] is not v],
                   *reversed_,
                   *([hf, hr, zero] if proj else []), *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
