@@ -1025,6 +1025,25 @@ def test_half_products_read_h_in_16_bits(cell, directions, monkeypatch, rng):
         assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_half_cell_steps_read_no_16_bit_values(cell):
+    """A half layer's cell step reads only float32 (b_hh and the per-unit parameters
+    converted before the steps): a conversion from 16 bits is inline assembly in CUDA, which
+    keeps nvcc from computing the values its outputs share once. Its outputs: y and h_half
+    in float16, the states in float32."""
+    problem = Problem(rnncc.cells.get(cell), 512, 512, 256, "float16")  # h in slices of K
+    lowered = sequence.build(problem, Options(), CUDA)
+    step, _ = lowered.components["cell_step"]
+    states = len(problem.cell.states)
+    dtypes = [str(buffer.dtype) for buffer in step.params]
+    # ..., y, the new states, h_half
+    assert dtypes[-states - 2:] == ["float16"] + ["float32"] * states + ["float16"]
+    assert set(dtypes[:-states - 2]) == {"float32"}
+    names = [e["name"] for e in lowered.signatures["forward"]]
+    sliced = "b_hh" in [buffer.name for buffer in step.params]  # it adds gh's slices and b_hh
+    assert ("b_hh_float32" in names) == sliced and (sliced or cell != "lstm")
+
+
 def test_sequence_records_rules_and_layout():
     problem = Problem(rnncc.cells.get("gru"), 5, 7, 1)
     lowered = sequence.build(problem, Options(gate_gemm=False), CUDA)
