@@ -67,13 +67,17 @@ THREADS = 256  # a block of the register-staged kernel
 #: chunks of 128 bytes a row in 3 stages 255 us, 1 of 64 in 3 stages 200, in 4 191.
 STAGES = 4
 BLOCKS_PER_SM = 2
-#: One step's product: the fewest batch rows this rule takes (fewer: cuda.mma_gemv), and its
-#: slices of K (gemm_parts): the fewest (a power of two up to MAX_PARTS, each at least
-#: MIN_SLICE deep) that give TARGET_BLOCKS blocks, two a multiprocessor. H200, float16 and
-#: TF32, batch 64-256, K 512-2048, O 2048-8192: that count was the fastest or within 1% of it
-#: in 15 of 16 products (TF32 64 x 512 x 2048: 6.4 us against 5.3 in 8 slices of 64;
-#: docs/benchmarks.md); against cuda.mma_gemv 1.3-3.5x faster.
-MIN_BATCH = 64
+#: One step's product: its slices of K (gemm_parts): the fewest (a power of two up to
+#: MAX_PARTS, each at least MIN_SLICE deep) that give TARGET_BLOCKS blocks, two a
+#: multiprocessor. H200, float16 and TF32, batch 64-256, K 512-2048, O 2048-8192: that count
+#: was the fastest or within 1% of it in 15 of 16 products (TF32 64 x 512 x 2048: 6.4 us
+#: against 5.3 in 8 slices of 64; docs/benchmarks.md); against cuda.mma_gemv 1.3-3.5x faster.
+#: The fewest batch rows this rule takes a step's product in (fewer: cuda.mma_gemv), by
+#: operand (a tile of 64 rows then runs partly empty). H200 layers, us a step, cuda.mma_gemv
+#: -> slices here: TF32 LSTM 2048 N32 90.2 -> 45.0, N16 57.1 -> 44.4, GRU 2048 N16 36.6 ->
+#: 28.8, LSTM 1024 N32 15.8 -> 14.0; float16 LSTM 2048 N32 24.5 -> 21.1, but LSTM 4096 N16
+#: 71.6 -> 82.5.
+MIN_BATCH = {"tf32": 16, "half": 32}
 MAX_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 128, 256
 
 
@@ -197,7 +201,8 @@ def product_of(func, target) -> Product | None:
         block = blocks[0] if sliced is None else sliced
         *_, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(block))
         rows = weights_are_rows(sch, block)
-        if None not in a_shape and (a_shape[0] < MIN_BATCH or not rows):
+        fewest = MIN_BATCH["tf32" if op.tf32 else "half"]
+        if None not in a_shape and (a_shape[0] < fewest or not rows):
             return None  # one step's product: pipelined only
         count = 1 if sliced is None else specs[2][1][0]
         if not fits(outputs, depth * count, op) or depth % chunk_k(op):

@@ -387,10 +387,12 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
 @pytest.mark.parametrize("cell, input_size, hidden, batch, step_rule", [
     ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.wgmma_gemm"),
-    ("gru", 96, 128, 64, "cuda.sgemm")])  # 48 blocks of 8 rows at most: IEEE
+    ("gru", 96, 128, 64, "cuda.sgemm"),  # 48 blocks of 8 rows at most: IEEE
+    ("lstm", 64, 1024, 16, "cuda.mma_gemm")])
 def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rule, rng):
     """allow_tf32=True: the products of all steps (cuda.wgmma_gemm on sm_90) and each step's
-    (cuda.mma_gemv where its grid is large enough, slices of K at batch 64 and more) in TF32,
+    (cuda.mma_gemv where its grid is large enough, slices of K from batch 16 where they fill
+    the GPU: 8 slices of 64-row tiles, 48 rows empty) in TF32,
     within TF32's bound of float64 and past float32's (the operands are rounded: TF32 ran), a
     partial last tile of batch rows; the same module without allow_tf32 stays within
     float32's."""
@@ -444,13 +446,13 @@ def test_nn_tf32_where_allowed(torch, rng):
     ("lstm", 64, 256, 9, "cuda.mma_gemv"), ("gru", 48, 512, 33, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 128, 100, "cuda.mma_gemv"), ("lstm", 40, 1024, 64, "cuda.mma_gemm"),
     ("rnn_relu", 16, 96, 17, "cuda.mma_gemv"), ("gru", 32, 256, 200, "cuda.mma_gemv"),
-    ("lstm", 48, 512, 250, "cuda.wgmma_gemm")])
+    ("lstm", 48, 512, 250, "cuda.wgmma_gemm"), ("lstm", 40, 1024, 33, "cuda.mma_gemm")])
 def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, batch, rule, rng):
     """Each step's recurrent projection in float16 on tensor cores: cuda.mma_gemv (batch rows
     past N in the last 16-row tile, chunks of K of 32 to 256, one and two 8-row tiles a warp)
-    and, at batch 64 and more where its slices fill the GPU, cuda.mma_gemm (K in 8 slices, a
-    partial last tile of 64 rows) and past 64 on sm_90 cuda.wgmma_gemm (4 slices, a partial
-    last tile of 128 rows)."""
+    and, at batch 32 and more where its slices fill the GPU, cuda.mma_gemm (K in 8 slices, a
+    partial last tile of 64 rows; at batch 33, 31 of them empty) and past 64 on sm_90
+    cuda.wgmma_gemm (4 slices, a partial last tile of 128 rows)."""
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype="float16",
                       persistent="off")
     assert step_product_rule(module.metadata["schedule"]["rules"]) == on_this_gpu(rule)

@@ -435,14 +435,15 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
 
 @pytest.mark.parametrize("batch, k, o, dtype, parts", [
     (64, 1024, 4096, "float16", 8), (256, 2048, 8192, "float16", 2), (256, 512, 2048, "tf32", 4),
-    (64, 512, 1536, "tf32", 1), (63, 1024, 4096, "float16", 1), (256, 1024, 16384, "bfloat16", 1),
-    (256, 1024, 4096, "float32", 1)])
+    (64, 512, 1536, "tf32", 1), (63, 1024, 4096, "float16", 8), (256, 1024, 16384, "bfloat16", 1),
+    (256, 1024, 4096, "float32", 1), (32, 2048, 8192, "bfloat16", 4),
+    (31, 2048, 8192, "float16", 1), (16, 2048, 8192, "tf32", 4), (15, 2048, 8192, "tf32", 1)])
 def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, parts):
-    """One step's product at batch 64 and more on tensor cores: K in the fewest slices that
-    give 256 blocks (two a multiprocessor), each at least 128 deep; none where the tiles alone
-    give them (the whole product is then this rule's), or where even the slices give under 64
-    blocks (cuda.mma_gemv's); IEEE float32 is not this rule's; slices of another count (a
-    reader's choice for another rule) are not taken."""
+    """One step's product of 32 rows and more on tensor cores (16 in TF32): K in the fewest
+    slices that give 256 blocks (two a multiprocessor), each at least 128 deep; none where the
+    tiles alone give them (the whole product is then this rule's), or where even the slices
+    give under 64 blocks, or under those rows (cuda.mma_gemv's); IEEE float32 is not this
+    rule's; slices of another count (a reader's choice for another rule) are not taken."""
     from rnncc.schedules import _mma, cuda_mma_gemm
 
     tf32 = dtype == "tf32"
@@ -453,7 +454,8 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
 
     whole = allowed(comp.gemm((batch,), k, o, "rows", dtype, "float32"))
     assert cuda_mma_gemm.parts(whole, CUDA) == parts
-    takes_whole = parts == 1 and batch >= 64 and o // 128 * -(-batch // 128) >= 256
+    fewest = cuda_mma_gemm.MIN_BATCH["tf32" if tf32 else "half"]
+    takes_whole = parts == 1 and batch >= fewest and o // 128 * -(-batch // 128) >= 256
     assert (cuda_mma_gemm.apply(whole, CUDA) is not None) == takes_whole
     for count in (2, 4, 8):
         sliced = allowed(comp.gemm_parts(batch, k, o, count, "rows", dtype, "float32"))
