@@ -36,6 +36,7 @@ from . import (
 )
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32
 from ._mma import TF32_ATTR as TF32_ATTR
+from ._mma import TF32_ROUNDED_ATTR as TF32_ROUNDED_ATTR
 from ._rule import Rule
 
 ROLES = ("gemm", "elementwise", "reduction")

@@ -21,6 +21,10 @@ from rnncc.dtypes import round_tf32
 
 #: The PrimFunc attribute by which a component allows its float32 products in TF32.
 TF32_ATTR = "rnncc.tf32"
+#: The PrimFunc attribute that names the operands ("a", "b" or "ab") of a TF32 product whose
+#: values its callers have rounded to TF32 already (weights as they are packed, h as the cell
+#: step writes it), which the rules then read as they are.
+TF32_ROUNDED_ATTR = "rnncc.tf32_rounded"
 _PTX = {"float16": "fp16", "bfloat16": "bf16", "float32": "tf32"}
 
 
@@ -95,3 +99,10 @@ def mma(op, af, wb, acc, offset):
     """acc[offset:offset + 4] += A B: one instruction, float32 sums."""
     T.evaluate(T.ptx_legacy.mma(op.shape, "row", "col", op.ptx, op.ptx, "fp32", af.data, 0,
                                 wb.data, 0, acc.data, offset, False, dtype="float32"))
+
+
+def rounded(func) -> str:
+    """The operands of component ``func``'s TF32 product already rounded, "", "a", "b" or
+    "ab" (:data:`TF32_ROUNDED_ATTR`)."""
+    return str(func.attrs[TF32_ROUNDED_ATTR]) if (
+        func.attrs is not None and TF32_ROUNDED_ATTR in func.attrs) else ""

@@ -107,6 +107,12 @@ class Product:
     depth: int
     op: _mma.Operand
     parts: int = 1
+    #: the operands ("a", "b") that hold TF32 values already (:data:`._mma.TF32_ROUNDED_ATTR`)
+    rounded: str = ""
+
+    def rounds(self, operand: int) -> bool:
+        """Whether operand 0 (A) or 1 (B) is rounded to the operands' TF32 here."""
+        return self.op.tf32 and "ab"[operand] not in self.rounded
 
     @property
     def pipelined(self) -> bool:
@@ -208,7 +214,8 @@ def product_of(func, target) -> Product | None:
         if not fits(outputs, depth * count, op) or depth % chunk_k(op):
             return None
         form = "projection" if sliced is None else "slices"
-        return Product(form, specs, (True, rows), outputs, depth, op, count)
+        return Product(form, specs, (True, rows), outputs, depth, op, count,
+                       _mma.rounded(func) if op.tf32 else "")
     if block_named(sch, "weight_grad") is not None:
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
         op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written
@@ -386,7 +393,7 @@ def _fragment(t, op, shared, out, offset, row, q):
     else:
         for v in T.unroll(e):
             out[offset + v] = buf[base + t.slot(op, row, q * e + v)]
-    if t.product.pipelined and t.product.op.tf32:
+    if t.product.pipelined and t.product.rounds(op):
         for v in T.unroll(e):
             out[offset + v] = t.product.op.round(out[offset + v])
 

@@ -14,10 +14,12 @@ A block computes a tile of C of ``tile_rows`` (128, or 64 where one step's N is 
 as fit: 4 in wide tiles) in one dynamic buffer, ``ahead`` = stages - 2 chunks copied ahead by
 ``cp.async`` (16 bytes a copy, 8 threads a row). Rows are staged with the 128-byte swizzle the
 descriptors name: 16-byte piece p of row r lies at piece p ^ (r % 8) of its 128 bytes, so 8
-threads copying a row write 8 different bank groups. TF32 operands are copied as float32 and
-rounded in place (the tensor cores would drop the low bits): each thread rounds the pieces it
-copied once their copies are waited for. A float32 A under half weights (one step's h), whose
-type changes, goes through registers instead: loaded ``ahead`` chunks ahead, stored rounded a
+threads copying a row write 8 different bank groups. TF32 operands are copied as float32
+and, but for those their writers rounded already (weights as the layer packs them, h as its
+cell step writes it: :data:`._mma.TF32_ROUNDED_ATTR`), rounded in place (the tensor cores
+would drop the low bits): each thread rounds the pieces it copied once their copies are
+waited for. A float32 A under half weights (one step's h), whose type changes, goes through
+registers instead: loaded ``ahead`` chunks ahead, stored rounded a
 chunk later, as that chunk's first work. A chunk: the thread's copies of it are waited for (and
 rounded), the stores of the last loads made, all made visible to the tensor cores' (async)
 proxy, one barrier; the copies (loads) of chunk c + ahead are issued into the stage that chunk
@@ -364,8 +366,9 @@ def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
                         T.ptx.cp.async_.commit_group()
                     for c in range(p.chunks):
                         T.ptx.cp.async_.wait_group(p.ahead - 1)
-                        if product.op.tf32:
+                        if product.rounds(0):
                             _round(p, 0, smem, c % p.stages, tx)
+                        if product.rounds(1):
                             _round(p, 1, smem, c % p.stages, tx)
                         if 1 <= c and c + p.ahead - 1 < p.chunks:
                             _stage(p, regs, smem, (c + p.ahead - 1) % p.stages, tx)

@@ -10,7 +10,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 import rnncc
-from helpers import TOL, TOL_F32, check_against_reference, round_tf32, takes_means
+from helpers import TOL, TOL_F32, TOL_TF32, check_against_reference, round_tf32, takes_means
 from rnncc import schedules
 from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
@@ -580,6 +580,31 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
 
 
+@pytest.mark.parametrize("form, given", [("slices", "ab"), ("rows", "b")])
+def test_tf32_operands_their_writers_rounded_are_read_as_they_are(form, given, rng):
+    """A TF32 product whose callers rounded operands already (rnncc.tf32_rounded: the layer's
+    packed weights "b", h as its cell step writes it "a"): cuda.wgmma_gemm rounds only the
+    others in place; on the simulator (which truncates, as the tensor cores do), with those
+    operands given rounded, NumPy's product of the rounded operands; cuda.mma_gemm too."""
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    func, args, want = _product_case(form, "tf32", 768 if form == "slices" else 384, rng)
+    for index, operand in enumerate("ab"):
+        if operand in given:
+            args[index] = round_tf32(args[index]).astype(np.float32)
+    product = cuda_mma_gemm.product_of(func.with_attr(_mma.TF32_ROUNDED_ATTR, given), CUDA)
+    assert product.rounded == given
+    for kernel in (cuda_wgmma_gemm.kernel(product, 256), cuda_mma_gemm.kernel(product)):
+        run = [x.copy() for x in args]
+        Simulator(kernel, {p.name: x for p, x in zip(kernel.params, run)}).run()
+        got = run[-1].astype(np.float64)
+        got = got.sum(0) if form == "slices" else got
+        assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+    rounding = cuda_wgmma_gemm.kernel(product, 256).script().count('func_call("rnncc_round')
+    assert rounding == 2 - len(given)
+
+
 def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     """On sm_90 (built as sm_90a) cuda.wgmma_gemm takes the input projection of all steps
     (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
@@ -996,7 +1021,7 @@ def test_flat_row_views_compute_the_sequence(monkeypatch, rng):
 @pytest.mark.parametrize("cell, directions", [("gru", 2), ("lstm", 1)])
 def test_half_products_read_h_in_16_bits(cell, directions, monkeypatch, rng):
     """A half-precision layer on CUDA: one step's recurrent product reads h in float16 from
-    ``h_half`` [2, N, H], which the fused cell step writes with y's values, not the float32
+    ``h_operand`` [2, N, H], which the fused cell step writes with y's values, not the float32
     state; float32, a projection (LSTMP) and CPUs read the state. The same wiring forced on
     the CPU (lengths; both directions for the GRU; T 1 and 37) against float64."""
     lstm = rnncc.cells.get("lstm")
@@ -1006,39 +1031,66 @@ def test_half_products_read_h_in_16_bits(cell, directions, monkeypatch, rng):
         return lowered, {e["name"]: e for e in lowered.signatures["forward"]}
 
     lowered, names = workspaces(Problem(lstm, 64, 64, 128, "float16"), CUDA)
-    assert names["h_half"]["dtype"] == "float16" and names["h_half"]["shape"] == [2, 128, 64]
+    assert names["h_operand"]["dtype"] == "float16" and names["h_operand"]["shape"] == [
+        2, 128, 64]
     product, _ = lowered.components["recurrent_gemm"]
     assert product.params[0].dtype == "float16"
     for problem, target in [(Problem(lstm, 64, 64, 128), CUDA),
                             (Problem(lstm, 64, 64, 128, "bfloat16", proj_size=16), CUDA),
                             (Problem(lstm, 64, 64, 128, "float16"), LLVM)]:
         lowered, names = workspaces(problem, target)
-        assert "h_half" not in names
+        assert "h_operand" not in names
         assert lowered.components["recurrent_gemm"][0].params[0].dtype == "float32"
-    monkeypatch.setattr(sequence, "reads_half_h",
-                        lambda target, problem, options: problem.dtype == "float16")
+    monkeypatch.setattr(sequence, "h_for_products",
+                        lambda target, problem, options: problem.dtype)
     module = rnncc.compile(cell, 5, 9, 3, target="llvm", dtype="float16", lengths=True,
                            directions=directions, tuning="off")
     shape = [(2, 3, 9), (2, 2, 3, 9)][directions - 1]
-    assert {"name": "h_half", "shape": list(shape), "dtype": "float16",
+    assert {"name": "h_operand", "shape": list(shape), "dtype": "float16",
             "kind": "workspace"} in module.metadata["functions"]["forward"]
     for steps in (1, 37):
         err = check_against_reference(module, rng, steps, True, lengths=True)
         assert err < TOL["float16"], f"T={steps}: relative error {err:.3e}"
 
 
+def test_tf32_layers_round_weights_and_h_once(monkeypatch, rng):
+    """allow_tf32 on CUDA: the packed weights are rounded to TF32 as they are packed (not the
+    given ones used as they are) and the cell step writes h rounded (``h_operand``), so one
+    step's product reads both as they are ("ab") and the input projection its weights ("b");
+    IEEE float32 does none of it. The same wiring forced on the CPU (both directions,
+    lengths): within TF32's bound of float64 and past float32's."""
+    lstm = rnncc.cells.get("lstm")
+    tf32 = sequence.build(Problem(lstm, 64, 64, 128, allow_tf32=True), Options(), CUDA)
+    ieee = sequence.build(Problem(lstm, 64, 64, 128), Options(), CUDA)
+    names = {e["name"]: e for e in tf32.signatures["forward"]}
+    assert names["h_operand"]["dtype"] == "float32"
+    assert "h_operand" not in [e["name"] for e in ieee.signatures["forward"]]
+    assert [e.get("same_as") for e in tf32.signatures["pack_w_hh"]] == [None, None]
+    assert ieee.signatures["pack_w_hh"][-1]["same_as"] == "weight_hh_l0"
+    for key, given in (("recurrent_gemm", "ab"), ("input_gemm", "b")):
+        assert tf32.components[key][0].attrs[schedules.TF32_ROUNDED_ATTR] == given
+        assert schedules.TF32_ROUNDED_ATTR not in (ieee.components[key][0].attrs or {})
+    monkeypatch.setattr(sequence, "h_for_products",
+                        lambda target, problem, options: "tf32" if problem.allow_tf32 else None)
+    module = rnncc.compile("gru", 5, 33, 3, target="llvm", allow_tf32=True, lengths=True,
+                           directions=2, tuning="off")
+    for steps in (1, 37):
+        err = check_against_reference(module, rng, steps, True, lengths=True)
+        assert TOL_F32 < err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell", rnncc.cells.names())
 def test_half_cell_steps_read_no_16_bit_values(cell):
     """A half layer's cell step reads only float32 (b_hh and the per-unit parameters
     converted before the steps): a conversion from 16 bits is inline assembly in CUDA, which
-    keeps nvcc from computing the values its outputs share once. Its outputs: y and h_half
+    keeps nvcc from computing the values its outputs share once. Its outputs: y and h_operand
     in float16, the states in float32."""
     problem = Problem(rnncc.cells.get(cell), 512, 512, 256, "float16")  # h in slices of K
     lowered = sequence.build(problem, Options(), CUDA)
     step, _ = lowered.components["cell_step"]
     states = len(problem.cell.states)
     dtypes = [str(buffer.dtype) for buffer in step.params]
-    # ..., y, the new states, h_half
+    # ..., y, the new states, h_operand
     assert dtypes[-states - 2:] == ["float16"] + ["float32"] * states + ["float16"]
     assert set(dtypes[:-states - 2]) == {"float32"}
     names = [e["name"] for e in lowered.signatures["forward"]]

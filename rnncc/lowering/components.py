@@ -210,7 +210,7 @@ def chunks(t_len, chunk: int):
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
               fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1,
               projected: bool = False, upto: int | None = None,
-              recurrent_gates: int | None = None, half_h: bool = False) -> tirx.PrimFunc:
+              recurrent_gates: int | None = None, h_copy: str | None = None) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -240,8 +240,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     step takes before that gate's, and the output is that product's argument [N, H] alone
     (no ``active``; the accumulation dtype), what its GEMM multiplies. ``recurrent_gates``
     ("combined"): ``gh`` holds the first ones only, [N, that * H] (the step takes the others'
-    products of other values). ``half_h`` (fused, a half ``dtype``): last, h again [N, H] in
-    ``dtype``, y's values, for the next step's recurrent product to read in 16 bits.
+    products of other values). ``h_copy`` (fused): last, h again [N, H], y's values, for the
+    next step's recurrent product to read as its tensor cores take it: in ``dtype`` (a half
+    one), or "tf32": float32 rounded to TF32.
     """
     from ..cells import autodiff
 
@@ -309,15 +310,15 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                      "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j),
                      "product": lambda k: products[order[k]][n, j]}
             values = frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
-            return (values + [parts[part](g) for g, part in kept]
-                    + (values[:1] if half_h else []))
+            copied = {None: [], "tf32": [round_tf32(values[0])]}.get(h_copy, values[:1])
+            return values + [parts[part](g) for g, part in kept] + copied
 
         reduced = RowReductions((n_, h_), body, products)
         outs = (reduced.argument(upto, "argument") if upto is not None
                 else te.compute((n_, h_), lambda n, j: reduced(n, j), name="cell"))
     else:
-        if half_h:
-            raise ValueError("h in 16 bits for the next product needs the fused step")
+        if h_copy:
+            raise ValueError("a copy of h for the next product needs the fused step")
 
         def gate(read, g):
             return Staged(te.compute((n_, h_), lambda n, j: read(g, n, j), name=f"gate{g}"))
@@ -455,13 +456,15 @@ def activity(batch: int, t_len) -> tirx.PrimFunc:
     return te.create_prim_func([lengths, active])
 
 
-def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str) -> tirx.PrimFunc:
+def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str,
+         tf32: bool = False) -> tirx.PrimFunc:
     """``out_i = in_i`` for ``count`` [N, H] tensors, in one kernel (state copies between the
-    caller's ``dtype`` and the workspaces' ``out_dtype``, or back)."""
+    caller's ``dtype`` and the workspaces' ``out_dtype``, or back; ``tf32``: rounded to TF32,
+    float32 out)."""
     shape = (i64(batch), i64(hidden))
     ins = [te.placeholder(shape, dtype, f"in{i}") for i in range(count)]
-    outs = te.compute(shape, lambda n, j: [_cast(x[n, j], out_dtype) for x in ins],
-                      name="copy")
+    outs = te.compute(shape, lambda n, j: [
+        round_tf32(x[n, j]) if tf32 else _cast(x[n, j], out_dtype) for x in ins], name="copy")
     return te.create_prim_func([*ins, *(outs if count > 1 else [outs])])
 
 
@@ -487,9 +490,13 @@ def projected_state(batch: int, width: int, dtype: str, masked: bool) -> tirx.Pr
     return te.create_prim_func([hr, h_prev, *([active] if masked else []), y, h_next])
 
 
-def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str) -> tirx.PrimFunc:
-    """A PyTorch weight [G*H, K] into the layout's packed shape."""
-    w = te.placeholder((i64(gates * hidden), i64(k)), dtype, "w")
+def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str,
+                tf32: bool = False) -> tirx.PrimFunc:
+    """A PyTorch weight [G*H, K] into the layout's packed shape (``tf32``: its values
+    rounded to TF32, what the layer's TF32 products take)."""
+    given = te.placeholder((i64(gates * hidden), i64(k)), dtype, "w")
+    w = (te.compute(given.shape, lambda o, kk: round_tf32(given[o, kk]), name="rounded")
+         if tf32 else given)
     shape = tuple(i64(d) for d in layout.weight_shape(gates, hidden, k))
     if layout.gates == "combined":
         if layout.weights == "rows":
@@ -500,7 +507,7 @@ def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str) -> 
         packed = te.compute(shape, lambda g, o, kk: w[g * hidden + o, kk], name="pack")
     else:
         packed = te.compute(shape, lambda g, kk, o: w[g * hidden + o, kk], name="pack")
-    return te.create_prim_func([w, packed])
+    return te.create_prim_func([given, packed])
 
 
 def reverse_steps(batch: int, width: int, dtype: str, t_len, lengths: bool) -> tirx.PrimFunc:

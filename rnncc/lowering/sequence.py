@@ -16,8 +16,8 @@ shapes with "T" for the run-time length and "T/S" for ceil(T/S) chunks of S step
 forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each state s,
         y [T,N,H], <s>_n [1,N,H] for each state, xp, hp, <s>_ws [2,N,H] for each state)
 
-In half precision on CUDA, ``h_half`` [2,N,H] (a workspace in the layer's dtype) follows
-the states: h again, for the recurrent products to read in 16 bits (:func:`reads_half_h`).
+In half precision or with TF32 allowed on CUDA, ``h_operand`` [2,N,H] follows the states: h
+again, as the recurrent products' tensor cores take it (:func:`h_for_products`).
 
 xp holds the input projections; of all steps at once, it is laid out by :class:`Layout`
 (in chunks of steps on CUDA at a small batch, so that the input GEMM tiles).
@@ -86,6 +86,8 @@ class _Builder:
         self.layout = layout_for(target, options, problem)
         self.lowered = Lowered(tvm.IRModule(), {}, self.layout)
         self._done = {}
+        #: gemm components (by key) whose TF32 operands their callers round ("a", "b", "ab")
+        self.rounded = {}
 
     def scheduled(self, key: str, func, role: str):
         if key in self._done:  # the same component in both entries (the input GEMM)
@@ -93,6 +95,8 @@ class _Builder:
         if self.p.allow_tf32 and role == "gemm" and self.target.kind.name == "cuda":
             # a rule may put it on tensor cores in TF32
             func = func.with_attr(schedules.TF32_ATTR, True)
+            if key in self.rounded:
+                func = func.with_attr(schedules.TF32_ROUNDED_ATTR, self.rounded[key])
         self.lowered.components[key] = (func, role)
         result = schedules.schedule(func, self.target, role, self.database)
         self._done[key] = result.func
@@ -127,13 +131,14 @@ class _Builder:
         self.lowered.mod[name] = func
         self.lowered.signatures[name] = sig
 
-    def pack(self, name, which, k, layout_or_func, rule_key=None, rows=None):
+    def pack(self, name, which, k, layout_or_func, rule_key=None, rows=None, tf32=False):
         """The entry that packs a [G*H, K] weight (``rows``: (G, H) if not the cell's; with two
-        directions, ``_reverse``'s too, stacked along the packed shape's first dimension)."""
+        directions, ``_reverse``'s too, stacked along the packed shape's first dimension;
+        ``tf32``: rounded to TF32 as packed)."""
         p = self.p
         g, h = rows or (p.gates, p.hidden_size)
         if isinstance(layout_or_func, Layout):
-            func = comp.pack_weight(g, h, k, layout_or_func, p.dtype)
+            func = comp.pack_weight(g, h, k, layout_or_func, p.dtype, tf32)
         else:
             func = layout_or_func
         shape = tuple(int(d) for d in func.params[1].shape)
@@ -143,7 +148,7 @@ class _Builder:
         srcs = [self.param(sig, f"weight_{which}_{tag}", (g * h, k), "input") for tag in tags]
         dst = self.param(sig, f"w_{which}", (len(tags) * shape[0], *shape[1:]), "output")
         if (len(tags) == 1 and isinstance(layout_or_func, Layout)
-                and layout_or_func.packs_as_given):
+                and layout_or_func.packs_as_given and not tf32):
             sig[-1]["same_as"] = sig[0]["name"]  # a copy: the runtime may use the given one
         if len(tags) == 1:
             self.add(name, standalone_function(name, _rename_params(func, [*srcs, dst])), sig)
@@ -232,16 +237,17 @@ class _Builder:
                                                                               widths)]
         return x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn
 
-    def states_copy(self, key, src, dst, name=None):
-        """Stages that copy the states' regions ``src`` [N, width] to ``dst``: one, or with a
-        projection (h P wide, the others H) one for h and one for the others."""
+    def states_copy(self, key, src, dst, name=None, tf32=False):
+        """Stages that copy the states' regions ``src`` [N, width] to ``dst`` (``tf32``:
+        rounded to TF32): one, or with a projection (h P wide, the others H) one for h and one
+        for the others."""
         name = name or key
         widths = [int(r.buffer.shape[-1]) for r in src]
         if len(set(widths)) > 1:
             return (self.states_copy(f"{key}_h", src[:1], dst[:1], f"{name}_h")
                     + self.states_copy(key, src[1:], dst[1:], name))
         func = self.scheduled(key, comp.copy(len(src), self.p.batch, widths[0],
-                                             src[0].buffer.dtype, dst[0].buffer.dtype),
+                                             src[0].buffer.dtype, dst[0].buffer.dtype, tf32),
                               "elementwise")
         return [Stage(name, func, src + dst, len(dst))]
 
@@ -310,9 +316,10 @@ class _Builder:
         n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         r, proj = p.recurrent_size, p.proj_size
         per_gate = layout.gates == "per_gate"
+        tf32 = h_for_products(self.target, p, options) == "tf32"
         if not history:  # the training forward takes the same packed weights
-            self.pack("pack_w_ih", "ih", c, layout)
-            self.pack("pack_w_hh", "hh", r, layout)
+            self.pack("pack_w_ih", "ih", c, layout, tf32=tf32)
+            self.pack("pack_w_hh", "hh", r, layout, tf32=tf32)
         if proj:
             self.pack("pack_w_hr", "hr", h, layout.matrix, rows=(1, proj))
         if dirs > 1:
@@ -333,8 +340,10 @@ class _Builder:
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
-        half_h = reads_half_h(self.target, p, options)
-        h_dtype = p.dtype if half_h else acc
+        h_form = h_for_products(self.target, p, options)
+        h_dtype = p.dtype if h_form and h_form != "tf32" else acc
+        if h_form == "tf32":  # the products of h and of x by weights rounded as packed
+            self.rounded.update(recurrent_gemm="ab", recurrent_gemm_parts="ab", input_gemm="b")
         products = autodiff.product_gates(autodiff.trace(p.cell))
         # the gates whose recurrent products of h the step reads: all but the last ones whose
         # products it takes of another value (where the packed rows of those are contiguous)
@@ -365,8 +374,8 @@ class _Builder:
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, w)), "workspace", acc)
                   for s, w in zip(p.cell.states, widths)]
-        h_half = (self.param(sig, "h_half", per_direction((2, n, h)), "workspace")
-                  if half_h else None)
+        h_operand = (self.param(sig, "h_operand", per_direction((2, n, h)), "workspace",
+                                h_dtype) if h_form else None)
         # the vectors the cell step reads, in the accumulation dtype (comp.cell_step)
         given_vectors = ([b_hh] if rec_parts > 1 else []) + per_unit
         vectors = {v.name: (self.param(sig, f"{v.name}_{acc}", (int(v.shape[0]),), "workspace",
@@ -387,10 +396,11 @@ class _Builder:
         prologue = [stage for d in range(dirs) for stage in self.states_copy(
             "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
             [Region(s, at(d, (0, ALL, ALL))) for s in sw], f"init_states{_SUFFIX[d]}")]
-        if h_half is not None:
+        if h_operand is not None:
             prologue += [stage for d in range(dirs) for stage in self.states_copy(
-                "init_h_half", [Region(s0[0], (d, ALL, ALL))],
-                [Region(h_half, at(d, (0, ALL, ALL)))], f"init_h_half{_SUFFIX[d]}")]
+                "init_h_operand", [Region(s0[0], (d, ALL, ALL))],
+                [Region(h_operand, at(d, (0, ALL, ALL)))], f"init_h_operand{_SUFFIX[d]}",
+                tf32=h_form == "tf32")]
         for v in given_vectors:
             if vectors[v.name] is not v:
                 func = self.scheduled(f"cast_{v.shape[0]}", comp.cast(
@@ -432,8 +442,8 @@ class _Builder:
                     Region(xp, at(d, (ALL, ALL))), d), suffix)
                 gi = ([Region(xp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(xp, at(d, (ALL, ALL)))])
-            h_prev = (Region(h_half, at(d, (tirx.floormod(t, i64(2)), ALL, ALL)))
-                      if half_h else Region(sw[0], at(d, (slot, ALL, ALL))))
+            h_prev = (Region(h_operand, at(d, (tirx.floormod(t, i64(2)), ALL, ALL)))
+                      if h_form else Region(sw[0], at(d, (slot, ALL, ALL))))
             if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
                 parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
                     n, r, rec_gates * h, rec_parts, layout.weights, p.dtype, h_dtype), "gemm")
@@ -465,14 +475,14 @@ class _Builder:
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
                                masked=bool(active), kept=kept_parts, rec_parts=rec_parts,
                                projected=bool(proj), recurrent_gates=rec_gates,
-                               half_h=half_h),
+                               h_copy=h_form),
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
-            h_next = ([Region(h_half, at(d, (tirx.floormod(t + i64(1), i64(2)), ALL, ALL)))]
-                      if half_h else [])
+            h_next = ([Region(h_operand, at(d, (tirx.floormod(t + i64(1), i64(2)), ALL,
+                                                 ALL)))] if h_form else [])
             h_cell = None
             if proj:  # the cell's h' to hf
                 h_cell = (Region(hf, (t, ALL, ALL)) if history
@@ -501,7 +511,7 @@ class _Builder:
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *projected, *s0, *given, y, *sn,
                   *([] if in_place else [xp]),
                   hp, *([argument, products_ws] if products else []),
-                  *sw, *([pre] if pre is not None else []), *([h_half] if half_h else []),
+                  *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
                   *[vectors[v.name] for v in given_vectors if vectors[v.name] is not v],
                   *reversed_,
                   *([hf, hr, zero] if proj else []), *active]
@@ -785,15 +795,19 @@ def _part(buffer, d: int, count: int, axis: int = 0) -> Region:
     return Region(buffer, tuple(index))
 
 
-def reads_half_h(target, problem: Problem, options: Options) -> bool:
-    """Whether the non-persistent entry's recurrent products read h in 16 bits: on CUDA, in
-    half precision (what their tensor cores take, half the bytes a block re-reads), from a
-    copy the fused cell step writes, ``h_half`` [2, N, H] in the layer's dtype (slots as the
-    states'); not with a projection (h is W_hr h', written by its own stage). H200, us a step
-    (float32 h before): float16 LSTM 1024 N256 26.0 -> 19.8, N128 18.7 -> 13.4, GRU 2048 N256
-    58.0 -> 40.3, LSTM 2048 N32 32.7 -> 22.9."""
-    return (target.kind.name == "cuda" and problem.dtype != accum_dtype(problem.dtype)
-            and not problem.proj_size and options.fuse_pointwise)
+def h_for_products(target, problem: Problem, options: Options) -> str | None:
+    """How the non-persistent entry's recurrent products read h, where not as the float32
+    state: on CUDA, from a copy the fused cell step writes, ``h_operand`` [2, N, H] (slots
+    as the states'), as their tensor cores take it: the layer's half dtype (half the bytes a
+    block re-reads; H200, us a step, float32 h before: float16 LSTM 1024 N256 26.0 -> 19.8,
+    N128 18.7 -> 13.4, GRU 2048 N256 58.0 -> 40.3, LSTM 2048 N32 32.7 -> 22.9), or "tf32"
+    with ``allow_tf32`` (float32 rounded to TF32 once, not by every tile that reads it; the
+    packed weights too); else None. Not with a projection (h is W_hr h', its own stage's)."""
+    if target.kind.name != "cuda" or problem.proj_size or not options.fuse_pointwise:
+        return None
+    if problem.dtype != accum_dtype(problem.dtype):
+        return problem.dtype
+    return "tf32" if problem.allow_tf32 else None
 
 
 def sums_in_place(parts: tuple, chunk: int) -> bool:
