@@ -148,3 +148,30 @@ def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, device, modul
     for name, p in net.named_parameters():
         assert reference.relative_error(p.grad.cpu().numpy(), w64[name].grad.numpy()) < 1e-4, (
             name)
+
+
+def test_half_parameters_train(peephole, module_cache):
+    """A bfloat16 network of peephole LSTMs (bidirectional, unequal lengths) on the CPU: its
+    parameters, converted to float32 before the steps forward and backward, give every
+    gradient within bfloat16's bound of float64 torch autograd from the same rounded
+    weights and input."""
+    torch = pytest.importorskip("torch")
+    import rnncc.nn
+
+    net = rnncc.nn.Recurrent(PEEPHOLE, 5, 7, bidirectional=True).to(torch.bfloat16)
+    lengths = torch.tensor([6, 2, 4])
+    x = torch.randn(6, 3, 5).to(torch.bfloat16)
+    mine = x.clone().requires_grad_()
+    packed = torch.nn.utils.rnn.pack_padded_sequence(mine, lengths, enforce_sorted=False)
+    out = torch.nn.utils.rnn.pad_packed_sequence(net(packed)[0], total_length=6)[0]
+    assert out.dtype == torch.bfloat16
+    dy = torch.randn(out.shape).to(torch.bfloat16)
+    (out.float() * dy.float()).sum().backward()
+    w64 = {n: p.detach().double().requires_grad_() for n, p in net.named_parameters()}
+    theirs = x.double().requires_grad_()
+    ref = _torch_peephole(torch, theirs, w64, 1, lengths)
+    (ref * dy.double()).sum().backward()
+    assert reference.relative_error(mine.grad.double().numpy(), theirs.grad.numpy()) < 5e-2
+    for name, p in net.named_parameters():
+        assert reference.relative_error(p.grad.double().numpy(), w64[name].grad.numpy()) < (
+            5e-2), name

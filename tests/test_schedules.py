@@ -1098,6 +1098,21 @@ def test_half_cell_steps_read_no_16_bit_values(cell):
     assert ("b_hh_float32" in names) == sliced and (sliced or cell != "lstm")
 
 
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_half_cell_step_derivatives_read_float32_parameters(cell):
+    """The training backward's derivative of a half layer's step reads the cell's per-unit
+    parameters in float32 (converted before the steps, as the forward step does: a float16
+    peephole LSTM's derivative computed 180 exponentials an element with them in float16, 5
+    without); of its inputs only dy, the caller's gradient, is in the layer's dtype."""
+    problem = Problem(rnncc.cells.get(cell), 64, 64, 40, "bfloat16", training=True)
+    lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+    step, _ = lowered.components["cell_backward"]
+    assert {b.name: str(b.dtype) for b in step.params if str(b.dtype) != "float32"} == {
+        "dy": "bfloat16"}
+    names = [e["name"] for e in lowered.signatures["backward"]]
+    assert all(f"p_{name}_float32" in names for name in problem.cell.params)
+
+
 def test_sequence_records_rules_and_layout():
     problem = Problem(rnncc.cells.get("gru"), 5, 7, 1)
     lowered = sequence.build(problem, Options(gate_gemm=False), CUDA)

@@ -670,7 +670,9 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     the gradients of the projections are zero and those of the states pass through. All but
     ``dy`` in the accumulation dtype. ``rec_parts`` S > 1: ``dh_rec`` is [S, N, H], the
     recurrent product's slices (:func:`gemm_parts`), added here. A cell with ``params``: then
-    the inputs go on with its parameters [H] each (``dtype``) and the sums of their gradients
+    the inputs go on with its parameters [H] each (the accumulation dtype, as
+    :func:`cell_step`'s: a half layer's converted before the steps) and the sums of their
+    gradients
     over the steps so far [N, H] each, and the outputs with those sums plus this step's.
     ``projected`` (LSTMP: h = W_hr h', the cell reads h only through W_hh): h is neither read
     nor carried here: ``dy``, ``dh_rec`` and h's carry give way to ``dh_cell`` [N, H] (the
@@ -701,7 +703,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
         seeds = [dy, dh_rec]
     carry = [te.placeholder(shape, acc, f"d{s}_carry") for s in own]
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
-    params = [te.placeholder((i64(hidden),), dtype, f"param_{p}") for p in cell.params]
+    params = [te.placeholder((i64(hidden),), acc, f"param_{p}") for p in cell.params]
     graph = autodiff.trace(cell)
     after = autodiff.product_gates(graph)[::-1]
     after = after[:after.index(upto)] if upto is not None else after
