@@ -672,8 +672,8 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     recurrent product's slices (:func:`gemm_parts`), added here. A cell with ``params``: then
     the inputs go on with its parameters [H] each (the accumulation dtype, as
     :func:`cell_step`'s: a half layer's converted before the steps) and the sums of their
-    gradients
-    over the steps so far [N, H] each, and the outputs with those sums plus this step's.
+    gradients over the steps so far [N, H] each, and the outputs with those sums plus this
+    step's.
     ``projected`` (LSTMP: h = W_hr h', the cell reads h only through W_hh): h is neither read
     nor carried here: ``dy``, ``dh_rec`` and h's carry give way to ``dh_cell`` [N, H] (the
     gradient of the cell's h', :func:`projection_backward` then a product by W_hr), and the

@@ -316,10 +316,10 @@ class _Builder:
         n, c, h, g, dirs = p.batch, p.input_size, p.hidden_size, p.gates, p.directions
         r, proj = p.recurrent_size, p.proj_size
         per_gate = layout.gates == "per_gate"
-        tf32 = h_for_products(self.target, p, options) == "tf32"
+        h_form = h_for_products(self.target, p, options)
         if not history:  # the training forward takes the same packed weights
-            self.pack("pack_w_ih", "ih", c, layout, tf32=tf32)
-            self.pack("pack_w_hh", "hh", r, layout, tf32=tf32)
+            self.pack("pack_w_ih", "ih", c, layout, tf32=h_form == "tf32")
+            self.pack("pack_w_hh", "hh", r, layout, tf32=h_form == "tf32")
         if proj:
             self.pack("pack_w_hr", "hr", h, layout.matrix, rows=(1, proj))
         if dirs > 1:
@@ -340,7 +340,6 @@ class _Builder:
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
-        h_form = h_for_products(self.target, p, options)
         h_dtype = p.dtype if h_form and h_form != "tf32" else acc
         if h_form == "tf32":  # the products of h and of x by weights rounded as packed
             self.rounded.update(recurrent_gemm="ab", recurrent_gemm_parts="ab", input_gemm="b")
