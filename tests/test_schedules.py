@@ -1018,7 +1018,8 @@ def test_flat_row_views_compute_the_sequence(monkeypatch, rng):
         assert check_against_reference(module, rng, steps, True) < TOL_F32
 
 
-@pytest.mark.parametrize("cell, directions", [("gru", 2), ("lstm", 1)])
+@pytest.mark.parametrize("cell, directions", [("gru", 2), pytest.param(
+    "lstm", 1, marks=pytest.mark.slow)])
 def test_half_products_read_h_in_16_bits(cell, directions, monkeypatch, rng):
     """A half-precision layer on CUDA: one step's recurrent product reads h in float16 from
     ``h_operand`` [2, N, H], which the fused cell step writes with y's values, not the float32
@@ -1079,7 +1080,13 @@ def test_tf32_layers_round_weights_and_h_once(monkeypatch, rng):
         assert TOL_F32 < err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+def _cells_slow_but(*kept):
+    """The registry's cells, all but ``kept`` marked slow (a fast representative set)."""
+    return [c if c in kept else pytest.param(c, marks=pytest.mark.slow)
+            for c in rnncc.cells.names()]
+
+
+@pytest.mark.parametrize("cell", _cells_slow_but("lstm", "peephole"))
 def test_half_cell_steps_read_no_16_bit_values(cell):
     """A half layer's cell step reads only float32 (b_hh and the per-unit parameters
     converted before the steps): a conversion from 16 bits is inline assembly in CUDA, which
@@ -1098,7 +1105,7 @@ def test_half_cell_steps_read_no_16_bit_values(cell):
     assert ("b_hh_float32" in names) == sliced and (sliced or cell != "lstm")
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", _cells_slow_but("peephole"))
 def test_half_cell_step_derivatives_read_float32_parameters(cell):
     """The training backward's derivative of a half layer's step reads the cell's per-unit
     parameters in float32 (converted before the steps, as the forward step does: a float16
