@@ -214,8 +214,7 @@ def product_of(func, target) -> Product | None:
         if not fits(outputs, depth * count, op) or depth % chunk_k(op):
             return None
         form = "projection" if sliced is None else "slices"
-        return Product(form, specs, (True, rows), outputs, depth, op, count,
-                       _mma.rounded(func) if op.tf32 else "")
+        return Product(form, specs, (True, rows), outputs, depth, op, count, _mma.rounded(func))
     if block_named(sch, "weight_grad") is not None:
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
         op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written

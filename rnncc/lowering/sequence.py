@@ -158,6 +158,23 @@ class _Builder:
                   for d, src in enumerate(srcs)]
         self.add(name, sequence_function(name, [*srcs, dst], stages, None, None, []), sig)
 
+    def in_accumulation(self, sig, vectors):
+        """The vectors [W] a step reads (b_hh, the cell's per-unit parameters) as it reads
+        them, in the accumulation dtype (:func:`comp.cell_step`: a conversion from 16 bits
+        inside a step keeps nvcc from sharing its outputs' values): a half layer's copied into
+        workspaces once before the steps. Returns (what the step reads, a buffer a vector; the
+        new workspaces; the stages that fill them)."""
+        p, acc = self.p, accum_dtype(self.p.dtype)
+        if p.dtype == acc:
+            return list(vectors), [], []
+        copies = [self.param(sig, f"{v.name}_{acc}", (int(v.shape[0]),), "workspace", acc)
+                  for v in vectors]
+        stages = [Stage(f"cast_{v.name}", self.scheduled(f"cast_{int(v.shape[0])}", comp.cast(
+            int(v.shape[0]), p.dtype, acc), "elementwise"), [Region(v, (ALL,)),
+                                                              Region(w, (ALL,))], 1)
+                  for v, w in zip(vectors, copies)]
+        return copies, copies, stages
+
     def pack_folded(self, plan):
         """The persistent entry's packing with a projection (LSTMP): W_hh W_hr [G*H, H] in the
         kernel's layout (``w_hh``: the kernel runs the cell on h' as it runs it on h), and W_hh
@@ -375,10 +392,10 @@ class _Builder:
                   for s, w in zip(p.cell.states, widths)]
         h_operand = (self.param(sig, "h_operand", per_direction((2, n, h)), "workspace",
                                 h_dtype) if h_form else None)
-        # the vectors the cell step reads, in the accumulation dtype (comp.cell_step)
+        # the vectors the cell step reads, in the accumulation dtype
         given_vectors = ([b_hh] if rec_parts > 1 else []) + per_unit
-        vectors = {v.name: (self.param(sig, f"{v.name}_{acc}", (int(v.shape[0]),), "workspace",
-                                       acc) if p.dtype != acc else v) for v in given_vectors}
+        read, vector_copies, casts = self.in_accumulation(sig, given_vectors)
+        vectors = {v.name: r for v, r in zip(given_vectors, read)}
         x_rev = y_rev = None
         if dirs > 1:
             x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
@@ -400,12 +417,7 @@ class _Builder:
                 "init_h_operand", [Region(s0[0], (d, ALL, ALL))],
                 [Region(h_operand, at(d, (0, ALL, ALL)))], f"init_h_operand{_SUFFIX[d]}",
                 tf32=h_form == "tf32")]
-        for v in given_vectors:
-            if vectors[v.name] is not v:
-                func = self.scheduled(f"cast_{v.shape[0]}", comp.cast(
-                    int(v.shape[0]), p.dtype, acc), "elementwise")
-                prologue.append(Stage(f"cast_{v.name}", func, [
-                    Region(v, (ALL,)), Region(vectors[v.name], (ALL,))], 1))
+        prologue += casts
         active = []
         if lengths is not None:  # active[t, n]: step t within sample n's length
             active = [self.param(sig, "active", (t_len, n), "workspace", "int32")]
@@ -511,7 +523,7 @@ class _Builder:
                   *([] if in_place else [xp]),
                   hp, *([argument, products_ws] if products else []),
                   *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
-                  *[vectors[v.name] for v in given_vectors if vectors[v.name] is not v],
+                  *vector_copies,
                   *reversed_,
                   *([hf, hr, zero] if proj else []), *active]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,

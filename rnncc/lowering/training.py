@@ -253,9 +253,8 @@ class _Backward:
         # batch each, then over the rows
         count = len(io.per_unit)
         sums = b.param(sig, "dparam_sums", (count, n, h), "workspace", acc) if count else None
-        # and the parameters themselves in the accumulation dtype (comp.cell_step_backward's)
-        converted = ([b.param(sig, f"{v.name}_{acc}", (h,), "workspace", acc)
-                      for v in io.per_unit] if p.dtype != acc else [])
+        # and the parameters themselves as comp.cell_step_backward reads them
+        read_params, converted, casts = b.in_accumulation(sig, io.per_unit)
         # a projection: every step's dHP (the gradient of W_hr h'), then dh' = dHP W_hr
         dhp = dh_cell = zero_h = None
         if proj:
@@ -283,8 +282,7 @@ class _Backward:
         if sums is not None:
             prologue.append(self.elementwise("zero_dparam_sums", comp.zeros((count, n, h), acc),
                                              [Region(sums, (ALL,) * 3)]))
-        prologue += [self.elementwise(f"cast_{v.name}", comp.cast(h, p.dtype, acc), [
-            Region(v, (ALL,)), Region(w, (ALL,))]) for v, w in zip(io.per_unit, converted)]
+        prologue += casts
         prologue += b.states_copy("grad_init", [Region(d, (0, ALL, ALL)) for d in io.d_final],
                                   [Region(cr, (0, ALL, ALL)) for cr in carry])
         if active is not None:
@@ -314,7 +312,7 @@ class _Backward:
         own = carry[skip:]
         inputs = ([pre_step] + [Region(s, (step, ALL, ALL)) for s in io.kept[skip:]]
                   + seeds + [Region(cr, (slot, ALL, ALL)) for cr in own] + masked
-                  + [Region(v, (ALL,)) for v in converted or io.per_unit])
+                  + [Region(v, (ALL,)) for v in read_params])
         # the step's products of its values, last first: the gradient of each, then its
         # argument's, a GEMM by the gate's block of W_hh transposed
         given = []
