@@ -2,26 +2,26 @@
 double-buffered register-blocked kernel): the input projection of all steps, and each step's
 recurrent projection at a large batch.
 
-out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] (w [O, K], PyTorch's rows; or w[k, o], w
-[K, O]: a training step's dx = dGI W_ih reads W_ih [G*H, C] as it is) for N static batch rows
-(at least
-:data:`MIN_BATCH` for one step's product), O outputs, K deep; the rows M are the T*N rows of
-all steps (T a run-time size) or one step's N. A block computes a tile of M x O, 128 columns by
-128 rows (all steps, 256 threads) or by 64 rows (one step, 128 threads: a batch of 64 in one
-tile), 8 x 8 outputs a thread (rows ty*4 + i and M/2 + ty*4 + i of the tile, columns tq*4 + j
-and 64 + tq*4 + j, i, j < 4, for the thread's place (ty, tq) in a (M/8) x 16 grid whose warps
-cover 4 x 8 patches: each operand's 16-byte register loads are shared by a warp's threads, 64
-FMAs a thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16 were slower in whole
-sequences, H200, docs/benchmarks.md). K goes in chunks of :data:`BK` through shared memory
-stored k-major, double-buffered: the next chunk's global loads (16-byte vectors) are issued
-before the current chunk's products and stored to the other buffer after them, so one barrier a
-chunk suffices and the loads' latency hides behind the FMAs. The k-major rows are padded by
-:data:`PAD` floats, which keeps the transposed stores free of bank conflicts. Rows past M read
-row M - 1 (no branch in the loop) and are not written; so are the columns past O where O is not
-whole tiles (weights as rows). Where K is not whole pairs of chunks, a's loads past K give
-zeros (a branch a 16-byte vector, in such kernels only) and w's read its last columns. Those
-odd sizes (LSTM 1500 at batch 32: O 6000, K 1500) went to dlight's Matmul before, about 2x
-slower than cuDNN.
+out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] (w [O, K], PyTorch's rows; or w[k, o], w [K,
+O]: a training step's dx = dGI W_ih reads W_ih [G*H, C] as it is) for N static batch rows (at
+least :data:`MIN_BATCH` for one step's product), O outputs, K deep; the rows M are the T*N rows
+of all steps (T a run-time size) or one step's N. A block computes a tile of M x O, 128 columns
+by 128 rows (all steps, and one step's from batch 128 where they pad no more rows: 256 threads,
+launched two a multiprocessor, which caps ptxas at 128 registers) or by 64 rows (one step, 128
+threads: a batch of 64 in one tile), 8 x 8 outputs a thread (rows ty*4 + i and M/2 + ty*4 + i of
+the tile, columns tq*4 + j and 64 + tq*4 + j, i, j < 4, for the thread's place (ty, tq) in a
+(M/8) x 16 grid whose warps cover 4 x 8 patches: each operand's 16-byte register loads are
+shared by a warp's threads, 64 FMAs a thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16
+were slower in whole sequences, H200, docs/benchmarks.md). K goes in chunks of :data:`BK`
+through shared memory stored k-major, double-buffered: the next chunk's global loads (16-byte
+vectors) are issued before the current chunk's products and stored to the other buffer after
+them, so one barrier a chunk suffices and the loads' latency hides behind the FMAs. The k-major
+rows are padded by :data:`PAD` floats, which keeps the transposed stores free of bank conflicts.
+Rows past M read row M - 1 (no branch in the loop) and are not written; so are the columns past
+O where O is not whole tiles (weights as rows). Where K is not whole pairs of chunks, a's loads
+past K give zeros (a branch a 16-byte vector, in such kernels only) and w's read its last
+columns. Those odd sizes (LSTM 1500 at batch 32: O 6000, K 1500) went to dlight's Matmul before,
+about 2x slower than cuDNN.
 
 One step's grid alone is small (LSTM 1024 at batch 64: 32 tiles for 132 multiprocessors), so
 its K is split in slices (:attr:`Product.splits`; blockIdx.z), each written to an [S, N, O]
@@ -54,7 +54,14 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ._common import block_named, float32_parameters, gemm_blocks, static_extent, weights_are_rows
+from ._common import (
+    LAUNCH_BOUNDS,
+    block_named,
+    float32_parameters,
+    gemm_blocks,
+    static_extent,
+    weights_are_rows,
+)
 from ._rule import Rule
 
 #: Fewest batch rows one step's product this rule takes. The products of all steps (T*N rows)
@@ -73,6 +80,14 @@ BK = 8
 WARP_ROWS = 4
 #: Floats padding each k-row of the shared tiles (bank-conflict-free transposed stores).
 PAD = 4
+#: Blocks a multiprocessor must hold, by threads a block (ptxas keeps a thread's registers within
+#: 65536 / (blocks * threads)): two of 256 (at 137 registers it held one, H200: LSTM 1024's
+#: projection of all steps at batch 256 4956 -> 4644 us at T = 100); 128-thread tiles as ptxas
+#: likes (143 registers, three blocks; four, at 128 registers, were slower).
+MIN_BLOCKS = {256: 2}
+#: One step's product in tiles of TILE rows (256 threads) from this batch on, where they pad no
+#: more rows than STEP_TILE ones (N mod 128 = 0 or over 64).
+WIDE_STEP_BATCH = 128
 #: Split-K of one step's product: at most MAX_SPLITS slices (a power of two), each at least
 #: MIN_SLICE deep, the grid at most SPLIT_BLOCKS blocks (about three of 128 threads a
 #: multiprocessor of an H200; 512 made LSTM 1024 take 16 slices, 16% slower). 32 slices
@@ -105,7 +120,12 @@ class Product:
 
     @property
     def tile_rows(self) -> int:
-        return TILE if self.all_steps else STEP_TILE
+        """Rows a tile: :data:`TILE` for all steps and for one step's from
+        :data:`WIDE_STEP_BATCH` rows where they pad no more rows, else :data:`STEP_TILE`."""
+        rest = self.batch % TILE
+        if self.all_steps or (self.batch >= WIDE_STEP_BATCH and (rest == 0 or rest > STEP_TILE)):
+            return TILE
+        return STEP_TILE
 
     @property
     def whole(self) -> bool:
@@ -128,6 +148,11 @@ class Product:
     def threads(self) -> int:
         """Threads a block: 8 x 8 outputs each."""
         return self.tile_rows * TILE // 64
+
+    @property
+    def min_blocks(self) -> int | None:
+        """Blocks a multiprocessor must hold (:data:`MIN_BLOCKS`; None: as ptxas likes)."""
+        return MIN_BLOCKS.get(self.threads)
 
     @property
     def splits(self) -> int:
@@ -438,19 +463,29 @@ def _tile(t, io, chunks, slices, bz, by, bx, tx):
 
 
 @T.macro
+def _bounded_tile(t, io, chunks, slices, bz, by, bx, tx):
+    """:func:`_tile` in a kernel whose launch bounds name :attr:`Product.min_blocks`."""
+    if t.product.min_blocks is None:
+        _tile(t, io, chunks, slices, bz, by, bx, tx)
+    else:
+        with T.attr(0, LAUNCH_BOUNDS, t.product.min_blocks):
+            _tile(t, io, chunks, slices, bz, by, bx, tx)
+
+
+@T.macro
 def _grid(t, io, splits, slices):
     """The tiles of M x O (and the slices of K, blockIdx.z, where ``slices`` is given)."""
     if slices is None:
         for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
             for bx in T.thread_binding(t.product.tiles_across, thread="blockIdx.x"):
                 for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                    _tile(t, io, t.product.slice_chunks(1), None, 0, by, bx, tx)
+                    _bounded_tile(t, io, t.product.slice_chunks(1), None, 0, by, bx, tx)
     else:
         for bz in T.thread_binding(splits, thread="blockIdx.z"):
             for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
                 for bx in T.thread_binding(t.product.tiles_across, thread="blockIdx.x"):
                     for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                        _tile(t, io, t.chunks(), slices, bz, by, bx, tx)
+                        _bounded_tile(t, io, t.chunks(), slices, bz, by, bx, tx)
 
 
 def _slice_loop(splits):

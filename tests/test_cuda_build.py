@@ -53,6 +53,27 @@ def test_batch_one_past_on_chip_capacity_builds(cell):
     assert "more than their registers and shared memory hold" in meta["persistent"]["reason"]
 
 
+@pytest.mark.parametrize("cell, batch, step_threads", [("lstm", 256, 256), ("gru", 64, 128)])
+def test_step_products_read_h_by_vectors(cell, batch, step_threads):
+    """The step's product (cuda.sgemm) reads h, step t's ``h_ws[t % 2]`` (an offset that two
+    kernels share), by 16-byte loads: TVM's elimination of common subexpressions made the offset
+    a host variable, and each load four scalar ones, so rnncc builds CUDA without it. Tiles of
+    256 threads (all steps'; one step's at batch 256) are launched two a multiprocessor, one
+    step's of 128 threads (batch 64) as ptxas likes."""
+    module = compiled(cell, 64, 64, batch, "cuda", persistent="off")
+    assert module.metadata["schedule"]["rules"]["recurrent_gemm"] == "cuda.sgemm"
+    source = module.source("cuda")
+    assert "make_float4(h_ws_ptr[" not in source and "*(float4*)(h_ws_ptr + " in source
+    bodies = kernel_bodies(source)
+    (step,) = [name for name, body in bodies.items() if "h_ws_ptr + " in body
+               and "w_hh_ptr" in body]
+    bounds = "256, 2" if step_threads == 256 else "128"
+    assert f"__launch_bounds__({bounds}) {step}(" in source
+    (all_steps,) = [name for name, body in bodies.items() if "x_ptr" in body
+                    and "w_ih_ptr" in body and "b_ih_ptr" in body]
+    assert f"__launch_bounds__(256, 2) {all_steps}(" in source
+
+
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)

@@ -291,7 +291,8 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=N
     path = os.path.join(workdir, f"{problem.cell.name}.so")
     try:
         if tspec.kind == "cuda":
-            with nvcc_callback(tspec.arch, ptxas):
+            with (nvcc_callback(tspec.arch, ptxas),
+                  tvm.transform.PassContext(config=pipeline.CONFIG)):
                 executable = tvm.compile(lowered.mod, target=tvm_target,
                                          tir_pipeline=pipeline.register())
             cuda_source = executable.mod.imports[0].inspect_source()
