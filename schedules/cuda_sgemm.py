@@ -86,8 +86,11 @@ PAD = 4
 #: likes (143 registers, three blocks; four, at 128 registers, were slower).
 MIN_BLOCKS = {256: 2}
 #: One step's product in tiles of TILE rows (256 threads) from this batch on, where they pad no
-#: more rows than STEP_TILE ones (N mod 128 = 0 or over 64).
+#: more rows than STEP_TILE ones (N mod 128 = 0 or over 64) and their grid, slices included,
+#: has at least WIDE_STEP_BLOCKS blocks (about one a multiprocessor: LSTM 256 at batch 256 has
+#: 64, and took 15.2 -> 16.8 us a step in them, H200; LSTM 512's 256 took 37.3 -> 33.9).
 WIDE_STEP_BATCH = 128
+WIDE_STEP_BLOCKS = 128
 #: Split-K of one step's product: at most MAX_SPLITS slices (a power of two), each at least
 #: MIN_SLICE deep, the grid at most SPLIT_BLOCKS blocks (about three of 128 threads a
 #: multiprocessor of an H200; 512 made LSTM 1024 take 16 slices, 16% slower). 32 slices
@@ -120,12 +123,23 @@ class Product:
 
     @property
     def tile_rows(self) -> int:
-        """Rows a tile: :data:`TILE` for all steps and for one step's from
-        :data:`WIDE_STEP_BATCH` rows where they pad no more rows, else :data:`STEP_TILE`."""
-        rest = self.batch % TILE
-        if self.all_steps or (self.batch >= WIDE_STEP_BATCH and (rest == 0 or rest > STEP_TILE)):
+        """Rows a tile: :data:`TILE` for all steps and for one step's where
+        :data:`WIDE_STEP_BATCH` and :data:`WIDE_STEP_BLOCKS` allow, else :data:`STEP_TILE`."""
+        if self.all_steps:
             return TILE
-        return STEP_TILE
+        rest = self.batch % TILE
+        wide = self.batch >= WIDE_STEP_BATCH and (rest == 0 or rest > STEP_TILE)
+        return TILE if wide and self._blocks(TILE) >= WIDE_STEP_BLOCKS else STEP_TILE
+
+    def _blocks(self, rows: int) -> int:
+        """Blocks of one step's grid in tiles of ``rows`` rows, slices included."""
+        tiles = -(-self.batch // rows) * self.tiles_across
+        return tiles * self._splits(tiles)
+
+    def _splits(self, tiles: int) -> int:
+        """One step's slices for a grid of ``tiles`` tiles: the most of :meth:`split_choices`
+        within :data:`SPLIT_BLOCKS` blocks."""
+        return max(s for s in self.split_choices() if s == 1 or tiles * s <= SPLIT_BLOCKS)
 
     @property
     def whole(self) -> bool:
@@ -161,8 +175,7 @@ class Product:
         :data:`SPLIT_BLOCKS` blocks. The products of all steps choose theirs at run time."""
         if self.all_steps:
             return 1
-        tiles = -(-self.batch // self.tile_rows) * self.tiles_across
-        return max(s for s in self.split_choices() if s == 1 or tiles * s <= SPLIT_BLOCKS)
+        return self._splits(-(-self.batch // self.tile_rows) * self.tiles_across)
 
     def split_choices(self) -> tuple[int, ...]:
         """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS` (all steps:

@@ -210,14 +210,15 @@ def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng
     (96, 256, 1024, 4, 64), (33, 128, 128, 2, 64), (40, 32, 128, 1, 64), (32, 1500, 6000, 8, 64),
     (64, 1000, 4000, 8, 64), (33, 116, 132, 2, 64), (256, 1024, 4096, 4, 128),
     (128, 1024, 4096, 8, 128), (192, 1024, 3072, 4, 64), (200, 512, 2048, 8, 128),
-    (256, 4096, 16384, 1, 128)])
+    (256, 4096, 16384, 1, 128), (256, 256, 1024, 4, 64), (256, 512, 1536, 8, 128)])
 def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     """One step's product: 64-row tiles of 128 threads, or from batch 128 tiles of 128 rows
     (256 threads, two a multiprocessor) where they pad no more rows (192: three of 64, not two
-    of 128); K in slices (the four standard batch-64 sizes as measured best, H200; a training
-    step's dh of LSTM 1024 and 2048) of whole pairs of chunks, at least MIN_SLICE deep, the
-    grid within SPLIT_BLOCKS; the slices go to a workspace that a second kernel sums in order
-    with the bias."""
+    of 128) and their grid has WIDE_STEP_BLOCKS blocks (LSTM 256 at batch 256: 64 blocks, so
+    64 rows; GRU 512: 192); K in slices (the four standard batch-64 sizes as measured best,
+    H200; a training step's dh of LSTM 1024 and 2048) of whole pairs of chunks, at least
+    MIN_SLICE deep, the grid within SPLIT_BLOCKS; the slices go to a workspace that a second
+    kernel sums in order with the bias."""
     from rnncc.schedules import cuda_sgemm
 
     product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
