@@ -7,8 +7,9 @@ from tvm import s_tir
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-#: The attribute (an AttrStmt inside a kernel) that TVM prints as ``__launch_bounds__``'s
-#: second argument: the blocks a multiprocessor must hold, which caps ptxas's registers.
+#: The attribute (of a device function, or an AttrStmt inside a kernel) that TVM prints as
+#: ``__launch_bounds__``'s second argument: the blocks a multiprocessor must hold, which caps
+#: ptxas's registers.
 LAUNCH_BOUNDS = "tirx.launch_bounds_min_blocks_per_sm"
 
 

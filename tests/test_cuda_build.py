@@ -53,15 +53,18 @@ def test_batch_one_past_on_chip_capacity_builds(cell):
     assert "more than their registers and shared memory hold" in meta["persistent"]["reason"]
 
 
-@pytest.mark.parametrize("cell, batch, step_threads", [("lstm", 256, 256), ("gru", 64, 128)])
-def test_step_products_read_h_by_vectors(cell, batch, step_threads):
+@pytest.mark.parametrize("cell, hidden, batch, step_threads", [("lstm", 512, 256, 256),
+                                                                ("gru", 64, 64, 128)])
+def test_step_products_read_h_by_vectors(cell, hidden, batch, step_threads):
     """The step's product (cuda.sgemm) reads h, step t's ``h_ws[t % 2]`` (an offset that two
     kernels share), by 16-byte loads: TVM's elimination of common subexpressions made the offset
     a host variable, and each load four scalar ones, so rnncc builds CUDA without it. Tiles of
-    256 threads (all steps'; one step's at batch 256) are launched two a multiprocessor, one
-    step's of 128 threads (batch 64) as ptxas likes."""
-    module = compiled(cell, 64, 64, batch, "cuda", persistent="off")
-    assert module.metadata["schedule"]["rules"]["recurrent_gemm"] == "cuda.sgemm"
+    256 threads (all steps'; one step's at batch 256, whose grid has enough of them) are
+    launched two a multiprocessor, one step's of 128 threads (batch 64) as ptxas likes."""
+    module = compiled(cell, 64, hidden, batch, "cuda", persistent="off")
+    rules = module.metadata["schedule"]["rules"]
+    assert "cuda.sgemm" == rules["input_gemm"] == rules.get("recurrent_gemm_parts",
+                                                             rules["recurrent_gemm"])
     source = module.source("cuda")
     assert "make_float4(h_ws_ptr[" not in source and "*(float4*)(h_ws_ptr + " in source
     bodies = kernel_bodies(source)

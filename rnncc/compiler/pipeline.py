@@ -25,7 +25,6 @@ import tvm_ffi
 NAME = "rnncc"
 COOPERATIVE = "tirx.use_cooperative_launch"
 DYN_SHARED = "tirx.use_dyn_shared_memory"
-MIN_BLOCKS = "tirx.launch_bounds_min_blocks_per_sm"
 #: The PassContext configuration of CUDA builds.
 CONFIG = {"tirx.disable_cse_tir": True}
 
@@ -57,6 +56,8 @@ def cooperative_launch(mod, _ctx):
     kernel runs one block a multiprocessor, and without the bound ptxas may keep registers
     free for an occupancy it never has, spilling to do so (seen on a 512-thread LSTM kernel:
     40 registers and 12 bytes spilled, against 69 registers and none with it)."""
+    from ..schedules._common import LAUNCH_BOUNDS
+
     updates = {}
     for gvar, func in mod.functions_items():
         params = func.attrs.get("tirx.kernel_launch_params") if func.attrs else None
@@ -68,7 +69,7 @@ def cooperative_launch(mod, _ctx):
         at = tags.index(DYN_SHARED) if DYN_SHARED in tags else len(tags)
         tags.insert(at, COOPERATIVE)
         updates[gvar] = func.with_attr("tirx.kernel_launch_params", tags).with_attr(
-            MIN_BLOCKS, 1)
+            LAUNCH_BOUNDS, 1)
     for gvar, func in updates.items():
         mod[gvar] = func
     return mod
