@@ -99,6 +99,15 @@ WIDE_STEP_BLOCKS = 128
 MAX_SPLITS = 32
 MIN_SLICE = 64
 SPLIT_BLOCKS = 384
+#: Where those slices of a 64-row tiles' grid would be deeper than DEEP_SLICE, twice as many
+#: while the grid stays within DEEP_SPLIT_BLOCKS (four of 128 threads a multiprocessor). H200,
+#: kernel alone: LSTM 2048 at batch 64 (64 x 2048 x 8192) 4 slices of 512 68.5 us, 8 of 256
+#: 63.1 (cuBLAS 58.8), at 32 71.1 and 55.5; LSTM 4096 at 64 (64 x 4096 x 16384) 2 of 2048
+#: 254.9, 4 of 1024 235.6 (189.5); LSTM 2048's dh in training (64 x 8192 x 2048) 16 of 512
+#: 69.0, 32 of 256 63.4 (74.1). Layers: LSTM 2048 at batch 64 122.7 -> 116.2 us a step, at 32
+#: 97.3 -> 82.3, LSTM 4096 at 64 457.6 -> 438.3.
+DEEP_SLICE = 256
+DEEP_SPLIT_BLOCKS = 528
 #: The products of all steps split K too where T*N leaves their grid small (dx of a training
 #: step at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), into at most
 #: ALL_STEPS_MAX_SPLITS slices, as many as keep the grid within two blocks of 256 threads a
@@ -134,12 +143,18 @@ class Product:
     def _blocks(self, rows: int) -> int:
         """Blocks of one step's grid in tiles of ``rows`` rows, slices included."""
         tiles = -(-self.batch // rows) * self.tiles_across
-        return tiles * self._splits(tiles)
+        return tiles * self._splits(tiles, rows)
 
-    def _splits(self, tiles: int) -> int:
-        """One step's slices for a grid of ``tiles`` tiles: the most of :meth:`split_choices`
-        within :data:`SPLIT_BLOCKS` blocks."""
-        return max(s for s in self.split_choices() if s == 1 or tiles * s <= SPLIT_BLOCKS)
+    def _splits(self, tiles: int, rows: int) -> int:
+        """One step's slices for a grid of ``tiles`` tiles of ``rows`` rows: the most of
+        :meth:`split_choices` within :data:`SPLIT_BLOCKS` blocks, more for deep slices of
+        64-row tiles (:data:`DEEP_SLICE`)."""
+        choices = self.split_choices()
+        count = max(s for s in choices if s == 1 or tiles * s <= SPLIT_BLOCKS)
+        while (rows == STEP_TILE and self.slice_chunks(count) * BK > DEEP_SLICE
+               and count * 2 in choices and tiles * count * 2 <= DEEP_SPLIT_BLOCKS):
+            count *= 2
+        return count
 
     @property
     def whole(self) -> bool:
@@ -175,7 +190,8 @@ class Product:
         :data:`SPLIT_BLOCKS` blocks. The products of all steps choose theirs at run time."""
         if self.all_steps:
             return 1
-        return self._splits(-(-self.batch // self.tile_rows) * self.tiles_across)
+        rows = self.tile_rows
+        return self._splits(-(-self.batch // rows) * self.tiles_across, rows)
 
     def split_choices(self) -> tuple[int, ...]:
         """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS` (all steps:

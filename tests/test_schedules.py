@@ -206,7 +206,8 @@ def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng
 
 @pytest.mark.parametrize("batch, depth, outputs, splits, rows", [
     (64, 1024, 4096, 8, 64), (64, 1536, 6144, 8, 64), (64, 1024, 3072, 16, 64),
-    (64, 2048, 6144, 8, 64), (64, 4096, 1024, 32, 64), (64, 8192, 2048, 16, 64),
+    (64, 2048, 6144, 8, 64), (64, 4096, 1024, 32, 64), (64, 8192, 2048, 32, 64),
+    (64, 2048, 8192, 8, 64), (32, 2048, 8192, 8, 64), (64, 4096, 16384, 4, 64),
     (96, 256, 1024, 4, 64), (33, 128, 128, 2, 64), (40, 32, 128, 1, 64), (32, 1500, 6000, 8, 64),
     (64, 1000, 4000, 8, 64), (33, 116, 132, 2, 64), (256, 1024, 4096, 4, 128),
     (128, 1024, 4096, 8, 128), (192, 1024, 3072, 4, 64), (200, 512, 2048, 8, 128),
@@ -217,14 +218,17 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     of 128) and their grid has WIDE_STEP_BLOCKS blocks (LSTM 256 at batch 256: 64 blocks, so
     64 rows; GRU 512: 192); K in slices (the four standard batch-64 sizes as measured best,
     H200; a training step's dh of LSTM 1024 and 2048) of whole pairs of chunks, at least
-    MIN_SLICE deep, the grid within SPLIT_BLOCKS; the slices go to a workspace that a second
-    kernel sums in order with the bias."""
+    MIN_SLICE deep, the grid within SPLIT_BLOCKS, or DEEP_SPLIT_BLOCKS where slices of 64-row
+    tiles would be deeper than DEEP_SLICE (LSTM 2048 at batch 32 and 64: 8 of 256, not 4 of
+    512); the slices go to a workspace that a second kernel sums in order with the bias."""
     from rnncc.schedules import cuda_sgemm
 
     product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
     assert product.splits == splits and product.tile_rows == rows
     tiles = -(-batch // rows) * -(-outputs // cuda_sgemm.TILE)
-    assert splits == 1 or tiles * splits <= cuda_sgemm.SPLIT_BLOCKS
+    assert splits == 1 or tiles * splits <= cuda_sgemm.SPLIT_BLOCKS or (
+        rows == 64 and tiles * splits <= cuda_sgemm.DEEP_SPLIT_BLOCKS
+        and product.slice_chunks(splits // 2) * cuda_sgemm.BK > cuda_sgemm.DEEP_SLICE)
     deep = product.slice_chunks(splits) * cuda_sgemm.BK
     assert deep * splits == depth or (not product.whole and 0 <= deep * splits - depth
                                       < splits * 2 * cuda_sgemm.BK)
