@@ -51,9 +51,20 @@ OPTION_SETS = [dict(input_gemm=False), dict(gate_gemm=False), dict(fuse_pointwis
                dict(input_gemm=False, gate_gemm=False, fuse_pointwise=False)]
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"no_{k}" for k in o))
-@pytest.mark.parametrize("cell", CELLS)
+def _variants():
+    """(cell, options, target) for every cell and option set; on the CPU the options one at a
+    time only for lstm and gru by default, the other cells' with --slow (the set with all three
+    off still checks every cell in the default run)."""
+    for cell in CELLS:
+        for options in OPTION_SETS:
+            name = f"{cell}-" + ",".join(f"no_{k}" for k in options)
+            some = len(options) == 1 and cell not in ("lstm", "gru")
+            yield pytest.param(cell, options, "llvm", id=f"{name}-llvm",
+                               marks=[pytest.mark.slow] if some else [])
+            yield pytest.param(cell, options, "cuda", id=f"{name}-cuda", marks=pytest.mark.gpu)
+
+
+@pytest.mark.parametrize("cell, options, target", list(_variants()))
 def test_schedule_variants(cell, options, target, rng):
     """cuDNN's optimisations switched off one by one compute the same function."""
     module = compiled(cell, 7, 33, 3, target, **options)
