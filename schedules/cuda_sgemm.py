@@ -138,18 +138,18 @@ class Product:
             return TILE
         rest = self.batch % TILE
         wide = self.batch >= WIDE_STEP_BATCH and (rest == 0 or rest > STEP_TILE)
-        return TILE if wide and self._blocks(TILE) >= WIDE_STEP_BLOCKS else STEP_TILE
+        blocks = self._tiles(TILE) * self._splits(TILE)
+        return TILE if wide and blocks >= WIDE_STEP_BLOCKS else STEP_TILE
 
-    def _blocks(self, rows: int) -> int:
-        """Blocks of one step's grid in tiles of ``rows`` rows, slices included."""
-        tiles = -(-self.batch // rows) * self.tiles_across
-        return tiles * self._splits(tiles, rows)
+    def _tiles(self, rows: int) -> int:
+        """Tiles of one step's grid in tiles of ``rows`` rows."""
+        return -(-self.batch // rows) * self.tiles_across
 
-    def _splits(self, tiles: int, rows: int) -> int:
-        """One step's slices for a grid of ``tiles`` tiles of ``rows`` rows: the most of
-        :meth:`split_choices` within :data:`SPLIT_BLOCKS` blocks, more for deep slices of
-        64-row tiles (:data:`DEEP_SLICE`)."""
-        choices = self.split_choices()
+    def _splits(self, rows: int) -> int:
+        """One step's slices in tiles of ``rows`` rows: the most of :meth:`split_choices`
+        within :data:`SPLIT_BLOCKS` blocks, more for deep slices of 64-row tiles
+        (:data:`DEEP_SLICE`)."""
+        tiles, choices = self._tiles(rows), self.split_choices()
         count = max(s for s in choices if s == 1 or tiles * s <= SPLIT_BLOCKS)
         while (rows == STEP_TILE and self.slice_chunks(count) * BK > DEEP_SLICE
                and count * 2 in choices and tiles * count * 2 <= DEEP_SPLIT_BLOCKS):
@@ -186,12 +186,9 @@ class Product:
     @property
     def splits(self) -> int:
         """Slices of K of one step's product (whose grid alone is small), each summed into the
-        output by a second kernel: the most of :meth:`split_choices` within
-        :data:`SPLIT_BLOCKS` blocks. The products of all steps choose theirs at run time."""
-        if self.all_steps:
-            return 1
-        rows = self.tile_rows
-        return self._splits(-(-self.batch // rows) * self.tiles_across, rows)
+        output by a second kernel (:meth:`_splits`). The products of all steps choose theirs at
+        run time."""
+        return 1 if self.all_steps else self._splits(self.tile_rows)
 
     def split_choices(self) -> tuple[int, ...]:
         """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS` (all steps:
