@@ -95,10 +95,11 @@ def b_fragment(op, wb, row, offset, s):
 
 
 @T.macro
-def mma(op, af, wb, acc, offset):
-    """acc[offset:offset + 4] += A B: one instruction, float32 sums."""
+def mma(op, af, wb, acc, offset, b_offset=0):
+    """acc[offset:offset + 4] += A B (B from ``wb[b_offset]``): one instruction, float32
+    sums."""
     T.evaluate(T.ptx_legacy.mma(op.shape, "row", "col", op.ptx, op.ptx, "fp32", af.data, 0,
-                                wb.data, 0, acc.data, offset, False, dtype="float32"))
+                                wb.data, b_offset, acc.data, offset, False, dtype="float32"))
 
 
 def rounded(func) -> str:

@@ -48,6 +48,7 @@ from tvm.script import tirx as T
 
 from . import _mma
 from ._common import (
+    LAUNCH_BOUNDS,
     block_named,
     buffer_parameters,
     gemm_blocks,
@@ -63,8 +64,11 @@ WARPS_J = 4  # warps along j (2 along i, 1 in a 64-row tile)
 MT, NT = 4, 4  # instruction tiles a warp: 16-row tiles along i, 8-column tiles along j
 THREADS = 256  # a block of the register-staged kernel
 #: Chunks of K in flight in the pipelined kernel, and its blocks a multiprocessor (registers
-#: capped at 128 a thread). H200, kernel alone, float16 [6400 x 1024] x [1024 x 4096]: 2
-#: chunks of 128 bytes a row in 3 stages 255 us, 1 of 64 in 3 stages 200, in 4 191.
+#: capped at 128 a thread), and a gradient's (unbounded, ptxas gave it 130 registers at
+#: T*N = 12800: one block a multiprocessor, bfloat16 LSTM 1024 N128's dW_ih 1677 us against
+#: 867; a gradient of a run-time M spills 8 bytes at 128; dx with W_ih [K, O], 24). H200,
+#: kernel alone, float16 [6400 x 1024] x [1024 x 4096]: 2 chunks of 128 bytes a row in 3
+#: stages 255 us, 1 of 64 in 3 stages 200, in 4 191.
 STAGES = 4
 BLOCKS_PER_SM = 2
 #: One step's product: its slices of K (gemm_parts): the fewest (a power of two up to
@@ -78,7 +82,12 @@ BLOCKS_PER_SM = 2
 #: 28.8, LSTM 1024 N32 15.8 -> 14.0; float16 LSTM 2048 N32 24.5 -> 21.1, but LSTM 4096 N16
 #: 71.6 -> 82.5.
 MIN_BATCH = {"tf32": 16, "half": 32}
-MAX_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 128, 256
+#: In 64-row tiles up to STEP_TILE_PARTS slices: the backward pass's product dGH W_hh (O = H
+#: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a
+#: step (the product's kernel alone 10.8 / 6.8 / 5.8): at most 8 slices 35.9, 16 32.4, 32
+#: 31.9; GRU 32.5, 29.0, 29.1. At N128 (128-row tiles) 32 slices (then cuda.wgmma_gemm's)
+#: lost: the product 8.5 -> 9.1 us, its reader 3.4 -> 5.0.
+MAX_PARTS, STEP_TILE_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 32, 128, 256
 
 
 def chunk_k(op: _mma.Operand) -> int:
@@ -178,12 +187,14 @@ def _tiles(product: Product) -> int:
 
 def slices(product: Product) -> int:
     """The slices of K of one step's ``product``: the fewest that give TARGET_BLOCKS blocks
-    (a power of two up to MAX_PARTS, each whole chunks and at least MIN_SLICE deep), else the
-    most allowed; 1 where those give under a quarter of TARGET_BLOCKS."""
+    (a power of two up to MAX_PARTS, STEP_TILE_PARTS in 64-row tiles, each whole chunks and
+    at least MIN_SLICE deep), else the most allowed; 1 where those give under a quarter of
+    TARGET_BLOCKS."""
     tiles = _tiles(product)
     bk = chunk_k(product.op)
     depth = product.depth * product.parts
-    choices = [c for c in range(1, MAX_PARTS + 1) if c & (c - 1) == 0
+    most = STEP_TILE_PARTS if product.tile_rows == STEP_TILE else MAX_PARTS
+    choices = [c for c in range(1, most + 1) if c & (c - 1) == 0
                and depth % (c * bk) == 0 and (c == 1 or depth // c >= MIN_SLICE)]
     count = next((c for c in choices if tiles * c >= TARGET_BLOCKS), choices[-1])
     return count if tiles * count >= TARGET_BLOCKS // 4 else 1
@@ -244,9 +255,12 @@ class Tile:
         self.vectors = [self.tile_rows * bk // 4 // self.threads, TILE * bk // 4 // self.threads]
         #: 16-byte copies of an operand a thread issues a chunk (pipelined)
         self.copies = [self.tile_rows * 4 // self.threads, TILE * 4 // self.threads]
-        #: elements from one k-row of an outer operand's staged chunk to the next: an odd
+        #: whether both operands are outer and read by ``ldmatrix.trans`` (a gradient)
+        self.transposed = not any(product.inner)
+        #: elements from one k-row of an outer operand's staged chunk to the next: 16 bytes
+        #: past the row, so that ldmatrix's 8 rows of 16 bytes hit 32 banks; else an odd
         #: count of words
-        self.outer_stride = TILE + (1 if op.tf32 else 2)
+        self.outer_stride = TILE + (8 if self.transposed else 1 if op.tf32 else 2)
         self.rows = tirx.Var("M", "int64")
         self.batch = None
         if product.form == "gradient":
@@ -339,13 +353,14 @@ def _load(t, io, op, regs, k0, first, tx):
 @T.macro
 def _store(t, op, regs, shared, base, tx):
     """Operand ``op``'s registers of a chunk to shared memory from ``base``: an inner
-    operand's vectors as they are (16 bytes at most), an outer one's element by element (its
-    k-rows are not vector-aligned)."""
+    operand's vectors as they are (16 bytes at most), an outer one's read by ldmatrix too (its
+    k-rows 16-byte aligned), else element by element (its k-rows are not vector-aligned)."""
     for p_ in T.unroll(t.vectors[op]):
         row, k = T.meta_var(t.stage_place(op, p_, tx))
-        if t.product.inner[op]:
+        if t.product.inner[op] or t.transposed:
             for v in T.vectorized(4):
-                shared[base + t.slot(op, row, k + v)] = regs[p_ * 4 + v]
+                shared[base + t.slot(op, row, k + v) if t.product.inner[op]
+                       else base + t.slot(op, row + v, k)] = regs[p_ * 4 + v]
         else:
             for v in T.unroll(4):
                 shared[base + t.slot(op, row + v, k)] = regs[p_ * 4 + v]
@@ -398,6 +413,31 @@ def _fragment(t, op, shared, out, offset, row, q):
 
 
 @T.macro
+def _products_transposed(t, shared, frags, acc, lane, i0, j0):
+    """:func:`_products` where both operands are staged [k][row] (a gradient): each k-step's
+    fragments by ``ldmatrix.x4.trans``, the instruction's plain order of k. B's: two 8-column
+    tiles a load (their k 0-7 and 8-15 each: b0, b1); A's: a 16-row tile a load (rows 0-7 and
+    8-15 of k 0-7, then of k 8-15: a0 to a3). Lane l gives the address of row l % 8 of
+    matrix l // 8."""
+    bf, af = T.meta_var(frags)
+    kind = T.meta_var(t.product.op)
+    (sa, base_a), (sb, base_b) = T.meta_var(shared)
+    for s in T.unroll(2):
+        for n2 in T.unroll(NT // 2):
+            T.evaluate(T.ptx_legacy.ldmatrix(
+                True, 4, ".b16", bf.data, n2 * 8, sb.access_ptr("r"), base_b + t.slot(
+                    1, j0 + (n2 * 2 + lane // 16) * 8, s * 16 + lane // 8 % 2 * 8 + lane % 8),
+                dtype=kind.dtype))
+        for m in T.unroll(MT):
+            T.evaluate(T.ptx_legacy.ldmatrix(
+                True, 4, ".b16", af.data, 0, sa.access_ptr("r"), base_a + t.slot(
+                    0, i0 + m * 16 + lane // 8 % 2 * 8, s * 16 + lane // 16 * 8 + lane % 8),
+                dtype=kind.dtype))
+            for n in T.unroll(NT):
+                _mma.mma(kind, af, bf, acc, (m * NT + n) * 4, n * 4)
+
+
+@T.macro
 def _products(t, shared, frags, acc, tx):
     """A chunk's products: the warp's 64 x 32 of C, 2 k-steps (4 x 4 instructions each)."""
     bf, ha, af, wb = T.meta_var(frags)
@@ -405,16 +445,19 @@ def _products(t, shared, frags, acc, tx):
     g, q = T.meta_var((tx % 32 // 4, tx % 4))
     i0 = T.meta_var(tx // 32 // WARPS_J * (MT * 16))
     j0 = T.meta_var(tx // 32 % WARPS_J * (NT * 8))
-    for n in T.unroll(NT):
-        _fragment(t, 1, shared[1], bf, n * kind.lane_k, j0 + n * 8 + g, q)
-    for m in T.unroll(MT):
-        _fragment(t, 0, shared[0], ha, 0, i0 + m * 16 + g, q)
-        _fragment(t, 0, shared[0], ha, kind.lane_k, i0 + m * 16 + 8 + g, q)
-        for s in T.unroll(2):
-            _mma.a_fragment(kind, af, ha, s)
-            for n in T.unroll(NT):
-                _mma.b_fragment(kind, wb, bf, n * kind.lane_k, s)
-                _mma.mma(kind, af, wb, acc, (m * NT + n) * 4)
+    if t.transposed:
+        _products_transposed(t, shared, (bf, af), acc, tx % 32, i0, j0)
+    else:
+        for n in T.unroll(NT):
+            _fragment(t, 1, shared[1], bf, n * kind.lane_k, j0 + n * 8 + g, q)
+        for m in T.unroll(MT):
+            _fragment(t, 0, shared[0], ha, 0, i0 + m * 16 + g, q)
+            _fragment(t, 0, shared[0], ha, kind.lane_k, i0 + m * 16 + 8 + g, q)
+            for s in T.unroll(2):
+                _mma.a_fragment(kind, af, ha, s)
+                for n in T.unroll(NT):
+                    _mma.b_fragment(kind, wb, bf, n * kind.lane_k, s)
+                    _mma.mma(kind, af, wb, acc, (m * NT + n) * 4)
 
 
 @T.macro
@@ -473,6 +516,7 @@ def _registers_kernel(product: Product):
             wb = T.sblock_alloc_buffer((op.lane_k // 2,), dtype, scope="local")
             for bx in T.thread_binding(t.i_tiles * t.j_tiles, thread="blockIdx.x"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    T.attr(0, LAUNCH_BOUNDS, BLOCKS_PER_SM if t.transposed else 1)
                     bi, bj = T.meta_var((bx // t.j_tiles, bx % t.j_tiles))
                     regs, frags = T.meta_var(((ra, rb), (bf, ha, af, wb)))
                     for e in T.unroll(MT * NT * 4):
@@ -518,7 +562,7 @@ def _pipelined_kernel(product: Product):
             wb = T.sblock_alloc_buffer((op.lane_k // 2,), dtype, scope="local")
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                    T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", BLOCKS_PER_SM)
+                    T.attr(0, LAUNCH_BOUNDS, BLOCKS_PER_SM)
                     part = T.meta_var(bx // (t.i_tiles * t.j_tiles))
                     bi = T.meta_var(bx // t.j_tiles % t.i_tiles)
                     bj = T.meta_var(bx % t.j_tiles)

@@ -77,6 +77,29 @@ def test_step_products_read_h_by_vectors(cell, hidden, batch, step_threads):
     assert f"__launch_bounds__(256, 2) {all_steps}(" in source
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_training_products_on_tensor_cores(dtype):
+    """A half-precision training module's products over all T*N rows: dx = dGI W_ih reads a
+    transposed copy of W_ih (k last in both operands: the warpgroup kernel); the weight
+    gradients (both operands read along their rows) fetch their fragments by
+    ``ldmatrix.trans``, two blocks a multiprocessor (at most 128 registers, no spills; at C =
+    128, one tile of dW_ih's columns, ptxas spills 4 bytes there, 8 at N = 128)."""
+    module = compiled("lstm", 256, 256, 64, "cuda", dtype=dtype, training=True)
+    rules = module.metadata["schedule"]["rules"]
+    assert rules["transpose_w_ih"] == "cuda.elementwise"
+    assert rules["input_gemm_backward"] == "cuda.wgmma_gemm"
+    assert rules["weight_grad_ih"] == rules["weight_grad_hh"] == "cuda.mma_gemm"
+    source = module.source("cuda")
+    grads = [name for name, body in kernel_bodies(source).items() if "dweight_" in body
+             and "mma.sync" in body]
+    assert len(grads) == 4  # dW_ih and dW_hh after the per-step and the persistent loop
+    for name in grads:
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in kernel_bodies(source)[name]
+        assert f"__launch_bounds__(256, 2) {name}(" in source
+        report = module.metadata["ptxas"][name]
+        assert report["registers"] <= 128 and report["spill_stores"] == 0, report
+
+
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)

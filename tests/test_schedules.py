@@ -427,14 +427,17 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
                     "recurrent_gemm": "cuda.mma_gemv", "recurrent_gemm_backward": "cuda.mma_gemv"}
     assert {key: rules[key] for key in tensor_cores} == tensor_cores
     t_len, m = tirx.Var("T", "int64"), tirx.Var("M", "int64")
-    for func, pipelined in ((comp.gemm((t_len, 64), 1024, 4096, "cols", dtype, "float32"), False),
-                            (comp.weight_gradient(m, 4096, 1024, dtype, "float32"), False),
-                            (comp.gemm((t_len, 64), 1024, 4096, "rows", dtype, dtype), True),
-                            (comp.gemm_parts(64, 1024, 4096, 8, "rows", dtype, "float32"), True)):
+    # (component, pipelined, bytes ptxas may spill): a gradient's kernel, held to 128 registers
+    # (two blocks a multiprocessor), spills 8 where M is free (none in a module: M = T*N)
+    for func, pipelined, spill in (
+            (comp.gemm((t_len, 64), 1024, 4096, "cols", dtype, "float32"), False, 0),
+            (comp.weight_gradient(m, 4096, 1024, dtype, "float32"), False, 8),
+            (comp.gemm((t_len, 64), 1024, 4096, "rows", dtype, dtype), True, 0),
+            (comp.gemm_parts(64, 1024, 4096, 8, "rows", dtype, "float32"), True, 0)):
         source = tvm.compile(tvm.IRModule({"main": cuda_mma_gemm.apply(func, CUDA).mod[
             "main"].with_attr("global_symbol", "mg")}), target=CUDA).mod.imports[0]
         _, report = compile_cubin(source.inspect_source(), "sm_90")
-        assert report["mg_kernel"]["spill_stores"] == report["mg_kernel"]["stack"] == 0
+        assert max(report["mg_kernel"]["spill_stores"], report["mg_kernel"]["stack"]) <= spill
         assert ("cp.async.cg.shared.global" in source.inspect_source()) == pipelined
     declined = [comp.gemm((t_len, 64), 1024, 4096, "rows", "float32", "float32"),
                 comp.gemm((t_len, 64), 1024, 4000, "rows", dtype, dtype),  # O % 128
@@ -452,10 +455,12 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
     (64, 1024, 4096, "float16", 8), (256, 2048, 8192, "float16", 2), (256, 512, 2048, "tf32", 4),
     (64, 512, 1536, "tf32", 1), (63, 1024, 4096, "float16", 8), (256, 1024, 16384, "bfloat16", 1),
     (256, 1024, 4096, "float32", 1), (32, 2048, 8192, "bfloat16", 4),
-    (31, 2048, 8192, "float16", 1), (16, 2048, 8192, "tf32", 4), (15, 2048, 8192, "tf32", 1)])
+    (31, 2048, 8192, "float16", 1), (16, 2048, 8192, "tf32", 4), (15, 2048, 8192, "tf32", 1),
+    (64, 4096, 1024, "bfloat16", 32), (64, 3072, 1024, "float16", 16)])
 def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, parts):
     """One step's product of 32 rows and more on tensor cores (16 in TF32): K in the fewest
-    slices that give 256 blocks (two a multiprocessor), each at least 128 deep; none where the
+    slices that give 256 blocks (two a multiprocessor), up to 8 (32 in a 64-row tile: the
+    backward pass's dGH W_hh, O = H), each at least 128 deep; none where the
     tiles alone give them (the whole product is then this rule's), or where even the slices
     give under 64 blocks, or under those rows (cuda.mma_gemv's); IEEE float32 is not this
     rule's; slices of another count (a reader's choice for another rule) are not taken."""
@@ -472,7 +477,7 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
     fewest = cuda_mma_gemm.MIN_BATCH["tf32" if tf32 else "half"]
     takes_whole = parts == 1 and batch >= fewest and o // 128 * -(-batch // 128) >= 256
     assert (cuda_mma_gemm.apply(whole, CUDA) is not None) == takes_whole
-    for count in (2, 4, 8):
+    for count in (2, 4, 8, 16, 32):
         sliced = allowed(comp.gemm_parts(batch, k, o, count, "rows", dtype, "float32"))
         assert (cuda_mma_gemm.apply(sliced, CUDA) is not None) == (count == parts)
 
@@ -547,7 +552,8 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     (256, 1024, 4096, "tf32", 2, 128), (128, 1024, 4096, "tf32", 4, 128),
     (256, 2048, 6144, "tf32", 2, 256), (512, 1024, 4096, "tf32", 1, 128),
     (256, 1024, 3072, "float16", 4, 256), (256, 2048, 8192, "bfloat16", 2, 256),
-    (128, 1024, 4096, "float16", 8, 256), (100, 1024, 1024, "float16", 8, 128)])
+    (128, 1024, 4096, "float16", 8, 256), (100, 1024, 1024, "float16", 8, 128),
+    (128, 4096, 1024, "bfloat16", 8, 128)])
 def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, parts, cols):
     """On sm_90 one step's product past 64 rows goes in the fewest slices of K whose grid is one
     wave (96 to 132 blocks), in tiles 256 wide where each slice is at least 1024 deep or h goes
@@ -567,7 +573,7 @@ def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, par
 
     assert schedules.product_parts(product(1), CUDA) == parts
     assert schedules.product_parts(product(1), AMPERE) == cuda_mma_gemm.parts(product(1), AMPERE)
-    for count in (1, 2, 4, 8):
+    for count in (1, 2, 4, 8, 16, 32):
         assert (cuda_wgmma_gemm.sizes(product(count), CUDA) is not None) == (count == parts)
     taken = cuda_mma_gemm.product_of(product(parts), CUDA)
     assert cuda_wgmma_gemm.columns(taken) == cols

@@ -273,6 +273,8 @@ class Simulator:
             return self._device(str(args[0].value), args[1:-1], mask)
         if op == "tirx.ptx_legacy.mma":
             return self._mma(args)
+        if op == "tirx.ptx_legacy.ldmatrix":
+            return self._ldmatrix(args, mask)
         if op.startswith("tirx.ptx.cp"):
             return self._ptx_copy(args, mask)
         if op == "tirx.cuda.cvta_generic_to_shared":
@@ -365,14 +367,45 @@ class Simulator:
                         mask)
         return None
 
+    def _uniform(self, expr) -> int:
+        """The value of ``expr``, the same for every thread (an offset into registers)."""
+        values = np.unique(np.asarray(self._expr(expr)))
+        assert values.size == 1, f"{expr} differs between threads"
+        return int(values[0])
+
+    def _ldmatrix(self, args, mask):
+        """``ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16`` on every warp: lane l gives
+        the address of row l % 8 of matrix l // 8 (8 16-bit elements; 16-byte aligned); lane l
+        (g = l // 4, q = l % 4) receives of each matrix j its elements [g][2q], [g][2q + 1]
+        (.trans: [2q][g], [2q + 1][g]) in its registers' elements 2j, 2j + 1 (from the local
+        offset)."""
+        trans, count = bool(args[0].value), int(args[1].value)
+        _, local = self.store[args[3].args[0]]
+        offset = self._uniform(args[4])
+        access = args[5]  # tvm_access_ptr(type, data, offset, extent, rw)
+        _, smem = self.store[access.args[1].args[0]]
+        flat = np.broadcast_to(np.asarray(self._expr(access.args[2]) + self._expr(args[6]),
+                                          np.int64), (self.lanes,))
+        assert (flat % 8 == 0).all(), "ldmatrix: rows 16-byte aligned"
+        warps = self.lanes // 32
+        rows = flat.reshape(warps, 32)
+        block = (self.lane // self.threads).reshape(warps, 32)[:, :1, None]
+        g, q = np.arange(32) // 4, np.arange(32) % 4
+        for j in range(count):
+            matrix = smem[block, rows[:, 8 * j:8 * j + 8, None] + np.arange(8)]  # [warps, 8, 8]
+            for v in range(2):
+                value = matrix[:, 2 * q + v, g] if trans else matrix[:, g, 2 * q + v]
+                local[self.lane[mask], offset + 2 * j + v] = value.reshape(-1)[mask]
+        return None
+
     def _mma(self, args):
         """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 on every warp: lane l (group g =
         l // 4, t = l % 4) holds A[g + 8*(i//2 % 2)][2t + i % 2 + 8*(i // 4)] in a_i, B[2t + i %
         2 + 8*(i // 2)][g] in b_i, and C, D[g + 8*(i // 2)][2t + i % 2] in c_i. m16n8k8 with
         .tf32 operands: A[g + 8*(i % 2)][t + 4*(i // 2)] in a_i, B[t + 4*i][g] in b_i, the
         operands' 13 low mantissa bits ignored (as the hardware does)."""
-        a = self.store[args[6].args[0]][1][:, int(args[7]):]
-        b = self.store[args[8].args[0]][1][:, int(args[9]):]
+        a = self.store[args[6].args[0]][1][:, self._uniform(args[7]):]
+        b = self.store[args[8].args[0]][1][:, self._uniform(args[9]):]
         if str(args[0].value) == "m16n8k8":
             assert str(args[3].value) == str(args[4].value) == "tf32", "m16n8k8: TF32 only"
             return self._mma_tf32(args, *(np.asarray(x, np.float32).view(np.uint32)
