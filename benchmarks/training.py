@@ -4,7 +4,10 @@ bfloat16 on both sides), both captured in CUDA graphs, in one process;
 microseconds a time step, and the peak memory a step adds. Run on a GPU machine from the
 repository root:
 
-    python3 benchmarks/training.py [--repeat 50] [--jobs 16] [--json out.json]
+    python3 benchmarks/training.py [--repeat 50] [--jobs 16] [--json out.json] [--profile]
+
+``--profile``: after each row, where each side's time goes: the kernels of one step (by
+``torch.profiler``), each kernel's times summed, the longest first.
 
 The step is ``y, _ = net(x); y.backward(dy)`` with x requiring grad (so both sides compute the
 gradients of the input and of every weight and bias). Before timing, the two sides' gradients
@@ -93,6 +96,24 @@ def _peak_mib(torch, net, x, step):
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def _profile(torch, step, top=12):
+    """Lines naming the kernels of one ``step`` by their summed time (us), the longest first."""
+    torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[activity]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            count, total = kernels.get(event.name, (0, 0.0))
+            kernels[event.name] = (count + 1, total + event.device_time)
+    whole = sum(total for _, total in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][1])[:top]
+    return [f"  {total:9.1f} us {total / whole:6.1%}  x{count:<4d} {name[:90]}"
+            for name, (count, total) in ranked] + [f"  {whole:9.1f} us in all"]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=50)
@@ -100,6 +121,8 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--dtype", choices=sorted({c[-1] for c in CONFIGS}),
                         help="only the rows of this dtype (the memory rows are float32)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each side's kernels of one step, by their summed time")
     args = parser.parse_args()
     configs = [c for c in CONFIGS if args.dtype in (None, c[-1])]
     measured = MEMORY if args.dtype in (None, "float32") else []
@@ -126,6 +149,9 @@ def main():
         for name, net in (("rnncc", ours), ("cudnn", theirs)):
             net.zero_grad(set_to_none=True)
             row[f"{name}_us"] = _graph_ms(torch, steps[name], args.repeat) * 1e3 / STEPS
+            if args.profile:
+                print(f"{kind} {hidden} x{layers}{' bidirectional' if bidirectional else ''} "
+                      f"N={batch} {dtype}, {name}:", *_profile(torch, steps[name]), sep="\n")
         rows.append(row)
     for kind, hidden, batch, steps in measured:
         ours, theirs = _nets(torch, kind, hidden, 1, False)
