@@ -29,13 +29,15 @@ memory in chunks of BK (32 halves or 16 TF32 values: 64 bytes of a row). Two way
   multiprocessor (:data:`BLOCKS_PER_SM`).
 - through registers, where an operand's k runs along its buffer's rows ("outer": w [K, O],
   both operands of a gradient): double-buffered (the next chunk's global loads issued before
-  the current chunk's products, stored after them), the outer operand staged [k][row], each
-  k-row padded to an odd count of words so that a lane's scalar reads of its fragment hit 32
-  banks.
+  the current chunk's products, stored after them), the outer operand staged [k][row]. A
+  gradient's two (both outer, half types) are staged with k-rows 16 bytes apart past the tile
+  and read by ``ldmatrix.x4.trans``, two blocks a multiprocessor; otherwise each k-row is
+  padded to an odd count of words so that a lane's scalar reads of its fragment hit 32 banks.
 
 Fragments (:mod:`._mma`): lane l (q = l % 4, g = l // 4) takes 16 bytes of a chunk's k from
 q's quarter for its rows g and g + 8 of A and its row g of B, two k-steps' worth: 16
-contiguous bytes of an inner operand. The sums land as the instruction leaves them: lane l
+contiguous bytes of an inner operand (both operands read by ldmatrix take k in the
+instruction's plain order instead). The sums land as the instruction leaves them: lane l
 holds rows g and g + 8 of each instruction tile, columns 2q + {0, 1}.
 """
 
