@@ -257,8 +257,9 @@ class Tile:
         self.vectors = [self.tile_rows * bk // 4 // self.threads, TILE * bk // 4 // self.threads]
         #: 16-byte copies of an operand a thread issues a chunk (pipelined)
         self.copies = [self.tile_rows * 4 // self.threads, TILE * 4 // self.threads]
-        #: whether both operands are outer and read by ``ldmatrix.trans`` (a gradient)
-        self.transposed = not any(product.inner)
+        #: whether both operands are outer and read by ``ldmatrix.trans`` (a gradient; 16-bit
+        #: operands only)
+        self.transposed = not any(product.inner) and not op.tf32
         #: elements from one k-row of an outer operand's staged chunk to the next: 16 bytes
         #: past the row, so that ldmatrix's 8 rows of 16 bytes hit 32 banks; else an odd
         #: count of words
