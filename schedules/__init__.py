@@ -34,6 +34,7 @@ from . import (
     cuda_wgmma_gemm,
     tuned,
 )
+from ._common import has_mma as has_mma  # the lowering's: whether tensor cores take products
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32
 from ._mma import TF32_ATTR as TF32_ATTR
 from ._mma import TF32_ROUNDED_ATTR as TF32_ROUNDED_ATTR

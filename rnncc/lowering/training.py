@@ -35,6 +35,7 @@ from types import SimpleNamespace
 
 from tvm import tirx
 
+from .. import schedules
 from ..cells import autodiff
 from ..dtypes import accum_dtype
 from . import components as comp
@@ -115,7 +116,7 @@ class _Backward:
         # take k last in both operands; H200, bfloat16 LSTM 1024, T*N = 6400: 451 us -> 161,
         # and 26 for the copy); else read as packed, [K, O]
         w_t = None
-        if layout.weights == "rows" and b.target.kind.name == "cuda" and (
+        if layout.weights == "rows" and schedules.has_mma(b.target) and (
                 p.dtype != "float32" or p.allow_tf32):
             w_t = b.param(sig, "w_ih_t", (c, g * h), "workspace")
             stages.append(self.transposed("w_ih", w_ih, w_t, c))
