@@ -1126,6 +1126,31 @@ def test_half_cell_steps_read_no_16_bit_values(cell):
     assert ("b_hh_float32" in names) == sliced and (sliced or cell != "lstm")
 
 
+def test_training_step_copies_h_before_the_sums_it_writes_over_the_projections(rng):
+    """The training forward's fused step writes each gate's sum gi + gh over gi (the kept
+    sums take the input projections' memory) and, for a half layer's next product, a copy of
+    h: on the TIR interpreter, with the sums' output aliasing gi, the copy equals y (written
+    after the sums, it read gi + gh as gi: bfloat16 LSTM 1024 N128's training forward drifted
+    to 2.5e-2 off by step 10). One gate (rnn_tanh), so that the sums' buffer is gi whole."""
+    from tir_sim import Simulator
+
+    cell = rnncc.cells.get("rnn_tanh")
+    func = comp.cell_step(cell, 4, 64, "float16", "combined", True, kept=kept_parts(cell),
+                          h_copy="float16")
+    kernel = tvm.s_tir.transform.ConvertBlocksToOpaque()(tvm.IRModule({
+        "main": schedules.schedule(func, CUDA, "elementwise").func}))["main"]
+    gi, gh, h_prev = (rng.standard_normal((4, 64)).astype(np.float32) for _ in range(3))
+    want = np.tanh(gi.astype(np.float64) + gh)
+    y, h_new, copy = (np.full((4, 64), np.nan, dt) for dt in (np.float16, np.float32,
+                                                               np.float16))
+    sums = gi.copy()  # gi's memory, as the training forward passes it for both
+    Simulator(kernel, dict(zip((p.name for p in kernel.params),
+                               (sums, gh, h_prev, y, h_new, copy, sums)))).run()
+    np.testing.assert_allclose(sums, gi + gh, rtol=1e-6)
+    np.testing.assert_allclose(y.astype(np.float64), want, atol=1e-3)
+    np.testing.assert_array_equal(copy, y)
+
+
 @pytest.mark.parametrize("cell", _cells_slow_but("peephole"))
 def test_half_cell_step_derivatives_read_float32_parameters(cell):
     """The training backward's derivative of a half layer's step reads the cell's per-unit

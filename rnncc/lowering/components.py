@@ -220,7 +220,7 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     then the new states, each [N, H] (the previous ones where not active). ``y`` is in
     ``dtype``; the projections and the states are workspaces in the accumulation dtype.
     ``fused``: one kernel for the whole step; otherwise one kernel an operation (the unfused
-    baseline). ``kept`` (fused, gates "combined"; the training forward): then also one output
+    baseline). ``kept`` (fused, gates "combined"; the training forward): last, one output
     [N, H] (accumulation dtype) for each of its parts ``(g, "sum" | "gi" | "gh" | "product")``:
     gate g's ``gi[g] + gh[g]``, ``gi[g]`` or ``gh[g]``, or the step's g-th recurrent product
     (see :func:`rnncc.lowering.training.kept_parts`). ``rec_parts`` S > 1 ("combined"): ``gh``
@@ -240,9 +240,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     step takes before that gate's, and the output is that product's argument [N, H] alone
     (no ``active``; the accumulation dtype), what its GEMM multiplies. ``recurrent_gates``
     ("combined"): ``gh`` holds the first ones only, [N, that * H] (the step takes the others'
-    products of other values). ``h_copy`` (fused): last, h again [N, H], y's values, for the
-    next step's recurrent product to read as its tensor cores take it: in ``dtype`` (a half
-    one), or "tf32": float32 rounded to TF32.
+    products of other values). ``h_copy`` (fused): after the states (before the kept parts),
+    h again [N, H], y's values, for the next step's recurrent product to read as its tensor
+    cores take it: in ``dtype`` (a half one), or "tf32": float32 rounded to TF32.
     """
     from ..cells import autodiff
 
@@ -311,7 +311,10 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
                      "product": lambda k: products[order[k]][n, j]}
             values = frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
             copied = {None: [], "tf32": [round_tf32(values[0])]}.get(h_copy, values[:1])
-            return values + [parts[part](g) for g, part in kept] + copied
+            # the kept parts last: the training forward writes the sums over the projections
+            # (in place), and each output's expression reads its inputs again (y's copy,
+            # after them, read sums as projections: bfloat16 LSTM 1024 N128's y 2.5e-2 off)
+            return values + copied + [parts[part](g) for g, part in kept]
 
         reduced = RowReductions((n_, h_), body, products)
         outs = (reduced.argument(upto, "argument") if upto is not None

@@ -503,7 +503,7 @@ class _Builder:
                 gi + gh + taken + per_unit_d + [Region(s, at(d, (slot, ALL, ALL))) for s in own]
                 + [Region(a, (t, ALL)) for a in active]
                 + [h_cell if proj else out] + [Region(s, at(d, (nxt, ALL, ALL))) for s in own]
-                + kept + h_next, 1 + len(own) + len(kept) + len(h_next)))
+                + h_next + kept, 1 + len(own) + len(kept) + len(h_next)))
             if proj:
                 steps += _named(self.projection(
                     h_cell, w_hr, d, zero, Region(hr, at(d, (ALL, ALL))),
