@@ -26,6 +26,14 @@ def accum_dtype(dtype: str) -> str:
     return "float32" if dtype in ("float16", "bfloat16", "float32") else dtype
 
 
+def projection_grad_dtype(dtype: str) -> str:
+    """The dtype a training step's backward pass stores the gradients of the projections in
+    (dGI, dGH [T, N, G*H]): the storage dtype where it is 16-bit (the products that read them,
+    dx and the weights' gradients, round their operands to it anyway; half the bytes), else
+    the accumulation dtype."""
+    return dtype if dtype in ("float16", "bfloat16") else accum_dtype(dtype)
+
+
 def round_tf32(value):
     """A float32 TIR expression ``value`` rounded to TF32 (10-bit mantissa), to nearest with
     ties away from zero as ``cvt.rna.tf32.f32`` does; infinities and NaNs as they are. The

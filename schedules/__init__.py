@@ -35,6 +35,7 @@ from . import (
     tuned,
 )
 from ._common import has_mma as has_mma  # the lowering's: whether tensor cores take products
+from ._common import has_wgmma as has_wgmma  # and whether they take 16-bit operands MN-major
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32
 from ._mma import TF32_ATTR as TF32_ATTR
 from ._mma import TF32_ROUNDED_ATTR as TF32_ROUNDED_ATTR
@@ -48,8 +49,8 @@ RULES: dict[tuple[str, str], list[Rule]] = {
                        cuda_small_batch_gemv.RULE, cuda_sgemm.RULE,
                        cuda_tiled_gemm.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_row_means.RULE, cuda_fallback.RULE],
-    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_mma_gemm.RULE, cuda_column_sum.RULE,
-                           cuda_matmul.RULE, cuda_fallback.RULE],
+    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE,
+                           cuda_column_sum.RULE, cuda_matmul.RULE, cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],
     ("llvm", "reduction"): [cpu_elementwise.SERIAL],

@@ -1,7 +1,8 @@
 """CUDA: a bias's gradient, the column sums of its product's gradients over all T*N rows.
 
-db[o] = sum_m g[m, o]: g [M, O] in float32 (the accumulation dtype; M = T*N a run-time size),
-db [O] in the layer's dtype. A block sums :data:`COLUMNS` adjacent columns with
+db[o] = sum_m g[m, o]: g [M, O] in float32 (the accumulation dtype) or the layer's 16-bit dtype
+(a half layer's gradients), summed in float32 (M = T*N a run-time size), db [O] in the layer's
+dtype. A block sums :data:`COLUMNS` adjacent columns with
 :data:`COLUMNS` x :data:`LANES` threads: thread (lane, column) adds rows lane, lane + LANES, ...
 of its column (a warp reads a row's 128 contiguous bytes), :data:`UNROLL` rows in flight in
 independent sums; the lanes' sums meet in shared memory and the first lane adds them in order
@@ -33,32 +34,33 @@ UNROLL = 4
 
 @dataclass(frozen=True)
 class Sums:
-    """The column sums this rule computes: O ``outputs`` columns over a run-time M, into
-    ``dtype``."""
+    """The column sums this rule computes: O ``outputs`` columns of ``g_dtype`` over a
+    run-time M, into ``dtype``."""
 
     outputs: int
     dtype: str
+    g_dtype: str = "float32"
 
 
 def sizes(func) -> Sums | None:
     """The sums of rnncc's column_sum component ``func`` when this rule takes it, else None:
-    g in float32, O a constant."""
+    g in float32 or a 16-bit float, O a constant."""
     sch = s_tir.Schedule(func)
     block = block_named(sch, "column_sum")
     if block is None or block_named(sch, "column_sum_out") is None:
         return None
     g, out = func.params[0], func.params[-1]
-    if str(g.dtype) != "float32" or len(out.shape) != 1:
+    if str(g.dtype) not in ("float32", "float16", "bfloat16") or len(out.shape) != 1:
         return None
     outputs = out.shape[0]
     if not isinstance(outputs, tirx.IntImm):
         return None
-    return Sums(int(outputs), str(out.dtype))
+    return Sums(int(outputs), str(out.dtype), str(g.dtype))
 
 
 def _parameters(sums: Sums, rows):
-    """The component's parameters: g [M, O] (float32), db [O]."""
-    g = T.match_buffer(T.arg("g_h", T.handle()), (rows, sums.outputs), "float32")
+    """The component's parameters: g [M, O], db [O]."""
+    g = T.match_buffer(T.arg("g_h", T.handle()), (rows, sums.outputs), sums.g_dtype)
     IRBuilder.name("g", g)
     db = T.match_buffer(T.arg("db_h", T.handle()), (sums.outputs,), sums.dtype)
     IRBuilder.name("db", db)
@@ -75,7 +77,7 @@ def _lane_sum(rows, g, part, lane, column):
         for u in T.unroll(UNROLL):
             m = T.meta_var((i * UNROLL + u) * LANES + lane)
             if m < rows:
-                acc[u] = acc[u] + g[m, column]
+                acc[u] = acc[u] + T.Cast("float32", g[m, column])
     part[0] = acc[0]
     for u in T.unroll(1, UNROLL):
         part[0] = part[0] + acc[u]

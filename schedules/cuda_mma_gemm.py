@@ -231,7 +231,8 @@ def product_of(func, target) -> Product | None:
     if block_named(sch, "weight_grad") is not None:
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
         op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written
-        if op is None or g_dtype != "float32" or a_dtype not in ("float32", dw_dtype):
+        if op is None or g_dtype not in ("float32", dw_dtype) or a_dtype not in (
+                "float32", dw_dtype):
             return None
         if dw_shape[0] % TILE or dw_shape[1] % TILE:
             return None

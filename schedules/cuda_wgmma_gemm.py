@@ -1,10 +1,17 @@
-"""CUDA on Hopper (sm_90): the products of :mod:`.cuda_mma_gemm` whose operands both have k as
-their buffer's last index (the input projection of all steps, one step's product in slices of
-K) on warpgroup MMA, ``wgmma.mma_async``: the tensor cores read both operands from shared
-memory through matrix descriptors, the sums stay in registers.
+"""CUDA on Hopper (sm_90): the products of :mod:`.cuda_mma_gemm` (the input projection of all
+steps, one step's product in slices of K, a training step's dx and weight gradients) on
+warpgroup MMA, ``wgmma.mma_async``: the tensor cores read both operands from shared memory
+through matrix descriptors, the sums stay in registers.
 
 C[i, j] = sum_k A[i, k] B[j, k] as :mod:`.cuda_mma_gemm` names its forms: a projection (plus b,
-M a run-time size or one step's N) or slice s of K of one step's product (no bias).
+M a run-time size or one step's N), slice s of K of one step's product (no bias), or a
+weight's gradient (over a run-time M; in the weights' type). An operand whose k is its
+buffer's last index is staged K-major as below; one whose k runs along its buffer's rows (both
+of a gradient, weights [K, O]; 16-bit only) MN-major, and the instruction told so
+(:class:`Plan`). H200, kernel alone, bfloat16 LSTM 1024's gradients at T*N = 6400 in a
+training step: dW_ih (x bfloat16, copied) 105 us, dW_hh (h float32, through registers) 191,
+against cuda.mma_gemm's ``ldmatrix.trans`` kernel's 210 and 220 with float32 dGI (cuDNN: 82
+each); dx with W_ih read as packed 97 us, against 162 plus a 26 us transposed copy.
 
 A block computes a tile of C of ``tile_rows`` (128, or 64 where one step's N is at most 64) x
 ``cols`` columns (TILE = 128, or WIDE = 256 where :func:`columns` says): a warpgroup (4 warps,
@@ -33,7 +40,7 @@ The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 
 from __future__ import annotations
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from . import cuda_mma_gemm
@@ -89,13 +96,16 @@ __device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {
 
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
     """The product of component ``func`` where this rule takes it, on sm_90: one step's in
-    the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes with
-    both operands' k last, but for one step's product in N <= 64 rows (one warpgroup a block:
-    :mod:`.cuda_mma_gemm`'s is faster there); else None."""
+    the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes (an
+    operand whose k runs along its buffer's rows in 16 bits only: TF32 is K-major), but for
+    one step's product in N <= 64 rows (one warpgroup a block: :mod:`.cuda_mma_gemm`'s is
+    faster there); else None."""
     if not has_wgmma(target):
         return None
     found = cuda_mma_gemm.product_of(func, target)
-    if found is None or not found.pipelined or found.depth % Plan.chunk(found.op):
+    if found is None or (found.op.tf32 and not found.pipelined):
+        return None
+    if found.form != "gradient" and found.depth % Plan.chunk(found.op):
         return None
     chosen = one_step(found)
     if chosen is not None:
@@ -134,12 +144,17 @@ def parts(func, target) -> int:
 
 
 def columns(product: cuda_mma_gemm.Product) -> int:
-    """Columns of C a block: one step's product's by :func:`one_step`, else WIDE where O is
-    a multiple (TILE otherwise)."""
+    """Columns of C a block: one step's product's by :func:`one_step`; a gradient's WIDE where
+    that still gives ONE_WAVE[0] blocks; else WIDE where O is a multiple (TILE otherwise)."""
     chosen = one_step(product)
     if chosen is not None:
         return chosen[1]
-    return WIDE if product.rows is None and product.columns % WIDE == 0 else TILE
+    if product.columns % WIDE:
+        return TILE
+    if product.form == "gradient":
+        tiles = product.specs[2][1][0] // TILE * (product.columns // WIDE)
+        return WIDE if tiles >= ONE_WAVE[0] else TILE
+    return WIDE if product.rows is None else TILE
 
 
 def _bytes(op) -> int:
@@ -149,7 +164,11 @@ def _bytes(op) -> int:
 
 class Plan:
     """A product's block, chunks and staging: tiles of C of ``tile_rows`` x ``cols`` columns
-    (TILE or WIDE), the rows' elements those of :class:`.cuda_mma_gemm.Tile`."""
+    (TILE or WIDE), the rows' elements those of :class:`.cuda_mma_gemm.Tile`. An operand is
+    staged K-major (its rows of 128 bytes of k) where k is its buffer's last index, else
+    MN-major ("outer": a gradient's g [M, O] and a [M, K], weights [K, O]; 16-bit only): a
+    chunk's ``bk`` k-rows of 128 bytes (64 of its rows) an atom column, atom columns one after
+    another, and the instructions told the operand is transposed."""
 
     def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE):
         self.product = product
@@ -168,54 +187,108 @@ class Plan:
         #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
         self.pieces = [self.rows * 8 // self.threads, cols * 8 // self.threads]
         self.per = 16 // self.esize  # elements a piece
-        self.chunks = product.depth // self.bk
+        self.gradient = product.form == "gradient"
+        #: whether operand A, B is staged MN-major
+        self.outer = tuple(not inner for inner in product.inner)
+        #: rows of operand A, B a tile (a K-major row, or 16 bytes of an MN-major k-row, is 8
+        #: pieces)
+        self.widths = (self.rows, cols)
+        self.chunks = (tirx.Cast("int32", tirx.floordiv(self.tile.m + (self.bk - 1), self.bk))
+                       if self.gradient else product.depth // self.bk)
         self.j_tiles = product.columns // cols
         self.grid = product.parts * self.tile.i_tiles * self.j_tiles
         self.sums = cols // 2  # a thread's float32 sums
-        kstep = STEP_BYTES // self.esize
+        self.kstep = kstep = STEP_BYTES // self.esize
         ptx = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}[op.dtype]
         shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k{kstep}").f32
         self.instruction = getattr(getattr(shape, ptx), ptx)
-        #: scale-a, scale-b (and for halves: A and B k-major, not transposed)
-        self.flags = (1, 1) if op.tf32 else (1, 1, 0, 0)
+        #: scale-a, scale-b (and for halves: A's and B's transposition, 1 where MN-major)
+        self.flags = (1, 1) if op.tf32 else (1, 1, *(int(outer) for outer in self.outer))
 
     @staticmethod
     def chunk(op) -> int:
         """k a chunk: 128 bytes of a row."""
         return ROW_BYTES // _bytes(op)
 
-    def place(self, p_, tx):
-        """(row, piece) of a chunk the thread's ``p_``-th piece is (8 threads a row)."""
+    def place(self, op: int, p_, tx):
+        """(row, piece) of a chunk of operand ``op`` the thread's ``p_``-th piece is: a staged
+        row (one of the operand's rows K-major, a k MN-major) and its 16 bytes (8 threads a
+        row K-major, width / 8 MN-major)."""
         v = p_ * self.threads + tx
-        return v // 8, v % 8
+        across = self.widths[op] // self.per if self.outer[op] else 8
+        return v // across, v % across
+
+    def at(self, op: int, row, piece, first, k0, v=0):
+        """(i, k): element ``v`` of piece ``piece`` of staged ``row`` of a chunk of operand
+        ``op`` from k = ``k0`` (its rows from ``first``)."""
+        if self.outer[op]:
+            return first + piece * self.per + v, k0 + row
+        return first + row, k0 + piece * self.per + v
+
+    def source(self, io, op: int, i, k):
+        """Element (i, k) of operand ``op`` as it is stored; a gradient's k past M reads row
+        M - 1 (:func:`_copy` zero-fills it, :meth:`value` reads zero)."""
+        if self.gradient:  # g [M, O], a [M, K]
+            return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
+        return self.tile.source(io, op, i, k)
+
+    def value(self, io, op: int, i, k):
+        """:meth:`source`, zero at a gradient's k past M."""
+        if self.gradient:
+            return tirx.if_then_else(k < self.tile.m, self.source(io, op, i, k),
+                                     tirx.const(0, io[op].dtype))
+        return self.source(io, op, i, k)
 
     def slot(self, op: int, stage, row, piece):
-        """Where piece ``piece`` of ``row`` of operand ``op`` (0: A, 1: B) in ``stage`` is
-        stored (an element of the buffer): swizzled within its 128 bytes."""
-        base = stage * self.stage_bytes + (self.a_bytes if op else 0) + row * ROW_BYTES
-        return (base + (piece ^ row % SWIZZLE_ROWS) * 16) // self.esize
+        """Where piece ``piece`` of staged ``row`` of operand ``op`` (0: A, 1: B) in ``stage``
+        is stored (an element of the buffer): swizzled within its 128 bytes (MN-major: in its
+        atom column, ``bk`` k-rows of 128 bytes)."""
+        base = stage * self.stage_bytes + (self.a_bytes if op else 0)
+        if self.outer[op]:
+            base, piece = base + piece // 8 * self.bk * ROW_BYTES, piece % 8
+        return (base + row * ROW_BYTES + (piece ^ row % SWIZZLE_ROWS) * 16) // self.esize
 
     def step(self, op: int, stage, s, tx):
         """The element where the rows of operand ``op`` that k-step ``s`` reads start: the
-        thread's warpgroup's 64 rows of A, all TILE rows of B."""
-        rows = tx // WARPGROUP * 64 * ROW_BYTES if op == 0 else self.a_bytes
-        return (stage * self.stage_bytes + rows + s * STEP_BYTES) // self.esize
+        thread's warpgroup's 64 rows of A (MN-major: its atom column), all rows of B."""
+        base = stage * self.stage_bytes + (self.a_bytes if op else 0)
+        if self.outer[op]:  # k-step s: k-rows 16 s to 16 s + 15
+            first = tx // WARPGROUP * self.bk * ROW_BYTES if op == 0 else 0
+            return (base + first + s * self.kstep * ROW_BYTES) // self.esize
+        rows = tx // WARPGROUP * 64 * ROW_BYTES if op == 0 else 0
+        return (base + rows + s * STEP_BYTES) // self.esize
+
+    def offsets(self, op: int) -> tuple[int, int]:
+        """The descriptor's (leading, stride) byte offsets of operand ``op``, in 16 bytes: from
+        one core matrix to the next along k (K-major: none within a swizzled row) or along
+        the rows (MN-major: the next atom column), and from 8 rows (K-major) or 8 k-rows
+        (MN-major) to the next 8, 1024 bytes either way."""
+        stride = SWIZZLE_ROWS * ROW_BYTES // 16
+        return (self.bk * ROW_BYTES // 16 if self.outer[op] else 1), stride
 
     def copied(self, op: int) -> bool:
         """Whether operand ``op`` is copied as it is stored (else through registers,
-        rounded): B, and A where it is stored in the operands' type (TF32: rounded after)."""
-        return op == 1 or self.product.copied
+        rounded): where it is stored in the operands' type (TF32: rounded after; weights
+        always; a float32 h or kept state not)."""
+        return self.product.specs[op][2] == self.product.op.dtype
 
 
 @T.macro
 def _copy(p, io, op, smem, stage, k0, first, tx):
     """Operand ``op``'s chunk from k = ``k0`` (its rows from ``first``) copied by
-    ``cp.async`` into ``stage``: the thread's pieces."""
+    ``cp.async`` into ``stage``: the thread's pieces (a gradient's k-rows past M zeros)."""
     for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(p_, tx))
-        T.ptx.cp.async_.cg.shared.global_(
-            T.address_of(smem[p.slot(op, stage, row, piece)]),
-            T.address_of(p.tile.source(io, op, first + row, k0 + piece * p.per)), 16)
+        row, piece = T.meta_var(p.place(op, p_, tx))
+        i, k = T.meta_var(p.at(op, row, piece, first, k0))
+        if p.gradient:
+            T.ptx.cp.async_.cg.shared.global_(
+                T.address_of(smem[p.slot(op, stage, row, piece)]),
+                T.address_of(p.source(io, op, i, k)), 16,
+                T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < p.tile.m, 16, 0)))
+        else:
+            T.ptx.cp.async_.cg.shared.global_(
+                T.address_of(smem[p.slot(op, stage, row, piece)]),
+                T.address_of(p.source(io, op, i, k)), 16)
 
 
 @T.macro
@@ -223,18 +296,18 @@ def _load(p, io, op, regs, k0, first, tx):
     """Operand ``op``'s pieces of the chunk from k = ``k0`` (its rows from ``first``) into
     ``regs``, as stored (float32)."""
     for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(p_, tx))
+        row, piece = T.meta_var(p.place(op, p_, tx))
         for h in T.unroll(p.per // 4):
             for v in T.vectorized(4):
-                regs[p_ * p.per + h * 4 + v] = p.tile.source(
-                    io, op, first + row, k0 + piece * p.per + h * 4 + v)
+                i, k = T.meta_var(p.at(op, row, piece, first, k0, h * 4 + v))
+                regs[p_ * p.per + h * 4 + v] = p.value(io, op, i, k)
 
 
 @T.macro
 def _store(p, op, regs, smem, stage, tx):
     """Operand ``op``'s pieces in ``regs`` into ``stage``, rounded to the operands' type."""
     for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(p_, tx))
+        row, piece = T.meta_var(p.place(op, p_, tx))
         for v in T.vectorized(p.per):
             smem[p.slot(op, stage, row, piece) + v] = p.product.op.round(regs[p_ * p.per + v])
 
@@ -245,7 +318,7 @@ def _round(p, op, smem, stage, tx):
     (a device function a piece: TVM's barrier planner would see one thread's reads and
     writes of different pieces as a race and put barriers between them)."""
     for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(p_, tx))
+        row, piece = T.meta_var(p.place(op, p_, tx))
         T.cuda.func_call("rnncc_round_tf32x4", T.address_of(smem[p.slot(op, stage, row, piece)]),
                          source_code=ROUND_SOURCE)
 
@@ -256,11 +329,12 @@ def _put(p, io, op, smem, stage, k0, first, tx):
     ``stage`` at once (the chunks before the loop; not through ``regs``: TVM's CUDA code
     would reuse its first vector read of a register for the next ones in one scope)."""
     for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(p_, tx))
+        row, piece = T.meta_var(p.place(op, p_, tx))
         for h in T.unroll(p.per // 4):
             for v in T.vectorized(4):
+                i, k = T.meta_var(p.at(op, row, piece, first, k0, h * 4 + v))
                 smem[p.slot(op, stage, row, piece) + h * 4 + v] = p.product.op.round(
-                    p.tile.source(io, op, first + row, k0 + piece * p.per + h * 4 + v))
+                    p.value(io, op, i, k))
 
 
 @T.macro
@@ -295,11 +369,11 @@ def _stage(p, regs, smem, stage, tx):
 @T.macro
 def _describe(p, op, smem, desc, stage, s, tx):
     """desc[op]: the matrix descriptor of operand ``op``'s rows for k-step ``s``: 128-byte
-    swizzled rows, 8 rows (1024 bytes) from one core matrix to the next (no leading offset
-    within a swizzled row)."""
+    swizzled rows, the offsets of :meth:`Plan.offsets`."""
+    leading, stride = T.meta_var(p.offsets(op))
     T.cuda.wgmma.encode_matrix_descriptor(
         T.address_of(desc[op]), T.address_of(smem[p.step(op, stage, s, tx)]),
-        1, SWIZZLE_ROWS * ROW_BYTES // 16, SWIZZLE_128B)
+        leading, stride, SWIZZLE_128B)
 
 
 @T.macro
@@ -318,14 +392,18 @@ def _products(p, smem, acc, desc, stage, tx):
 
 @T.macro
 def _epilogue(p, io, acc, bi, bj, part, tx):
-    """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are."""
+    """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are; a
+    gradient's (every row) in its type."""
     lane = T.meta_var(tx % 32)
     first = T.meta_var(bi * p.rows + tx // 32 * 16 + lane // 4)
     for n in T.unroll(p.cols // 8):
         for h in T.unroll(2):
             i = T.meta_var(first + h * 8)
             j = T.meta_var(bj * p.cols + n * 8 + lane % 4 * 2)
-            if i < p.tile.m:
+            if p.gradient:
+                for v in T.vectorized(2):
+                    io[2][i, j + v] = T.Cast(io[2].dtype, acc[n * 4 + h * 2 + v])
+            elif i < p.tile.m:
                 for v in T.vectorized(2):
                     if p.product.form == "projection":
                         T.buffer_store(io[3], acc[n * 4 + h * 2 + v] + T.Cast(

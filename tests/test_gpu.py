@@ -560,12 +560,51 @@ def test_weight_grad_matches_reference(torch, outputs, depth, rng):
         assert err < TOL_F32, f"M={rows}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (33, "float32"),
-                                            (132, "float16")])
-def test_column_sum_matches_reference(torch, outputs, dtype, rng):
+@pytest.mark.parametrize("outputs, depth, a_dtype", [(4096, 1024, "bfloat16"),
+                                                    (4096, 1024, "float32"),
+                                                    (512, 128, "float16")])
+def test_half_weight_grad_on_tensor_cores_matches_reference(torch, outputs, depth, a_dtype, rng):
+    """A half layer's weight gradient dw = g^T a, g in the weights' type (as a half training
+    step writes dGI), a in it (x) or float32 (the kept h), on tensor cores (cuda.wgmma_gemm
+    with both operands MN-major on Hopper, cuda.mma_gemm before) over M = 1, 7, 100 and 3001
+    rows (chunks partly past M), dw poisoned, against float64 of the rounded operands."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    from rnncc import schedules
+    from rnncc.lowering import components as comp
+    from rnncc.target import TargetSpec
+
+    dtype = "float16" if a_dtype == "float16" else "bfloat16"
+    half = getattr(torch, dtype)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    target = TargetSpec("cuda").tvm_target()
+    scheduled = schedules.schedule(comp.weight_gradient(tirx.Var("M", "int64"), outputs, depth,
+                                                        dtype, a_dtype, dtype), target,
+                                   "reduction")
+    assert scheduled.rule == on_this_gpu("cuda.wgmma_gemm")
+    lib = tvm.compile(tvm.IRModule({"main": scheduled.func.with_attr("global_symbol", "g")}),
+                      target=target)
+    for rows in (1, 7, 100, 3001):
+        g = torch.randn(rows, outputs).to(half).cuda()
+        a = torch.randn(rows, depth).to(getattr(torch, a_dtype)).cuda()
+        dw = torch.full((outputs, depth), float("nan"), dtype=half, device="cuda")
+        lib["g"](*(tvm_ffi.from_dlpack(t) for t in (g, a, dw)))
+        torch.cuda.synchronize()
+        want = g.double().cpu().numpy().T @ a.to(half).double().cpu().numpy()
+        err = reference.relative_error(dw.cpu().double().numpy(), want)
+        assert err < 2.0 ** -(8 if dtype == "bfloat16" else 10), f"M={rows}: {err:.3e}"
+
+
+@pytest.mark.parametrize("outputs, dtype, g_dtype", [
+    (4096, "float32", "float32"), (33, "float32", "float32"), (132, "float16", "float32"),
+    (4096, "bfloat16", "bfloat16")])
+def test_column_sum_matches_reference(torch, outputs, dtype, g_dtype, rng):
     """A bias's gradient db = sum of g's rows over M = 1, 7, 100 and 3001 rows (fewer rows than
     lanes, part of an unrolled round, many rounds), db poisoned, against float64; nothing
-    written past O."""
+    written past O; g in float32 or, as a half training step writes it, in the layer's
+    dtype."""
     import tvm
     import tvm_ffi
     from tvm import tirx
@@ -575,8 +614,8 @@ def test_column_sum_matches_reference(torch, outputs, dtype, rng):
     from rnncc.target import TargetSpec
 
     target = TargetSpec("cuda").tvm_target()
-    scheduled = schedules.schedule(comp.column_sum(tirx.Var("M", "int64"), outputs, dtype),
-                                   target, "reduction")
+    scheduled = schedules.schedule(comp.column_sum(tirx.Var("M", "int64"), outputs, dtype,
+                                                   g_dtype), target, "reduction")
     assert scheduled.rule == "cuda.column_sum"
     lib = tvm.compile(tvm.IRModule({"main": scheduled.func.with_attr("global_symbol", "cs")}),
                       target=target)
@@ -585,12 +624,14 @@ def test_column_sum_matches_reference(torch, outputs, dtype, rng):
         poisoned = torch.full((outputs + 64,), float("nan"), dtype=getattr(torch, dtype),
                               device="cuda")
         db = poisoned[:outputs]
-        arg = torch.tensor(g, dtype=torch.float32, device="cuda")
+        arg = torch.tensor(g, dtype=getattr(torch, g_dtype), device="cuda")
         lib["cs"](tvm_ffi.from_dlpack(arg), tvm_ffi.from_dlpack(db))
         torch.cuda.synchronize()
         assert poisoned[outputs:].isnan().all()
-        err = reference.relative_error(db.cpu().double().numpy(), g.sum(axis=0))
-        assert err < (TOL_F32 if dtype == "float32" else 2e-3), f"M={rows}: {err:.3e}"
+        err = reference.relative_error(db.cpu().double().numpy(),
+                                       arg.cpu().double().numpy().sum(axis=0))
+        bound = {"float32": TOL_F32, "float16": 2e-3, "bfloat16": 8e-3}[dtype]
+        assert err < bound, f"M={rows}: {err:.3e}"
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [

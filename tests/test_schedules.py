@@ -482,13 +482,14 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
         assert (cuda_mma_gemm.apply(sliced, CUDA) is not None) == (count == parts)
 
 
-def _product_case(form, dtype, k, rng):
+def _product_case(form, dtype, k, rng, m_rows=70):
     """(component, arguments with a poisoned output, float64 expected output) of a product
     the tensor-core GEMM rules take, in ``form``: "rows" (a projection of T*N = 135 rows, a of
     the weights' type, w [O, K]), "cols" (float32 a, w [K, O]), "flat" (135 flat rows), "step"
     (one step's N = 135 float32 rows), "slices" (64 rows in 2 slices of K),
-    "gradient" (over M = 70 rows); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides
-    rounded to it). The expected output is of the rounded operands (a slice form's summed)."""
+    "gradient" (over M = ``m_rows`` rows, g and a float32), "gradient_half" (g and a in
+    ``dtype``); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides rounded to it). The
+    expected output is of the rounded operands (a slice form's summed)."""
     from rnncc.schedules import _mma
 
     tf32 = dtype == "tf32"
@@ -499,9 +500,10 @@ def _product_case(form, dtype, k, rng):
 
     steps, n, o = 3, 45, 256
     m = tirx.Var("M", "int64")
-    if form == "gradient":
-        func = comp.weight_gradient(m, o, k, dtype, "float32")
-        g, a = (rng.standard_normal(s).astype(np.float32) for s in ((70, o), (70, k)))
+    if form.startswith("gradient"):
+        given = dtype if form == "gradient_half" else "float32"
+        func = comp.weight_gradient(m, o, k, dtype, given, given)
+        g, a = (rng.standard_normal(s).astype(given) for s in ((m_rows, o), (m_rows, k)))
         return func, [g, a, np.full((o, k), np.nan, dtype)], rounded(g).T @ rounded(a)
     if form in ("step", "slices"):
         rows = steps * n if form == "step" else 64
@@ -581,24 +583,33 @@ def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, par
 
 @pytest.mark.parametrize("cols", [128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
-@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
+@pytest.mark.parametrize("form", ["rows", "cols", "flat", "step", "slices", "gradient",
+                                  "gradient_half"])
 def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     """cuda.wgmma_gemm's kernel on the NumPy interpreter of TIR (warpgroup MMA through matrix
     descriptors of 128-byte swizzled rows): a projection of T*N = 135 rows (two row tiles, the
-    second partial) of a in the weights' type, flat rows; one step's product of N = 135
-    float32 rows (h, rounded through registers) and one of 64 rows (a one-warpgroup tile) in 2
-    slices of K; K of 6 chunks (12 in TF32: both operands copied, then rounded in place) so
-    that chunks are copied ahead in the loop; against NumPy's product of the same rounded
-    operands (checked to fail with TF32's rounding left out: the simulator truncates)."""
+    second partial) of a in the weights' type, flat rows; w [K, O] (MN-major, transposed in
+    the instruction) under float32 a; one step's product of N = 135 float32 rows (h, rounded
+    through registers) and one of 64 rows (a one-warpgroup tile) in 2 slices of K; K of 6
+    chunks (12 in TF32: both operands copied, then rounded in place) so that chunks are copied
+    ahead in the loop; a weight gradient (both operands MN-major) over M = 300 rows (5 chunks,
+    the last partly past M: zero-filled copies or zeros through registers) of float32 or
+    half g and a; against NumPy's product of the same rounded operands (checked to fail with
+    TF32's rounding left out: the simulator truncates)."""
     from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
 
-    func, args, want = _product_case(form, dtype, 768 if form == "slices" else 384, rng)
+    if dtype == "tf32" and form in ("cols", "gradient", "gradient_half"):
+        pytest.skip("MN-major operands are 16-bit only (TF32 weights [K, O] go elsewhere)")
+    k = 768 if form == "slices" else 512 if form.startswith("gradient") else 384
+    func, args, want = _product_case(form, dtype, k, rng, m_rows=300)
     kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA), cols)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
     got = got.sum(0) if form == "slices" else got
-    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+    bound = TOL_F32 if not form.startswith("gradient") else 2.0 ** -(
+        8 if dtype == "bfloat16" else 11)
+    assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
 @pytest.mark.parametrize("form, given", [("slices", "ab"), ("rows", "b")])
@@ -629,9 +640,9 @@ def test_tf32_operands_their_writers_rounded_are_read_as_they_are(form, given, r
 def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     """On sm_90 (built as sm_90a) cuda.wgmma_gemm takes the input projection of all steps
     (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
-    cuda.mma_gemm's, as all of them do on sm_80; w [K, O], K off its 128-byte chunks and IEEE
-    float32 go to the next rule."""
-    from rnncc.schedules import cuda_wgmma_gemm
+    cuda.mma_gemm's, as all of them do on sm_80; w [K, O] in 16 bits is read MN-major (TF32
+    is not); K off its 128-byte chunks and IEEE float32 go to the next rule."""
+    from rnncc.schedules import _mma, cuda_wgmma_gemm
 
     def rules(dtype, batch, target, tf32=False):
         problem = Problem(rnncc.cells.get("lstm"), 512, 1024, batch, dtype, allow_tf32=tf32)
@@ -645,7 +656,10 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     assert rules("float16", 256, AMPERE) == (mma, mma)
     assert rules("float32", 256, CUDA)[0] == "cuda.sgemm"
     t_len = tirx.Var("T", "int64")
-    for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", "float16", "float16"),
+    assert cuda_wgmma_gemm.apply(comp.gemm((t_len, 64), 1024, 4096, "cols", "float16",
+                                           "float16"), CUDA) is not None
+    for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", "float32", "float32").with_attr(
+            _mma.TF32_ATTR, True),
                  comp.gemm((t_len, 64), 1056, 4096, "rows", "float16", "float16")):
         assert cuda_wgmma_gemm.apply(func, CUDA) is None
 
@@ -1156,12 +1170,17 @@ def test_half_cell_step_derivatives_read_float32_parameters(cell):
     """The training backward's derivative of a half layer's step reads the cell's per-unit
     parameters in float32 (converted before the steps, as the forward step does: a float16
     peephole LSTM's derivative computed 180 exponentials an element with them in float16, 5
-    without); of its inputs only dy, the caller's gradient, is in the layer's dtype."""
+    without); of its inputs only dy, the caller's gradient, is in the layer's dtype, and of
+    its outputs the projections' gradients (dGI, and dGH where a gate is not kept as its
+    sum: the G gates' each, as the products read them)."""
     problem = Problem(rnncc.cells.get(cell), 64, 64, 40, "bfloat16", training=True)
     lowered = sequence.build(problem, Options(persistent="off"), CUDA)
     step, _ = lowered.components["cell_backward"]
-    assert {b.name: str(b.dtype) for b in step.params if str(b.dtype) != "float32"} == {
-        "dy": "bfloat16"}
+    halves = [b.name for b in step.params if str(b.dtype) != "float32"]
+    summed = all(part == "sum" for _, part in kept_parts(problem.cell))
+    grads = problem.gates * (1 if summed else 2)
+    assert halves == ["dy"] + [f"cell_backward.v{g}" for g in range(grads)]
+    assert all(str(b.dtype) == "bfloat16" for b in step.params if b.name in halves)
     names = [e["name"] for e in lowered.signatures["backward"]]
     assert all(f"p_{name}_float32" in names for name in problem.cell.params)
 

@@ -17,6 +17,7 @@ from conftest import random_weights
 from helpers import TOL, TOL_TF32, persistent_cells, round_tf32
 from rnncc import reference
 from rnncc.cells import autodiff
+from rnncc.dtypes import projection_grad_dtype
 from rnncc.lowering import components as comp
 from rnncc.lowering.sequence import sums_in_place
 from rnncc.lowering.training import kept_parts
@@ -899,11 +900,13 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
         args = {"w": w, "pre": pre.copy(), "dy": dy,
                 "xch": np.zeros((2, n, g * h), np.float32)}
         args["xch"][1] = np.nan
-        if summed:  # dGI written over the sums, as the entry has it
+        grads = projection_grad_dtype(dtype)
+        if summed and grads == "float32":  # dGI written over the sums, as the entry has it
             args["dgi"] = args["pre"]
-        else:
-            args["dgi"] = np.full((t_len, n, g * h), np.nan, np.float32)
-            args["dgh"] = np.full((t_len, n, g * h), np.nan, np.float32)
+        else:  # a half layer's in its dtype
+            args["dgi"] = np.full((t_len, n, g * h), np.nan, grads)
+            if not summed:
+                args["dgh"] = np.full((t_len, n, g * h), np.nan, grads)
         for k in range(len(cell.states)):
             args[f"s{k}_steps"] = states[k]
             args[f"d{k}_n"] = d_final[k]

@@ -362,9 +362,14 @@ class Simulator:
         dst, src, size = (self._expr(a) for a in args[:3])
         count = int(size) // np.dtype(_np_dtype(src.buffer.ty.dtype)).itemsize
         flat = np.broadcast_to(np.asarray(src.flat, np.int64), (self.lanes,))
+        # the src-size form: bytes past the source's size are zeros
+        given = (np.broadcast_to(np.asarray(self._expr(args[3])), (self.lanes,))
+                 if len(args) > 3 and type(args[3]).__name__ != "StringImm" else None)
         for v in range(count):
-            self._write(dst.buffer, np.asarray(dst.flat) + v, self._load(src.buffer, flat + v),
-                        mask)
+            value = self._load(src.buffer, flat + v)
+            if given is not None:
+                value = np.where(given > v * (16 // count), value, 0)
+            self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
         return None
 
     def _uniform(self, expr) -> int:
@@ -475,22 +480,31 @@ class Simulator:
         (found,) = [(b, a) for b, (scope, a) in self.store.items() if scope == "shared.dyn"]
         return found
 
-    def _matrix(self, desc, rows, k, block):
-        """The [rows, k] K-major operand a descriptor names, in the block's shared memory."""
+    def _matrix(self, desc, rows, k, block, transposed=False):
+        """The [rows, k] operand a descriptor names, in the block's shared memory: K-major
+        (8 rows of 128 bytes of k a core matrix, the next 8 rows ``sbo`` on), or
+        ``transposed`` MN-major (k-rows of 128 bytes, 64 rows each; 8 k-rows, then the next 8
+        ``sbo`` on; the next 64 rows ``lbo`` on)."""
         buffer, smem = self._shared_dyn()
         size = np.dtype(_np_dtype(buffer.ty.dtype)).itemsize
         desc = int(desc)
         start, sbo = (desc & 0x3FFF) << 4, (desc >> 32 & 0x3FFF) << 4
-        assert desc >> 62 == self._LAYOUT[3], "128-byte swizzled K-major operands only"
-        r, kb = np.arange(rows)[:, None], np.arange(k)[None, :] * size
-        addr = start + r // 8 * sbo + r % 8 * 128 + kb
+        lbo = (desc >> 16 & 0x3FFF) << 4
+        assert desc >> 62 == self._LAYOUT[3], "128-byte swizzled operands only"
+        r, kk = np.arange(rows)[:, None], np.arange(k)[None, :]
+        if transposed:
+            per_row = 128 // size
+            addr = start + r // per_row * lbo + r % per_row * size + kk // 8 * sbo + kk % 8 * 128
+        else:
+            addr = start + r // 8 * sbo + r % 8 * 128 + kk * size
         addr = addr ^ ((addr >> 7 & 7) << 4)  # the 128-byte swizzle: bits 4-6 ^= bits 7-9
         assert (addr % size == 0).all()
         return smem[block, addr // size]
 
     def _wgmma(self, args):
         """``wgmma.mma_async`` m64nNkK: D[64, N] = A[64, K] B[N, K]^T (+ D) for each warpgroup,
-        both operands K-major in shared memory (the 128-byte swizzle), TF32 operands' low 13
+        both operands in shared memory (the 128-byte swizzle; 16-bit ones K-major or, where
+        the instruction's transposition flag says so, MN-major), TF32 operands' low 13
         mantissa bits ignored; thread t of warp w holds D[16 w + t // 4 + 8 h][8 n + 2 (t % 4)
         + v] in its sum 4 n + 2 h + v. Fences, commits and waits do nothing."""
         names = [str(a.value) for a in args if type(a).__name__ == "StringImm"]
@@ -505,14 +519,17 @@ class Simulator:
         descs = [np.broadcast_to(np.asarray(self._expr(a), np.uint64), (self.lanes,))
                  for a in args[count:count + 2]]
         keep = bool(self._expr(args[count + 2]))
+        flags = [int(self._expr(a)) for a in args[count + 3:]
+                 if type(a).__name__ != "StringImm"]
+        transposed = (False, False) if tf32 else (bool(flags[2]), bool(flags[3]))
         t = np.arange(128)
         row, col = 16 * (t // 32) + t % 32 // 4, 2 * (t % 4)  # of sum 0
         for g in range(0, self.lanes, 128):
             lanes = np.arange(g, g + 128)
             assert all((d[lanes] == d[g]).all() for d in descs), "a warpgroup's descriptors"
             block = g // self.threads
-            a, b = (self._matrix(d[g], r, k, block).astype(np.float32)
-                    for d, r in zip(descs, (64, n)))
+            a, b = (self._matrix(d[g], r, k, block, tr).astype(np.float32)
+                    for d, r, tr in zip(descs, (64, n), transposed))
             if tf32:
                 a, b = (x.view(np.uint32) & np.uint32(0xFFFFE000) for x in (a, b))
                 a, b = a.view(np.float32), b.view(np.float32)

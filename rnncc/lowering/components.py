@@ -657,7 +657,8 @@ def init_tagged(batch: int, hidden: int, dtype: str, empty_tag: int) -> tirx.Pri
 
 def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tuple,
                        masked: bool = False, rec_parts: int = 1, projected: bool = False,
-                       upto: int | None = None) -> tirx.PrimFunc:
+                       upto: int | None = None, grad_dtype: str | None = None
+                       ) -> tirx.PrimFunc:
     """The vector-Jacobian product of the cell's step for one time step, derived from the step
     (:mod:`rnncc.cells.autodiff`).
 
@@ -671,9 +672,10 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
     dgh{G-1}`` [N, H]; then the gradients of the previous states through this step's cell
     [N, H] each. Where a step is past its sample's length the states went through unchanged:
     the gradients of the projections are zero and those of the states pass through. All but
-    ``dy`` in the accumulation dtype. ``rec_parts`` S > 1: ``dh_rec`` is [S, N, H], the
-    recurrent product's slices (:func:`gemm_parts`), added here. A cell with ``params``: then
-    the inputs go on with its parameters [H] each (the accumulation dtype, as
+    ``dy`` in the accumulation dtype, and the projections' gradients in ``grad_dtype`` where
+    given (:func:`rnncc.dtypes.projection_grad_dtype`). ``rec_parts`` S > 1: ``dh_rec`` is
+    [S, N, H], the recurrent product's slices (:func:`gemm_parts`), added here. A cell with
+    ``params``: then the inputs go on with its parameters [H] each (the accumulation dtype, as
     :func:`cell_step`'s: a half layer's converted before the steps) and the sums of their
     gradients over the steps so far [N, H] each, and the outputs with those sums plus this
     step's.
@@ -736,6 +738,7 @@ def cell_step_backward(cell: Cell, batch: int, hidden: int, dtype: str, kept: tu
             projections = [tvm.tirx.if_then_else(live, v, zero) for v in projections]
             previous = [tvm.tirx.if_then_else(live, v, p) for v, p in zip(previous, passed)]
             of_params = [tvm.tirx.if_then_else(live, v, zero) for v in of_params]
+        projections = [_cast(v, grad_dtype or acc) for v in projections]
         return (projections + previous + [s[n, j] + v for s, v in zip(summed, of_params)]
                 + arguments)
 
@@ -813,29 +816,32 @@ def zeros(shape: tuple, dtype: str) -> tirx.PrimFunc:
     return te.create_prim_func([out])
 
 
-def weight_gradient(rows, outputs: int, depth: int, dtype: str, a_dtype: str
-                    ) -> tirx.PrimFunc:
+def weight_gradient(rows, outputs: int, depth: int, dtype: str, a_dtype: str,
+                    g_dtype: str | None = None) -> tirx.PrimFunc:
     """``dw[o, k] = sum_m g[m, o] * a[m, k]`` over the M = ``rows`` (a run-time T*N) rows of
-    all steps: a weight's gradient from its product's gradients ``g`` [M, O] (accumulation
-    dtype) and the product's inputs ``a`` [M, K] (``a_dtype``); ``dw`` [O, K] in ``dtype``.
-    Blocks "weight_grad" (the reduction) and "weight_grad_out" (the cast)."""
+    all steps: a weight's gradient from its product's gradients ``g`` [M, O] (``g_dtype``,
+    default the accumulation dtype) and the product's inputs ``a`` [M, K] (``a_dtype``); ``dw``
+    [O, K] in ``dtype``. Blocks "weight_grad" (the reduction, in the accumulation dtype) and
+    "weight_grad_out" (the cast)."""
     acc = accum_dtype(dtype)
-    g = te.placeholder((rows, i64(outputs)), acc, "g")
+    g = te.placeholder((rows, i64(outputs)), g_dtype or acc, "g")
     a = te.placeholder((rows, i64(depth)), a_dtype, "a")
     r = te.reduce_axis((i64(0), rows), "m")
     prod = te.compute((i64(outputs), i64(depth)),
-                      lambda o, k: te.sum(g[r, o] * _cast(a[r, k], acc), axis=r),
+                      lambda o, k: te.sum(_cast(g[r, o], acc) * _cast(a[r, k], acc), axis=r),
                       name="weight_grad")
     out = te.compute(prod.shape, lambda o, k: _cast(prod[o, k], dtype), name="weight_grad_out")
     return te.create_prim_func([g, a, out])
 
 
-def column_sum(rows, outputs: int, dtype: str) -> tirx.PrimFunc:
+def column_sum(rows, outputs: int, dtype: str, g_dtype: str | None = None) -> tirx.PrimFunc:
     """``db[o] = sum_m g[m, o]`` over the M = ``rows`` rows of all steps (a bias's gradient);
-    ``g`` in the accumulation dtype, ``db`` [O] in ``dtype``."""
+    ``g`` in ``g_dtype`` (default the accumulation dtype, which the sum is in), ``db`` [O] in
+    ``dtype``."""
     acc = accum_dtype(dtype)
-    g = te.placeholder((rows, i64(outputs)), acc, "g")
+    g = te.placeholder((rows, i64(outputs)), g_dtype or acc, "g")
     r = te.reduce_axis((i64(0), rows), "m")
-    total = te.compute((i64(outputs),), lambda o: te.sum(g[r, o], axis=r), name="column_sum")
+    total = te.compute((i64(outputs),), lambda o: te.sum(_cast(g[r, o], acc), axis=r),
+                       name="column_sum")
     out = te.compute(total.shape, lambda o: _cast(total[o], dtype), name="column_sum_out")
     return te.create_prim_func([g, out])

@@ -18,7 +18,8 @@ take the packed weight matrices ``forward`` takes (the biases are in ``pre``). F
 .. 0: the cell's derivative (its vector-Jacobian product, derived from the cell's step:
 :func:`rnncc.lowering.components.cell_step_backward`) into the gradients of both projections,
 dGI[t] and dGH[t] [N, G*H] (one buffer where every gate is kept as a sum: their gradients are
-equal), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop, as
+equal; in a 16-bit layer's dtype, else the accumulation dtype, where float32 dGI is written
+over ``pre``), and dh_{t-1}'s part through the recurrent product, dGH[t] @ W_hh. After the loop, as
 products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T h_{t-1}, and the biases'
 gradients, the sums of dGI and dGH over the rows; and, in ``backward_input`` where x needs a
 gradient, dx = dGI @ W_ih. The gates themselves are computed again from the kept states and
@@ -37,7 +38,7 @@ from tvm import tirx
 
 from .. import schedules
 from ..cells import autodiff
-from ..dtypes import accum_dtype
+from ..dtypes import accum_dtype, projection_grad_dtype
 from . import components as comp
 from .assemble import Region, Stage, sequence_function
 from .components import ALL, i64
@@ -77,6 +78,8 @@ class _Backward:
     def __init__(self, builder):
         self.b, self.p, self.layout = builder, builder.p, builder.layout
         self.acc = accum_dtype(self.p.dtype)
+        #: the projections' gradients' dtype (a half layer's in its storage dtype)
+        self.dg = projection_grad_dtype(self.p.dtype)
 
     def gemm(self, key, lead, k, o, a_dtype, args, weights=None):
         """A stage: a product of the layout's weights (or of ``weights``: "rows", "cols")."""
@@ -103,7 +106,7 @@ class _Backward:
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         t_len = tirx.Var("T", "int64")
         sig = []
-        dgi = b.param(sig, "dgi", (t_len, n, g * h), "input", acc)
+        dgi = b.param(sig, "dgi", (t_len, n, g * h), "input", self.dg)
         w_ih = b.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
         dx = b.param(sig, "dx", (t_len, n, c), "output")
         zero = b.param(sig, "zero_bias_c", (c,), "workspace")
@@ -112,15 +115,16 @@ class _Backward:
         stages = [self.elementwise("zero_bias_c", comp.zeros((c,), p.dtype),
                                    [Region(zero, (ALL,))])]
         # W_ih as the product's [O, K] (C, G*H): packed so, or as rows [G*H, C] transposed
-        # first where the product is on tensor cores (their pipelined and warpgroup kernels
-        # take k last in both operands; H200, bfloat16 LSTM 1024, T*N = 6400: 451 us -> 161,
-        # and 26 for the copy); else read as packed, [K, O]
+        # first where the product is on tensor cores but for warpgroup MMA's 16-bit operands
+        # (cuda.mma_gemm's pipelined kernel and TF32 take k last in both operands; H200,
+        # bfloat16 LSTM 1024, T*N = 6400: 451 us -> 161, and 26 for the copy); else read as
+        # packed, [K, O]
         w_t = None
         if layout.weights == "rows" and schedules.has_mma(b.target) and (
-                p.dtype != "float32" or p.allow_tf32):
+                p.allow_tf32 if p.dtype == "float32" else not schedules.has_wgmma(b.target)):
             w_t = b.param(sig, "w_ih_t", (c, g * h), "workspace")
             stages.append(self.transposed("w_ih", w_ih, w_t, c))
-        stages.append(self.gemm("input_gemm_backward", (t_len, n), g * h, c, acc, [
+        stages.append(self.gemm("input_gemm_backward", (t_len, n), g * h, c, self.dg, [
             Region(dgi, (ALL, ALL, ALL)), Region(w_t if w_t is not None else w_ih, (ALL, ALL)),
             Region(zero, (ALL,)), Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))],
             "rows" if w_t is not None or layout.weights == "cols" else "cols"))
@@ -151,9 +155,11 @@ class _Backward:
         io.h_cell = (b.param(sig, "h_cell_steps", (t_len, n, h), "input") if proj
                      else None)
         # where every gate is kept as its sum, pre [T, N, G*H] is laid out as dGI: the pass
-        # writes dGI over it (an "inout": the caller's pre is consumed)
+        # writes dGI over it (an "inout": the caller's pre is consumed), but where dGI is in
+        # a 16-bit dtype (its own buffer, read by the products with half the bytes)
+        in_place = io.summed and self.dg == acc
         io.pre = b.param(sig, "pre", (t_len, n, len(io.parts) * h),
-                         "inout" if io.summed else "input", acc)
+                         "inout" if in_place else "input", acc)
         io.lengths = b.param(sig, "lengths", (n,), "input", "int32") if p.lengths else None
         io.dy = b.param(sig, "dy", (t_len, n, r), "input")
         io.d_final = [b.param(sig, f"d{s}_n", (1, n, w), "input") for s, w in zip(states, widths)]
@@ -165,9 +171,9 @@ class _Backward:
             io.dw["hr"] = b.param(sig, "dweight_hr", (proj, h), "output")
         io.db = {which: b.param(sig, f"dbias_{which}", (gh,), "output") for which in ("ih", "hh")}
         io.dparams = [b.param(sig, f"d{name}", (h,), "output") for name in p.cell.params]
-        io.dgi = io.pre if io.summed else b.param(sig, "dgi", (t_len, n, gh), "output", acc)
+        io.dgi = io.pre if in_place else b.param(sig, "dgi", (t_len, n, gh), "output", self.dg)
         io.dgh = (io.dgi if io.summed
-                  else b.param(sig, "dgh", (t_len, n, gh), "workspace", acc))
+                  else b.param(sig, "dgh", (t_len, n, gh), "workspace", self.dg))
         io.given = [io.lengths] if io.lengths is not None else []
         # the step's recurrent products of its values: each step's gradient of each, and the
         # value of its argument (W_hh's gradient, that gate's rows, takes them)
@@ -178,16 +184,17 @@ class _Backward:
         io.params = [io.x, io.w_hh, *projected, *io.per_unit, *io.kept,
                      *([io.h_cell] if proj else []), io.pre, *io.given, io.dy,
                      *io.d_final, *io.d_initial, *io.dw.values(), io.db["ih"],
-                     io.db["hh"], *io.dparams, *([io.dgi, io.dgh] if not io.summed else []),
+                     io.db["hh"], *io.dparams, *([] if in_place else [io.dgi]),
+                     *([] if io.summed else [io.dgh]),
                      *(buffer for _, *pair in io.products for buffer in pair)]
         return io
 
-    def _weight_grads(self, io, dh_projected=None):
+    def _weight_grads(self, io, sig, dh_projected=None):
         """After the recurrence, products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T
         h_{t-1}, the biases' gradients as column sums; with a projection dW_hr = dHP^T h'
         (``dh_projected`` [T, N, P], the gradients of every step's W_hr h'). Returns (stages,
-        views)."""
-        p = self.p
+        views, workspaces)."""
+        b, p = self.b, self.p
         n, c, gh = p.batch, p.input_size, p.gates * p.hidden_size
         h, rows = p.recurrent_size, io.t_len * i64(n)
 
@@ -197,17 +204,32 @@ class _Backward:
         dgi_rows = view(io.dgi, (rows, gh), "dgi_rows")
         dgh_rows = dgi_rows if io.summed else view(io.dgh, (rows, gh), "dgh_rows")
         x_rows = view(io.x, (rows, c), "x_rows")
-        h_rows = view(io.kept[0], (rows + i64(n), h), "h_rows")
         views = [(dgi_rows, io.dgi)] + ([(dgh_rows, io.dgh)] if not io.summed else [])
-        views += [(x_rows, io.x), (h_rows, io.kept[0])]
-        stages = []
+        stages, workspaces = [], []
+        if self.dg != self.acc and schedules.has_mma(b.target):
+            # a half layer's h_{t-1} in its dtype first, as the tensor cores read it: copied
+            # by dW_hh's kernel, not converted there (H200, bfloat16 LSTM 1024, T*N = 6400:
+            # float32 h through registers 191 us; 22 for this copy and 104 for the product)
+            h_half = b.param(sig, "h_half", (io.t_len, n, h), "workspace")
+            stages.append(self.elementwise("h_half", comp.copy_steps(
+                n, h, self.acc, io.t_len, p.dtype), [
+                Region(io.kept[0], (slice(0, io.t_len), ALL, ALL)), Region(h_half, (ALL,) * 3)]))
+            h_rows = view(h_half, (rows, h), "h_rows")
+            views.append((h_rows, h_half))
+            workspaces.append(h_half)
+        else:
+            h_rows = view(io.kept[0], (rows + i64(n), h), "h_rows")
+            views.append((h_rows, io.kept[0]))
+        views.append((x_rows, io.x))
         m = tirx.Var("M", "int64")
         for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
             stages.append(self.reduction(
-                f"weight_grad_{which}", comp.weight_gradient(m, gh, k, p.dtype, inputs.dtype),
+                f"weight_grad_{which}", comp.weight_gradient(m, gh, k, p.dtype, inputs.dtype,
+                                                             grads.dtype),
                 [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)),
                  Region(io.dw[which], (ALL, ALL))]))
-            stages.append(self.reduction(f"bias_grad_{which}", comp.column_sum(m, gh, p.dtype),
+            stages.append(self.reduction(f"bias_grad_{which}",
+                                         comp.column_sum(m, gh, p.dtype, grads.dtype),
                                          [Region(grads, (ALL, ALL)),
                                           Region(io.db[which], (ALL,))]))
         h_ = p.hidden_size
@@ -232,7 +254,7 @@ class _Backward:
                 m, p.proj_size, p.hidden_size, p.dtype, cell_rows.dtype), [
                 Region(dhp_rows, (ALL, ALL)), Region(cell_rows, (ALL, ALL)),
                 Region(io.dw["hr"], (ALL, ALL))]))
-        return stages, views
+        return stages, views, workspaces
 
     def add(self):
         b, p, acc = self.b, self.p, self.acc
@@ -247,7 +269,7 @@ class _Backward:
                  for s, w in zip(states, io.widths)]
         # dh through the recurrent product: its K slices where the product is left in them
         rec_parts = b.product_parts("recurrent_gemm_backward", comp.gemm(
-            (n,), gh, r, self.layout.weights, p.dtype, acc))
+            (n,), gh, r, self.layout.weights, p.dtype, self.dg))
         rec_shape = comp.parts_shape(rec_parts, (n, r))
         dh_rec = b.param(sig, "dh_rec", rec_shape, "workspace", acc)
         dh_all = Region(dh_rec, (ALL,) * len(rec_shape))
@@ -297,8 +319,9 @@ class _Backward:
             prologue.append(self.elementwise("activity", comp.activity(n, t_len), [
                 Region(io.lengths, (ALL,)), Region(active, (ALL, ALL))]))
         slot, nxt = tirx.floormod(t, i64(2)), tirx.floormod(t + i64(1), i64(2))
-        steps, pre_step = [], Region(io.pre, (step, ALL, ALL))
-        if summed:  # the cell's derivative reads every gate's sums before any dGI is written
+        steps, pre_step, copy = [], Region(io.pre, (step, ALL, ALL)), None
+        if io.dgi.same_as(io.pre):  # the cell's derivative reads every gate's sums before any
+            # dGI is written over them
             copy = b.param(sig, "pre_step", (n, gh), "workspace", acc)
             steps.append(self.elementwise("pre_step", comp.copy(g, n, h, acc, acc), [
                 Region(io.pre, (step, ALL, slice(i * h, (i + 1) * h))) for i in range(g)] + [
@@ -334,7 +357,8 @@ class _Backward:
             given.append(Region(dx_products, (k, ALL, ALL)))
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
-                                                     active is not None, rec_parts, bool(proj)),
+                                                     active is not None, rec_parts, bool(proj),
+                                                     grad_dtype=self.dg),
             inputs + given
             + [Region(sums, (i, ALL, ALL)) for i in range(count)]
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))
@@ -347,10 +371,10 @@ class _Backward:
         if rec_parts > 1:
             steps += [cell, Stage("recurrent_gemm_backward", b.scheduled(
                 "recurrent_gemm_backward_parts", comp.gemm_parts(
-                    n, gh, r, rec_parts, self.layout.weights, p.dtype, acc), "gemm"),
+                    n, gh, r, rec_parts, self.layout.weights, p.dtype, self.dg), "gemm"),
                 [dgh_step, Region(w_hh_t, (ALL, ALL)), dh_all], 1)]
         else:
-            steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, r, acc, [
+            steps += [cell, self.gemm("recurrent_gemm_backward", (n,), gh, r, self.dg, [
                 dgh_step, Region(w_hh_t, (ALL, ALL)), Region(zero, (ALL,)), dh_all])]
 
         final = tirx.floormod(t_len, i64(2))
@@ -368,12 +392,12 @@ class _Backward:
                                                           rec_parts),
                 finals + [dh_all] + initial, len(states))]
         epilogue += self._param_sums(io, sums)
-        grads, views = self._weight_grads(io, dhp)
+        grads, views, spaces = self._weight_grads(io, sig, dhp)
         params = [*io.params, *carry, dh_rec, w_hh_t, *([zero] if zero is not None else []),
                   *([active] if active is not None else []),
                   *([sums] if sums is not None else []), *converted,
-                  *([dhp, dh_cell, zero_h] if proj else []), *([copy] if summed else []),
-                  *([zero_p, dx_products, blocks_t] if io.products else [])]
+                  *([dhp, dh_cell, zero_h] if proj else []), *([copy] if copy is not None else []),
+                  *([zero_p, dx_products, blocks_t] if io.products else []), *spaces]
         b.add("backward", sequence_function("backward", params, prologue, t, t_len, steps,
                                             epilogue + grads, views), sig)
 
@@ -430,8 +454,8 @@ class _Backward:
         outputs += [Region(sums, (ALL,) * 3)] if sums is not None else []
         outputs += [Region(xch, (ALL,) * 3), Region(sync, (ALL,) * len(sync.shape))]
         prologue.append(Stage("persistent_backward", func, inputs + outputs, len(outputs)))
-        grads, views = self._weight_grads(io)
+        grads, views, spaces = self._weight_grads(io, sig)
         grads = self._param_sums(io, sums) + grads
-        params = [*io.params, w_t, xch, sync, *([sums] if sums is not None else [])]
+        params = [*io.params, w_t, xch, sync, *([sums] if sums is not None else []), *spaces]
         b.add("persistent_backward", sequence_function(
             "persistent_backward", params, prologue, None, None, [], grads, views), sig)

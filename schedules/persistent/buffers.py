@@ -15,6 +15,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
+from rnncc.dtypes import projection_grad_dtype
+
 from . import planner
 from .planner import Plan
 from .spec import KernelSpec, staged_rows
@@ -131,11 +133,11 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     (``parts`` P), the states of every step [T+1,N,H] each (float32), (the samples' lengths
     [N] int32), dy [T,N,H], the final states' gradients [1,N,H] each, (the cell's per-unit
     parameters p0 ... [H] each, where it has them); then the outputs: the initial states'
-    gradients [1,N,H] each, dGI [T,N,G*H] (and dGH, unless ``summed``: every gate kept as a
-    sum, where the two are equal), (the per-unit parameters' gradients summed over the steps,
-    a batch row each, ``dps`` [params, N, H] float32), and the exchange: the published dGH
-    [2,N,G*H] float32, then the tagged words [2,N,G*H] uint64 or the barrier counters [NG]
-    uint32."""
+    gradients [1,N,H] each, dGI [T,N,G*H] (16-bit where the weights are, else float32; and
+    dGH, unless ``summed``: every gate kept as a sum, where the two are equal), (the per-unit
+    parameters' gradients summed over the steps, a batch row each, ``dps`` [params, N, H]
+    float32), and the exchange: the published dGH [2,N,G*H] float32, then the tagged words
+    [2,N,G*H] uint64 or the barrier counters [NG] uint32."""
     p, dt, n, h = spec.plan, spec.dtype, spec.batch, spec.hidden
     states, gh = spec.states, gates * h
     per_unit = [f"p{k}" for k in range(spec.params)]
@@ -161,8 +163,9 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     out.d_final = [match(f"d{k}_n", f"dn{k}", (1, n, h), dt) for k in range(states)]
     out.params = [match(name, name, (h,), dt) for name in per_unit]
     out.d_initial = [match(f"d{k}_0", f"d0{k}", (1, n, h), dt) for k in range(states)]
-    out.dgi = match("dgi", "dgi", (t_len, n, gh), "float32")
-    out.dgh = out.dgi if summed else match("dgh", "dgh", (t_len, n, gh), "float32")
+    grads = projection_grad_dtype(dt)
+    out.dgi = match("dgi", "dgi", (t_len, n, gh), grads)
+    out.dgh = out.dgi if summed else match("dgh", "dgh", (t_len, n, gh), grads)
     if spec.params:
         out.dps = match("dps", "dps", (spec.params, n, h), "float32")
     out.xch = match("xch", "xch", (2, n, gh), "float32")

@@ -88,9 +88,9 @@ def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
         of_params = [T.Bind(v) for v in of_params]
         row = spec.batch_row(bx, n)
         for g in range(gates):
-            store(dgi, projections[g], at, row, g * h + j)
+            store(dgi, T.Cast(dgi.dtype, projections[g]), at, row, g * h + j)
             if not summed:
-                store(dgh, projections[gates + g], at, row, g * h + j)
+                store(dgh, T.Cast(dgh.dtype, projections[gates + g]), at, row, g * h + j)
             publish(projections[g if summed else gates + g], spec.state_row(bx, n), g * h + j)
         for k in range(states):
             store(r.carry, previous[k], it * states + k)
