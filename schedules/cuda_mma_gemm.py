@@ -88,8 +88,9 @@ MIN_BATCH = {"tf32": 16, "half": 32}
 #: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a
 #: step (the product's kernel alone 10.8 / 6.8 / 5.8): at most 8 slices 35.9, 16 32.4, 32
 #: 31.9; GRU 32.5, 29.0, 29.1. At N128 (128-row tiles) 32 slices (then cuda.wgmma_gemm's)
-#: lost: the product 8.5 -> 9.1 us, its reader 3.4 -> 5.0.
-MAX_PARTS, STEP_TILE_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 32, 128, 256
+#: lost: the product 8.5 -> 9.1 us, its reader 3.4 -> 5.0. With dGH in bfloat16 (copied,
+#: not converted), 8 / 16 / 32: LSTM 22.9, 21.5, 22.3; GRU 21.0, 19.1, 19.4.
+MAX_PARTS, STEP_TILE_PARTS, MIN_SLICE, TARGET_BLOCKS = 8, 16, 128, 256
 
 
 def chunk_k(op: _mma.Operand) -> int:

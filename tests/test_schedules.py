@@ -456,10 +456,11 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
     (64, 512, 1536, "tf32", 1), (63, 1024, 4096, "float16", 8), (256, 1024, 16384, "bfloat16", 1),
     (256, 1024, 4096, "float32", 1), (32, 2048, 8192, "bfloat16", 4),
     (31, 2048, 8192, "float16", 1), (16, 2048, 8192, "tf32", 4), (15, 2048, 8192, "tf32", 1),
-    (64, 4096, 1024, "bfloat16", 32), (64, 3072, 1024, "float16", 16)])
+    (64, 4096, 1024, "bfloat16", 16), (64, 3072, 1024, "float16", 16),
+    (64, 8192, 1024, "bfloat16", 16)])
 def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, parts):
     """One step's product of 32 rows and more on tensor cores (16 in TF32): K in the fewest
-    slices that give 256 blocks (two a multiprocessor), up to 8 (32 in a 64-row tile: the
+    slices that give 256 blocks (two a multiprocessor), up to 8 (16 in a 64-row tile: the
     backward pass's dGH W_hh, O = H), each at least 128 deep; none where the
     tiles alone give them (the whole product is then this rule's), or where even the slices
     give under 64 blocks, or under those rows (cuda.mma_gemv's); IEEE float32 is not this
