@@ -27,7 +27,9 @@ from rnncc.runtime.files import write_json
 CONFIGS = [("LSTM", 1024, 1, False, 1, "float32"), ("LSTM", 1024, 1, False, 4, "float32"),
            ("LSTM", 1024, 1, False, 64, "float32"), ("GRU", 1024, 1, False, 1, "float32"),
            ("GRU", 1024, 1, False, 4, "float32"), ("GRU", 1024, 1, False, 64, "float32"),
-           ("LSTM", 512, 2, True, 64, "float32"), ("LSTM", 1024, 1, False, 64, "bfloat16")]
+           ("LSTM", 512, 2, True, 64, "float32"), ("LSTM", 1024, 1, False, 64, "bfloat16"),
+           ("GRU", 1024, 1, False, 64, "bfloat16"), ("LSTM", 1024, 1, False, 128, "bfloat16"),
+           ("LSTM", 1024, 1, False, 64, "float16")]
 #: (torch class, hidden size, batch, steps): the peak memory of a step.
 MEMORY = [("LSTM", 1024, 64, 100), ("LSTM", 1024, 64, 1000)]
 STEPS = 100
