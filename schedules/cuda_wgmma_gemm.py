@@ -193,8 +193,12 @@ class Plan:
         #: rows of operand A, B a tile (a K-major row, or 16 bytes of an MN-major k-row, is 8
         #: pieces)
         self.widths = (self.rows, cols)
-        self.chunks = (tirx.Cast("int32", tirx.floordiv(self.tile.m + (self.bk - 1), self.bk))
-                       if self.gradient else product.depth // self.bk)
+        # a gradient's chunks of its run-time M, at least one (ptxas serialized the
+        # warpgroup MMA of a loop that might run no time: "C7515 ... non wgmma instructions
+        # defining accumulator registers"; a step's M is never 0, and zeros past it are added)
+        self.chunks = (tirx.max(tirx.Cast("int32", tirx.floordiv(
+            self.tile.m + (self.bk - 1), self.bk)), 1) if self.gradient
+            else product.depth // self.bk)
         self.j_tiles = product.columns // cols
         self.grid = product.parts * self.tile.i_tiles * self.j_tiles
         self.sums = cols // 2  # a thread's float32 sums

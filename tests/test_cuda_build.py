@@ -98,9 +98,10 @@ def test_half_training_products_on_tensor_cores(dtype):
     gradients = [name for name, found in flags.items() if set(found) == {("1", "1")}]
     dx = [name for name, found in flags.items() if set(found) == {("0", "1")}]
     assert len(gradients) == 2 and len(dx) == 1, flags
-    for name in gradients + dx:
+    for name in gradients + dx:  # and no warpgroup MMA serialized (a gradient's loop once)
         report = module.metadata["ptxas"][name]
         assert report["spill_stores"] == report["stack"] == 0, report
+        assert not report.get("wgmma_serialized"), report
 
 
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
@@ -136,9 +137,14 @@ def test_parse_ptxas():
     report = """ptxas info    : Compiling entry function 'k1' for 'sm_90'
 ptxas info    : Function properties for k1
     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
-ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]"""
-    assert parse_ptxas(report) == {"k1": {"stack": 8, "spill_stores": 4, "spill_loads": 4,
-                                          "registers": 255, "smem": 1024}}
+ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 380 bytes cmem[0]
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are \
+serialized due to non wgmma instructions defining accumulator registers of a wgmma between \
+start and end of the pipeline stage in the function 'k2'
+ptxas info    : Compiling entry function 'k2' for 'sm_90a'"""
+    assert parse_ptxas(report) == {
+        "k1": {"stack": 8, "spill_stores": 4, "spill_loads": 4, "registers": 255, "smem": 1024},
+        "k2": {"wgmma_serialized": True}}
 
 
 def test_the_pack_entries_say_where_a_packed_weight_is_the_given_one():

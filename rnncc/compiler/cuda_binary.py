@@ -46,10 +46,17 @@ def find_nvcc() -> str:
 
 
 def parse_ptxas(report: str) -> dict:
-    """Per-kernel registers, stack frame, spill bytes and shared memory from ``ptxas -v``."""
+    """Per-kernel registers, stack frame, spill bytes and shared memory from ``ptxas -v``;
+    ``wgmma_serialized``: True where ptxas says it serialized a kernel's warpgroup MMA
+    (C7515: each instruction then waits for the one before)."""
     kernels: dict[str, dict] = {}
     current = None
     for line in report.splitlines():
+        m = re.search(r"wgmma.mma_async instructions are serialized .* function '([\w$]+)'",
+                      line)
+        if m:
+            kernels.setdefault(m.group(1), {})["wgmma_serialized"] = True
+            continue
         m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
         if m:
             current = kernels.setdefault(m.group(1), {})
