@@ -584,7 +584,9 @@ def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, par
 
 @pytest.mark.parametrize("cols", [128, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
-@pytest.mark.parametrize("form", ["rows", "cols", "flat", "step", "slices", "gradient",
+@pytest.mark.parametrize("form", ["rows", pytest.param("cols", marks=pytest.mark.slow), "flat",
+                                  "step", "slices", pytest.param("gradient",
+                                                                 marks=pytest.mark.slow),
                                   "gradient_half"])
 def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     """cuda.wgmma_gemm's kernel on the NumPy interpreter of TIR (warpgroup MMA through matrix
