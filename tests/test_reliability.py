@@ -34,6 +34,34 @@ def test_negative_bit_tensors_are_resolved(rng):
     assert torch.equal(y, expect) and torch.equal(again, expect)
 
 
+def test_cuda_tensors_are_taken_without_a_stream_synchronisation():
+    """A CUDA torch tensor whose type has no C exchange API for DLPack is taken through
+    ``__dlpack__(stream=-1)``: rnncc launches on the caller's current stream, and older
+    torch's default made the legacy stream wait for it, which a CUDA graph capture refuses.
+    Other families keep the protocol's default."""
+    import numpy as np
+
+    from rnncc.runtime.arrays import Family, to_tensor
+
+    class Tensor:  # a CUDA tensor of no known exchange API, its data a host array here
+        def __init__(self):
+            raw = np.zeros(32, np.float32)  # 16 values at a 64-byte boundary
+            start = -raw.ctypes.data % 64 // 4
+            self.data, self.streams = raw[start:start + 16], []
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None):
+            self.streams.append(stream)
+            return self.data.__dlpack__()
+
+    for name, stream in (("torch", -1), ("cupy", None), ("dlpack", None)):
+        value = Tensor()
+        tensor = to_tensor("x", value, [16], "float32", Family(name, "cuda", 0))
+        assert value.streams == [stream] and tuple(tensor.shape) == (16,)
+
+
 def test_batch_first_torch_module_as_weights_is_refused():
     """Its flag would be ignored: with T == N a batch-first input gave wrong outputs."""
     torch = _torch()

@@ -553,10 +553,15 @@ def test_training_packs_the_weights_without_a_copy_on_cuda():
 
 
 @pytest.mark.gpu
-def test_a_training_step_runs_in_a_cuda_graph():
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_training_step_runs_in_a_cuda_graph(exchange, monkeypatch):
     """A whole training step (forward, backward, optimizer) captured in a CUDA graph and
     replayed: the same parameters as the same steps run eagerly (a bidirectional network: the
-    reverse direction on a stream of its own, in the capture too)."""
+    reverse direction on a stream of its own, in the capture too); also with rnncc taking
+    torch's tensors through ``__dlpack__`` as where torch.Tensor has no C exchange API for
+    DLPack (it must not make the legacy stream wait: the capture refuses that)."""
+    if not exchange:
+        monkeypatch.setattr("rnncc.runtime.arrays.EXCHANGE_API", "no_such_attribute")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     nets = [rnncc.nn.GRU(16, 32, num_layers=2, bidirectional=True).cuda() for _ in range(2)]

@@ -21,11 +21,30 @@ from ..errors import InputError, warn
 from . import tvm_runtime
 
 ALIGNMENT = 64
+#: The attribute of a tensor type that gives tvm_ffi its C exchange API for DLPack (no stream
+#: synchronisation; :func:`_from_dlpack`).
+EXCHANGE_API = "__dlpack_c_exchange_api__"
 _DL_DEVICE = {1: "cpu", 2: "cuda"}
 
 
 def _describe_device(kind: str, index: int) -> str:
     return "cpu" if kind == "cpu" else f"{kind}:{index}"
+
+
+def _from_dlpack(value, family: Family):
+    """``value``, a DLPack tensor of ``family`` on its device, as a TVM tensor. A CUDA torch
+    tensor with no stream synchronisation: rnncc launches on the caller's current stream
+    (:meth:`Family.stream`), after the work that made it. tvm_ffi takes it so through torch's
+    C exchange API where torch.Tensor has one; else through ``__dlpack__()``, whose default
+    in PyTorch before its exchange API made the legacy default stream wait for the current
+    one, an operation that a CUDA graph capture refuses (``cudaErrorStreamCaptureImplicit``):
+    there it asks for DLPack's stream -1 (none)."""
+    import tvm_ffi
+
+    if (family.device_kind == "cuda" and family.name == "torch"
+            and not hasattr(type(value), EXCHANGE_API)):
+        return tvm_ffi.from_dlpack(value.__dlpack__(stream=-1))
+    return tvm_ffi.from_dlpack(value)
 
 
 def _dlpack_device(value) -> tuple[str, int]:
@@ -50,20 +69,18 @@ class Family:
 
     def empty(self, shape, dtype: str):
         """A new array of this family: (what the caller gets, the tensor the module writes)."""
-        import tvm_ffi
-
         if self.name == "torch":
             import torch
 
             arr = torch.empty(tuple(shape), dtype=getattr(torch, dtype),
                               device=self.describe_device())
-            return arr, tvm_ffi.from_dlpack(arr)
+            return arr, _from_dlpack(arr, self)
         if self.name == "cupy":
             import cupy
 
             with cupy.cuda.Device(self.device_index):
                 arr = cupy.empty(tuple(shape), dtype=dtype)
-            return arr, tvm_ffi.from_dlpack(arr)
+            return arr, _from_dlpack(arr, self)
         import tvm
 
         tensor = tvm.runtime.empty(tuple(shape), dtype, self.device)
@@ -210,7 +227,7 @@ def to_tensor(name: str, value, expected, dtype: str, family: Family):
                          f"{family.describe_device()} (where x is); put all tensors on one device")
     value = _resolved(value)
     try:
-        tensor = value if isinstance(value, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(value)
+        tensor = value if isinstance(value, tvm_ffi.Tensor) else _from_dlpack(value, family)
     except Exception as err:  # noqa: BLE001 - reported with the argument's name
         raise InputError(f"{name}: cannot be passed through DLPack: {err}") from err
     if str(tensor.dtype) != dtype:
