@@ -8,10 +8,10 @@ M a run-time size or one step's N), slice s of K of one step's product (no bias)
 weight's gradient (over a run-time M; in the weights' type). An operand whose k is its
 buffer's last index is staged K-major as below; one whose k runs along its buffer's rows (both
 of a gradient, weights [K, O]; 16-bit only) MN-major, and the instruction told so
-(:class:`Plan`). H200, kernel alone, bfloat16 LSTM 1024's gradients at T*N = 6400 in a
-training step: dW_ih (x bfloat16, copied) 105 us, dW_hh (h float32, through registers) 191,
-against cuda.mma_gemm's ``ldmatrix.trans`` kernel's 210 and 220 with float32 dGI (cuDNN: 82
-each); dx with W_ih read as packed 97 us, against 162 plus a 26 us transposed copy.
+(:class:`Plan`). H200, a bfloat16 LSTM 1024 training step at T*N = 6400: dW_ih 84 us and
+dW_hh 81 (its h copied to bfloat16 first, 20; as float32 through registers 191), against
+cuda.mma_gemm's ``ldmatrix.trans`` kernel's 210 and 220 with float32 dGI (cuDNN: 82 each);
+dx with W_ih read as packed 95 us, against 162 plus a 26 us transposed copy.
 
 A block computes a tile of C of ``tile_rows`` (128, or 64 where one step's N is at most 64) x
 ``cols`` columns (TILE = 128, or WIDE = 256 where :func:`columns` says): a warpgroup (4 warps,
@@ -190,8 +190,7 @@ class Plan:
         self.gradient = product.form == "gradient"
         #: whether operand A, B is staged MN-major
         self.outer = tuple(not inner for inner in product.inner)
-        #: rows of operand A, B a tile (a K-major row, or 16 bytes of an MN-major k-row, is 8
-        #: pieces)
+        #: rows of operand A, B a tile
         self.widths = (self.rows, cols)
         # a gradient's chunks of its run-time M, at least one (ptxas serialized the
         # warpgroup MMA of a loop that might run no time: "C7515 ... non wgmma instructions
