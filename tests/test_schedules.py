@@ -528,26 +528,29 @@ def _product_case(form, dtype, k, rng, m_rows=70):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
-@pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient", "step", "slices"])
+@pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient", "gradient_half", "step",
+                                  "slices"])
 def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     """cuda.mma_gemm's kernel on the NumPy interpreter of TIR (tests/tir_sim.py): a
     projection of T*N = 135 rows (two row tiles, the second partial) with weights [O, K] and
     a of the weights' type (pipelined), [K, O] and float32 a (through registers), flat rows;
     one step's product of N = 135 float32 rows (h), and one of 64 rows (a 64-row tile) in 2
-    slices of K; a gradient over M = 70 rows (the last chunk pair partly past M); against
+    slices of K; a gradient over M = 70 rows (the last chunk pair partly past M) of float32 g
+    and a, and of both in the weights' type (a half training step's, before sm_90); against
     NumPy's product of the same rounded operands (float32 rounded to TF32 where the component
     allows it: projections only). The kernel at these sizes, whatever the grid's policy."""
     from rnncc.schedules import cuda_mma_gemm
     from tir_sim import Simulator
 
-    if dtype == "tf32" and form == "gradient":
+    if dtype == "tf32" and form.startswith("gradient"):
         pytest.skip("the weight gradients stay IEEE float32 with allow_tf32")
     func, args, want = _product_case(form, dtype, 128, rng)
     kernel = cuda_mma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
     got = got.sum(0) if form == "slices" else got
-    bound = TOL_F32 if form != "gradient" else 2.0 ** -(8 if dtype == "bfloat16" else 11)
+    bound = TOL_F32 if not form.startswith("gradient") else 2.0 ** -(
+        8 if dtype == "bfloat16" else 11)
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
