@@ -28,9 +28,9 @@ def accum_dtype(dtype: str) -> str:
 
 def projection_grad_dtype(dtype: str) -> str:
     """The dtype a training step's backward pass stores the gradients of the projections in
-    (dGI, dGH [T, N, G*H]): the storage dtype where it is 16-bit (the products that read them,
-    dx and the weights' gradients, round their operands to it anyway; half the bytes), else
-    the accumulation dtype."""
+    (dGI, dGH [T, N, G*H]): the storage dtype where it is 16-bit (the tensor-core products that
+    read them, dx and the weights' gradients, round their operands to it anyway; half the
+    bytes; on CPUs too, so that both agree), else the accumulation dtype."""
     return dtype if dtype in ("float16", "bfloat16") else accum_dtype(dtype)
 
 
