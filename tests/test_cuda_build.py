@@ -84,13 +84,17 @@ def test_half_training_products_on_tensor_cores(dtype):
     """A half-precision training module's products over all T*N rows on Hopper: dx = dGI W_ih
     and both weight gradients on warpgroup MMA with the operands read along their rows
     MN-major (the instructions' transposition flags; no transposed copy of W_ih), dGI in the
-    layer's dtype, no spills."""
+    layer's dtype (no copy of the step's sums), h in it for dW_hh, no spills and no
+    serialized warpgroup MMA."""
     module = compiled("lstm", 256, 256, 64, "cuda", dtype=dtype, training=True,
                       persistent="off")
     rules = module.metadata["schedule"]["rules"]
-    assert "transpose_w_ih" not in rules
+    assert "transpose_w_ih" not in rules and "pre_step" not in rules  # dGI in its own buffer
     assert rules["input_gemm_backward"] == rules["weight_grad_ih"] == rules[
         "weight_grad_hh"] == "cuda.wgmma_gemm"
+    # dW_hh reads h copied to the half type first; LSTM's db_hh is db_ih (dGH is dGI)
+    assert rules["h_half"] == rules["bias_grad_hh"] == "cuda.elementwise"
+    assert rules["bias_grad_ih"] == "cuda.column_sum"
     source = module.source("cuda")
     short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     flags = {name: re.findall(rf"m64n\d+k16_f32_{short}_{short}_1_1_(\d)_(\d)\(", body)
