@@ -78,6 +78,30 @@ def test_load_with_runtime_only_tvm(lstm, tmp_path):
     assert float(out.stdout.split("ERR")[1]) < TOL_F32
 
 
+def test_compile_frees_what_the_callers_frames_held():
+    """What the caller's frames hold is freed when they return, with Python's cyclic
+    collector off: TVMScript's parser keeps the stack it inspects in a reference cycle, which
+    kept a torch training step's autograd graph alive (a CUDA graph capture then failed)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def caller():
+        held = Held()
+        rnncc.compile("lstm", 4, 5, 2, target="llvm")
+        return weakref.ref(held)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        assert caller()() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_packed_weights_reused(lstm, inputs):
     x, w = inputs
     packed = lstm.pack(w)
