@@ -36,9 +36,10 @@ def test_negative_bit_tensors_are_resolved(rng):
 
 def test_cuda_tensors_are_taken_without_a_stream_synchronisation():
     """A CUDA torch tensor whose type has no C exchange API for DLPack is taken through
-    ``__dlpack__(stream=-1)``: rnncc launches on the caller's current stream, and older
-    torch's default made the legacy stream wait for it, which a CUDA graph capture refuses.
-    Other families keep the protocol's default."""
+    ``__dlpack__(stream=-1)`` of a detached view: rnncc launches on the caller's current
+    stream, and older torch's default made the legacy stream wait for it, which a CUDA graph
+    capture refuses; torch's ``__dlpack__`` refuses a tensor that requires grad. Other
+    families keep the protocol's default."""
     import numpy as np
 
     from rnncc.runtime.arrays import Family, to_tensor
@@ -56,10 +57,14 @@ def test_cuda_tensors_are_taken_without_a_stream_synchronisation():
             self.streams.append(stream)
             return self.data.__dlpack__()
 
-    for name, stream in (("torch", -1), ("cupy", None), ("dlpack", None)):
+        def detach(self):  # torch's, a view without grad
+            self.streams.append("detached")
+            return self
+
+    for name, streams in (("torch", ["detached", -1]), ("cupy", [None]), ("dlpack", [None])):
         value = Tensor()
         tensor = to_tensor("x", value, [16], "float32", Family(name, "cuda", 0))
-        assert value.streams == [stream] and tuple(tensor.shape) == (16,)
+        assert value.streams == streams and tuple(tensor.shape) == (16,)
 
 
 def test_batch_first_torch_module_as_weights_is_refused():

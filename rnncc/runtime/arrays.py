@@ -36,14 +36,15 @@ def _from_dlpack(value, family: Family):
     tensor with no stream synchronisation: rnncc launches on the caller's current stream
     (:meth:`Family.stream`), after the work that made it. tvm_ffi takes it so through torch's
     C exchange API where torch.Tensor has one; else through ``__dlpack__()``, whose default
-    in PyTorch before its exchange API made the legacy default stream wait for the current
-    one, an operation that a CUDA graph capture refuses (``cudaErrorStreamCaptureImplicit``):
-    there it asks for DLPack's stream -1 (none)."""
+    in older PyTorch (stream None) makes the legacy default stream wait for the current one,
+    an operation that a CUDA graph capture refuses (``cudaErrorStreamCaptureImplicit``), and
+    which refuses a tensor that requires grad: there it asks a detached view for DLPack's
+    stream -1 (none)."""
     import tvm_ffi
 
     if (family.device_kind == "cuda" and family.name == "torch"
             and not hasattr(type(value), EXCHANGE_API)):
-        return tvm_ffi.from_dlpack(value.__dlpack__(stream=-1))
+        return tvm_ffi.from_dlpack(value.detach().__dlpack__(stream=-1))
     return tvm_ffi.from_dlpack(value)
 
 
