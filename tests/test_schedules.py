@@ -527,6 +527,42 @@ def _product_case(form, dtype, k, rng, m_rows=70):
     return (func.with_attr(_mma.TF32_ATTR, True) if tf32 else func), args, want
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_the_simulator_runs_mma_on_the_warps_a_condition_holds(dtype):
+    """tests/tir_sim.py: an ``mma.sync`` under a condition that holds for one warp of two adds
+    into that warp's sums only (the simulator once wrote every warp's)."""
+    from tvm.script import tirx as T
+
+    from rnncc.schedules import _mma
+    from tir_sim import Simulator
+
+    op = _mma.Operand(dtype)
+    one = T.float16(1) if dtype == "float16" else T.float32(1)
+
+    @T.prim_func(s_tir=True)
+    def kernel(out: T.Buffer((64, 4), "float32")):
+        with T.sblock("root"):
+            af = T.sblock_alloc_buffer((8,), dtype, scope="local")
+            wb = T.sblock_alloc_buffer((4,), dtype, scope="local")
+            acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+            for tx in T.thread_binding(64, thread="threadIdx.x"):
+                for i in T.unroll(8):
+                    af[i] = one
+                for i in T.unroll(4):
+                    wb[i] = one
+                for i in T.unroll(4):
+                    acc[i] = T.float32(1)
+                if tx < 32:
+                    _mma.mma(op, af, wb, acc, 0)
+                for i in T.unroll(4):
+                    out[tx, i] = acc[i]
+
+    out = np.full((64, 4), np.nan, np.float32)
+    Simulator(kernel, {"out": out}).run()
+    depth = 16 if dtype == "float16" else 8  # k of one instruction
+    assert (out[:32] == 1 + depth).all() and (out[32:] == 1).all()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient", "gradient_half", "step",
                                   "slices"])

@@ -404,11 +404,11 @@ class Simulator:
         return None
 
     def _mma(self, args):
-        """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 on every warp: lane l (group g =
-        l // 4, t = l % 4) holds A[g + 8*(i//2 % 2)][2t + i % 2 + 8*(i // 4)] in a_i, B[2t + i %
-        2 + 8*(i // 2)][g] in b_i, and C, D[g + 8*(i // 2)][2t + i % 2] in c_i. m16n8k8 with
-        .tf32 operands: A[g + 8*(i % 2)][t + 4*(i // 2)] in a_i, B[t + 4*i][g] in b_i, the
-        operands' 13 low mantissa bits ignored (as the hardware does)."""
+        """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 on every warp the mask holds: lane
+        l (group g = l // 4, t = l % 4) holds A[g + 8*(i//2 % 2)][2t + i % 2 + 8*(i // 4)] in
+        a_i, B[2t + i % 2 + 8*(i // 2)][g] in b_i, and C, D[g + 8*(i // 2)][2t + i % 2] in c_i.
+        m16n8k8 with .tf32 operands: A[g + 8*(i % 2)][t + 4*(i // 2)] in a_i, B[t + 4*i][g] in
+        b_i, the operands' 13 low mantissa bits ignored (as the hardware does)."""
         a = self.store[args[6].args[0]][1][:, self._uniform(args[7]):]
         b = self.store[args[8].args[0]][1][:, self._uniform(args[9]):]
         if str(args[0].value) == "m16n8k8":
@@ -418,7 +418,7 @@ class Simulator:
         a, b = a.astype(np.float32), b.astype(np.float32)
         _, c_all = self.store[args[10].args[0]]
         off = int(self._expr(args[11]))
-        c = c_all[:, off:off + 4]
+        c = c_all[:, off:off + 4].copy()  # the warps the mask holds written back below
         warps = self.lanes // 32
         g, t = (np.arange(32) // 4), (np.arange(32) % 4)
         big_a = np.zeros((warps, 16, 16), np.float32)
@@ -433,7 +433,7 @@ class Simulator:
         d = big_a @ big_b + big_c
         for i in range(4):
             c[:, :, i] = d[:, g + 8 * (i // 2), 2 * t + i % 2]
-        c_all[:, off:off + 4] = c.reshape(self.lanes, 4)
+        c_all[self.mask, off:off + 4] = c.reshape(self.lanes, 4)[self.mask]
         return None
 
     def _mma_tf32(self, args, a_bits, b_bits):
@@ -446,7 +446,7 @@ class Simulator:
         big_b = np.zeros((warps, 8, 8))
         big_c = np.zeros((warps, 16, 8))
         a, b = a[:, :4].reshape(warps, 32, 4), b[:, :2].reshape(warps, 32, 2)
-        c = c_all[:, off:off + 4].reshape(warps, 32, 4)
+        c = c_all[:, off:off + 4].copy().reshape(warps, 32, 4)
         for i in range(4):
             big_a[:, g + 8 * (i % 2), t + 4 * (i // 2)] = a[:, :, i]
             big_c[:, g + 8 * (i // 2), 2 * t + i % 2] = c[:, :, i]
@@ -455,7 +455,7 @@ class Simulator:
         d = big_a @ big_b + big_c
         for i in range(4):
             c[:, :, i] = d[:, g + 8 * (i // 2), 2 * t + i % 2]
-        c_all[:, off:off + 4] = c.reshape(self.lanes, 4)
+        c_all[self.mask, off:off + 4] = c.reshape(self.lanes, 4)[self.mask]
         return None
 
     # -- warpgroup MMA -------------------------------------------------------------------------
