@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import tempfile
@@ -169,21 +168,6 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
     may run on tensor cores in TF32 (see :class:`rnncc.spec.Problem`; off by default, as IEEE
     float32); the metadata's "allow_tf32" says so and its "rules" which products did.
     """
-    try:
-        return _compile(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, sms,
-                        knobs, gpu, tuning, lengths, directions, layers, training, proj_size,
-                        allow_tf32, options)
-    finally:
-        # TVMScript's parser keeps ``inspect.stack()`` (the caller's frames) in a reference
-        # cycle: collected now, not at Python's next full collection, so that what the
-        # caller's frames held is freed when they return (a torch training step whose forward
-        # compiled: its autograd graph, which a CUDA graph capture of the next steps must not
-        # see alive).
-        gc.collect()
-
-
-def _compile(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, sms, knobs, gpu,
-             tuning, lengths, directions, layers, training, proj_size, allow_tf32, options):
     from ..schedules.persistent.knobs import check_knobs
     from ..schedules.persistent.planner import REG_MARGIN
     from ..tuning import apply
