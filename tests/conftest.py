@@ -60,6 +60,28 @@ def module_cache(tmp_path_factory):
         os.environ["RNNCC_CACHE_DIR"] = old
 
 
+@pytest.fixture
+def empty_compile_cache(monkeypatch, tmp_path):
+    """rnncc's compile cache empty for the test: a new disk folder, nothing in this process's
+    memory (a module's first use compiles it)."""
+    from rnncc.compiler import cache
+
+    monkeypatch.setenv(cache.ENV, str(tmp_path))
+    monkeypatch.setattr(cache, "_loaded", {})
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    """Python's cyclic garbage collector off for the test."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
+
+
 def has_nvcc():
     import shutil
 

@@ -78,18 +78,15 @@ def test_load_with_runtime_only_tvm(lstm, tmp_path):
     assert float(out.stdout.split("ERR")[1]) < TOL_F32
 
 
-def test_a_compile_on_first_use_frees_what_the_callers_frames_held(monkeypatch, tmp_path):
+def test_a_compile_on_first_use_frees_what_the_callers_frames_held(empty_compile_cache,
+                                                                    no_cyclic_gc):
     """What the caller's frames hold is freed when they return, with Python's cyclic
     collector off, after a module compiled on first use (the disk cache rnncc.nn uses):
     TVMScript's parser keeps the stack it inspects in a reference cycle, which kept a torch
     training step's autograd graph alive (a CUDA graph capture then failed)."""
-    import gc
     import weakref
 
     from rnncc.compiler import cache
-
-    monkeypatch.setenv(cache.ENV, str(tmp_path))
-    monkeypatch.setattr(cache, "_loaded", {})
 
     class Held:
         pass
@@ -99,13 +96,7 @@ def test_a_compile_on_first_use_frees_what_the_callers_frames_held(monkeypatch, 
         cache.compiled("lstm", 4, 5, 2, target="llvm")
         return weakref.ref(held)
 
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        assert caller()() is None
-    finally:
-        if enabled:
-            gc.enable()
+    assert caller()() is None
 
 
 def test_packed_weights_reused(lstm, inputs):

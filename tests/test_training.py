@@ -552,21 +552,10 @@ def test_training_packs_the_weights_without_a_copy_on_cuda():
         assert copied.tensors[packed].data_ptr() != weights[given].data_ptr()
 
 
-@pytest.fixture
-def no_cyclic_gc():
-    """Python's cyclic garbage collector off for the test."""
-    import gc
-
-    enabled = gc.isenabled()
-    gc.disable()
-    yield
-    if enabled:
-        gc.enable()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", [True, False])
-def test_a_training_step_runs_in_a_cuda_graph(exchange, monkeypatch, tmp_path, no_cyclic_gc):
+def test_a_training_step_runs_in_a_cuda_graph(exchange, monkeypatch, empty_compile_cache,
+                                             no_cyclic_gc):
     """A whole training step (forward, backward, optimizer) captured in a CUDA graph and
     replayed: the same parameters as the same steps run eagerly (a bidirectional network: the
     reverse direction on a stream of its own, in the capture too); also with rnncc taking
@@ -575,12 +564,8 @@ def test_a_training_step_runs_in_a_cuda_graph(exchange, monkeypatch, tmp_path, n
     eager step on the default stream compiles the modules, with Python's cyclic collector
     off: nothing of the compile may keep that step's autograd graph alive (its AccumulateGrad
     nodes, of the default stream, which the capture then refuses)."""
-    from rnncc.compiler import cache
-
     if not exchange:
         monkeypatch.setattr("rnncc.runtime.arrays.EXCHANGE_API", "no_such_attribute")
-    monkeypatch.setenv(cache.ENV, str(tmp_path))
-    monkeypatch.setattr(cache, "_loaded", {})
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     nets = [rnncc.nn.GRU(16, 32, num_layers=2, bidirectional=True).cuda() for _ in range(2)]
