@@ -951,6 +951,10 @@ BACKWARD_KERNELS = {
         1, 24, 4, "float32", 5, 2, groups=2, width=96, sync="barrier")),
     "float16": lambda: ("gru", 30, 2, "float16", crafted(1, 30, 2, "float16", 7, 2, width=90,
                                                          sync="barrier")),
+    "tensor cores, half a tile": lambda: ("lstm", 32, 3, "bfloat16", crafted(
+        1, 32, 3, "bfloat16", 16, 2, width=128, sync="barrier", mma=True, rows_per_warp=8)),
+    "tensor cores, tiles": lambda: ("gru", 24, 20, "float16", crafted(
+        1, 24, 20, "float16", 8, 1, width=72, sync="barrier", mma=True, rows_per_warp=8)),
 }
 
 

@@ -30,7 +30,7 @@ from . import buffers
 from .kernel import gate_sums
 from .planner import Plan
 from .spec import KernelSpec
-from .stages import cell_backward, cuda_cores, exchange, weights
+from .stages import cell_backward, cuda_cores, exchange, tensor_cores, weights
 
 
 def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
@@ -42,13 +42,13 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
     ``dtype``: the storage dtype of the weights, dy and the states' gradients; ``batch``: N,
     all batch groups together; ``lengths``: the samples' lengths are a parameter."""
     cell = graph.cell
-    if plan.mma or plan.fused or plan.grids > 1 or plan.global_chunks:
-        raise ValueError("the backward kernel runs one direction of one layer on CUDA cores, "
-                         "its weights on-chip")
+    if plan.fused or plan.grids > 1 or plan.global_chunks:
+        raise ValueError("the backward kernel runs one direction of one layer, its weights "
+                         "on-chip")
     spec = KernelSpec(plan, 1, len(cell.states), hidden, batch, dtype, lengths=lengths,
                       exchanged=cell.gates * hidden, params=len(cell.params))
     summed = all(which == "sum" for _, which in kept)
-    p = plan
+    p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)
     def persistent_backward():
@@ -57,17 +57,20 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
         with T.sblock("root"):
             b = T.meta_var(buffers.on_chip(spec, pairs=False))
             r = T.meta_var(buffers.backward_pairs(spec, len(kept)))
+            staged = T.meta_var(b.hs16 if p.mma else b.hs)
             for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
                     weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
+                    if p.mma:
+                        tensor_cores.prepare(spec, b.hs16, b.af, tx)
                     cell_backward.load_constants(spec, g.d_final, g.lengths, g.params, r, b.ln,
                                                  bx, tx)
                     for t in range(g.T_len):
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)
                         exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                         partial(cuda_cores.store_h, spec, b.hs, 0), t, bx, tx)
+                                         partial(products.store_h, spec, staged, 0), t, bx, tx)
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_backward.apply(spec, graph, kept, g.dgi, g.dgh, b.hs, r, b.ln,
@@ -75,7 +78,8 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                                             g.T_len, bx, tx)
                         exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
                     exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                     partial(cuda_cores.store_h, spec, b.hs, 0), g.T_len, bx, tx)
+                                     partial(products.store_h, spec, staged, 0), g.T_len, bx,
+                                     tx)
                     T.tvm_storage_sync("shared.dyn")
                     gate_sums(spec, b, g.w, blk, warp, lane)
                     cell_backward.store_initial(spec, g.d_initial, g.dps, b.hs, r, bx, tx)
