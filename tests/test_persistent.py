@@ -778,3 +778,22 @@ def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
     with pytest.raises(Unfit, match="input projections are one GEMM before the launch"):
         knobs.plan_for(Problem(rnncc.cells.get(cell), hidden, hidden, batch, directions=2),
                        H100, {"input_rows": 8}, 24)
+
+
+@pytest.mark.parametrize("gates, hidden, batch, dtype, parts, groups", [
+    (4, 1024, 32, "bfloat16", 4, 2), (3, 1024, 32, "bfloat16", 4, 2),
+    (4, 512, 64, "float16", 2, 8)])
+def test_backward_plan_on_tensor_cores_splits_k(gates, hidden, batch, dtype, parts, groups):
+    """16-bit weights: the backward pass's product on tensor cores, a block's few units (the
+    rows of W_hh^T, K = G*H deep) with K split among KQ warps each, W_hh^T all in registers;
+    the forward's plans take no split (the planner's split_k). Past what fits (LSTM 1024 at
+    batch 64: a group's dGH [rows, G*H] would not fit in shared memory) none."""
+    from rnncc.schedules.persistent import planner
+
+    p = planner.backward(gates, hidden, batch, dtype, H100, 2, mma=True)
+    assert p.mma and (p.k_parts, p.batch_groups) == (parts, groups)
+    assert p.warps == p.row_groups * parts and p.smem_chunks == 0
+    assert p.reg_chunks == p.warp_chunks == p.chunks // parts
+    assert plan(4, hidden, batch, dtype, H100, 2, batch_groups=None, mma=True).k_parts == 1
+    with pytest.raises(Unfit, match="need .* KiB on each"):
+        planner.backward(4, 1024, 64, "bfloat16", H100, 2, mma=True)

@@ -58,6 +58,15 @@ def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, wid
         reg_estimate=0, smem_bytes=0, batch_groups=groups, **fields)
 
 
+def split_k(p, parts: int):
+    """Plan ``p`` (on tensor cores) with each row group's K split among ``parts`` warps: the
+    same rows, ``parts`` times the warps, each a part of every place's chunks."""
+    assert p.reg_chunks % parts == 0 and p.smem_chunks % parts == 0
+    return dataclasses.replace(p, warps=p.warps * parts, k_parts=parts,
+                               reg_chunks=p.reg_chunks // parts,
+                               smem_chunks=p.smem_chunks // parts)
+
+
 def _llvm(func, *arrays):
     """Run a PrimFunc built for this CPU; the arrays it wrote."""
     tensors = [tvm.runtime.tensor(a) for a in arrays]
@@ -78,7 +87,7 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
     g, dirs = cell.gates, p.directions
     h = weights["weight_ih_l0"].shape[0] // g
     suffixes = ("", "_reverse")[:dirs]
-    shape = (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec)
+    shape = (p.group_blocks, p.warps, p.warp_chunks, p.rows_per_warp, 32, p.vec)
     w_hr = weights.get("weight_hr_l0")
     folded = w_hr.shape[0] if w_hr is not None else 0
     packing = comp.pack_persistent(g, h, p, dtype, folded=folded)
@@ -271,6 +280,10 @@ KERNELS = {
                                              sync="barrier", directions=2), 1),
     "bidirectional, tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(
         4, 64, 3, "float16", 2, 1, mma=True, directions=2), 1),
+    "tensor cores, K split among warps": lambda: ("gru", 5, 300, 21, "float16", split_k(
+        crafted(3, 300, 21, "float16", 8, 3, mma=True, sync="barrier"), 2), 1),
+    "tensor cores, K split, shared memory": lambda: ("lstm", 5, 520, 3, "bfloat16", split_k(
+        crafted(4, 520, 3, "bfloat16", 2, 1, (0, 3, 0), mma=True), 3), 1),
 }
 
 
@@ -425,7 +438,7 @@ def _declare(extra):
 def kernel_args(spec, steps):
     """NaN-filled arrays for every parameter of the kernel of ``spec``."""
     p, n, h, gh = spec.plan, spec.batch, spec.hidden, spec.gate_rows
-    args = {"w": np.full((p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec),
+    args = {"w": np.full((p.group_blocks, p.warps, p.warp_chunks, p.rows_per_warp, 32, p.vec),
                          np.nan, spec.dtype),
             "b_hh": np.full(gh, np.nan, spec.dtype), "y": np.full((steps, n, h), np.nan,
                                                                   spec.dtype)}
@@ -450,7 +463,8 @@ def kernel_args(spec, steps):
 
 def packed_w_hh(spec, w_hh):
     p = spec.plan
-    out = np.zeros((p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec), spec.dtype)
+    out = np.zeros((p.group_blocks, p.warps, p.warp_chunks, p.rows_per_warp, 32, p.vec),
+                   spec.dtype)
     return _llvm(comp.pack_persistent(spec.gates, spec.hidden, p, spec.dtype), w_hh, out)[1]
 
 
@@ -884,7 +898,7 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
     count = len(cell.params)
     g, h, n, kept = cell.gates, hidden, batch, kept_parts(cell)
     summed = all(which == "sum" for _, which in kept)
-    shape = (p.group_blocks, p.warps, p.chunks, p.rows_per_warp, 32, p.vec)
+    shape = (p.group_blocks, p.warps, p.warp_chunks, p.rows_per_warp, 32, p.vec)
     w_hh = (rng.standard_normal((g * h, h)) / np.sqrt(h)).astype(dtype)
     w = _llvm(comp.pack_persistent(g, h, p, dtype, transposed=True), w_hh,
               np.zeros(shape, dtype))[1]
@@ -955,6 +969,12 @@ BACKWARD_KERNELS = {
         1, 32, 3, "bfloat16", 16, 2, width=128, sync="barrier", mma=True, rows_per_warp=8)),
     "tensor cores, tiles": lambda: ("gru", 24, 20, "float16", crafted(
         1, 24, 20, "float16", 8, 1, width=72, sync="barrier", mma=True, rows_per_warp=8)),
+    "tensor cores, K split among warps": lambda: ("lstm", 64, 3, "bfloat16", split_k(crafted(
+        1, 64, 3, "bfloat16", 16, 2, width=1024, sync="barrier", mma=True, rows_per_warp=8), 4)),
+    "tensor cores, tiles, K split": lambda: ("gru", 24, 20, "float16", split_k(crafted(
+        1, 24, 20, "float16", 8, 1, width=512, sync="barrier", mma=True, rows_per_warp=8), 2)),
+    "tensor cores, planned": lambda: ("lstm", 256, 12, "bfloat16", planner.backward(
+        4, 256, 12, "bfloat16", H100, 2, mma=True, max_blocks=8)),
 }
 
 

@@ -105,13 +105,18 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
     if why:
         return None, why
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
-    try:
-        return persistent.planner.backward(
-            problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
-            len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin,
-            params=len(problem.cell.params)), None
-    except persistent.Unfit as err:
-        return None, str(err)
+    why = ""
+    # 16-bit weights: the products on tensor cores where they fit (K split among a row
+    # group's warps: a block's units are few, their K = G*H deep), else on CUDA cores
+    for mma in (True, False) if problem.dtype in ("float16", "bfloat16") else (False,):
+        try:
+            return persistent.planner.backward(
+                problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
+                len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin,
+                params=len(problem.cell.params), mma=mma), None
+        except persistent.Unfit as err:
+            why = why or str(err)
+    return None, why
 
 
 def _not_persistent(problem: Problem) -> str:

@@ -571,7 +571,8 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
     A plan on tensor cores (``plan.mma``, RW = 8) keeps the shape and holds the mma's B
     fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 2*VEC k-steps) and
     c = e % 4, row r = w*RW + l // 4 and k = i*32*VEC + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2);
-    float32 (TF32) rounded to TF32.
+    float32 (TF32) rounded to TF32. With K split among KQ warps (``plan.k_parts``) warp w holds
+    the rows of w % (Wn/KQ) and the KI/KQ chunks of part w // (Wn/KQ): [B, Wn, KI/KQ, ...].
     ``transposed``: W_hh^T [H, G*H] for the backward kernel, one row a unit (j = b*U + r,
     k < G*H), from the same W_hh. ``folded`` P (a projection, LSTMP): from W_hh [G*H, P] and
     W_hr [P, H] (the function's first two parameters), the product W_hh W_hr [G*H, H] (summed
@@ -589,7 +590,7 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
         w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
         inputs = [w]
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
-    shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.chunks, rw, 32, vec))
+    shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.warp_chunks, rw, 32, vec))
     if transposed:
         def at(row, k):
             return w[k, row]
@@ -603,6 +604,8 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
         if plan.mma:
             e = q * vec + v
             c = e % 4
+            if plan.k_parts > 1:  # warp wp: row group wp % RG, part wp // RG of K
+                wp, i = wp % plan.row_groups, wp // plan.row_groups * plan.warp_chunks + i
             k = i * (32 * vec) + e // 4 * 16 + lane % 4 * 2 + c % 2 + c // 2 * 8
             w_ = _block_row(at, rows, hidden, depth, u, b, wp * rw + lane // 4, k, dtype)
             return round_tf32(w_) if dtype == "float32" else w_

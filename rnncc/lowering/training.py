@@ -425,8 +425,8 @@ class _Backward:
         gh = g * h
         sig = []
         io = self._io(sig)
-        packed_shape = (plan.group_blocks, plan.warps, plan.chunks, plan.rows_per_warp, 32,
-                        plan.vec)
+        packed_shape = (plan.group_blocks, plan.warps, plan.warp_chunks, plan.rows_per_warp,
+                        32, plan.vec)
         w_t = b.param(sig, "w_hh_t_packed", packed_shape, "workspace")
         xch = b.param(sig, "dgh_exchanged", (2, n, gh), "workspace", "float32")
         prologue = [

@@ -70,6 +70,9 @@ def gate_sums(spec, b, w, blk, warp, lane):
                                          b.dacc, lane), b.wv, b.wreg, b.wsm, w, blk, warp, lane)
         T.tvm_storage_sync("shared.dyn")  # the sums go where h_{t-1} was (hs16 shares memory)
         tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
+        if spec.plan.k_parts > 1:
+            T.tvm_storage_sync("shared.dyn")
+            tensor_cores.add_parts(spec, b.hs, warp * 32 + lane)
     else:
         cuda_cores.zero(spec, b.acc)
         weights.each_chunk(spec, partial(cuda_cores.chunk, spec, b.hs, b.hv, b.wv, b.acc, lane),

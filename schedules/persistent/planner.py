@@ -166,6 +166,18 @@ class Plan:
     mma: bool = False  # products on tensor cores (see "Tensor cores")
     directions: int = 1  # D, one grid a direction side by side (see "Directions")
     layers: int = 1  # L, one grid a layer side by side (see "Layers as a wavefront")
+    k_parts: int = 1  # KQ, warps that split each row group's K (tensor cores; "K split")
+
+    @property
+    def warp_chunks(self) -> int:
+        """KI / KQ: the chunks of K a warp holds and multiplies (all of K but with a split)."""
+        return self.chunks // self.k_parts
+
+    @property
+    def row_groups(self) -> int:
+        """Wn / KQ: the warps of distinct rows; warp w holds rows (w % (Wn / KQ))*RW .. and
+        part w // (Wn / KQ) of K."""
+        return self.warps // self.k_parts
 
     @property
     def grids(self) -> int:
@@ -238,15 +250,18 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> i
 
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
-         stream=False, width=None, pair_regs=None, mma=False):
+         stream=False, width=None, pair_regs=None, mma=False, k_parts=1):
     vec = 16 // elem_bytes
     chunks = -(-(width or hidden) // (32 * vec))
     rows = gates * units
-    if mma:  # MMA_ROWS rows a warp (the last warp's past R zero); its warps follow
-        need = -(-rows // MMA_ROWS)
-        if not MMA_MIN_WARPS <= need <= 32 or (warps or need) != need:
+    if mma:  # MMA_ROWS rows a warp (the last warp's past R zero), K_PARTS warps a row group
+        need = -(-rows // MMA_ROWS) * k_parts
+        if (chunks % k_parts or not MMA_MIN_WARPS <= need <= 32
+                or (warps or need) != need):
             return None
         warps = need
+    elif k_parts != 1:
+        return None
     rpw = MMA_ROWS if mma else -(-rows // warps)
     threads = 32 * warps
     items = -(-(units * batch) // threads)
@@ -256,8 +271,8 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     if limit <= fixed:
         return None
     per_chunk = rpw * vec * elem_bytes // 4  # 32-bit registers one chunk of every row takes
-    reg_chunks = max(0, min(chunks, (limit - fixed) // per_chunk))
-    smem_chunks = chunks - reg_chunks
+    reg_chunks = max(0, min(chunks // k_parts, (limit - fixed) // per_chunk))
+    smem_chunks = chunks // k_parts - reg_chunks
     chunk_bytes = _chunk_bytes(warps, rpw)
     staging = (_mma_staging_bytes(batch, chunks, vec, warps, rpw) if mma
                else _staging_bytes(batch, chunks, vec, warps, rpw))
@@ -270,7 +285,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
                  vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
                  items=items, reg_estimate=fixed + reg_chunks * per_chunk,
                  smem_bytes=smem_chunks * chunk_bytes + staging, reg_margin=margin,
-                 global_chunks=global_chunks, mma=mma)
+                 global_chunks=global_chunks, mma=mma, k_parts=k_parts)
     if found.smem_bytes > gpu.smem_per_block or found.streamed_bytes > gpu.l2_bytes // 2:
         return None
     return found
@@ -285,8 +300,10 @@ def estimate_ns(p: Plan, batch: int) -> float:
     if p.mma:  # an instruction: 2 clocks of the tensor cores, its A fragments from shared memory
         staged = mma_staged_rows(batch) // MMA_ROWS  # 8 or 16 rows: 256 or 512 bytes
         tf32 = 8 // p.vec  # TF32: two instructions of 8 k a 16, twice the bytes of A
-        products = (p.warps * p.chunks * 2 * p.vec * mma_tiles(batch) * (2 + 2 * staged)
+        products = (p.row_groups * p.chunks * 2 * p.vec * mma_tiles(batch) * (2 + 2 * staged)
                     * tf32 / clock)
+        if p.k_parts > 1:  # the parts' sums added through shared memory, and a barrier
+            products += 100 + p.warps * p.rows_per_warp * batch * 4 / (128 * clock)
     else:
         products = p.threads * p.chunks * p.rows_per_warp * p.vec * batch / (128 * clock)
     stage = batch * p.chunks * 32 * p.vec * 4
@@ -436,6 +453,10 @@ MMA_DTYPES = ("float16", "bfloat16", "float32")
 #: step, CUDA cores / tensor cores: GRU 1024 N=1 2.05 / 2.20 (3 warps), GRU 2048 N=1 3.17 /
 #: 3.72, LSTM 512 N=32 4.81 / 5.56 (2 warps); bfloat16 LSTM 1024 N=1 2.44 / 2.54).
 MMA_MIN_BATCH, MMA_MIN_WARPS = 2, 4
+#: Warps a row group's K may be split among on tensor cores (``Plan.k_parts``; "K split"):
+#: a block of few units (the backward pass's rows of W_hh^T, K = G*H deep) then still has
+#: warps enough, and each lane holds 1/KQ of its rows' weights.
+K_PARTS = (1, 2, 4, 8)
 #: Fewest batch rows a group in TF32: whole tiles only (half a tile's zero rows are the 16-bit
 #: A fragments' layout), and up to 8 rows the CUDA cores' float32 plans are as fast.
 TF32_MIN_BATCH = 9
@@ -495,15 +516,18 @@ def mma_staging_bytes(p: Plan, batch: int) -> int:
 def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
              kept: int | None = None, reg_margin: int = REG_MARGIN,
              batch_groups: int | None = None, warps: int | None = None,
-             max_blocks: int | None = None, params: int = 0) -> Plan:
+             max_blocks: int | None = None, params: int = 0, mma: bool = False) -> Plan:
     """The plan of the backward recurrence of a layer of ``gates`` G (see "Backward through
     time"): one row a unit, K = G*H; a pair keeps ``kept`` P values of the step's projections
     (default G), the previous states, the gradients carried through the cell, dy and, for
     each of the cell's ``params`` per-unit parameters, its value and its gradient summed over
-    the steps in registers. Batch groups as :func:`plan` decides them (default: chosen)."""
+    the steps in registers. Batch groups as :func:`plan` decides them (default: chosen).
+    ``mma``: the products on tensor cores, K split among a row group's warps where that fits
+    better (16-bit weights)."""
     return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
                 batch_groups=batch_groups, width=gates * hidden,
-                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params)
+                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
+                split_k=mma)
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
@@ -517,7 +541,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
          directions: int = 1, layers: int = 1, width: int | None = None,
-         pair_regs: int | None = None, mma: bool = False) -> Plan:
+         pair_regs: int | None = None, mma: bool = False, split_k: bool = False) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -532,7 +556,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     the vector the products take, if not H (the backward pass, :func:`backward`);
     ``pair_regs``: registers a (unit, batch) pair needs, if not 2*G + states. ``mma``: the
     products on tensor cores (see "Tensor cores"; batch groups by default: the most whose
-    weights fit in registers, else the fewest that fit)."""
+    weights fit in registers, else the fewest that fit); ``split_k``: there a row group's K
+    may be split among warps (:data:`K_PARTS`; the backward pass's)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
@@ -543,7 +568,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
         more = {"directions": directions, "layers": layers, "width": width,
-                "pair_regs": pair_regs, "mma": mma}
+                "pair_regs": pair_regs, "mma": mma, "split_k": split_k}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
 
         def fitting(tried):  # the plans that fit, up to the first with every weight in registers
@@ -610,9 +635,10 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     cap = min(gpu.sms // grids, max_blocks or gpu.sms) // batch_groups
     best = None
     for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
-        for wn in (warps,) if warps or mma else WARPS:
+        for wn, parts in ([(warps, q) for q in (K_PARTS if split_k else (1,))] if mma
+                          else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
             found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream,
-                         width, pair_regs, mma)
+                         width, pair_regs, mma, parts)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, local) < estimate_ns(best, local):

@@ -123,6 +123,25 @@ def _chain_sum(spec, dacc, m, c):
     return total
 
 
+def _parts_sum(hs, e, size, parts):
+    total = hs[e]
+    for q in range(1, parts):
+        total = total + hs[q * size + e]
+    return total
+
+
+@T.macro
+def add_parts(spec, hs, tx):
+    """With K split among KQ warps (:attr:`~..planner.Plan.k_parts`): each part's sums are
+    [RG*RW, N/NG] in ``hs`` one after another (:func:`store_sums` by warp); the first part's
+    become the sums of all, added in the parts' order."""
+    size, parts, threads = T.meta_var((spec.plan.row_groups * spec.plan.rows_per_warp
+                                       * spec.local_batch, spec.plan.k_parts, spec.plan.threads))
+    for e in spec.spread(size):
+        if e * threads + tx < size:
+            hs[e * threads + tx] = _parts_sum(hs, e * threads + tx, size, parts)
+
+
 @T.macro
 def store_sums(spec, hs, dacc, warp, lane):
     """The lane's sums into ``hs`` [Wn*RW, N/NG]: of tile m, sum c is batch row m*16 + lane //

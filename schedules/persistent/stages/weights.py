@@ -61,7 +61,8 @@ def streamed(spec, wv, w, gc, blk, warp, lane, q):
 
 @T.macro
 def each_chunk(spec, body, wv, wreg, wsm, w, blk, warp, lane):
-    """``body(i, read)`` for every chunk i, ``read(q)`` putting its row q in ``wv``. The
+    """``body(i, read)`` for every chunk i of the warp's (with K split among KQ warps, those
+    of its part, i counted in all of K), ``read(q)`` putting its row q in ``wv``. The
     shared-memory chunks are a loop unrolled by the plan's ``unroll`` (so that one chunk's
     loads overlap another's products); the streamed ones a loop, not unrolled: unrolled, ptxas
     hoisted all their loads (a plan streaming 6 of 7 chunks needed 255 registers and spilled,
@@ -69,13 +70,15 @@ def each_chunk(spec, body, wv, wreg, wsm, w, blk, warp, lane):
     failure" in 15 of 22 runs; as a loop 30 of 30 passed)."""
     p = T.meta_var(spec.plan)
     kr, ks, unroll = T.meta_var((p.reg_chunks, p.smem_chunks, spec.smem_unroll))
+    first = T.meta_var(warp // p.row_groups * p.warp_chunks if p.k_parts > 1 else 0)
     if kr > 0:
         for i in T.unroll(kr):
-            body(i, partial(from_registers, spec, wv, wreg, i))
+            body(first + i, partial(from_registers, spec, wv, wreg, i))
     if ks > 0:
         for so in range(ks // unroll):
             for si in T.unroll(unroll):
-                body(kr + so * unroll + si, partial(from_shared, spec, wv, wsm, so, si, warp, lane))
+                body(first + kr + so * unroll + si,
+                     partial(from_shared, spec, wv, wsm, so, si, warp, lane))
     if p.global_chunks > 0:
         for gc in range(p.global_chunks):
             body(kr + ks + gc, partial(streamed, spec, wv, w, gc, blk, warp, lane))
