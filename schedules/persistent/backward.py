@@ -9,7 +9,9 @@ T - 1 - t; in it the block
    (``cell_backward``);
 2. stages dGH_{t+1} [N, G*H] as the other blocks published it (``exchange``; zeros at t = 0);
 3. multiplies its rows of W_hh^T by it: dh_t's part through the recurrence, for its units
-   (``cuda_cores``, ``reduction``), in shared memory;
+   (``cuda_cores``, ``reduction``; or ``tensor_cores`` for 16-bit weights, dGH staged in the
+   A fragments' order and rounded to the weights' type, each row group's K split among
+   ``plan.k_parts`` warps whose sums are added in shared memory), in shared memory;
 4. applies the cell's derivative to its pairs (``cell_backward``): dGI (and dGH) of the step
    to global memory, dGH published for the next step, the states' gradients carried (and
    the per-unit parameters' gradients summed, in registers);
@@ -36,7 +38,7 @@ from .stages import cell_backward, cuda_cores, exchange, tensor_cores, weights
 def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
            lengths: bool = False):
     """The backward kernel of a cell's traced step ``graph`` (:mod:`rnncc.cells.autodiff`) for
-    ``plan`` (:func:`.planner.backward`; CUDA cores), a PrimFunc named "persistent_backward"
+    ``plan`` (:func:`.planner.backward`), a PrimFunc named "persistent_backward"
     whose parameters :func:`.buffers.backward_parameters` lists. ``kept``: the parts of the
     projections the training forward kept (:func:`rnncc.lowering.training.kept_parts`);
     ``dtype``: the storage dtype of the weights, dy and the states' gradients; ``batch``: N,
