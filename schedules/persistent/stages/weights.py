@@ -59,6 +59,11 @@ def streamed(spec, wv, w, gc, blk, warp, lane, q):
         wv[v] = w[blk, warp, p.reg_chunks + p.smem_chunks + gc, q, lane, v]
 
 
+def _chunk_index(first, i):
+    """Chunk i of the warp's in all of K (``first``: its part's first chunk, None: no split)."""
+    return i if first is None else first + i
+
+
 @T.macro
 def each_chunk(spec, body, wv, wreg, wsm, w, blk, warp, lane):
     """``body(i, read)`` for every chunk i of the warp's (with K split among KQ warps, those
@@ -70,14 +75,14 @@ def each_chunk(spec, body, wv, wreg, wsm, w, blk, warp, lane):
     failure" in 15 of 22 runs; as a loop 30 of 30 passed)."""
     p = T.meta_var(spec.plan)
     kr, ks, unroll = T.meta_var((p.reg_chunks, p.smem_chunks, spec.smem_unroll))
-    first = T.meta_var(warp // p.row_groups * p.warp_chunks if p.k_parts > 1 else 0)
+    first = T.meta_var(warp // p.row_groups * p.warp_chunks if p.k_parts > 1 else None)
     if kr > 0:
         for i in T.unroll(kr):
-            body(first + i, partial(from_registers, spec, wv, wreg, i))
+            body(_chunk_index(first, i), partial(from_registers, spec, wv, wreg, i))
     if ks > 0:
         for so in range(ks // unroll):
             for si in T.unroll(unroll):
-                body(first + kr + so * unroll + si,
+                body(_chunk_index(first, kr + so * unroll + si),
                      partial(from_shared, spec, wv, wsm, so, si, warp, lane))
     if p.global_chunks > 0:
         for gc in range(p.global_chunks):
