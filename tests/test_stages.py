@@ -931,6 +931,9 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
                                np.zeros((2, n, g * h), np.uint64))[1]
         else:
             args["cnt"] = np.zeros(p.batch_groups, np.uint32)
+        if buffers.published_h(p, n, dtype):  # NaN: the kernel zeroes what none publishes
+            shape, hx_dtype = buffers.published_h(p, n, dtype)
+            args["hx"] = np.full(shape, np.nan, hx_dtype)
         if ln is not None:
             args["lengths"] = ln.astype(np.int32)
         params = [rng.standard_normal(h).astype(dtype) for _ in range(count)]

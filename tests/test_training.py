@@ -365,6 +365,40 @@ def test_half_network_gradients_on_cuda_match_float64(half, bound, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind, h, n, half, parts", [
+    ("LSTM", 1024, 32, torch.bfloat16, 4),  # K = 4096 split among 4 warps, dGH copied
+    ("GRU", 256, 32, torch.float16, 1),
+    ("LSTM", 257, 13, torch.float16, 1),
+])
+def test_half_gradients_through_the_tensor_core_backward_kernel(kind, h, n, half, parts, rng):
+    """16-bit layers whose backward recurrence is the persistent kernel on tensor cores (its
+    plan says so, K split among ``parts`` warps): every gradient within half precision of
+    torch's float64 ones from the same rounded weights, inputs and loss, over 30 steps."""
+    from rnncc.compiler import cache
+
+    module = cache.compiled(kind.lower(), h, h, n, dtype=str(half).replace("torch.", ""),
+                            training=True)
+    plan = module.metadata["schedule"]["persistent_backward"]["plan"]
+    assert plan["mma"] and plan["k_parts"] == parts
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    theirs = getattr(torch.nn, kind)(h, h).to(half)
+    ours = rnncc.nn.from_torch(theirs).cuda()
+    theirs.double()
+    x = torch.randn(30, n, h).to(half).double().requires_grad_()
+    grads = []
+    for net, inp in ((theirs, x), (ours, x.detach().to(half).cuda().requires_grad_())):
+        y, finals = net(inp)
+        gen = torch.Generator().manual_seed(3)
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        loss = sum((t * torch.randn(t.shape, generator=gen).to(half).to(t.device, t.dtype))
+                   .sum() for t in (y, *finals))
+        loss.backward()
+        grads.append([inp.grad] + [p.grad for p in net.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        assert _err(got.float().cpu(), want.numpy()) < (5e-2 if half == torch.bfloat16 else 1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_half_training_forward_matches_float64_past_the_persistent_batch(kind, rng):
     """bfloat16 at batch 128 (past the persistent kernel's 64: the training forward's steps

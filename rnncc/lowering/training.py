@@ -417,7 +417,7 @@ class _Backward:
         """``persistent_backward``: the recurrence as one persistent kernel (W_hh^T packed for
         it each call, from the packed W_hh the entry takes), then the weights' gradients as
         ``backward``'s."""
-        from ..schedules.persistent import backward
+        from ..schedules.persistent import backward, buffers
         from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
         b, p = self.b, self.p
@@ -444,6 +444,9 @@ class _Backward:
             sync = b.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
             prologue.append(self.elementwise("zero_counter_backward", comp.zeros(
                 (plan.batch_groups,), "uint32"), [Region(sync, (ALL,))]))
+        published = buffers.published_h(plan, n, p.dtype)  # dGH for the next staging
+        hx = (b.param(sig, "dgh_published", published[0], "workspace", published[1])
+              if published else None)
         func = backward.kernel(autodiff.trace(p.cell), io.parts, h, n, plan, p.dtype,
                                io.lengths is not None)
         self.b.lowered.rules["persistent_backward"] = f"persistent.{plan.sync}"
@@ -459,9 +462,11 @@ class _Backward:
                 if io.per_unit else None)
         outputs += [Region(sums, (ALL,) * 3)] if sums is not None else []
         outputs += [Region(xch, (ALL,) * 3), Region(sync, (ALL,) * len(sync.shape))]
+        outputs += [Region(hx, (ALL,))] if hx is not None else []
         prologue.append(Stage("persistent_backward", func, inputs + outputs, len(outputs)))
         grads, views, spaces = self._weight_grads(io, sig)
         grads = self._param_sums(io, sums) + grads
-        params = [*io.params, w_t, xch, sync, *([sums] if sums is not None else []), *spaces]
+        params = [*io.params, w_t, xch, sync, *([hx] if hx is not None else []),
+                  *([sums] if sums is not None else []), *spaces]
         b.add("persistent_backward", sequence_function(
             "persistent_backward", params, prologue, None, None, [], grads, views), sig)

@@ -7,7 +7,9 @@ T - 1 - t; in it the block
 
 1. prefetches its pairs' kept parts of the step's projections, previous states and dy
    (``cell_backward``);
-2. stages dGH_{t+1} [N, G*H] as the other blocks published it (``exchange``; zeros at t = 0);
+2. stages dGH_{t+1} [N, G*H] as the other blocks published it (``exchange``; zeros at t = 0;
+   on tensor cores in 16 bits a copy of dGH as published a second time in the staging's
+   order and type, ``hx``, as the forward kernel stages h);
 3. multiplies its rows of W_hh^T by it: dh_t's part through the recurrence, for its units
    (``cuda_cores``, ``reduction``; or ``tensor_cores`` for 16-bit weights, dGH staged in the
    A fragments' order and rounded to the weights' type, each row group's K split among
@@ -60,28 +62,33 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
             b = T.meta_var(buffers.on_chip(spec, pairs=False))
             r = T.meta_var(buffers.backward_pairs(spec, len(kept)))
             staged = T.meta_var(b.hs16 if p.mma else b.hs)
+            published = T.meta_var(partial(products.store_h, spec, g.hx)
+                                   if g.hx is not None else None)
             for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
                     weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
                     if p.mma:
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
+                    if g.hx is not None:
+                        exchange.zero_unpublished(spec, published, bx, tx)
                     cell_backward.load_constants(spec, g.d_final, g.lengths, g.params, r, b.ln,
                                                  bx, tx)
                     for t in range(g.T_len):
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)
                         exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                         partial(products.store_h, spec, staged, 0), t, bx, tx)
+                                         partial(products.store_h, spec, staged, 0), t, bx, tx,
+                                         g.hx, staged)
                         T.tvm_storage_sync("shared.dyn")
                         gate_sums(spec, b, g.w, blk, warp, lane)
                         cell_backward.apply(spec, graph, kept, g.dgi, g.dgh, b.hs, r, b.ln,
-                                            partial(exchange.publish, spec, g.xch, g.hw, t), t,
-                                            g.T_len, bx, tx)
+                                            partial(exchange.publish, spec, g.xch, g.hw, t,
+                                                    published=published), t, g.T_len, bx, tx)
                         exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
                     exchange.stage_h(spec, g.xch, g.hw, b.tv,
                                      partial(products.store_h, spec, staged, 0), g.T_len, bx,
-                                     tx)
+                                     tx, g.hx, staged)
                     T.tvm_storage_sync("shared.dyn")
                     gate_sums(spec, b, g.w, blk, warp, lane)
                     cell_backward.store_initial(spec, g.d_initial, g.dps, b.hs, r, bx, tx)

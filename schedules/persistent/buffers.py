@@ -138,7 +138,8 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     dGH, unless ``summed``: every gate kept as a sum, where the two are equal), (the per-unit
     parameters' gradients summed over the steps, a batch row each, ``dps`` [params, N, H]
     float32), and the exchange: the published dGH [2,N,G*H] float32, then the tagged words
-    [2,N,G*H] uint64 or the barrier counters [NG] uint32."""
+    [2,N,G*H] uint64 or the barrier counters [NG] uint32, (and dGH as published for the next
+    step's staging ``hx``, where the planner says so: :func:`published_h`)."""
     p, dt, n, h = spec.plan, spec.dtype, spec.batch, spec.hidden
     states, gh = spec.states, gates * h
     per_unit = [f"p{k}" for k in range(spec.params)]
@@ -146,9 +147,12 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     names += ["dy", *[f"dn{k}" for k in range(states)], *per_unit]
     names += [f"d0{k}" for k in range(states)] + ["dgi"] + ([] if summed else ["dgh"])
     names += (["dps"] if spec.params else []) + ["xch", "hw" if spec.tagged else "cnt"]
+    published = published_h(p, n, dt)
+    names += ["hx"] if published else []
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
-    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, dps=None, hw=None, cnt=None)
+    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, dps=None, hw=None, cnt=None,
+                          hx=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -175,6 +179,8 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
         out.hw = match("hw", "hw", (2, n, gh), "uint64")
     else:
         out.cnt = match("cnt", "cnt", (p.batch_groups,), "uint32")
+    if published:
+        out.hx = match("hx", "hx", *published)
     return out
 
 
