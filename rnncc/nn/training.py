@@ -19,6 +19,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from ..errors import InputError
+from ..runtime.streams import side_stream
 from .network import aligned, bucket
 
 
@@ -81,18 +82,6 @@ def reversed_steps(x, lengths):
     return x.gather(0, index[:, :, None].expand(-1, -1, x.shape[2]))
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device):
-    """The stream the reverse direction runs on, one a device: both directions' kernels at
-    once, each direction's backward on its forward's stream (torch's autograd does that)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
-    return _SIDE_STREAMS[index]
-
-
 def _on_side(side, module, args):
     """``_Layer.apply(module, *args)`` on the stream ``side``, after the work queued so far on
     the current stream; the current stream then waits for it. Tensors made on one stream and
@@ -130,7 +119,7 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
     if lengths is not None:
         lengths = aligned(lengths.to(torch.int32))
     dtype = str(x.dtype).replace("torch.", "")
-    side = _side_stream(x.device) if x.is_cuda and lay.directions == 2 else None
+    side = side_stream(x.device) if x.is_cuda and lay.directions == 2 else None
     finals: list = [[] for _ in states]
     layer_input = x
     for layer in range(lay.layers):

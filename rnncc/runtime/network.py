@@ -13,7 +13,8 @@ by torch's names (``weight_ih_l{k}[_reverse]`` [G*H, C or D*H], ``weight_hh_l{k}
 
 The network runs as stages, in layer order (:class:`Stage`): a wavefront module of several
 unidirectional layers (one persistent launch), a layer module of all its directions, or a
-one-direction module run once a direction (the reverse one on each sample's steps reversed).
+one-direction module run once a direction (the reverse one on each sample's steps reversed;
+on CUDA with PyTorch on a second stream, beside the forward one).
 A wavefront that cannot run on the device runs layer by layer on its stage's fallback module,
 and says so. Arrays: NumPy (host; each module copies to its device), PyTorch or CuPy; results
 come back as the kind ``x`` was.
@@ -24,6 +25,7 @@ modules' shared libraries, each once. Loading needs only TVM's runtime.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +38,7 @@ from . import metadata as md
 from .arrays import family_of
 from .files import write_atomically
 from .module import Module, check_packed
+from .streams import side_stream
 
 FORMAT = 1
 MANIFEST = "network.json"
@@ -274,22 +277,27 @@ class Network:
             if between is not None and any(run[2] > 1 for run in stage_runs):
                 raise InputError("between() needs the weights packed layer by layer")
             outputs = []
+            # a split stage: the reverse direction beside the forward one (where ops can)
+            side = ops.fork(x) if stage_runs[-1][3] == 1 else None
             for run, pack in zip(stage_runs, packs):
                 module, layer, count, direction = run
                 first = layer * self.directions + (direction or 0)
                 own = slice(first, first + count * module.directions)
-                initial = {f"{n}0": None if s is None else ops.rows(s, own)
-                           for n, s in zip(self.states, states)}
-                source = x if direction != 1 else ops.reverse(x, lengths)
-                y, ends = module(source, pack, lengths=lengths, **initial)
-                ends = ends if isinstance(ends, tuple) else (ends,)
-                outputs.append(y if direction != 1 else ops.reverse(y, lengths))
+                with ops.on(side if direction == 1 else None):
+                    initial = {f"{n}0": None if s is None else ops.rows(s, own)
+                               for n, s in zip(self.states, states)}
+                    source = x if direction != 1 else ops.reverse(x, lengths)
+                    y, ends = module(source, pack, lengths=lengths, **initial)
+                    ends = ends if isinstance(ends, tuple) else (ends,)
+                    outputs.append(y if direction != 1 else ops.reverse(y, lengths))
                 for k, end in enumerate(ends):
                     finals[k].append(end)
                 if direction is None:
                     x = outputs.pop()
                     if between is not None and layer < self.layers - 1:
                         x = between(x)
+                elif direction == 1:
+                    ops.join(side, [outputs[-1], *ends])
             if outputs:  # a split stage: the two directions side by side
                 x = ops.cat(outputs, 2)
                 if between is not None and stage_runs[0][1] < self.layers - 1:
@@ -302,6 +310,19 @@ class _Ops:
 
     def __init__(self, lib, take):
         self.lib, self._take = lib, take
+
+    def fork(self, x):
+        """Before a bidirectional layer's two runs: where its reverse direction runs beside
+        the forward one (None: after it, on the same stream)."""
+        return None
+
+    def on(self, side):
+        """A context in which work goes to ``side`` (:meth:`fork`'s), or where it goes."""
+        return contextlib.nullcontext()
+
+    def join(self, side, results: list) -> None:
+        """After the reverse direction's run on ``side``: what follows waits for it, and its
+        ``results`` are used there."""
 
     def rows(self, a, own: slice):
         return self.lib.ascontiguousarray(a[own])
@@ -326,6 +347,27 @@ class _TorchOps(_Ops):
         import torch
 
         self.torch = torch
+
+    def fork(self, x):
+        """On CUDA the side stream (:func:`.streams.side_stream`), after the work queued so
+        far on the current stream: per-step kernels that leave most of the GPU idle (a split
+        stage's modules are not persistent) overlap with the other direction's."""
+        if not x.is_cuda:
+            return None
+        side = side_stream(x.device)
+        side.wait_stream(self.torch.cuda.current_stream(x.device))
+        return side
+
+    def on(self, side):
+        return contextlib.nullcontext() if side is None else self.torch.cuda.stream(side)
+
+    def join(self, side, results: list) -> None:
+        if side is None:
+            return
+        main = self.torch.cuda.current_stream(side.device)
+        main.wait_stream(side)
+        for r in results:  # made on side, used (and freed) on the current stream
+            r.record_stream(main)
 
     def rows(self, a, own: slice):
         return a[own].clone(memory_format=self.torch.contiguous_format)
