@@ -972,10 +972,11 @@ BACKWARD_KERNELS = {
         1, 32, 3, "bfloat16", 16, 2, width=128, sync="barrier", mma=True, rows_per_warp=8)),
     "tensor cores, tiles": lambda: ("gru", 24, 20, "float16", crafted(
         1, 24, 20, "float16", 8, 1, width=72, sync="barrier", mma=True, rows_per_warp=8)),
-    "tensor cores, K split among warps": lambda: ("lstm", 64, 3, "bfloat16", split_k(crafted(
-        1, 64, 3, "bfloat16", 16, 2, width=1024, sync="barrier", mma=True, rows_per_warp=8), 4)),
-    "tensor cores, tiles, K split": lambda: ("gru", 24, 20, "float16", split_k(crafted(
-        1, 24, 20, "float16", 8, 1, width=512, sync="barrier", mma=True, rows_per_warp=8), 2)),
+    # below, K = G*H reaches every part's chunks: each part's products count
+    "tensor cores, K split among warps": lambda: ("lstm", 256, 3, "bfloat16", split_k(crafted(
+        1, 256, 3, "bfloat16", 16, 2, width=1024, sync="barrier", mma=True, rows_per_warp=8), 4)),
+    "tensor cores, tiles, K split": lambda: ("gru", 160, 20, "float16", split_k(crafted(
+        1, 160, 20, "float16", 16, 2, width=480, sync="barrier", mma=True, rows_per_warp=8), 2)),
     "tensor cores, planned": lambda: ("lstm", 256, 12, "bfloat16", planner.backward(
         4, 256, 12, "bfloat16", H100, 2, mma=True, max_blocks=8)),
 }
