@@ -81,7 +81,8 @@ def test_module_matches_reference(hidden, proj, batch, directions, lengths, targ
 
 
 @pytest.mark.skipif(not has_nvcc(), reason="the CUDA build needs nvcc")
-@pytest.mark.parametrize("directions", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # 8-14 s a build; the GPU tests run the folded kernel
+@pytest.mark.parametrize("directions", [1, 2])
 def test_cuda_persistent_kernel_with_w_hh_w_hr_folded(directions):
     """Inference runs the persistent kernel on h' with W_hh W_hr packed as its matrix, both
     directions in one launch; training says why it does not."""
