@@ -748,8 +748,9 @@ def test_nn_matches_torch_on_the_gpu(torch, kind, layers, bidirectional, batch_f
 
 def test_nn_bidirectional_past_one_launch_runs_each_direction_persistently(torch, rng):
     """LSTM 512 at batch 64: both directions' batch groups do not fit in one launch, one
-    direction's do; each direction then runs its own persistent module in turn (the reverse
-    one on reversed steps), with packed lengths, against cuDNN and torch's float64."""
+    direction's do; each direction then runs its own persistent module (the reverse one on
+    reversed steps, on the side stream), with packed lengths, against cuDNN and torch's
+    float64, and replayed from a CUDA graph as it ran eagerly."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     theirs = torch.nn.LSTM(512, 512, num_layers=2, bidirectional=True)
     ours = rnncc.nn.from_torch(theirs).cuda()
@@ -769,6 +770,15 @@ def test_nn_bidirectional_past_one_launch_runs_each_direction_persistently(torch
     (compiled,) = network._compiled.values()
     assert {s.kind for s in compiled.stages} == {"split"}
     assert {s.module.metadata["schedule"]["kind"] for s in compiled.stages} == {"persistent"}
+    seq = pack(x.cuda(), lengths, enforce_sorted=False)
+    with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, _ = ours(seq)
+        out.data.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert np.array_equal(out.data.double().cpu().numpy(), mine[0])
     for expect in (run(theirs, "cpu", torch.float64), run(theirs, "cuda", torch.float32)):
         for a, b in zip(mine, expect):
             assert reference.relative_error(a, b) < TOL_F32
