@@ -367,6 +367,7 @@ def test_half_network_gradients_on_cuda_match_float64(half, bound, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, h, n, half, parts", [
     ("LSTM", 1024, 32, torch.bfloat16, 4),  # K = 4096 split among 4 warps, dGH copied
+    ("GRU", 1024, 64, torch.bfloat16, 4),  # 2 groups of 32 rows: 2 tiles a group
     ("GRU", 256, 32, torch.float16, 1),
     ("LSTM", 257, 13, torch.float16, 1),
 ])
