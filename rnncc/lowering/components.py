@@ -590,7 +590,7 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
         w = te.placeholder((i64(gates * hidden), i64(hidden)), dtype, "w")
         inputs = [w]
     u, rw, vec = plan.units, plan.rows_per_warp, plan.vec
-    shape = tuple(i64(d) for d in (plan.group_blocks, plan.warps, plan.warp_chunks, rw, 32, vec))
+    shape = tuple(i64(d) for d in plan.packed_shape)
     if transposed:
         def at(row, k):
             return w[k, row]

@@ -600,8 +600,7 @@ class _Builder:
                       "persistent_pack_w_ih")
         t_len = tirx.Var("T", "int64")
         sig = []
-        w_shape = (plan.group_blocks, plan.warps, plan.warp_chunks, plan.rows_per_warp, 32,
-                   plan.vec)
+        w_shape = plan.packed_shape
         x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn = self.io(
             sig, t_len, self.layout.weight_shape(g, h, h) if history else w_shape, w_ih_shape)
         acc = accum_dtype(p.dtype)

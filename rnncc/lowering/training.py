@@ -425,9 +425,7 @@ class _Backward:
         gh = g * h
         sig = []
         io = self._io(sig)
-        packed_shape = (plan.group_blocks, plan.warps, plan.warp_chunks, plan.rows_per_warp,
-                        32, plan.vec)
-        w_t = b.param(sig, "w_hh_t_packed", packed_shape, "workspace")
+        w_t = b.param(sig, "w_hh_t_packed", plan.packed_shape, "workspace")
         xch = b.param(sig, "dgh_exchanged", (2, n, gh), "workspace", "float32")
         prologue = [
             self.elementwise("persistent_pack_w_hh_t", comp.pack_persistent(

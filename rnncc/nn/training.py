@@ -19,7 +19,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from ..errors import InputError
-from ..runtime.streams import side_stream
+from ..runtime import streams
 from .network import aligned, bucket
 
 
@@ -82,20 +82,18 @@ def reversed_steps(x, lengths):
     return x.gather(0, index[:, :, None].expand(-1, -1, x.shape[2]))
 
 
-def _on_side(side, module, args):
-    """``_Layer.apply(module, *args)`` on the stream ``side``, after the work queued so far on
-    the current stream; the current stream then waits for it. Tensors made on one stream and
-    used on the other are recorded there (the allocator keeps them until both are done)."""
-    main = torch.cuda.current_stream(side.device)
-    side.wait_stream(main)
+def _on_side(device, module, args):
+    """``_Layer.apply(module, *args)`` on the side stream of ``device``
+    (:func:`rnncc.runtime.streams.fork`), after the work queued so far on the current stream;
+    the current stream then waits for it. Tensors made on one stream and used on the other are
+    recorded there (the allocator keeps them until both are done)."""
+    side = streams.fork(device)
     for a in args:
         if isinstance(a, torch.Tensor):
             a.record_stream(side)
     with torch.cuda.stream(side):
         results = _Layer.apply(module, *args)
-    main.wait_stream(side)
-    for r in results:
-        r.record_stream(main)
+    streams.join(side, results)
     return results
 
 
@@ -119,7 +117,7 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
     if lengths is not None:
         lengths = aligned(lengths.to(torch.int32))
     dtype = str(x.dtype).replace("torch.", "")
-    side = side_stream(x.device) if x.is_cuda and lay.directions == 2 else None
+    beside = x.is_cuda and lay.directions == 2  # the reverse direction on the side stream
     finals: list = [[] for _ in states]
     layer_input = x
     for layer in range(lay.layers):
@@ -137,8 +135,8 @@ def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | N
             seq = layer_input if d == 0 else reversed_steps(layer_input, lengths)
             args = (aligned(seq), lengths, len(states),
                     *(aligned(s[row:row + 1]) for s in states), *given)
-            if d == 1 and side is not None:
-                y, *last = _on_side(side, module, args)
+            if d == 1 and beside:
+                y, *last = _on_side(x.device, module, args)
             else:
                 y, *last = _Layer.apply(module, *args)
             outputs.append(y if d == 0 else reversed_steps(y, lengths))

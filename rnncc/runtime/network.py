@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from ..errors import InputError, ModuleFileError, warn
 from . import metadata as md
+from . import streams
 from .arrays import family_of
 from .files import write_atomically
 from .module import Module, check_packed
-from .streams import side_stream
 
 FORMAT = 1
 MANIFEST = "network.json"
@@ -352,22 +352,14 @@ class _TorchOps(_Ops):
         """On CUDA the side stream (:func:`.streams.side_stream`), after the work queued so
         far on the current stream: per-step kernels that leave most of the GPU idle (a split
         stage's modules are not persistent) overlap with the other direction's."""
-        if not x.is_cuda:
-            return None
-        side = side_stream(x.device)
-        side.wait_stream(self.torch.cuda.current_stream(x.device))
-        return side
+        return streams.fork(x.device) if x.is_cuda else None
 
     def on(self, side):
         return contextlib.nullcontext() if side is None else self.torch.cuda.stream(side)
 
     def join(self, side, results: list) -> None:
-        if side is None:
-            return
-        main = self.torch.cuda.current_stream(side.device)
-        main.wait_stream(side)
-        for r in results:  # made on side, used (and freed) on the current stream
-            r.record_stream(main)
+        if side is not None:
+            streams.join(side, results)
 
     def rows(self, a, own: slice):
         return a[own].clone(memory_format=self.torch.contiguous_format)

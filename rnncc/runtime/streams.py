@@ -16,3 +16,23 @@ def side_stream(device):
     if index not in _SIDE:
         _SIDE[index] = torch.cuda.Stream(index)
     return _SIDE[index]
+
+
+def fork(device):
+    """The side stream of ``device``, after the work queued so far on the current stream."""
+    import torch
+
+    side = side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    return side
+
+
+def join(side, results) -> None:
+    """The current stream waits for the work queued on ``side``; ``results`` (tensors made
+    there) are recorded as used on the current stream, where they are used and freed."""
+    import torch
+
+    main = torch.cuda.current_stream(side.device)
+    main.wait_stream(side)
+    for r in results:
+        r.record_stream(main)

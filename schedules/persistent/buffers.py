@@ -99,8 +99,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     else:
         match("xp", "xp", ((t_len + (spec.chunk - 1)) // spec.chunk, spec.chunk, n, gh),
               "float32")
-    match("w", "w", (d * p.group_blocks, p.warps, p.warp_chunks, p.rows_per_warp, 32, p.vec),
-          dt)
+    match("w", "w", (d * p.group_blocks, *p.packed_shape[1:]), dt)
     match("b_hh", "b", (gh,), dt)
     out.params = [match(f"p{k}", f"p{k}", (d * spec.hidden,), dt) for k in range(spec.params)]
     if spec.first:
@@ -159,8 +158,7 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
         IRBuilder.name(name, buffer)
         return buffer
 
-    out.w = match("w", "w", (p.group_blocks, p.warps, p.warp_chunks, p.rows_per_warp, 32,
-                              p.vec), dt)
+    out.w = match("w", "w", p.packed_shape, dt)
     out.pre = match("pre", "pre", (t_len, n, parts * h), "float32")
     out.s = [match(f"s{k}_steps", f"s{k}", (t_len + 1, n, h), "float32") for k in range(states)]
     if spec.lengths:

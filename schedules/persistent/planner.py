@@ -174,6 +174,13 @@ class Plan:
         return self.chunks // self.k_parts
 
     @property
+    def packed_shape(self) -> tuple:
+        """W_hh (or W_hh^T) packed for the plan, one grid's blocks of one batch group: [B/NG,
+        Wn, KI/KQ, RW, 32, VEC] (:func:`rnncc.lowering.components.pack_persistent`)."""
+        return (self.group_blocks, self.warps, self.warp_chunks, self.rows_per_warp, 32,
+                self.vec)
+
+    @property
     def row_groups(self) -> int:
         """Wn / KQ: the warps of distinct rows; warp w holds rows (w % (Wn / KQ))*RW .. and
         part w // (Wn / KQ) of K."""
