@@ -786,14 +786,33 @@ def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
 def test_backward_plan_on_tensor_cores_splits_k(gates, hidden, batch, dtype, parts, groups):
     """16-bit weights: the backward pass's product on tensor cores, a block's few units (the
     rows of W_hh^T, K = G*H deep) with K split among KQ warps each, W_hh^T all in registers;
-    the forward's plans take no split (the planner's split_k). Past what fits (LSTM 1024 at
-    batch 64: a group's dGH [rows, G*H] would not fit in shared memory) none."""
+    the forward's plans take no split (the planner's split_k). Past what fits (LSTM 2048 at
+    batch 64) none."""
     from rnncc.schedules.persistent import planner
 
     p = planner.backward(gates, hidden, batch, dtype, H100, 2, mma=True)
-    assert p.mma and (p.k_parts, p.batch_groups) == (parts, groups)
+    assert p.mma and (p.k_parts, p.batch_groups, p.k_slices) == (parts, groups, 1)
     assert p.warps == p.row_groups * parts and p.smem_chunks == 0
     assert p.reg_chunks == p.warp_chunks == p.chunks // parts
     assert plan(4, hidden, batch, dtype, H100, 2, batch_groups=None, mma=True).k_parts == 1
     with pytest.raises(Unfit, match="need .* KiB on each"):
-        planner.backward(4, 1024, 64, "bfloat16", H100, 2, mma=True)
+        planner.backward(4, 2048, 64, "bfloat16", H100, 2, mma=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_plan_stages_dgh_in_slices_of_k(dtype):
+    """LSTM 1024 at batch 64 in 16 bits: a group's dGH (32 rows x 4096, 256 KiB) does not fit
+    in shared memory; staged in the fewest slices of K that do (two slices at once, 4 x 64
+    KiB), the weights in registers and the barriers (the slices are copies of the published
+    dGH). float32 (CUDA cores, no published copy) and the forward's plans take no slices."""
+    from rnncc.schedules.persistent import planner
+
+    p = planner.backward(4, 1024, 64, dtype, H100, 2, mma=True)
+    assert (p.batch_groups, p.k_parts, p.k_slices, p.smem_chunks) == (2, 4, 4, 0)
+    assert p.sync == "barrier" and planner.publishes_staged_h(p, dtype)
+    assert planner.mma_staging_bytes(p, 32) == 2 * 32 * 4096 * 2 // 4 + 4 * 8 * 8 * 32
+    assert p.smem_bytes == planner.mma_staging_bytes(p, 32) <= H100.smem_per_block
+    assert planner.backward(4, 1024, 16, dtype, H100, 2, mma=True).k_slices == 1  # fits whole
+    assert plan(4, 1024, 64, dtype, H100, 2, batch_groups=None, mma=True).k_slices == 1
+    with pytest.raises(Unfit, match="no split into batch groups of at most 16 fits"):
+        planner.backward(4, 1024, 64, "float32", H100, 2)

@@ -67,6 +67,13 @@ def split_k(p, parts: int):
                                smem_chunks=p.smem_chunks // parts)
 
 
+def in_slices(p, slices: int):
+    """Plan ``p`` (on tensor cores, whole tiles, weights in registers) with dGH staged in
+    ``slices`` slices of K."""
+    assert p.smem_chunks == 0 and p.warp_chunks % slices == 0
+    return dataclasses.replace(p, k_slices=slices)
+
+
 def _llvm(func, *arrays):
     """Run a PrimFunc built for this CPU; the arrays it wrote."""
     tensors = [tvm.runtime.tensor(a) for a in arrays]
@@ -911,9 +918,13 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
         if lengths:
             ln = rng.integers(1, t_len + 1, n)
             ln[0], ln[-1] = 1, t_len
-        args = {"w": w, "pre": pre.copy(), "dy": dy,
-                "xch": np.zeros((2, n, g * h), np.float32)}
-        args["xch"][1] = np.nan
+        args = {"w": w, "pre": pre.copy(), "dy": dy}
+        if buffers.published_h(p, n, dtype):  # zeros, as the entry leaves it
+            shape, hx_dtype = buffers.published_h(p, n, dtype)
+            args["hx"] = np.zeros(shape, hx_dtype)
+        else:
+            args["xch"] = np.zeros((2, n, g * h), np.float32)
+            args["xch"][1] = np.nan
         grads = projection_grad_dtype(dtype)
         if summed and grads == "float32":  # dGI written over the sums, as the entry has it
             args["dgi"] = args["pre"]
@@ -931,9 +942,6 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
                                np.zeros((2, n, g * h), np.uint64))[1]
         else:
             args["cnt"] = np.zeros(p.batch_groups, np.uint32)
-        if buffers.published_h(p, n, dtype):  # NaN: the kernel zeroes what none publishes
-            shape, hx_dtype = buffers.published_h(p, n, dtype)
-            args["hx"] = np.full(shape, np.nan, hx_dtype)
         if ln is not None:
             args["lengths"] = ln.astype(np.int32)
         params = [rng.standard_normal(h).astype(dtype) for _ in range(count)]
@@ -977,6 +985,12 @@ BACKWARD_KERNELS = {
         1, 256, 3, "bfloat16", 16, 2, width=1024, sync="barrier", mma=True, rows_per_warp=8), 4)),
     "tensor cores, tiles, K split": lambda: ("gru", 160, 20, "float16", split_k(crafted(
         1, 160, 20, "float16", 16, 2, width=480, sync="barrier", mma=True, rows_per_warp=8), 2)),
+    # dGH staged in slices of K, each slice a chunk of each part (planner: "Slices of K")
+    "tensor cores, tiles, K split, in slices": lambda: ("lstm", 256, 20, "bfloat16", in_slices(
+        split_k(crafted(1, 256, 20, "bfloat16", 16, 2, width=1024, sync="barrier", mma=True,
+                        rows_per_warp=8), 2), 2)),
+    "tensor cores, tiles, 4 slices": lambda: ("gru", 300, 17, "float16", in_slices(crafted(
+        1, 300, 17, "float16", 32, 4, width=900, sync="barrier", mma=True, rows_per_warp=8), 4)),
     "tensor cores, planned": lambda: ("lstm", 256, 12, "bfloat16", planner.backward(
         4, 256, 12, "bfloat16", H100, 2, mma=True, max_blocks=8)),
 }

@@ -365,22 +365,26 @@ def test_half_network_gradients_on_cuda_match_float64(half, bound, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind, h, n, half, parts", [
-    ("LSTM", 1024, 32, torch.bfloat16, 4),  # K = 4096 split among 4 warps, dGH copied
-    ("GRU", 1024, 64, torch.bfloat16, 4),  # 2 groups of 32 rows: 2 tiles a group
-    ("GRU", 256, 32, torch.float16, 1),
-    ("LSTM", 257, 13, torch.float16, 1),
+@pytest.mark.parametrize("kind, h, n, half, parts, slices", [
+    ("LSTM", 1024, 32, torch.bfloat16, 4, 1),  # K = 4096 split among 4 warps, dGH copied
+    ("GRU", 1024, 64, torch.bfloat16, 4, 1),  # 2 groups of 32 rows: 2 tiles a group
+    ("LSTM", 1024, 64, torch.bfloat16, 4, 4),  # dGH staged in 4 slices of K
+    ("LSTM", 1024, 64, torch.float16, 4, 4),
+    ("GRU", 256, 32, torch.float16, 1, 1),
+    ("LSTM", 257, 13, torch.float16, 1, 1),
 ])
-def test_half_gradients_through_the_tensor_core_backward_kernel(kind, h, n, half, parts, rng):
+def test_half_gradients_through_the_tensor_core_backward_kernel(kind, h, n, half, parts, slices,
+                                                                rng):
     """16-bit layers whose backward recurrence is the persistent kernel on tensor cores (its
-    plan says so, K split among ``parts`` warps): every gradient within half precision of
-    torch's float64 ones from the same rounded weights, inputs and loss, over 30 steps."""
+    plan says so, K split among ``parts`` warps, dGH staged in ``slices`` slices of K): every
+    gradient within half precision of torch's float64 ones from the same rounded weights,
+    inputs and loss, over 30 steps."""
     from rnncc.compiler import cache
 
     module = cache.compiled(kind.lower(), h, h, n, dtype=str(half).replace("torch.", ""),
                             training=True)
     plan = module.metadata["schedule"]["persistent_backward"]["plan"]
-    assert plan["mma"] and plan["k_parts"] == parts
+    assert plan["mma"] and (plan["k_parts"], plan["k_slices"]) == (parts, slices)
     torch.manual_seed(int(rng.integers(1 << 30)))
     theirs = getattr(torch.nn, kind)(h, h).to(half)
     ours = rnncc.nn.from_torch(theirs).cuda()

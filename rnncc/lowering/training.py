@@ -426,13 +426,16 @@ class _Backward:
         sig = []
         io = self._io(sig)
         w_t = b.param(sig, "w_hh_t_packed", plan.packed_shape, "workspace")
-        xch = b.param(sig, "dgh_exchanged", (2, n, gh), "workspace", "float32")
-        prologue = [
-            self.elementwise("persistent_pack_w_hh_t", comp.pack_persistent(
-                g, h, plan, p.dtype, transposed=True), [Region(io.w_hh, (ALL, ALL)),
-                                                         Region(w_t, (ALL,) * 6)]),
-            self.elementwise("zero_exchanged", comp.zeros((2, n, gh), "float32"),
-                             [Region(xch, (ALL,) * 3)])]
+        prologue = [self.elementwise("persistent_pack_w_hh_t", comp.pack_persistent(
+            g, h, plan, p.dtype, transposed=True), [Region(io.w_hh, (ALL, ALL)),
+                                                     Region(w_t, (ALL,) * 6)])]
+        # dGH exchanged in float32, or as the next step's staging copies it (``hx``): zeros
+        name, (shape, dtype) = (("dgh_published", buffers.published_h(plan, n, p.dtype))
+                                if buffers.published_h(plan, n, p.dtype)
+                                else ("dgh_exchanged", ((2, n, gh), "float32")))
+        xch = b.param(sig, name, shape, "workspace", dtype)
+        prologue.append(self.elementwise("zero_exchanged", comp.zeros(shape, dtype),
+                                         [Region(xch, (ALL,) * len(shape))]))
         if plan.sync == "tagged":
             sync = b.param(sig, "dgh_tagged", (2, n, gh), "workspace", "uint64")
             prologue.append(self.elementwise(
@@ -442,9 +445,6 @@ class _Backward:
             sync = b.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
             prologue.append(self.elementwise("zero_counter_backward", comp.zeros(
                 (plan.batch_groups,), "uint32"), [Region(sync, (ALL,))]))
-        published = buffers.published_h(plan, n, p.dtype)  # dGH for the next staging
-        hx = (b.param(sig, "dgh_published", published[0], "workspace", published[1])
-              if published else None)
         func = backward.kernel(autodiff.trace(p.cell), io.parts, h, n, plan, p.dtype,
                                io.lengths is not None)
         self.b.lowered.rules["persistent_backward"] = f"persistent.{plan.sync}"
@@ -459,12 +459,11 @@ class _Backward:
         sums = (b.param(sig, "dparam_sums", (len(io.per_unit), n, h), "workspace", "float32")
                 if io.per_unit else None)
         outputs += [Region(sums, (ALL,) * 3)] if sums is not None else []
-        outputs += [Region(xch, (ALL,) * 3), Region(sync, (ALL,) * len(sync.shape))]
-        outputs += [Region(hx, (ALL,))] if hx is not None else []
+        outputs += [Region(xch, (ALL,) * len(xch.shape)), Region(sync, (ALL,) * len(sync.shape))]
         prologue.append(Stage("persistent_backward", func, inputs + outputs, len(outputs)))
         grads, views, spaces = self._weight_grads(io, sig)
         grads = self._param_sums(io, sums) + grads
-        params = [*io.params, w_t, xch, sync, *([hx] if hx is not None else []),
+        params = [*io.params, w_t, xch, sync,
                   *([sums] if sums is not None else []), *spaces]
         b.add("persistent_backward", sequence_function(
             "persistent_backward", params, prologue, None, None, [], grads, views), sig)

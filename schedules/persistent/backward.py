@@ -9,11 +9,13 @@ T - 1 - t; in it the block
    (``cell_backward``);
 2. stages dGH_{t+1} [N, G*H] as the other blocks published it (``exchange``; zeros at t = 0;
    on tensor cores in 16 bits a copy of dGH as published a second time in the staging's
-   order and type, ``hx``, as the forward kernel stages h);
+   order and type, ``hx``, as the forward kernel stages h, zeros before the launch);
 3. multiplies its rows of W_hh^T by it: dh_t's part through the recurrence, for its units
    (``cuda_cores``, ``reduction``; or ``tensor_cores`` for 16-bit weights, dGH staged in the
    A fragments' order and rounded to the weights' type, each row group's K split among
-   ``plan.k_parts`` warps whose sums are added in shared memory), in shared memory;
+   ``plan.k_parts`` warps whose sums are added in shared memory), in shared memory; where
+   the plan stages dGH in slices of K (``plan.k_slices``, :func:`sliced_sums`), 2 and 3 go
+   a slice at a time, the next slice copied while the warps multiply one;
 4. applies the cell's derivative to its pairs (``cell_backward``): dGI (and dGH) of the step
    to global memory, dGH published for the next step, the states' gradients carried (and
    the per-unit parameters' gradients summed, in registers);
@@ -30,11 +32,49 @@ from functools import partial
 
 from tvm.script import tirx as T
 
-from . import buffers
+from . import buffers, device
 from .kernel import gate_sums
 from .planner import Plan
 from .spec import KernelSpec
 from .stages import cell_backward, cuda_cores, exchange, tensor_cores, weights
+
+
+@T.macro
+def sliced_sums(spec, b, hx, t, bx, tx, warp, lane):
+    """Steps 2 and 3 in slices of K (planner: "Slices of K"): slice l + 1 of dGH_{t+1} copied
+    from ``hx`` into one half of the staging while the warps multiply slice l in the other,
+    a block barrier a slice; the sums in ``hs`` as :func:`.kernel.gate_sums` leaves them."""
+    p = T.meta_var(spec.plan)
+    tensor_cores.zero(spec, b.dacc)
+    exchange.copy_slice(spec, hx, b.hs16, t, 0, bx, tx)
+    for sl in T.unroll(p.k_slices):
+        device.wait_copies()
+        T.tvm_storage_sync("shared.dyn")  # slice sl in; every warp is done with slice sl - 1
+        if sl + 1 < p.k_slices:
+            exchange.copy_slice(spec, hx, b.hs16, t, sl + 1, bx, tx)
+        weights.slice_chunks(spec, partial(tensor_cores.slice_chunk, spec, b.hs16, b.af, b.wb,
+                                           b.wv, b.dacc, warp, lane, sl % 2), b.wv, b.wreg, sl)
+    tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
+    if p.k_parts > 1:
+        T.tvm_storage_sync("shared.dyn")
+        tensor_cores.add_parts(spec, b.hs, warp * 32 + lane)
+    T.tvm_storage_sync("shared.dyn")
+
+
+@T.macro
+def recurrent_sums(spec, b, g, staged, store, t, bx, tx, blk, warp, lane):
+    """Steps 2 and 3: dGH_{t+1} staged (``store``: the products' ``store_h`` into ``staged``;
+    copied from ``hx`` where the blocks publish it so, its slices one at a time where the plan
+    has them), multiplied; the sums in ``hs``."""
+    if spec.plan.k_slices > 1:
+        sliced_sums(spec, b, g.hx, t, bx, tx, warp, lane)
+    else:
+        if g.hx is not None:
+            exchange.stage_copied(spec, g.hx, staged, t, bx, tx)
+        else:
+            exchange.stage_h(spec, g.xch, g.hw, b.tv, store, t, bx, tx)
+        T.tvm_storage_sync("shared.dyn")
+        gate_sums(spec, b, g.w, blk, warp, lane)
 
 
 def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
@@ -62,6 +102,7 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
             b = T.meta_var(buffers.on_chip(spec, pairs=False))
             r = T.meta_var(buffers.backward_pairs(spec, len(kept)))
             staged = T.meta_var(b.hs16 if p.mma else b.hs)
+            store = T.meta_var(partial(products.store_h, spec, staged, 0))
             published = T.meta_var(partial(products.store_h, spec, g.hx)
                                    if g.hx is not None else None)
             for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
@@ -70,27 +111,17 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                     weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
                     if p.mma:
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
-                    if g.hx is not None:
-                        exchange.zero_unpublished(spec, published, bx, tx)
                     cell_backward.load_constants(spec, g.d_final, g.lengths, g.params, r, b.ln,
                                                  bx, tx)
                     for t in range(g.T_len):
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)
-                        exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                         partial(products.store_h, spec, staged, 0), t, bx, tx,
-                                         g.hx, staged)
-                        T.tvm_storage_sync("shared.dyn")
-                        gate_sums(spec, b, g.w, blk, warp, lane)
+                        recurrent_sums(spec, b, g, staged, store, t, bx, tx, blk, warp, lane)
                         cell_backward.apply(spec, graph, kept, g.dgi, g.dgh, b.hs, r, b.ln,
                                             partial(exchange.publish, spec, g.xch, g.hw, t,
                                                     published=published), t, g.T_len, bx, tx)
                         exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
-                    exchange.stage_h(spec, g.xch, g.hw, b.tv,
-                                     partial(products.store_h, spec, staged, 0), g.T_len, bx,
-                                     tx, g.hx, staged)
-                    T.tvm_storage_sync("shared.dyn")
-                    gate_sums(spec, b, g.w, blk, warp, lane)
+                    recurrent_sums(spec, b, g, staged, store, g.T_len, bx, tx, blk, warp, lane)
                     cell_backward.store_initial(spec, g.d_initial, g.dps, b.hs, r, bx, tx)
 
     return persistent_backward

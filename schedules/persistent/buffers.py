@@ -136,22 +136,23 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     gradients [1,N,H] each, dGI [T,N,G*H] (16-bit where the weights are, else float32; and
     dGH, unless ``summed``: every gate kept as a sum, where the two are equal), (the per-unit
     parameters' gradients summed over the steps, a batch row each, ``dps`` [params, N, H]
-    float32), and the exchange: the published dGH [2,N,G*H] float32, then the tagged words
-    [2,N,G*H] uint64 or the barrier counters [NG] uint32, (and dGH as published for the next
-    step's staging ``hx``, where the planner says so: :func:`published_h`)."""
+    float32), and the exchange: the published dGH [2,N,G*H] float32 (``xch``; or, where the
+    planner says so, dGH as published for the next step's staging ``hx``, :func:`published_h`,
+    all zeros before the launch), then the tagged words [2,N,G*H] uint64 or the barrier
+    counters [NG] uint32."""
     p, dt, n, h = spec.plan, spec.dtype, spec.batch, spec.hidden
     states, gh = spec.states, gates * h
     per_unit = [f"p{k}" for k in range(spec.params)]
     names = ["w", "pre", *[f"s{k}" for k in range(states)]] + (["len"] if spec.lengths else [])
     names += ["dy", *[f"dn{k}" for k in range(states)], *per_unit]
     names += [f"d0{k}" for k in range(states)] + ["dgi"] + ([] if summed else ["dgh"])
-    names += (["dps"] if spec.params else []) + ["xch", "hw" if spec.tagged else "cnt"]
     published = published_h(p, n, dt)
-    names += ["hx"] if published else []
+    names += (["dps"] if spec.params else []) + (["hx"] if published else ["xch"])
+    names += ["hw" if spec.tagged else "cnt"]
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
-    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, dps=None, hw=None, cnt=None,
-                          hx=None)
+    out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, dps=None, xch=None, hw=None,
+                          cnt=None, hx=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -172,13 +173,14 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     out.dgh = out.dgi if summed else match("dgh", "dgh", (t_len, n, gh), grads)
     if spec.params:
         out.dps = match("dps", "dps", (spec.params, n, h), "float32")
-    out.xch = match("xch", "xch", (2, n, gh), "float32")
+    if published:
+        out.hx = match("hx", "hx", *published)
+    else:
+        out.xch = match("xch", "xch", (2, n, gh), "float32")
     if spec.tagged:
         out.hw = match("hw", "hw", (2, n, gh), "uint64")
     else:
         out.cnt = match("cnt", "cnt", (p.batch_groups,), "uint32")
-    if published:
-        out.hx = match("hx", "hx", *published)
     return out
 
 
@@ -235,7 +237,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc("af", 8, dt)
         alloc("wb", 4, dt)
         alloc("dacc", 4 * spec.mma_chains * spec.mma_tiles, "float32")
-        alloc("hs16", spec.mma_rows * spec.width, dt, "shared.dyn")
+        staged = spec.mma_rows * spec.width  # h; or two slices of it ("Slices of K")
+        alloc("hs16", staged if p.k_slices == 1 else 2 * staged // p.k_slices, dt, "shared.dyn")
     else:
         alloc("acc", spec.accumulators, "float32")
         alloc("hv", n * vec, "float32")

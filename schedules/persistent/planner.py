@@ -91,7 +91,16 @@ the U rows of W_hh^T [H, G*H] (the columns of W_hh of its units), K = G*H. Each 
 the gradients of the last step's recurrent projections, dGH_{t+1} [N, G*H], as the other
 blocks published them, multiplies (dh_t through the recurrence, for its units), applies the
 cell's derivative to its (unit, batch) pairs and publishes their G values of dGH_t. A step
-stages G times the floats of a forward step.
+stages G times the floats of a forward step. On tensor cores a row group's K may be split
+among KQ warps (``k_parts``, "K split"), each a part of K's chunks, their sums added in shared
+memory.
+
+Slices of K (``k_slices`` KL > 1; the backward pass on tensor cores in 16 bits, whole tiles,
+the weights all in registers, with the barriers): where a group's dGH [rows, G*H] does not fit
+in shared memory (bfloat16 LSTM 1024 at batch 64 in 2 groups: 32 rows x 4096 x 2 bytes = 256
+KiB), it is staged in KL slices, slice s being chunks s*KI/(KQ*KL) .. of each part: two slices
+in shared memory, the next copied while the warps multiply the one before. The blocks publish
+dGH in the slices' order (:mod:`.stages.tensor_cores`), so that a slice is one contiguous copy.
 
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
@@ -167,11 +176,17 @@ class Plan:
     directions: int = 1  # D, one grid a direction side by side (see "Directions")
     layers: int = 1  # L, one grid a layer side by side (see "Layers as a wavefront")
     k_parts: int = 1  # KQ, warps that split each row group's K (tensor cores; "K split")
+    k_slices: int = 1  # KL, slices of K staged one after another ("Slices of K")
 
     @property
     def warp_chunks(self) -> int:
         """KI / KQ: the chunks of K a warp holds and multiplies (all of K but with a split)."""
         return self.chunks // self.k_parts
+
+    @property
+    def slice_chunks(self) -> int:
+        """KI / (KQ*KL): the chunks of K a warp multiplies of one slice."""
+        return self.warp_chunks // self.k_slices
 
     @property
     def packed_shape(self) -> tuple:
@@ -257,7 +272,7 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> i
 
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
-         stream=False, width=None, pair_regs=None, mma=False, k_parts=1):
+         stream=False, width=None, pair_regs=None, mma=False, k_parts=1, slices=False):
     vec = 16 // elem_bytes
     chunks = -(-(width or hidden) // (32 * vec))
     rows = gates * units
@@ -283,6 +298,12 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     chunk_bytes = _chunk_bytes(warps, rpw)
     staging = (_mma_staging_bytes(batch, chunks, vec, warps, rpw) if mma
                else _staging_bytes(batch, chunks, vec, warps, rpw))
+    k_slices = 1
+    if slices and mma and elem_bytes == 2 and batch > MMA_ROWS and smem_chunks == 0:
+        for k_slices in (d for d in K_SLICES if (chunks // k_parts) % d == 0):
+            staging = _mma_staging_bytes(batch, chunks, vec, warps, rpw, k_slices)
+            if staging <= gpu.smem_per_block:  # the fewest slices that fit
+                break
     global_chunks = 0
     if stream:
         held = max(0, (gpu.smem_per_block - staging) // chunk_bytes)
@@ -292,7 +313,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
                  vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
                  items=items, reg_estimate=fixed + reg_chunks * per_chunk,
                  smem_bytes=smem_chunks * chunk_bytes + staging, reg_margin=margin,
-                 global_chunks=global_chunks, mma=mma, k_parts=k_parts)
+                 global_chunks=global_chunks, mma=mma, k_parts=k_parts, k_slices=k_slices)
     if found.smem_bytes > gpu.smem_per_block or found.streamed_bytes > gpu.l2_bytes // 2:
         return None
     return found
@@ -311,6 +332,7 @@ def estimate_ns(p: Plan, batch: int) -> float:
                     * tf32 / clock)
         if p.k_parts > 1:  # the parts' sums added through shared memory, and a barrier
             products += 100 + p.warps * p.rows_per_warp * batch * 4 / (128 * clock)
+        products += (p.k_slices - 1) * SLICE_NS  # a barrier a slice, the first copy exposed
     else:
         products = p.threads * p.chunks * p.rows_per_warp * p.vec * batch / (128 * clock)
     stage = batch * p.chunks * 32 * p.vec * 4
@@ -464,6 +486,10 @@ MMA_MIN_BATCH, MMA_MIN_WARPS = 2, 4
 #: a block of few units (the backward pass's rows of W_hh^T, K = G*H deep) then still has
 #: warps enough, and each lane holds 1/KQ of its rows' weights.
 K_PARTS = (1, 2, 4, 8)
+#: Slices of K a staging of dGH may take (``Plan.k_slices``; "Slices of K"), the fewest that
+#: fit; and the estimated cost of each slice past the first (a block barrier, and the first
+#: slice's copy, which no product hides).
+K_SLICES, SLICE_NS = (1, 2, 4, 8), 150
 #: Fewest batch rows a group in TF32: whole tiles only (half a tile's zero rows are the 16-bit
 #: A fragments' layout), and up to 8 rows the CUDA cores' float32 plans are as fast.
 TF32_MIN_BATCH = 9
@@ -496,11 +522,13 @@ def mma_regs(batch: int) -> int:
     return 4 * mma_chains(batch) * mma_tiles(batch) + 8
 
 
-def _mma_staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> int:
+def _mma_staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int,
+                       slices: int = 1) -> int:
     """Shared memory for h_{t-1} in the weights' type (16 // ``vec`` bytes) in fragment order
-    (:func:`mma_staged_rows`, zeros past N), and the gates' sums (float32) in a buffer of
-    their own."""
-    return 16 * mma_staged_rows(batch) * chunks * 32 + 4 * warps * rpw * batch
+    (:func:`mma_staged_rows`, zeros past N), or two of its ``slices`` (see "Slices of K"), and
+    the gates' sums (float32) in a buffer of their own."""
+    staged = 16 * mma_staged_rows(batch) * chunks * 32
+    return (staged if slices == 1 else 2 * staged // slices) + 4 * warps * rpw * batch
 
 
 def publishes_staged_h(p: Plan, dtype: str) -> bool:
@@ -517,7 +545,7 @@ def publishes_staged_h(p: Plan, dtype: str) -> bool:
 
 def mma_staging_bytes(p: Plan, batch: int) -> int:
     """:func:`_mma_staging_bytes` of plan ``p`` at ``batch`` rows a group."""
-    return _mma_staging_bytes(batch, p.chunks, p.vec, p.warps, p.rows_per_warp)
+    return _mma_staging_bytes(batch, p.chunks, p.vec, p.warps, p.rows_per_warp, p.k_slices)
 
 
 def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
@@ -564,7 +592,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     ``pair_regs``: registers a (unit, batch) pair needs, if not 2*G + states. ``mma``: the
     products on tensor cores (see "Tensor cores"; batch groups by default: the most whose
     weights fit in registers, else the fewest that fit); ``split_k``: there a row group's K
-    may be split among warps (:data:`K_PARTS`; the backward pass's)."""
+    may be split among warps (:data:`K_PARTS`) and dGH staged in slices of K (:data:`K_SLICES`;
+    the backward pass's)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
@@ -645,7 +674,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         for wn, parts in ([(warps, q) for q in (K_PARTS if split_k else (1,))] if mma
                           else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
             found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream,
-                         width, pair_regs, mma, parts)
+                         width, pair_regs, mma, parts, slices=split_k)
             if found is None or found.blocks > cap:
                 continue
             if best is None or estimate_ns(found, local) < estimate_ns(best, local):
@@ -653,7 +682,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if best is not None:
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.
-        tagged = best.blocks <= TAGGED_MAX_BLOCKS and (
+        tagged = best.blocks <= TAGGED_MAX_BLOCKS and best.k_slices == 1 and (
             batch_groups == 1 or best.blocks * local <= TAGGED_MAX_GROUP_LOAD)
         return replace(best, sync="tagged" if tagged else "barrier",
                        blocks=best.blocks * batch_groups * grids,

@@ -22,7 +22,10 @@ element cost more than the products at batch 32 and 5-6 warps (GRU 1024 at batch
 of 32 rows: 330 million instructions, three quarters of them indexing). The elements no block
 publishes (rows past the batch of whole tensor-core tiles, k past K) are zeroed once by each
 group's first block; step 0 stages h0 from the states' buffer, element by element, as the
-other plans stage every step.
+other plans stage every step. The backward kernel's ``hx`` is all zeros before its launch
+(dGH after the last step is zero; the entry zeroes it), so it copies every step, its step 0
+too, and, in slices of K (planner: "Slices of K"), one slice while it multiplies another
+(:func:`copy_slice`).
 
 Between arriving and waiting the block may work on what needs no other block (the overlapped
 input projection): ``arrive`` and ``wait``; with nothing between, ``arrive_and_wait``. Block
@@ -99,22 +102,44 @@ def _per_copy(buffer) -> int:
     return 128 // tvm.DataType(buffer.dtype).bits
 
 
+def _published_at(spec, t, bx):
+    """Where the block's group's h_{t-1} (slot t % 2) starts in ``hx``."""
+    return (t % 2 * spec.replicas + spec.group_of(bx)) * spec.staged_size
+
+
 @T.macro
-def _stage_copied(spec, hx, staged, t, bx, tx):
-    """h_{t-1} from ``hx`` (slot t % 2, the block's group) into ``staged``, 16 bytes a copy;
-    the thread waits for its copies (a block barrier must follow)."""
-    size, threads = T.meta_var((spec.staged_size, spec.plan.threads))
+def _start_copies(spec, hx, staged, source, target, size, tx):
+    """Start copying ``size`` elements from ``hx`` at ``source`` into ``staged`` at
+    ``target``, 16 bytes a copy, spread over the block's threads."""
+    threads = T.meta_var(spec.plan.threads)
     per = T.meta_var(_per_copy(staged))
     full, rest = T.meta_var(divmod(size // per, threads))
-    base = T.meta_var((t % 2 * spec.replicas + spec.group_of(bx)) * size)
     for e in T.serial(0, full):
-        device.copy_async(T.address_of(staged[(e * threads + tx) * per]),
-                          T.address_of(hx[base + (e * threads + tx) * per]), 16)
+        device.copy_async(T.address_of(staged[target + (e * threads + tx) * per]),
+                          T.address_of(hx[source + (e * threads + tx) * per]), 16)
     if rest > 0:
         if tx < rest:
-            device.copy_async(T.address_of(staged[(full * threads + tx) * per]),
-                              T.address_of(hx[base + (full * threads + tx) * per]), 16)
+            device.copy_async(T.address_of(staged[target + (full * threads + tx) * per]),
+                              T.address_of(hx[source + (full * threads + tx) * per]), 16)
+
+
+@T.macro
+def stage_copied(spec, hx, staged, t, bx, tx):
+    """h_{t-1} from ``hx`` (slot t % 2, the block's group) into ``staged``, 16 bytes a copy;
+    the thread waits for its copies (a block barrier must follow). The backward kernel stages
+    so every step (its step 0 copies the zeros ``hx`` holds before the launch)."""
+    _start_copies(spec, hx, staged, _published_at(spec, t, bx), 0, spec.staged_size, tx)
     device.wait_copies()
+
+
+@T.macro
+def copy_slice(spec, hx, staged, t, sl, bx, tx):
+    """Start copying slice ``sl`` of h_{t-1} (planner: "Slices of K"; ``hx`` holds it in the
+    slices' order) into slot sl % 2 of ``staged`` (two slices); the thread waits for its
+    copies (``device.wait_copies``) and a block barrier follows before the slice is read."""
+    size = T.meta_var(spec.staged_size // spec.plan.k_slices)
+    _start_copies(spec, hx, staged, _published_at(spec, t, bx) + sl * size, sl % 2 * size,
+                  size, tx)
 
 
 @T.macro
@@ -130,7 +155,7 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None):
         if t == 0:
             _stage_plain(spec, s0, store, t, bx, tx)
         else:
-            _stage_copied(spec, hx, staged, t, bx, tx)
+            stage_copied(spec, hx, staged, t, bx, tx)
 
 
 @T.macro
@@ -164,8 +189,10 @@ def publish(spec, s0, hw, t, value, row, j, published=None):
     """h_t of unit j (element j of the exchanged vector), batch row ``row``: into the states'
     buffer (the final state, and what step 0 of the barrier variants reads), and, tagged, as
     the word of step t + 1, or where the next step's staging copies it from (``published(base,
-    e, value)``: the products' ``store_h`` into the published h)."""
-    s0[(t + 1) % 2, row, j] = value
+    e, value)``: the products' ``store_h`` into the published h; the backward kernel's, which
+    stages every step from there, has no ``s0``)."""
+    if s0 is not None:
+        s0[(t + 1) % 2, row, j] = value
     if spec.tagged:
         publish_tagged(hw, t, value, row, j)
     elif published is not None:

@@ -13,6 +13,13 @@ weights' 16-bit type, in the A fragment's order (``hs16``), one of two ways
   l // 4 + 8) at ((tile*KS + k-step)*32 + l)*8, KS = KP / 16 k-steps a row: one 16-byte load
   a fragment; each fragment of weights multiplies every tile.
 
+In slices of K (the backward pass, :attr:`~..planner.Plan.k_slices` KL > 1; planner: "Slices
+of K"), the tiles' fragments are ordered by slice first: slice l holds, of each of the KQ
+parts of K, the k-steps of its chunks l*CL .. (l+1)*CL - 1 (CL = KI/(KQ*KL)), at (((l*tiles +
+m)*KS/KL + f)*32 + l)*8, f = (part*CL + chunk in the slice)*2*VEC + k-step in the chunk: a
+slice is one contiguous range, and staged it is read as the whole of K is, with KS/KL k-steps
+a row.
+
 Tile m's k-step f adds into its chain f % C (``dacc`` [tiles, C, 4], C =
 :func:`~..planner.mma_chains`), so that an instruction does not wait for the previous one; the
 chains are summed in a fixed order. No reduction over the lanes: lane l ends with batch rows
@@ -44,7 +51,7 @@ from ..planner import MMA_ROWS, MMA_TILE
 def prepare(spec, hs16, af, tx):
     """Once: h's fragments zero (batch rows past N stay so), and with half a tile so do the A
     registers of rows 8-15; a block barrier orders the zeros before the first staging."""
-    size, threads = T.meta_var((spec.mma_rows * spec.width, spec.plan.threads))
+    size, threads = T.meta_var((int(hs16.shape[0]), spec.plan.threads))
     for e in spec.spread(size):
         if e * threads + tx < size:
             hs16[e * threads + tx] = tirx.const(0, spec.dtype)
@@ -52,6 +59,19 @@ def prepare(spec, hs16, af, tx):
         for c in T.unroll(8):
             af[c] = tirx.const(0, spec.dtype)
     T.tvm_storage_sync("shared.dyn")
+
+
+def _tile_step(spec, m, f):
+    """The place of tile m's k-step f among the staged tiles' k-steps (32 lanes' 8 values
+    each): m*KS + f, or in slices of K (KL > 1) slice first (see above)."""
+    steps, slices = spec.width // 16, spec.plan.k_slices
+    if slices == 1:
+        return m * steps + f
+    per = 2 * spec.plan.vec  # k-steps a chunk
+    chunk, cl = f // per, spec.plan.slice_chunks
+    part, own = chunk // spec.plan.warp_chunks, chunk % spec.plan.warp_chunks
+    return ((own // cl * spec.mma_tiles + m) * (steps // slices)
+            + (part * cl + own % cl) * per + f % per)
 
 
 @T.macro
@@ -67,9 +87,9 @@ def store_h(spec, hs16, base, e, value):
                       * 32 + e // kp % 8 * 4 + e % kp % 8 // 2) * 4) + e % kp % 2 * 2
              + e // kp % MMA_TILE // 8] = op.round(value)
     else:
-        hs16[base + (((e // kp // MMA_TILE * (kp // 16) + e % kp // 16) * 32 + e // kp % 8 * 4
-                      + e % kp % 8 // 2) * 8) + e % kp % 16 // 8 * 4 + e // kp % MMA_TILE // 8
-             * 2 + e % kp % 2] = op.round(value)
+        hs16[base + ((_tile_step(spec, e // kp // MMA_TILE, e % kp // 16) * 32
+                      + e // kp % 8 * 4 + e % kp % 8 // 2) * 8) + e % kp % 16 // 8 * 4
+             + e // kp % MMA_TILE // 8 * 2 + e % kp % 2] = op.round(value)
 
 
 @T.macro
@@ -79,12 +99,15 @@ def zero(spec, dacc):
 
 
 @T.macro
-def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
+def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read, base=0, row_steps=0):
     """Chunk i (2*VEC k-steps of 16) of the warp's rows: ``read(q)`` puts vector q's B
     fragments in ``wv``, two k-steps' (16-bit weights) or one's (TF32). In 16 bits k-step f =
     i*2*VEC + q*2 + s goes to chain (q*2 + s) % C (f % C: 2*VEC is a multiple of C); in TF32
-    k-step f = i*2*VEC + q, its instruction s (8 k each) to chain (q*2 + s) % C."""
-    vec, chains, steps = T.meta_var((spec.plan.vec, spec.mma_chains, spec.width // 16))
+    k-step f = i*2*VEC + q, its instruction s (8 k each) to chain (q*2 + s) % C. A slice of K
+    (:func:`slice_chunk`): its fragments at ``base``, ``row_steps`` k-steps a row (all of K's
+    without)."""
+    vec, chains, steps = T.meta_var((spec.plan.vec, spec.mma_chains,
+                                     row_steps or spec.width // 16))
     op = T.meta_var(_mma.Operand(spec.dtype))
     for q in T.unroll(spec.plan.rows_per_warp):
         read(q)
@@ -110,9 +133,19 @@ def chunk(spec, hs16, af, wb, wv, dacc, lane, i, read):
                     wb[v] = wv[s * 4 + v]
                 for m in T.unroll(spec.mma_tiles):
                     for v in T.vectorized(8):
-                        af[v] = hs16[((m * steps + i * (vec * 2) + q * 2 + s) * 32 + lane) * 8
-                                     + v]
+                        af[v] = hs16[base + ((m * steps + i * (vec * 2) + q * 2 + s) * 32 + lane)
+                                     * 8 + v]
                     _mma.mma(op, af, wb, dacc, (m * chains + (q * 2 + s) % chains) * 4)
+
+
+@T.macro
+def slice_chunk(spec, hs16, af, wb, wv, dacc, warp, lane, slot, j, read):
+    """The warp's chunk j (of its part of K) from its slice, staged in ``slot`` (0 or 1) of
+    ``hs16``: its place in the slice is the CL chunks of each part before the warp's, then
+    j's among the slice's CL."""
+    cl, size = T.meta_var((spec.plan.slice_chunks, spec.staged_size // spec.plan.k_slices))
+    chunk(spec, hs16, af, wb, wv, dacc, lane, warp // spec.plan.row_groups * cl + j % cl, read,
+          base=slot * size, row_steps=spec.width // 16 // spec.plan.k_slices)
 
 
 def _chain_sum(spec, dacc, m, c):

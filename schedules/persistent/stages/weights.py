@@ -65,6 +65,15 @@ def _chunk_index(first, i):
 
 
 @T.macro
+def slice_chunks(spec, body, wv, wreg, sl):
+    """``body(j, read)`` for the warp's chunks j of slice ``sl`` (of its part of K; planner:
+    "Slices of K"), all in registers."""
+    cl = T.meta_var(spec.plan.slice_chunks)
+    for j in T.unroll(cl):
+        body(sl * cl + j, partial(from_registers, spec, wv, wreg, sl * cl + j))
+
+
+@T.macro
 def each_chunk(spec, body, wv, wreg, wsm, w, blk, warp, lane):
     """``body(i, read)`` for every chunk i of the warp's (with K split among KQ warps, those
     of its part, i counted in all of K), ``read(q)`` putting its row q in ``wv``. The
