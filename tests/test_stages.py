@@ -68,9 +68,9 @@ def split_k(p, parts: int):
 
 
 def in_slices(p, slices: int):
-    """Plan ``p`` (on tensor cores, whole tiles, weights in registers) with dGH staged in
-    ``slices`` slices of K."""
-    assert p.smem_chunks == 0 and p.warp_chunks % slices == 0
+    """Plan ``p`` (on tensor cores, whole tiles) with h (dGH) staged in ``slices`` slices of
+    K."""
+    assert p.warp_chunks % slices == 0
     return dataclasses.replace(p, k_slices=slices)
 
 
@@ -291,6 +291,13 @@ KERNELS = {
         crafted(3, 300, 21, "float16", 8, 3, mma=True, sync="barrier"), 2), 1),
     "tensor cores, K split, shared memory": lambda: ("lstm", 5, 520, 3, "bfloat16", split_k(
         crafted(4, 520, 3, "bfloat16", 2, 1, (0, 3, 0), mma=True), 3), 1),
+    # h in slices of K (planner: "Slices of K"): slices 0-1 in registers, 2 in shared memory
+    "tensor cores, h in slices": lambda: ("lstm", 5, 768, 17, "bfloat16", in_slices(crafted(
+        4, 768, 17, "bfloat16", 16, 8, (2, 1, 0), mma=True, sync="barrier"), 3), 1),
+    "bidirectional, tensor cores, h in 3 slices": lambda: ("gru", 3, 700, 18, "float16",
+                                                           in_slices(crafted(
+        3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2), 3),
+        1),
 }
 
 
@@ -301,7 +308,9 @@ def _slow(*names):
                            for v in values]
 
 
-@pytest.mark.parametrize("name", _slow("overlapped, grid")(list(KERNELS)))
+@pytest.mark.parametrize("name", _slow("overlapped, grid",
+                                        "bidirectional, tensor cores, h in 3 slices")(
+    list(KERNELS)))
 def test_kernel_variant_matches_reference(name, rng):
     """Every variant of the plan, as the interpreter runs its kernel, within the dtype's
     tolerance of float64 at T = 1 and 5 (over a chunk of steps, a group of the overlapped
@@ -829,7 +838,7 @@ def test_input_projection_stage(name, steps, rng):
 # -- training: the forward that keeps, the backward kernel ------------------------------------
 
 @pytest.mark.parametrize("name", ["tagged, chunks of steps", "batch groups", "tensor cores",
-                                  "overlapped, staged x, barrier"])
+                                  "overlapped, staged x, barrier", "tensor cores, h in slices"])
 def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
     """With ``kept`` the kernel also stores the states of every step (the initial ones first)
     and the parts of each step's projections the backward pass takes (for GRU's n gate gi and

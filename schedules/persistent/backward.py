@@ -14,8 +14,8 @@ T - 1 - t; in it the block
    (``cuda_cores``, ``reduction``; or ``tensor_cores`` for 16-bit weights, dGH staged in the
    A fragments' order and rounded to the weights' type, each row group's K split among
    ``plan.k_parts`` warps whose sums are added in shared memory), in shared memory; where
-   the plan stages dGH in slices of K (``plan.k_slices``, :func:`sliced_sums`), 2 and 3 go
-   a slice at a time, the next slice copied while the warps multiply one;
+   the plan stages dGH in slices of K (``plan.k_slices``, :func:`.kernel.sliced_gate_sums`),
+   2 and 3 go a slice at a time, the next slice copied while the warps multiply one;
 4. applies the cell's derivative to its pairs (``cell_backward``): dGI (and dGH) of the step
    to global memory, dGH published for the next step, the states' gradients carried (and
    the per-unit parameters' gradients summed, in registers);
@@ -32,33 +32,11 @@ from functools import partial
 
 from tvm.script import tirx as T
 
-from . import buffers, device
-from .kernel import gate_sums
+from . import buffers
+from .kernel import gate_sums, sliced_gate_sums
 from .planner import Plan
 from .spec import KernelSpec
 from .stages import cell_backward, cuda_cores, exchange, tensor_cores, weights
-
-
-@T.macro
-def sliced_sums(spec, b, hx, t, bx, tx, warp, lane):
-    """Steps 2 and 3 in slices of K (planner: "Slices of K"): slice l + 1 of dGH_{t+1} copied
-    from ``hx`` into one half of the staging while the warps multiply slice l in the other,
-    a block barrier a slice; the sums in ``hs`` as :func:`.kernel.gate_sums` leaves them."""
-    p = T.meta_var(spec.plan)
-    tensor_cores.zero(spec, b.dacc)
-    exchange.copy_slice(spec, hx, b.hs16, t, 0, bx, tx)
-    for sl in T.unroll(p.k_slices):
-        device.wait_copies()
-        T.tvm_storage_sync("shared.dyn")  # slice sl in; every warp is done with slice sl - 1
-        if sl + 1 < p.k_slices:
-            exchange.copy_slice(spec, hx, b.hs16, t, sl + 1, bx, tx)
-        weights.slice_chunks(spec, partial(tensor_cores.slice_chunk, spec, b.hs16, b.af, b.wb,
-                                           b.wv, b.dacc, warp, lane, sl % 2), b.wv, b.wreg, sl)
-    tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
-    if p.k_parts > 1:
-        T.tvm_storage_sync("shared.dyn")
-        tensor_cores.add_parts(spec, b.hs, warp * 32 + lane)
-    T.tvm_storage_sync("shared.dyn")
 
 
 @T.macro
@@ -67,7 +45,8 @@ def recurrent_sums(spec, b, g, staged, store, t, bx, tx, blk, warp, lane):
     copied from ``hx`` where the blocks publish it so, its slices one at a time where the plan
     has them), multiplied; the sums in ``hs``."""
     if spec.plan.k_slices > 1:
-        sliced_sums(spec, b, g.hx, t, bx, tx, warp, lane)
+        sliced_gate_sums(spec, b, partial(exchange.copy_slice, spec, g.hx, b.hs16, t, bx=bx,
+                                          tx=tx), warp, lane)
     else:
         if g.hx is not None:
             exchange.stage_copied(spec, g.hx, staged, t, bx, tx)

@@ -9,7 +9,8 @@ then, per step, it
 
 1. prefetches the input projections of its (unit, batch) pairs for step t (``cell``);
 2. stages h_{t-1} [N, H] in shared memory, as the other blocks published it (``exchange``),
-   in the layout its products read (``cuda_cores`` or ``tensor_cores``);
+   in the layout its products read (``cuda_cores`` or ``tensor_cores``); in slices of K
+   where the plan says so (:func:`sliced_gate_sums`: 2 to 4 a slice at a time);
 3. multiplies every chunk of its weights (``weights`` says where each lives: registers, shared
    memory, or global memory for a streaming plan) by h's, accumulating in float32;
 4. sums over the lanes (``reduction``; tensor cores sum in the instruction) into shared memory,
@@ -43,7 +44,7 @@ from tvm.script import tirx as T
 
 from rnncc.cells.autodiff import mean_levels, product_gates, trace
 
-from . import buffers
+from . import buffers, device
 from .planner import Plan
 from .spec import KernelSpec
 from .stages import cell as cell_stage
@@ -83,6 +84,43 @@ def gate_sums(spec, b, w, blk, warp, lane):
     T.tvm_storage_sync("shared.dyn")
 
 
+@T.macro
+def _slice(spec, b, start, sl, warp, lane):
+    """Slice ``sl`` of :func:`sliced_gate_sums` (a Python int): once it is in (the thread's
+    copies, then a block barrier, after which no warp reads slice sl - 1), start slice sl +
+    1 in the other half, and multiply the warps' chunks of slice sl."""
+    device.wait_copies()
+    T.tvm_storage_sync("shared.dyn")
+    if sl + 1 < spec.plan.k_slices:
+        start(sl + 1)
+    weights.slice_chunks(spec, partial(tensor_cores.slice_chunk, spec, b.hs16, b.af, b.wb, b.wv,
+                                       b.dacc, warp, lane, sl % 2), b.wv, b.wreg, b.wsm, sl,
+                         warp, lane)
+
+
+def _each_slice(spec, b, start, warp, lane):
+    """:func:`_slice` for every slice, in order (builds TIR; a slice's chunks sit in
+    registers or shared memory, which the slice's number, a Python int, decides)."""
+    for sl in range(spec.plan.k_slices):
+        _slice(spec, b, start, sl, warp, lane)
+
+
+@T.macro
+def sliced_gate_sums(spec, b, start, warp, lane):
+    """Steps 2 to 4 with h_{t-1} staged in slices of K (planner: "Slices of K"): ``start(sl)``
+    starts staging slice sl into half sl % 2 of ``hs16`` (asynchronous copies of the published
+    h, or stores); slice sl + 1 comes in while the warps multiply slice sl. The sums in
+    ``hs`` as :func:`gate_sums` leaves them."""
+    tensor_cores.zero(spec, b.dacc)
+    start(0)
+    _each_slice(spec, b, start, warp, lane)
+    tensor_cores.store_sums(spec, b.hs, b.dacc, warp, lane)
+    if spec.plan.k_parts > 1:
+        T.tvm_storage_sync("shared.dyn")
+        tensor_cores.add_parts(spec, b.hs, warp * 32 + lane)
+    T.tvm_storage_sync("shared.dyn")
+
+
 def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", chunk: int = 1,
            input_size: int = 0, lengths: bool = False, kept: tuple = (), first: bool = False):
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
@@ -97,6 +135,9 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     if len(taken) > 1:
         raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
                          "values; the persistent kernel takes one")
+    if plan.k_slices > 1 and (taken or mean_levels(cell)):
+        raise ValueError(f"cell {cell.name!r} exchanges values of its step before h; h in "
+                         "slices of K takes a step of one product, of h")
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
                       input_size, lengths, kept=kept, params=len(cell.params), first=first,
                       product=taken[0] if taken else -1,
@@ -132,11 +173,17 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
                                             g.first)
                         if p.input_steps > 0:
                             input_projection.start_copies(spec, io, t, g.T_len, bx, tx)
-                        exchange.stage_h(spec, g.s[0], g.hw, b.tv,
-                                         partial(products.store_h, spec, staged, 0), t, bx, tx,
-                                         g.hx, staged)
-                        T.tvm_storage_sync("shared.dyn")
-                        gate_sums(spec, b, g.w, blk, warp, lane)
+                        if p.k_slices > 1:
+                            sliced_gate_sums(spec, b, partial(
+                                exchange.start_slice, spec, g.s[0], g.hx, staged,
+                                partial(products.store_h, spec, staged), t, bx=bx, tx=tx),
+                                warp, lane)
+                        else:
+                            exchange.stage_h(spec, g.s[0], g.hw, b.tv,
+                                             partial(products.store_h, spec, staged, 0), t, bx,
+                                             tx, g.hx, staged)
+                            T.tvm_storage_sync("shared.dyn")
+                            gate_sums(spec, b, g.w, blk, warp, lane)
                         if spec.product >= 0:
                             cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, b.gs,
                                                 partial(exchange.publish_value, spec, g.aw[0],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rnncc.cells.autodiff import mean_levels, product_gates, trace
 from rnncc.errors import ConfigError
 
 from . import planner
@@ -112,8 +113,15 @@ class _Request:
                              batch_groups=k.get("batch_groups"),
                              directions=p.directions, layers=p.layers,
                              pair_regs=(2 * p.gates + len(p.cell.states) + len(p.cell.params)
-                                        if p.cell.params else None), mma=mma)
+                                        if p.cell.params else None), mma=mma,
+                             slices=mma and one_product(p.cell))
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
+
+
+def one_product(cell) -> bool:
+    """Whether ``cell``'s step takes one recurrent product, of h, and no row means: its
+    staging of h may go in slices of K (planner: "Slices of K")."""
+    return not product_gates(trace(cell)) and not mean_levels(cell)
 
 
 def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,

@@ -95,12 +95,15 @@ stages G times the floats of a forward step. On tensor cores a row group's K may
 among KQ warps (``k_parts``, "K split"), each a part of K's chunks, their sums added in shared
 memory.
 
-Slices of K (``k_slices`` KL > 1; the backward pass on tensor cores in 16 bits, whole tiles,
-the weights all in registers, with the barriers): where a group's dGH [rows, G*H] does not fit
-in shared memory (bfloat16 LSTM 1024 at batch 64 in 2 groups: 32 rows x 4096 x 2 bytes = 256
-KiB), it is staged in KL slices, slice s being chunks s*KI/(KQ*KL) .. of each part: two slices
-in shared memory, the next copied while the warps multiply the one before. The blocks publish
-dGH in the slices' order (:mod:`.stages.tensor_cores`), so that a slice is one contiguous copy.
+Slices of K (``k_slices`` KL > 1, ``plan(slices=True)``; on tensor cores in 16 bits, whole
+tiles, with the barriers; tried only where no plan fits whole): where a group's staged vector
+does not fit in shared memory next to the weights (the backward pass's dGH of bfloat16 LSTM
+1024 at batch 64 in 2 groups: 32 rows x 4096 x 2 bytes = 256 KiB; the forward's h of LSTM 2048
+at batch 32, 128 KiB, beside 128 KiB of W_hh), it is staged in KL slices, slice s being chunks
+s*KI/(KQ*KL) .. of each part: two slices in shared memory, the next copied while the warps
+multiply the one before. The blocks publish h (dGH) in the slices' order
+(:mod:`.stages.tensor_cores`), so that a slice is one contiguous copy; the forward's step 0
+stages h_0 slice by slice, element by element.
 
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
@@ -299,10 +302,11 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     staging = (_mma_staging_bytes(batch, chunks, vec, warps, rpw) if mma
                else _staging_bytes(batch, chunks, vec, warps, rpw))
     k_slices = 1
-    if slices and mma and elem_bytes == 2 and batch > MMA_ROWS and smem_chunks == 0:
-        for k_slices in (d for d in K_SLICES if (chunks // k_parts) % d == 0):
+    if slices and mma and elem_bytes == 2 and batch > MMA_ROWS:
+        held = smem_chunks * chunk_bytes  # the fewest slices that fit next to the weights
+        for k_slices in (d for d in K_SLICES[1:] if (chunks // k_parts) % d == 0):
             staging = _mma_staging_bytes(batch, chunks, vec, warps, rpw, k_slices)
-            if staging <= gpu.smem_per_block:  # the fewest slices that fit
+            if held + staging <= gpu.smem_per_block:
                 break
     global_chunks = 0
     if stream:
@@ -489,7 +493,7 @@ K_PARTS = (1, 2, 4, 8)
 #: Slices of K a staging of dGH may take (``Plan.k_slices``; "Slices of K"), the fewest that
 #: fit; and the estimated cost of each slice past the first (a block barrier, and the first
 #: slice's copy, which no product hides).
-K_SLICES, SLICE_NS = (1, 2, 4, 8), 150
+K_SLICES, SLICE_NS = (1, 2, 3, 4, 6, 8), 150
 #: Fewest batch rows a group in TF32: whole tiles only (half a tile's zero rows are the 16-bit
 #: A fragments' layout), and up to 8 rows the CUDA cores' float32 plans are as fast.
 TF32_MIN_BATCH = 9
@@ -558,11 +562,11 @@ def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: 
     each of the cell's ``params`` per-unit parameters, its value and its gradient summed over
     the steps in registers. Batch groups as :func:`plan` decides them (default: chosen).
     ``mma``: the products on tensor cores, K split among a row group's warps where that fits
-    better (16-bit weights)."""
+    better, dGH staged in slices of K where nothing fits whole (16-bit weights)."""
     return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
                 batch_groups=batch_groups, width=gates * hidden,
                 pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
-                split_k=mma)
+                split_k=mma, slices=mma)
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
@@ -576,7 +580,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
          max_blocks: int | None = None, reg_margin: int = REG_MARGIN,
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
          directions: int = 1, layers: int = 1, width: int | None = None,
-         pair_regs: int | None = None, mma: bool = False, split_k: bool = False) -> Plan:
+         pair_regs: int | None = None, mma: bool = False, split_k: bool = False,
+         slices: bool = False) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -592,8 +597,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     ``pair_regs``: registers a (unit, batch) pair needs, if not 2*G + states. ``mma``: the
     products on tensor cores (see "Tensor cores"; batch groups by default: the most whose
     weights fit in registers, else the fewest that fit); ``split_k``: there a row group's K
-    may be split among warps (:data:`K_PARTS`) and dGH staged in slices of K (:data:`K_SLICES`;
-    the backward pass's)."""
+    may be split among warps (:data:`K_PARTS`; the backward pass's). ``slices``: where no
+    plan fits whole, h staged in slices of K (:data:`K_SLICES`; see "Slices of K")."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
@@ -604,7 +609,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
         more = {"directions": directions, "layers": layers, "width": width,
-                "pair_regs": pair_regs, "mma": mma, "split_k": split_k}
+                "pair_regs": pair_regs, "mma": mma, "split_k": split_k, "slices": slices}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
 
         def fitting(tried):  # the plans that fit, up to the first with every weight in registers
@@ -670,15 +675,18 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     grids = directions * layers
     cap = min(gpu.sms // grids, max_blocks or gpu.sms) // batch_groups
     best = None
-    for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
-        for wn, parts in ([(warps, q) for q in (K_PARTS if split_k else (1,))] if mma
-                          else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
-            found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin, stream,
-                         width, pair_regs, mma, parts, slices=split_k)
-            if found is None or found.blocks > cap:
-                continue
-            if best is None or estimate_ns(found, local) < estimate_ns(best, local):
-                best = found
+    for sliced in (False, True) if slices else (False,):  # in slices only where none fits
+        for units in sorted({-(-hidden // b) for b in range(1, cap + 1)}):
+            for wn, parts in ([(warps, q) for q in (K_PARTS if split_k else (1,))] if mma
+                              else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
+                found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin,
+                             stream, width, pair_regs, mma, parts, sliced)
+                if found is None or found.blocks > cap:
+                    continue
+                if best is None or estimate_ns(found, local) < estimate_ns(best, local):
+                    best = found
+        if best is not None:
+            break
     if best is not None:
         # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
         # on large ones every block polling every word of h loads L2 more than one counter.

@@ -65,12 +65,19 @@ def _chunk_index(first, i):
 
 
 @T.macro
-def slice_chunks(spec, body, wv, wreg, sl):
-    """``body(j, read)`` for the warp's chunks j of slice ``sl`` (of its part of K; planner:
-    "Slices of K"), all in registers."""
-    cl = T.meta_var(spec.plan.slice_chunks)
-    for j in T.unroll(cl):
-        body(sl * cl + j, partial(from_registers, spec, wv, wreg, sl * cl + j))
+def slice_chunks(spec, body, wv, wreg, wsm, sl, warp, lane):
+    """``body(j, read)`` for the warp's chunks j of slice ``sl`` (a Python int; of its part
+    of K; planner: "Slices of K"): those in registers, then those in shared memory."""
+    lo, hi, kr = T.meta_var((sl * spec.plan.slice_chunks, (sl + 1) * spec.plan.slice_chunks,
+                             spec.plan.reg_chunks))
+    held = T.meta_var(max(0, min(hi, kr) - lo))
+    if held > 0:
+        for j in T.unroll(held):
+            body(lo + j, partial(from_registers, spec, wv, wreg, lo + j))
+    if held < hi - lo:
+        for j in T.unroll(hi - lo - held):
+            body(lo + held + j, partial(from_shared, spec, wv, wsm, 0, lo + held - kr + j,
+                                        warp, lane))
 
 
 @T.macro
