@@ -799,6 +799,27 @@ def test_backward_plan_on_tensor_cores_splits_k(gates, hidden, batch, dtype, par
         planner.backward(4, 2048, 64, "bfloat16", H100, 2, mma=True)
 
 
+def test_forward_plan_stages_h_in_slices_of_k_where_it_does_not_fit_whole():
+    """bfloat16 LSTM 2048 at batch 32: W_hh's chunks fill registers and most of shared memory,
+    and h (32 x 2048 x 2 bytes) no longer fits beside them: h in slices, with the barrier (the
+    slices copy h as published; with the knob sync="tagged", none), at batch 8 h whole; a cell that
+    exchanges a value before h (the GRU that resets before its product) takes no slices."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    lstm = Problem(cells.get("lstm"), 2048, 2048, 32, "bfloat16")
+    p = knobs.plan_for(lstm, H100, {}, 24)
+    assert p.mma and p.k_slices > 1 and p.sync == "barrier" and p.smem_chunks > 0
+    assert p.smem_bytes <= H100.smem_per_block
+    assert knobs.plan_for(Problem(cells.get("lstm"), 2048, 2048, 8, "bfloat16"), H100, {},
+                          24).k_slices == 1
+    with pytest.raises(Unfit):
+        knobs.plan_for(lstm, H100, {"sync": "tagged"}, 24)
+    assert not knobs.one_product(cells.get("gru_reset_before"))
+    assert knobs.one_product(cells.get("gru")) and knobs.one_product(cells.get("lstm"))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_plan_stages_dgh_in_slices_of_k(dtype):
     """LSTM 1024 at batch 64 in 16 bits: a group's dGH (32 rows x 4096, 256 KiB) does not fit

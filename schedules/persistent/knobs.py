@@ -114,7 +114,8 @@ class _Request:
                              directions=p.directions, layers=p.layers,
                              pair_regs=(2 * p.gates + len(p.cell.states) + len(p.cell.params)
                                         if p.cell.params else None), mma=mma,
-                             slices=mma and one_product(p.cell))
+                             # slices copy h as published after a barrier: not tagged
+                             slices=mma and one_product(p.cell) and k.get("sync") != "tagged")
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll") if f in k})
 
 
