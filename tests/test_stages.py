@@ -998,8 +998,8 @@ BACKWARD_KERNELS = {
     "tensor cores, tiles, K split, in slices": lambda: ("lstm", 256, 20, "bfloat16", in_slices(
         split_k(crafted(1, 256, 20, "bfloat16", 16, 2, width=1024, sync="barrier", mma=True,
                         rows_per_warp=8), 2), 2)),
-    "tensor cores, tiles, 4 slices": lambda: ("gru", 300, 17, "float16", in_slices(crafted(
-        1, 300, 17, "float16", 32, 4, width=900, sync="barrier", mma=True, rows_per_warp=8), 4)),
+    "tensor cores, tiles, 4 slices": lambda: ("gru", 300, 10, "float16", in_slices(crafted(
+        1, 300, 10, "float16", 32, 4, width=900, sync="barrier", mma=True, rows_per_warp=8), 4)),
     "tensor cores, planned": lambda: ("lstm", 256, 12, "bfloat16", planner.backward(
         4, 256, 12, "bfloat16", H100, 2, mma=True, max_blocks=8)),
 }
