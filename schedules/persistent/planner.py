@@ -490,8 +490,8 @@ MMA_MIN_BATCH, MMA_MIN_WARPS = 2, 4
 #: a block of few units (the backward pass's rows of W_hh^T, K = G*H deep) then still has
 #: warps enough, and each lane holds 1/KQ of its rows' weights.
 K_PARTS = (1, 2, 4, 8)
-#: Slices of K a staging of dGH may take (``Plan.k_slices``; "Slices of K"), the fewest that
-#: fit; and the estimated cost of each slice past the first (a block barrier, and the first
+#: Slices of K a staging of h (dGH) may take (``Plan.k_slices``; "Slices of K"), the fewest
+#: that fit; and the estimated cost of each slice past the first (a block barrier, and the first
 #: slice's copy, which no product hides).
 K_SLICES, SLICE_NS = (1, 2, 3, 4, 6, 8), 150
 #: Fewest batch rows a group in TF32: whole tiles only (half a tile's zero rows are the 16-bit

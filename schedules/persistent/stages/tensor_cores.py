@@ -13,9 +13,9 @@ weights' 16-bit type, in the A fragment's order (``hs16``), one of two ways
   l // 4 + 8) at ((tile*KS + k-step)*32 + l)*8, KS = KP / 16 k-steps a row: one 16-byte load
   a fragment; each fragment of weights multiplies every tile.
 
-In slices of K (the backward pass, :attr:`~..planner.Plan.k_slices` KL > 1; planner: "Slices
-of K"), the tiles' fragments are ordered by slice first: slice l holds, of each of the KQ
-parts of K, the k-steps of its chunks l*CL .. (l+1)*CL - 1 (CL = KI/(KQ*KL)), at (((l*tiles +
+In slices of K (:attr:`~..planner.Plan.k_slices` KL > 1; planner: "Slices of K"), the
+tiles' fragments are ordered by slice first: slice s holds, of each of the KQ parts of K, the
+k-steps of its chunks s*CL .. (s+1)*CL - 1 (CL = KI/(KQ*KL)), lane l's at (((s*tiles +
 m)*KS/KL + f)*32 + l)*8, f = (part*CL + chunk in the slice)*2*VEC + k-step in the chunk: a
 slice is one contiguous range, and staged it is read as the whole of K is, with KS/KL k-steps
 a row.
