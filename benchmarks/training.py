@@ -1,13 +1,15 @@
 """One training step (forward and backward): rnncc.nn against cuDNN through torch.nn, T = 100,
-C = H, IEEE float32 (TF32 off on both sides; and one bfloat16 row, the whole network in
-bfloat16 on both sides), both captured in CUDA graphs, in one process;
+C = H, IEEE float32 (TF32 off on both sides; and half-precision rows, the whole network in
+float16 or bfloat16 on both sides), both captured in CUDA graphs, in one process;
 microseconds a time step, and the peak memory a step adds. Run on a GPU machine from the
 repository root:
 
     python3 benchmarks/training.py [--repeat 50] [--jobs 16] [--json out.json] [--profile]
+                                   [--dtype bfloat16] [--config LSTM,2048,1,1,32,bfloat16 ...]
 
-``--profile``: after each row, where each side's time goes: the kernels of one step (by
-``torch.profiler``), each kernel's times summed, the longest first.
+``--config``: rows of your own instead of the table's (network, H, layers, directions, N,
+dtype; no memory rows). ``--profile``: after each row, where each side's time goes: the
+kernels of one step (by ``torch.profiler``), each kernel's times summed, the longest first.
 
 The step is ``y, _ = net(x); y.backward(dy)`` with x requiring grad (so both sides compute the
 gradients of the input and of every weight and bias). Before timing, the two sides' gradients
@@ -33,6 +35,20 @@ CONFIGS = [("LSTM", 1024, 1, False, 1, "float32"), ("LSTM", 1024, 1, False, 4, "
 #: (torch class, hidden size, batch, steps): the peak memory of a step.
 MEMORY = [("LSTM", 1024, 64, 100), ("LSTM", 1024, 64, 1000)]
 STEPS = 100
+
+
+def _config(text: str) -> tuple:
+    """A row from ``--config NETWORK,H,LAYERS,DIRECTIONS,N,DTYPE``."""
+    parts = text.split(",")
+    usage = (f"--config takes NETWORK,H,LAYERS,DIRECTIONS,N,DTYPE (e.g. LSTM,2048,1,1,32,bfloat16"
+             f"; NETWORK LSTM or GRU, DIRECTIONS 1 or 2, DTYPE float32, float16 or "
+             f"bfloat16), got {text!r}")
+    if (len(parts) != 6 or parts[0] not in ("LSTM", "GRU") or parts[3] not in ("1", "2")
+            or parts[5] not in ("float32", "float16", "bfloat16")
+            or not all(p.isdigit() and int(p) > 0 for p in (parts[1], parts[2], parts[4]))):
+        raise argparse.ArgumentTypeError(usage)
+    kind, hidden, layers, directions, batch, dtype = parts
+    return kind, int(hidden), int(layers), directions == "2", int(batch), dtype
 
 
 def _jobs(arch, configs=CONFIGS, memory=MEMORY):
@@ -125,9 +141,12 @@ def main():
                         help="only the rows of this dtype (the memory rows are float32)")
     parser.add_argument("--profile", action="store_true",
                         help="print each side's kernels of one step, by their summed time")
+    parser.add_argument("--config", type=_config, action="append",
+                        help="a row of your own, NETWORK,H,LAYERS,DIRECTIONS,N,DTYPE (repeat it "
+                             "for more), instead of the table's")
     args = parser.parse_args()
-    configs = [c for c in CONFIGS if args.dtype in (None, c[-1])]
-    measured = MEMORY if args.dtype in (None, "float32") else []
+    configs = args.config or [c for c in CONFIGS if args.dtype in (None, c[-1])]
+    measured = MEMORY if not args.config and args.dtype in (None, "float32") else []
     import torch
 
     from rnncc.bench import _graph_ms
