@@ -430,8 +430,8 @@ class _Backward:
             g, h, plan, p.dtype, transposed=True), [Region(io.w_hh, (ALL, ALL)),
                                                      Region(w_t, (ALL,) * 6)])]
         # dGH exchanged in float32, or as the next step's staging copies it (``hx``): zeros
-        name, (shape, dtype) = (("dgh_published", buffers.published_h(plan, n, p.dtype))
-                                if buffers.published_h(plan, n, p.dtype)
+        published = buffers.published_h(plan, n, p.dtype)
+        name, (shape, dtype) = (("dgh_published", published) if published
                                 else ("dgh_exchanged", ((2, n, gh), "float32")))
         xch = b.param(sig, name, shape, "workspace", dtype)
         prologue.append(self.elementwise("zero_exchanged", comp.zeros(shape, dtype),

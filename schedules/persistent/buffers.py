@@ -237,8 +237,9 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc("af", 8, dt)
         alloc("wb", 4, dt)
         alloc("dacc", 4 * spec.mma_chains * spec.mma_tiles, "float32")
-        staged = spec.mma_rows * spec.width  # h; or two slices of it ("Slices of K")
-        alloc("hs16", staged if p.k_slices == 1 else 2 * staged // p.k_slices, dt, "shared.dyn")
+        # h; or two slices of it ("Slices of K")
+        alloc("hs16", spec.staged_size if p.k_slices == 1 else 2 * spec.slice_size, dt,
+              "shared.dyn")
     else:
         alloc("acc", spec.accumulators, "float32")
         alloc("hv", n * vec, "float32")

@@ -138,6 +138,18 @@ class KernelSpec:
         return self.staged_rows * self.width
 
     @property
+    def slice_width(self) -> int:
+        """KP / KL: the k of a row of h in one slice of K (planner: "Slices of K"; all of KP
+        without slices)."""
+        return self.width // self.plan.k_slices
+
+    @property
+    def slice_size(self) -> int:
+        """Elements of one slice of h as a block stages it (:attr:`staged_rows` rows of
+        :attr:`slice_width`)."""
+        return self.staged_rows * self.slice_width
+
+    @property
     def replicas(self) -> int:
         """D*NG or L*NG: the batch groups of every grid, each exchanging its own h."""
         return self.grids * self.plan.batch_groups

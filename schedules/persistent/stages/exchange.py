@@ -139,7 +139,7 @@ def copy_slice(spec, hx, staged, t, sl, bx, tx):
     """Start copying slice ``sl`` of h_{t-1} (planner: "Slices of K"; ``hx`` holds it in the
     slices' order) into slot sl % 2 of ``staged`` (two slices); the thread waits for its
     copies (``device.wait_copies``) and a block barrier follows before the slice is read."""
-    size = T.meta_var(spec.staged_size // spec.plan.k_slices)
+    size = T.meta_var(spec.slice_size)
     _start_copies(spec, hx, staged, _published_at(spec, t, bx) + sl * size, sl % 2 * size,
                   size, tx)
 
@@ -147,9 +147,8 @@ def copy_slice(spec, hx, staged, t, sl, bx, tx):
 def _in_slice(spec, sl, e):
     """Element e = n*W + i of slice ``sl`` (W = KQ*CL*32*VEC: a row's k in the slice, its
     parts' chunks one after another; planner: "Slices of K") as n*KP + k."""
-    p = spec.plan
-    part = p.slice_chunks * 32 * p.vec
-    width = p.k_parts * part
+    p, width = spec.plan, spec.slice_width
+    part = width // p.k_parts
     return (e // width * spec.width
             + (e % width // part * p.warp_chunks + sl * p.slice_chunks) * 32 * p.vec + e % part)
 
@@ -158,9 +157,8 @@ def _in_slice(spec, sl, e):
 def _stage_slice(spec, s0, store, sl, bx, tx):
     """Slice ``sl`` of h_0 from the states' buffer, element by element: ``store(e, value)``
     for e = n*KP + k (zero past K)."""
-    threads, p = T.meta_var((spec.plan.threads, spec.plan))
-    full, rest = T.meta_var(divmod(spec.local_batch * p.k_parts * p.slice_chunks * 32 * p.vec,
-                                   threads))
+    threads = T.meta_var(spec.plan.threads)
+    full, rest = T.meta_var(divmod(spec.local_batch * spec.slice_width, threads))
     for e in T.serial(0, full):
         _stage_plain_element(spec, s0, store, 0, bx, _in_slice(spec, sl, e * threads + tx))
     if rest > 0:
@@ -174,9 +172,8 @@ def start_slice(spec, s0, hx, staged, store_at, t, sl, bx, tx):
     planner: "Slices of K"): at step 0 from h_0 in the states' buffer ``s0``, element by
     element (``store_at(base, e, value)``: the products' ``store_h``), after it copied from
     ``hx`` (:func:`copy_slice`)."""
-    size = T.meta_var(spec.staged_size // spec.plan.k_slices)
     if t == 0:
-        _stage_slice(spec, s0, partial(store_at, (sl % 2 - sl) * size), sl, bx, tx)
+        _stage_slice(spec, s0, partial(store_at, (sl % 2 - sl) * spec.slice_size), sl, bx, tx)
     else:
         copy_slice(spec, hx, staged, t, sl, bx, tx)
 

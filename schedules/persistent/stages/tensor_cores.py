@@ -64,13 +64,12 @@ def prepare(spec, hs16, af, tx):
 def _tile_step(spec, m, f):
     """The place of tile m's k-step f among the staged tiles' k-steps (32 lanes' 8 values
     each): m*KS + f, or in slices of K (KL > 1) slice first (see above)."""
-    steps, slices = spec.width // 16, spec.plan.k_slices
-    if slices == 1:
-        return m * steps + f
+    if spec.plan.k_slices == 1:
+        return m * (spec.width // 16) + f
     per = 2 * spec.plan.vec  # k-steps a chunk
     chunk, cl = f // per, spec.plan.slice_chunks
     part, own = chunk // spec.plan.warp_chunks, chunk % spec.plan.warp_chunks
-    return ((own // cl * spec.mma_tiles + m) * (steps // slices)
+    return ((own // cl * spec.mma_tiles + m) * (spec.slice_width // 16)
             + (part * cl + own % cl) * per + f % per)
 
 
@@ -143,9 +142,9 @@ def slice_chunk(spec, hs16, af, wb, wv, dacc, warp, lane, slot, j, read):
     """The warp's chunk j (of its part of K) from its slice, staged in ``slot`` (0 or 1) of
     ``hs16``: its place in the slice is the CL chunks of each part before the warp's, then
     j's among the slice's CL."""
-    cl, size = T.meta_var((spec.plan.slice_chunks, spec.staged_size // spec.plan.k_slices))
+    cl = T.meta_var(spec.plan.slice_chunks)
     chunk(spec, hs16, af, wb, wv, dacc, lane, warp // spec.plan.row_groups * cl + j % cl, read,
-          base=slot * size, row_steps=spec.width // 16 // spec.plan.k_slices)
+          base=slot * spec.slice_size, row_steps=spec.slice_width // 16)
 
 
 def _chain_sum(spec, dacc, m, c):
