@@ -81,22 +81,42 @@ class Simulator:
 
     def _grid(self, body):
         """(grid, threads): the extents of blockIdx.x, .y and .z, and of threadIdx.x (of
-        run-time sizes too, bound from the arguments' shapes). One grid: a function of
-        several kernels must launch them all on the same one."""
-        extents = {}
+        run-time sizes too, bound from the arguments' shapes), the most of any kernel's. A
+        function of several kernels of different grids runs each on its own
+        (:attr:`kernels`: a kernel's outermost binding, its grid and threads), the lanes past
+        them masked off."""
+        def extents(node):
+            found = {}
 
-        def visit(node):
-            if isinstance(node, tirx.For) and node.thread_binding is not None:
-                tag, extent = str(node.thread_binding.thread_tag), int(self._expr(node.extent))
-                if extents.setdefault(tag, extent) != extent:
-                    raise NotImplementedError(f"kernels of different grids ({tag})")
+            def visit(inner):
+                if isinstance(inner, tirx.For) and inner.thread_binding is not None:
+                    tag = str(inner.thread_binding.thread_tag)
+                    extent = int(self._expr(inner.extent))
+                    if found.setdefault(tag, extent) != extent:
+                        raise NotImplementedError(f"a kernel of two extents of {tag}")
 
-        tvm_ffi.structural_walk(body, (tirx.For, visit))
-        grid = tuple(extents.get(f"blockIdx.{axis}", 1) for axis in "xyz")
-        return grid, extents.get("threadIdx.x", 1)
+            tvm_ffi.structural_walk(node, (tirx.For, visit))
+            return (tuple(found.get(f"blockIdx.{axis}", 1) for axis in "xyz"),
+                    found.get("threadIdx.x", 1))
+
+        def bindings(node):
+            found = []
+            tvm_ffi.structural_walk(node, (tirx.For, lambda inner: found.append(inner) if (
+                inner.thread_binding is not None) else None))
+            return found
+
+        every = bindings(body)
+        inner = {node for outer in every for node in bindings(outer.body)}
+        self.kernels = {node: extents(node) for node in every if node not in inner}
+        grids = list(self.kernels.values()) or [((1, 1, 1), 1)]
+        grid = tuple(max(g[axis] for g, _ in grids) for axis in range(3))
+        return grid, max(threads for _, threads in grids)
 
     def _allocate(self, buffer):
         size = int(np.prod([int(d) for d in buffer.ty.shape]))
+        if _scope(buffer) == "global":  # a workspace in device memory, poisoned
+            self.store[buffer] = ("global", np.full(size, np.nan, _np_dtype(buffer.ty.dtype)))
+            return
         rows = self.lanes if _scope(buffer) == "local" else self.blocks
         array = np.zeros((rows, size), _np_dtype(buffer.ty.dtype))
         if buffer.name in self.preset:  # its first elements
@@ -182,15 +202,21 @@ class Simulator:
 
     def _for(self, node, mask):
         if node.thread_binding is not None:
+            outer = mask
+            if node in self.kernels:  # a kernel's grid: its lanes, the others masked off
+                self.kernel, threads = self.kernels[node]
+                mask = mask & (self.lane // self.threads < int(np.prod(self.kernel))) & (
+                    self.lane % self.threads < threads)
             tag = str(node.thread_binding.thread_tag)
             if tag.startswith("blockIdx."):  # x fastest, then y, then z
                 axis = "xyz".index(tag[-1])
-                below = int(np.prod(self.grid[:axis]))
-                value = self.lane // self.threads // below % self.grid[axis]
+                below = int(np.prod(self.kernel[:axis]))
+                value = self.lane // self.threads // below % self.kernel[axis]
             else:
                 value = self.lane % self.threads
             self.env[node.loop_var] = value
             self._stmt(node.body, mask)
+            self.mask = outer
             return
         start, extent = self._expr(node.min), self._expr(node.extent)
         assert np.ndim(start) == 0 and np.ndim(extent) == 0, "loop bounds differ by thread"
