@@ -35,11 +35,18 @@ GRU 2048 8 slices, GRU 1024 16; 4 or 32 were slower), whence :data:`SPLIT_BLOCKS
 products of all steps split K the same way where T*N rows leave their grid small (a training
 step's dx at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), the count chosen
 at run time from T: the host launches the unsplit kernel, or the split one and the sum.
+Where T*N rows make more tiles than a wave of blocks (two a multiprocessor), only the tiles
+past the last whole wave are split so (the tail): with the whole waves' tiles in one grid, the
+tail's slices fill the last wave's blocks instead of leaving most of the GPU idle while a few
+tiles finish (H200, LSTM 512 at batch 64, T = 100: 800 tiles, 3.03 waves; the projection took
+363 us, 309 with 784 tiles at batch 62; with the tail of 8 tiles in 8 slices 326 us; LSTM 1024
+at batch 32, 800 tiles K = 1024 deep, 692 -> 582).
 
 The kernel is composed of stages (``@T.macro``) that close over a :class:`Tile`, the
 product's tile arithmetic: ``_load`` (a chunk's global reads into registers), ``_store`` (to
 shared memory, transposed), ``products`` (a chunk's FMAs), ``_tile`` (a block's whole tile, its
-chunks double-buffered, and its epilogue), ``_grid`` and ``_sum_slices``.
+chunks double-buffered, and its epilogue), ``_grid`` and ``_sum_slices`` (one step's),
+``_whole_tiles``, ``_tail_tiles`` and ``_sum_tail`` (all steps' split tail).
 
 Why not a schedule of the component's loops (:mod:`.cuda_tiled_gemm` does that): TVM's buffer
 compaction gave no layout that was both double-buffered and free of bank conflicts from the
@@ -50,6 +57,7 @@ schedules tried (docs/benchmarks.md, "Batch 64"); that rule takes the sizes this
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -111,7 +119,8 @@ DEEP_SPLIT_BLOCKS = 528
 #: The products of all steps split K too where T*N leaves their grid small (dx of a training
 #: step at batch 1: [T*N, G*H] x [G*H, C], 8 tiles at T = 100 and C = 1024), into at most
 #: ALL_STEPS_MAX_SPLITS slices, as many as keep the grid within two blocks of 256 threads a
-#: multiprocessor of an H100/H200.
+#: multiprocessor of an H100/H200 (a wave); where they fill waves, the tiles past the last
+#: whole one (the tail) so.
 ALL_STEPS_MAX_SPLITS = 16
 ALL_STEPS_SPLIT_BLOCKS = 264
 
@@ -344,19 +353,33 @@ class Tile:
         """``buffer[*lead, k]``."""
         return tirx.BufferLoad(buffer, [*lead, k])
 
+    def tiles(self):
+        """Tiles of M x O (of T*N rows: a run-time count for all steps)."""
+        return (self.rows + (self.m - 1)) // self.m * self.product.tiles_across
+
+    def full(self):
+        """All steps: the tiles of whole waves of :data:`ALL_STEPS_SPLIT_BLOCKS` blocks, which
+        take K whole; the rest (:meth:`tail`) are split."""
+        return self.tiles() // ALL_STEPS_SPLIT_BLOCKS * ALL_STEPS_SPLIT_BLOCKS
+
+    def tail(self):
+        """All steps: the tiles past the last whole wave (all of them where they make none)."""
+        return self.tiles() % ALL_STEPS_SPLIT_BLOCKS
+
     def splits(self, of=lambda s: s):
         """Slices of K (``of(S)`` for S slices): one step's as :attr:`Product.splits` plans
-        them; all steps' chosen at run time from the tiles of T*N rows, the most of
-        :meth:`Product.split_choices` whose grid stays within :data:`ALL_STEPS_SPLIT_BLOCKS`
-        (a choice among constants: nothing divides by a run-time S)."""
+        them; the tail's of all steps chosen at run time from the tiles of T*N rows, the most
+        of :meth:`Product.split_choices` whose tail grid stays within
+        :data:`ALL_STEPS_SPLIT_BLOCKS` (one where there is no tail; a choice among constants:
+        nothing divides by a run-time S)."""
         p = self.product
         if not p.all_steps or len(p.split_choices()) == 1:
             return of(p.splits)
-        tiles = (self.rows + (self.m - 1)) // self.m * p.tiles_across
+        tail = self.tail()
         value = tirx.const(of(1), "int32")
         for s in p.split_choices()[1:]:
-            value = tirx.Select(tiles * s <= ALL_STEPS_SPLIT_BLOCKS, tirx.const(of(s), "int32"),
-                                value)
+            value = tirx.Select(tirx.all(tail > 0, tail * s <= ALL_STEPS_SPLIT_BLOCKS),
+                                tirx.const(of(s), "int32"), value)
         return value
 
     def slice_at(self, bz, m, o):
@@ -365,6 +388,14 @@ class Tile:
         if self.product.unsummed:
             return [bz, m, o]
         return [(bz * self.rows + m) * self.product.outputs + o]
+
+    def tail_at(self, slot, i, m, o):
+        """The index of a slice's sum at row m, column o of tile i in the flat workspace that
+        the tail's sum kernel reads, [S, tail, tile rows, TILE]: slot s * tail + j for slice s
+        of the tail's j-th tile."""
+        across = self.product.tiles_across
+        return [slot * (self.m * TILE) + (m - i // across * self.m) * TILE + o
+                - i % across * TILE]
 
     def column_inside(self, o):
         """Whether column ``o`` (the first of 4) is before O (True where O is whole tiles)."""
@@ -435,18 +466,20 @@ def products(t, a_s, w_s, af, wf, acc, tx):
                 acc[r * 8 + q] = acc[r * 8 + q] + af[r] * wf[q]
 
 
-def _first_column(bz, chunks):
-    """A slice's first column of K: bound to a variable where the slices are counted at run
-    time (an expression of T in the index would keep the loads from being 16-byte vectors)."""
-    return bz * chunks * BK if isinstance(chunks, int) else T.bind(bz * chunks * BK)
+class Into:
+    """Where a tile's sums go instead of out (plus b): ``slices`` at ``at(m, o)`` for the tile's
+    row m and column o."""
+
+    def __init__(self, slices, at):
+        self.slices, self.at = slices, at
 
 
 @T.macro
-def _tile(t, io, chunks, slices, bz, by, bx, tx):
-    """A block's tile over its slice of K (all of it where ``slices`` is None): the chunks
+def _tile(t, io, chunks, first, into, by, bx, tx):
+    """A block's tile over ``chunks`` chunks of K from column ``first`` on: the chunks
     double-buffered, chunk c's products from buffer c % 2, chunk c + 1's loads issued before
     them and stored after (the last chunk again at the end, stored where nothing reads it);
-    then the tile (plus b) to out, or without b to its slice's part of ``slices``."""
+    then the tile plus b to out, or (:class:`Into`) without b to a slice."""
     a, w, b, out = T.meta_var(io)
     # two buffers an operand (not one of two halves: TVM's barrier insertion cannot tell the
     # halves apart, and adds a second barrier a chunk)
@@ -459,7 +492,6 @@ def _tile(t, io, chunks, slices, bz, by, bx, tx):
     wf = T.alloc_buffer((8,), "float32", scope="local")
     ar = T.alloc_buffer((t.vectors["a"] * 4,), "float32", scope="local")
     wr = T.alloc_buffer((t.vectors["w"] * 4,), "float32", scope="local")
-    first = T.meta_var(_first_column(bz, chunks))
     for e in T.unroll(64):
         acc[e] = T.float32(0)
     _load(t, a, w, ar, wr, first, by, bx, tx)
@@ -481,48 +513,67 @@ def _tile(t, io, chunks, slices, bz, by, bx, tx):
                 if t.column_inside(bx * TILE + h * t.half["w"] + t.tq(tx) * 4):
                     for v in T.vectorized(4):
                         o = T.meta_var(bx * TILE + h * t.half["w"] + t.tq(tx) * 4 + v)
-                        if slices is None:
+                        if into is None:
                             T.buffer_store(out, acc[r * 8 + h * 4 + v] + b[o], t.at(m) + [o])
                         else:
-                            T.buffer_store(slices, acc[r * 8 + h * 4 + v],
-                                           t.slice_at(bz, m, o))
+                            T.buffer_store(into.slices, acc[r * 8 + h * 4 + v], into.at(m, o))
 
 
 @T.macro
-def _bounded_tile(t, io, chunks, slices, bz, by, bx, tx):
+def _bounded_tile(t, io, chunks, first, into, by, bx, tx):
     """:func:`_tile` in a kernel whose launch bounds name :attr:`Product.min_blocks`."""
     if t.product.min_blocks is None:
-        _tile(t, io, chunks, slices, bz, by, bx, tx)
+        _tile(t, io, chunks, first, into, by, bx, tx)
     else:
         with T.attr(0, LAUNCH_BOUNDS, t.product.min_blocks):
-            _tile(t, io, chunks, slices, bz, by, bx, tx)
+            _tile(t, io, chunks, first, into, by, bx, tx)
 
 
 @T.macro
 def _grid(t, io, splits, slices):
-    """The tiles of M x O (and the slices of K, blockIdx.z, where ``slices`` is given)."""
+    """The tiles of M x O (and one step's slices of K, blockIdx.z, where ``slices`` is
+    given)."""
     if slices is None:
         for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
             for bx in T.thread_binding(t.product.tiles_across, thread="blockIdx.x"):
                 for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                    _bounded_tile(t, io, t.product.slice_chunks(1), None, 0, by, bx, tx)
+                    _bounded_tile(t, io, t.product.slice_chunks(1), 0, None, by, bx, tx)
     else:
         for bz in T.thread_binding(splits, thread="blockIdx.z"):
             for by in T.thread_binding((t.rows + (t.m - 1)) // t.m, thread="blockIdx.y"):
                 for bx in T.thread_binding(t.product.tiles_across, thread="blockIdx.x"):
                     for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                        _bounded_tile(t, io, t.chunks(), slices, bz, by, bx, tx)
+                        _bounded_tile(t, io, t.chunks(), bz * t.chunks() * BK,
+                                      Into(slices, partial(t.slice_at, bz)), by, bx, tx)
 
 
-def _slice_loop(splits):
-    """Slices 1 to S - 1: unrolled where S is static."""
-    return T.unroll(1, splits) if isinstance(splits, int) else T.serial(1, splits)
+@T.macro
+def _whole_tiles(t, io, count):
+    """All steps' first ``count`` tiles (the whole waves' where the tail is split) over the
+    whole of K, one a block in order (along O first)."""
+    for z in T.thread_binding(count, thread="blockIdx.x"):
+        for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
+            _bounded_tile(t, io, t.product.slice_chunks(1), 0, None, z // t.product.tiles_across,
+                          T.Cast("int32", z % t.product.tiles_across), tx)
+
+
+@T.macro
+def _tail_tiles(t, io, splits, slices):
+    """All steps' tail (:meth:`Tile.tail`): its tile j (blockIdx.x) in ``splits`` slices of K
+    (blockIdx.y), into ``slices`` as :meth:`Tile.tail_at` lays them out."""
+    for s in T.thread_binding(splits, thread="blockIdx.y"):
+        for j in T.thread_binding(t.tail(), thread="blockIdx.x"):
+            for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
+                i = T.meta_var(t.full() + j)
+                _bounded_tile(t, io, t.chunks(), s * t.chunks() * BK, Into(slices, partial(
+                    t.tail_at, s * t.tail() + j, i)), i // t.product.tiles_across,
+                    T.Cast("int32", i % t.product.tiles_across), tx)
 
 
 @T.macro
 def _sum_slices(t, io, splits, slices):
-    """The second kernel of a split product: out = the slices summed in order, plus b; 4
-    outputs a thread."""
+    """The second kernel of one step's split product: out = the slices summed in order, plus
+    b; 4 outputs a thread."""
     a, w, b, out = T.meta_var(io)
     o_ = T.meta_var(t.product.outputs)
     quads = T.meta_var(t.rows * o_ // 4)
@@ -533,23 +584,47 @@ def _sum_slices(t, io, splits, slices):
             if bx * 256 + tx < quads:
                 for v in T.vectorized(4):
                     s[v] = slices[e + v]
-                for z in _slice_loop(splits):
+                for z in T.unroll(1, splits):
                     for v in T.vectorized(4):
                         s[v] = s[v] + slices[z * t.rows * o_ + e + v]
                 for v in T.vectorized(4):
                     T.buffer_store(out, s[v] + b[e % o_ + v], t.at(e // o_) + [e % o_ + v])
 
 
+@T.macro
+def _sum_tail(t, io, splits, slices):
+    """The second kernel of all steps' split tail: each of its tiles' elements inside M x O =
+    its slices summed in order, plus b; 4 outputs a thread."""
+    a, w, b, out = T.meta_var(io)
+    area, across = T.meta_var((t.m * TILE, t.product.tiles_across))
+    quads = T.meta_var(t.tail() * area // 4)
+    for bx in T.thread_binding((quads + 255) // 256, thread="blockIdx.x"):
+        for tx in T.thread_binding(256, thread="threadIdx.x"):
+            s = T.alloc_buffer((4,), "float32", scope="local")
+            e = T.meta_var((bx * 256 + tx) * 4)
+            i = T.meta_var(t.full() + e // area)
+            m = T.meta_var(i // across * t.m + e % area // TILE)
+            o = T.meta_var(i % across * TILE + e % TILE)
+            if bx * 256 + tx < quads and m < t.rows and t.column_inside(o):
+                for v in T.vectorized(4):
+                    s[v] = slices[e + v]
+                for z in T.serial(1, splits):
+                    for v in T.vectorized(4):
+                        s[v] = s[v] + slices[z * t.tail() * area + e + v]
+                for v in T.vectorized(4):
+                    T.buffer_store(out, s[v] + b[o + v], t.at(m) + [o + v])
+
+
 def kernel(product: Product):
     """The kernel(s) as a PrimFunc with the gemm component's parameters (a, w, b, out; a
     gemm_parts component's a, w, slices). One step's split product: the tiles into slices,
-    then their sum (none where the slices are the output). All steps': the unsplit grid
-    where the run-time split is 1, else the split grid and the sum (the host chooses)."""
+    then their sum (none where the slices are the output). All steps': the tiles whole where
+    the run-time split of the tail is 1, else the tail in slices and their sum (the host
+    chooses)."""
     t = Tile(product)
     splits = t.splits()
     static = isinstance(splits, int)
-    # all steps: S slices of T*N rows only where S * tiles <= ALL_STEPS_SPLIT_BLOCKS, so that
-    # S * T*N * O <= ALL_STEPS_SPLIT_BLOCKS * TILE * TILE floats (a static size)
+    # all steps: S slices of the tail's tiles only where S * tail <= ALL_STEPS_SPLIT_BLOCKS
     slice_floats = (splits * product.batch * product.outputs if static else
                     ALL_STEPS_SPLIT_BLOCKS * TILE * TILE)
 
@@ -570,8 +645,10 @@ def kernel(product: Product):
                 elif splits == 1:
                     _grid(t, io, 1, None)
                 else:
-                    _grid(t, io, splits, slices)
-                    _sum_slices(t, io, splits, slices)
+                    if t.full() > 0:
+                        _whole_tiles(t, io, t.full())
+                    _tail_tiles(t, io, splits, slices)
+                    _sum_tail(t, io, splits, slices)
 
     return sgemm
 

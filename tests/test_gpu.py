@@ -515,12 +515,15 @@ def test_sgemm_matches_reference(cell, input_size, hidden, batch, rng):
 
 @pytest.mark.parametrize("batch, depth, outputs, weights", [
     (1, 4096, 1024, "rows"), (3, 256, 128, "rows"), (64, 1024, 512, "rows"),
-    (1, 4096, 1024, "cols"), (64, 1024, 512, "cols")])
+    (1, 4096, 1024, "cols"), (64, 1024, 512, "cols"), (64, 512, 2048, "rows")])
 def test_sgemm_of_all_steps_matches_reference_split_or_not(torch, batch, depth, outputs,
                                                            weights, rng):
-    """The SGEMM of all steps with its slices of K chosen at run time: T = 1 and 7 (the most
-    slices), 100 (fewer, or none at batch 64) and 2000 (none), the output poisoned, against
-    float64; weights as PyTorch's rows [O, K] or as columns [K, O] (dx = dGI W_ih)."""
+    """The SGEMM of all steps with the slices of K of its tail (the tiles past the last whole
+    wave of blocks) chosen at run time: T = 1 and 7 (no whole wave: the most slices), 100
+    (fewer, or none at batch 64 and O = 512; at O = 2048 three whole waves and a tail of 8
+    tiles in 8 slices) and 2000 (at batch 64 and O = 512 15 whole waves and a tail of 40 tiles
+    in 4 slices), the output poisoned, against float64; weights as PyTorch's rows [O, K] or as
+    columns [K, O] (dx = dGI W_ih)."""
     import tvm
     import tvm_ffi
     from tvm import tirx

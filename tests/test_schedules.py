@@ -204,6 +204,41 @@ def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng
     assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
+@pytest.mark.parametrize("steps, batch, depth, outputs, weights, wave", [
+    (5, 33, 128, 260, "rows", 4), (7, 40, 136, 256, "cols", 4), (3, 40, 136, 256, "rows", 4),
+    (7, 16, 128, 132, "rows", 2)])
+def test_sgemm_of_all_steps_splits_the_tail_past_whole_waves_on_the_simulator(
+        steps, batch, depth, outputs, weights, wave, rng, monkeypatch):
+    """All steps' tiles past the last whole wave of blocks (ALL_STEPS_SPLIT_BLOCKS, made
+    small here) in slices of K, summed in order with the bias by another kernel, the whole
+    waves' tiles over all of K: 6 tiles in waves of 4 (a tail of 2 in 2 slices; again with
+    weights as columns and K not whole pairs of chunks), 2 tiles (no whole wave: the tail
+    alone), 2 in waves of 2 (no tail: one kernel); against float64, the output and the
+    workspace poisoned. (The interpreter runs each kernel on its own grid.)"""
+    from rnncc.schedules import cuda_sgemm
+    from tir_sim import Simulator
+
+    monkeypatch.setattr(cuda_sgemm, "ALL_STEPS_SPLIT_BLOCKS", wave)
+    lead = (tirx.Var("T", "int64"), batch)
+    product = cuda_sgemm.sizes(comp.gemm(lead, depth, outputs, weights, "float32"))
+    tile = cuda_sgemm.Tile(product)
+    analyzer = tvm.sym.Analyzer()
+    analyzer.bind(tile.t_len, tirx.const(steps, "int64"))
+    tiles = -(-steps * batch // cuda_sgemm.TILE) * -(-outputs // cuda_sgemm.TILE)
+    tail = tiles % wave
+    assert int(analyzer.simplify(tile.tail())) == tail
+    assert int(analyzer.simplify(tile.splits())) == (2 if tail else 1)
+    kernel = cuda_sgemm.kernel(product)
+    a = rng.standard_normal((steps, batch, depth)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full((steps, batch, outputs), np.nan, np.float32)
+    given = w if weights == "rows" else np.ascontiguousarray(w.T)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, (a, given, b, out))}).run()
+    want = a.astype(np.float64) @ w.T.astype(np.float64) + b
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+
+
 @pytest.mark.parametrize("batch, depth, outputs, splits, rows", [
     (64, 1024, 4096, 8, 64), (64, 1536, 6144, 8, 64), (64, 1024, 3072, 16, 64),
     (64, 2048, 6144, 8, 64), (64, 4096, 1024, 32, 64), (64, 8192, 2048, 32, 64),
@@ -253,8 +288,9 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights)
     (TVM's barrier insertion adds none of its own), and registers for two blocks of 256
     threads (all steps, launch bounds that say so) or four of 128 (one step) a
     multiprocessor, no spills (ptxas, via nvcc) but at most 16 bytes of the kernel with a
-    run-time count of slices (all steps' split kernel: so of chunks) at weights as columns.
-    K = 1024: 64 pairs of chunks, or 8 in each of one step's 8 slices."""
+    run-time count of slices (all steps' tail: so of chunks; the whole tiles' kernels, with
+    all slices and without, have none). K = 1024: 64 pairs of chunks, or 8 in each of one
+    step's 8 slices."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_sgemm
 
@@ -268,8 +304,9 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights)
     source = source.inspect_source()
     bodies = kernel_bodies(source)
     _, report = compile_cubin(source, "sm_90")
-    tiles = ["sgemm_kernel"] + (["sgemm_kernel_1"] if product.all_steps else [])
-    for name, chunk_pairs in zip(tiles, [pairs, None]):
+    tiles = ["sgemm_kernel"] + (["sgemm_kernel_1", "sgemm_kernel_2"] if product.all_steps
+                                 else [])
+    for name, chunk_pairs in zip(tiles, [pairs, pairs, None]):
         body = bodies[name]
         shared = re.findall(r"__shared__ alignas\(\d+\) float (\w+)_ptr\[(\d+)\]", body)
         sizes = {op: (cuda_sgemm.BK - 1) * (tile + cuda_sgemm.PAD) + tile
@@ -282,7 +319,7 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights)
         assert loop.count("*(float4*)(af_ptr") == 2 * 2 * cuda_sgemm.BK
         assert loop.count("*(float4*)(ar_ptr") == 2 and "make_" not in loop  # whole vectors
         kernel = report[name]
-        spills = 16 if chunk_pairs is None and weights == "cols" else 0
+        spills = 16 if chunk_pairs is None else 0
         assert kernel["spill_stores"] <= spills and kernel["spill_loads"] <= spills
         blocks = 2 if product.all_steps else 4
         bounds = "256, 2" if product.all_steps else "128"
@@ -295,30 +332,37 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights)
     (33, 48, 384, (1,)), (3, 256, 128, (1, 2, 4))])
 def test_sgemm_of_all_steps_splits_k_where_t_leaves_few_tiles(batch, depth, outputs, choices):
     """The products of all steps (dx of a training step: [T*N, G*H] x [G*H, C]) choose their
-    slices of K at run time: the unsplit kernel where the tiles of T*N rows fill the GPU, else
-    the most slices (whole pairs of chunks, at least MIN_SLICE deep) within
-    ALL_STEPS_SPLIT_BLOCKS blocks, summed in order with the bias by a third kernel; a product
-    that K does not divide has the one kernel."""
+    slices of K at run time for their tail, the tiles past the last whole wave of
+    ALL_STEPS_SPLIT_BLOCKS (all of them where T*N leaves fewer): none where there is no tail,
+    else the most slices (whole pairs of chunks, at least MIN_SLICE deep) that keep the
+    tail's grid within a wave, summed in order with the bias by a fourth kernel (the first:
+    every tile whole; the second: the whole waves' tiles, the third: the tail's slices); a
+    product that K does not divide in two has the one kernel."""
     from rnncc.schedules import cuda_sgemm
 
     t_len = tirx.Var("T", "int64")
     product = cuda_sgemm.sizes(comp.gemm((t_len, batch), depth, outputs, "rows", "float32"))
     assert product.split_choices() == choices and product.splits == 1
     tile = cuda_sgemm.Tile(product)
-    for steps in (1, 7, 100, 1000):
+    wave = cuda_sgemm.ALL_STEPS_SPLIT_BLOCKS
+    for steps in (1, 7, 100, 1000, 2000):
         analyzer = tvm.sym.Analyzer()
         analyzer.bind(tile.t_len, tirx.const(steps, "int64"))
         count = analyzer.simplify(tile.splits())
         tiles = -(-steps * batch // product.tile_rows) * (outputs // cuda_sgemm.TILE)
-        fits = [s for s in choices if s == 1 or tiles * s <= cuda_sgemm.ALL_STEPS_SPLIT_BLOCKS]
+        tail = tiles % wave
+        assert int(analyzer.simplify(tile.tail())) == tail
+        assert int(analyzer.simplify(tile.full())) == tiles - tail
+        fits = [s for s in choices if s == 1 or 0 < tail * s <= wave]
         assert int(count) == max(fits), steps
     func = cuda_sgemm.kernel(product).with_attr("global_symbol", "g")
     bodies = kernel_bodies(tvm.compile(tvm.IRModule({"main": func}), target=CUDA)
                            .mod.imports[0].inspect_source())
-    assert len(bodies) == (1 if choices == (1,) else 3)
-    if len(bodies) == 3:
-        assert "blockIdx.z" in bodies["g_kernel_1"] and "blockIdx.z" not in bodies["g_kernel"]
-        assert "slices_ptr" in bodies["g_kernel_2"] and "b_ptr" in bodies["g_kernel_2"]
+    assert len(bodies) == (1 if choices == (1,) else 4)
+    if len(bodies) == 4:
+        assert "slices_ptr" not in bodies["g_kernel"] + bodies["g_kernel_1"]
+        assert "blockIdx.y" in bodies["g_kernel_2"] and "slices_ptr" in bodies["g_kernel_2"]
+        assert "slices_ptr" in bodies["g_kernel_3"] and "b_ptr" in bodies["g_kernel_3"]
 
 
 @pytest.mark.parametrize("outputs, depth, splits", [(4096, 1024, 1), (2048, 512, 4),
