@@ -85,29 +85,28 @@ class Simulator:
         function of several kernels of different grids runs each on its own
         (:attr:`kernels`: a kernel's outermost binding, its grid and threads), the lanes past
         them masked off."""
-        def extents(node):
-            found = {}
-
-            def visit(inner):
-                if isinstance(inner, tirx.For) and inner.thread_binding is not None:
-                    tag = str(inner.thread_binding.thread_tag)
-                    extent = int(self._expr(inner.extent))
-                    if found.setdefault(tag, extent) != extent:
-                        raise NotImplementedError(f"a kernel of two extents of {tag}")
-
-            tvm_ffi.structural_walk(node, (tirx.For, visit))
-            return (tuple(found.get(f"blockIdx.{axis}", 1) for axis in "xyz"),
-                    found.get("threadIdx.x", 1))
-
         def bindings(node):
             found = []
             tvm_ffi.structural_walk(node, (tirx.For, lambda inner: found.append(inner) if (
                 inner.thread_binding is not None) else None))
             return found
 
-        every = bindings(body)
-        inner = {node for outer in every for node in bindings(outer.body)}
-        self.kernels = {node: extents(node) for node in every if node not in inner}
+        def extents(kernel, nested):
+            found = {}
+            for node in [kernel, *nested]:
+                tag, extent = str(node.thread_binding.thread_tag), int(self._expr(node.extent))
+                if found.setdefault(tag, extent) != extent:
+                    raise NotImplementedError(f"a kernel of two extents of {tag}")
+            return (tuple(found.get(f"blockIdx.{axis}", 1) for axis in "xyz"),
+                    found.get("threadIdx.x", 1))
+
+        inner, self.kernels = set(), {}
+        for node in bindings(body):  # each kernel's subtree walked once, where it is found
+            if node not in inner:
+                nested = bindings(node.body)
+                inner.update(nested)
+                self.kernels[node] = extents(node, nested)
+        self.kernels = {k: v for k, v in self.kernels.items() if k not in inner}
         grids = list(self.kernels.values()) or [((1, 1, 1), 1)]
         grid = tuple(max(g[axis] for g, _ in grids) for axis in range(3))
         return grid, max(threads for _, threads in grids)
