@@ -657,10 +657,13 @@ def test_column_sum_matches_reference(torch, outputs, dtype, g_dtype, rng):
     ("lstm", 33, 1000, 7, "float16", {"warps": 4, "mma": True, "sync": "barrier"}, "on"),
     ("rnn_tanh", 16, 64, 40, "float32", {"batch_groups": 4, "sync": "grid"}, "on"),
     ("lstm", 24, 64, 5, "float32", None, "off"),
-    ("gru", 24, 64, 5, "float16", None, "off")])
+    ("gru", 24, 64, 5, "float16", None, "off"),
+    ("lstm", 40, 132, 33, "float32", None, "off"),  # the input GEMM of the rows within them
+    ("gru", 512, 512, 64, "float32", None, "on")])
 def test_lengths_match_reference(cell, input_size, hidden, batch, dtype, knobs, persistent, rng):
     """Samples of their own lengths (the first 1 step, the last all T): persistent (each
-    exchange, tensor cores, the overlapped projection, batch groups) and not."""
+    exchange, tensor cores, the overlapped projection, batch groups) and not; float32 at
+    batch 32 and more, the input GEMM of only the rows within the lengths (cuda.sgemm)."""
     module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
                            knobs=knobs, persistent=persistent, tuning="off", lengths=True)
     assert module.metadata["schedule"]["kind"] == ("persistent" if persistent == "on"

@@ -79,3 +79,24 @@ def test_cuda_module_with_lengths_builds(cell, input_size, hidden, batch):
     (name,) = cooperative_kernels(module.source("cuda"))
     report = module.metadata["ptxas"][name]
     assert report["spill_stores"] == report["stack"] == 0
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+def test_cuda_input_gemm_leaves_out_the_rows_past_the_lengths():
+    """In IEEE float32 at batch 32 and more, both entries (persistent and not, both
+    directions) compute ``ends`` from the lengths and run the input projection of all steps
+    as cuda.sgemm over the rows within them (its tiles past them return at once); in float16
+    (tensor cores) as before."""
+    module = rnncc.compile("lstm", 40, 132, 33, target="cuda", lengths=True, directions=2,
+                           tuning="off")
+    functions, rules = module.metadata["functions"], module.metadata["schedule"]["rules"]
+    for entry in ("forward", "persistent_forward"):
+        assert {"name": "ends", "shape": [33], "dtype": "int32", "kind": "workspace"} in (
+            functions[entry])
+    assert rules["input_gemm_lengths"] == "cuda.sgemm" and "input_gemm" not in rules
+    # the tiles past the last row within the lengths (ends[N - 1]) return at once
+    assert "blockIdx.y) * (int64_t)128) < ((int64_t)ends_ptr[32]))" in module.source("cuda")
+    half = rnncc.compile("lstm", 40, 132, 33, target="cuda", lengths=True, dtype="float16",
+                         persistent="off", tuning="off")
+    assert "ends" not in {p["name"] for p in half.metadata["functions"]["forward"]}
+    assert "input_gemm" in half.metadata["schedule"]["rules"]

@@ -239,6 +239,42 @@ def test_sgemm_of_all_steps_splits_the_tail_past_whole_waves_on_the_simulator(
     assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
+@pytest.mark.parametrize("steps, lengths, depth, outputs, weights", [
+    (7, [3, 7, 1, 5, 7, 2, 6, 1, 4] * 4 + [7], 40, 132, "rows"), (5, [5] * 40, 128, 256, "cols"),
+    (9, [1, 9, 4], 32, 128, "rows"), (6, [1] * 33, 16, 128, "rows"),
+    (4, [6, 1, 4, 2], 16, 128, "rows")])
+def test_sgemm_of_all_steps_with_lengths_writes_only_their_rows_on_the_simulator(
+        steps, lengths, depth, outputs, weights, rng):
+    """All steps' SGEMM that takes the samples' lengths: the rows (t, n) with t < lengths[n],
+    laid out sample after sample (each tile's rows located by bisection of ``ends``), match
+    float64; the rows past a sample's length stay as poisoned (unwritten), the tiles past
+    the last row do nothing. Unsorted lengths with 1 and T among them, O not whole tiles and
+    K not whole pairs of chunks (33 + 4 tiles' worth of rows: some tiles span several
+    samples); all samples full, weights as columns; batch 3; every sample of length 1; a
+    length past T (which a CUDA graph's replay may bring): nothing written past T."""
+    from rnncc.schedules import cuda_sgemm
+    from tir_sim import Simulator
+
+    batch = len(lengths)
+    func = comp.gemm((tirx.Var("T", "int64"), batch), depth, outputs, weights, "float32",
+                     lengths=True)
+    product = cuda_sgemm.sizes(func)
+    assert product.lengths and product.all_steps
+    kernel = cuda_sgemm.apply(func, CUDA).mod["main"]
+    a = rng.standard_normal((steps, batch, depth)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full((steps, batch, outputs), np.nan, np.float32)
+    given = w if weights == "rows" else np.ascontiguousarray(w.T)
+    lens = np.array(lengths, np.int32)
+    args = (a, given, b, lens, np.cumsum(lens).astype(np.int32), out)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    want = a.astype(np.float64) @ w.T.astype(np.float64) + b
+    inside = np.arange(steps)[:, None] < lens[None, :]  # [T, N] (rows past T: none)
+    assert np.abs(out[inside] - want[inside]).max() / np.abs(want).max() < TOL_F32
+    assert np.isnan(out[~inside]).all()
+
+
 @pytest.mark.parametrize("batch, depth, outputs, splits, rows", [
     (64, 1024, 4096, 8, 64), (64, 1536, 6144, 8, 64), (64, 1024, 3072, 16, 64),
     (64, 2048, 6144, 8, 64), (64, 4096, 1024, 32, 64), (64, 8192, 2048, 32, 64),

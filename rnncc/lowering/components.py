@@ -110,7 +110,7 @@ def _cast(expr, dtype: str):
 
 
 def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
-         a_dtype: str | None = None, chunk: int = 1) -> tirx.PrimFunc:
+         a_dtype: str | None = None, chunk: int = 1, lengths: bool = False) -> tirx.PrimFunc:
     """``out[..., j] = sum_k a[..., k] * w[j, k] + b[j]`` for one projection.
 
     ``a`` is ``lead + (K,)`` (dtype ``a_dtype``, default ``dtype``), ``w`` [O, K] ("rows") or
@@ -122,6 +122,11 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
     [ceil(T/S), S, N, O], T padded to whole chunks of S steps. Block "gemm_rows" first reads
     ``a`` in that shape, the last step's rows standing in for the steps past T, so that a
     schedule can tile the S*N static rows of a chunk with no bounds checks.
+
+    ``lengths`` (``lead`` (T, N), S = 1): two more inputs after ``b``, ``lengths`` [N] int32
+    (the samples' lengths) and ``ends`` [N] int32 (:func:`length_ends`): a schedule may then
+    leave ``out``'s rows of steps past their sample's length unwritten (the steps that would
+    read them are masked); the definition computes them all.
     """
     acc = accum_dtype(dtype)
     lead = tuple(i64(d) if isinstance(d, int) else d for d in lead)
@@ -153,7 +158,9 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
         lambda *i: prod[i] + _cast(b[i[-1]], acc),
         name="gemm_bias",
     )
-    return te.create_prim_func([a, w, b, out])
+    given = ([te.placeholder((i64(int(lead[1])),), "int32", name) for name in ("lengths", "ends")]
+             if lengths else [])
+    return te.create_prim_func([a, w, b, *given, out])
 
 
 def gemm_parts(batch: int, k: int, o: int, parts: int, weights: str, dtype: str,
@@ -457,6 +464,17 @@ def activity(batch: int, t_len) -> tirx.PrimFunc:
         t < lengths[n].astype("int64"), tirx.const(1, "int32"), tirx.const(0, "int32")),
         name="active")
     return te.create_prim_func([lengths, active])
+
+
+def length_ends(batch: int) -> tirx.PrimFunc:
+    """``ends[n]`` = lengths[0] + ... + lengths[n] (``lengths`` [N] int32): where sample n's
+    rows end when the rows (t, n) within the samples' lengths are laid out sample after
+    sample; ``ends[N - 1]`` counts them."""
+    lengths = te.placeholder((i64(batch),), "int32", "lengths")
+    k = te.reduce_axis((i64(0), i64(batch)), "k")
+    ends = te.compute((i64(batch),), lambda n: te.sum(tvm.tirx.if_then_else(
+        k <= n, lengths[k], tirx.const(0, "int32")), axis=k), name="ends")
+    return te.create_prim_func([lengths, ends])
 
 
 def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str,

@@ -278,10 +278,12 @@ class _Builder:
         return Stage(f"reverse_{name}", func, [src, *given, dst], 1)
 
     def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole, d=None,
-                    gates=None):
+                    gates=None, ends=None):
         """One GEMM over all gates, or one a gate (gate_gemm off), of direction ``d``'s
         weights (their part of the stacked ``w`` and ``b``), or of all directions' at once
-        (``d`` None); with ``gates`` (and ``d``), of the first ones only."""
+        (``d`` None); with ``gates`` (and ``d``), of the first ones only. ``ends``: the
+        samples' (lengths, ends) buffers (:meth:`row_ends`), for a GEMM of all steps that
+        leaves out the rows past the lengths."""
         p, layout = self.p, self.layout
         h, count_gates = p.hidden_size, gates or p.gates
         g = p.gates
@@ -293,12 +295,14 @@ class _Builder:
             chunk = layout.chunk if len(lead) == 2 else 1  # chunks of the steps of x
             width = count * count_gates * h
             func = self.scheduled(
-                name, comp.gemm(lead, k, width, layout.weights, p.dtype, a_dtype, chunk), "gemm")
+                name + ("_lengths" if ends else ""), comp.gemm(
+                    lead, k, width, layout.weights, p.dtype, a_dtype, chunk, bool(ends)), "gemm")
             w_part = Region(w, (slice(first * rows, first * rows + width), ALL)
                             if layout.weights == "rows"  # cols: every gate (gates is None)
                             else (slice(first * rows, (first + count) * rows), ALL))
             b_part = Region(b, (slice(first * g * h, first * g * h + width),))
-            return [Stage(name, func, [a_region, w_part, b_part, out_whole], 1)]
+            given = [Region(v, (ALL,)) for v in ends] if ends else []
+            return [Stage(name, func, [a_region, w_part, b_part, *given, out_whole], 1)]
         func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype, a_dtype),
                               "gemm")
         return [Stage(f"{name}_g{i}", func,
@@ -306,6 +310,22 @@ class _Builder:
                        Region(b, (slice((first * g + i) * h, (first * g + i + 1) * h),)),
                        out_of_gate(i)], 1)
                 for i in range(count_gates)]
+
+    def row_ends(self, sig, lengths, lead, history):
+        """With the samples' ``lengths``: ``ends`` [N] int32 (:func:`comp.length_ends`) and
+        the stage computing it, for the input GEMM of all steps (of ``lead``) to leave out the
+        rows past the lengths (cuda.sgemm: where the lengths are given, on CUDA, IEEE float32
+        products of the combined gates, the steps not in chunks, not in the training forward,
+        whose backward pass reads every row), else (None, [])."""
+        p, layout = self.p, self.layout
+        if (lengths is None or history or len(lead) != 2 or self.target.kind.name != "cuda"
+                or p.dtype != "float32" or p.allow_tf32 or layout.gates != "combined"
+                or layout.chunk != 1 or (layout.flat_rows and p.directions == 1)):
+            return None, []
+        ends = self.param(sig, "ends", (p.batch,), "workspace", "int32")
+        func = self.scheduled("length_ends", comp.length_ends(p.batch), "elementwise")
+        return ends, [Stage("length_ends", func, [Region(lengths, (ALL,)),
+                                                  Region(ends, (ALL,))], 1)]
 
     def input_operands(self, x, xp, flat=True):
         """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of
@@ -424,6 +444,9 @@ class _Builder:
             func = self.scheduled("activity", comp.activity(n, t_len), "elementwise")
             prologue.append(Stage("activity", func, [Region(lengths, (ALL,)),
                                                      Region(active[0], (ALL, ALL))], 1))
+        ends, stages = (self.row_ends(sig, lengths, (t_len, n), history) if options.input_gemm
+                        else (None, []))
+        prologue += stages
         if x_rev is not None:
             prologue.append(self.reversed_steps("x", Region(x, (ALL,) * 3),
                                                 Region(x_rev, (ALL,) * 3), lengths))
@@ -443,7 +466,9 @@ class _Builder:
                     xp_region = Region(xp, at(d, (ALL,) * len(xp_shape)))
                 prologue += _named(self.projections(
                     "input_gemm", x_region, lead, c, w_ih, b_ih,
-                    lambda i, d=d: Region(xp, at(d, (i, ALL, ALL, ALL))), xp_region, d), suffix)
+                    lambda i, d=d: Region(xp, at(d, (i, ALL, ALL, ALL))), xp_region, d,
+                    ends=(lengths, ends) if ends is not None else None),
+                    suffix)
                 gi = ([Region(xp, at(d, (i, t, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(xp, at(d, layout.projections_at(t)))])
             else:
@@ -525,7 +550,8 @@ class _Builder:
                   *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
                   *vector_copies,
                   *reversed_,
-                  *([hf, hr, zero] if proj else []), *active]
+                  *([hf, hr, zero] if proj else []), *active,
+                  *([ends] if ends is not None else [])]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 
@@ -671,13 +697,16 @@ class _Builder:
             prologue += folded.initial
             recurrent.append(Region(folded.first, (ALL, ALL)))
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
+        ends = None
         if plan.fused:  # the kernel reads x and W_ih and writes xp
             inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
                       *recurrent, xp_whole]
         else:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
-            prologue += self.projections("persistent_input_gemm" if dirs > 1 else "input_gemm",
-                                         x_region, lead, c, w_ih, b_ih, None, xp_region)
+            ends, stages = self.row_ends(sig, lengths, lead, history)
+            prologue += stages + self.projections(
+                "persistent_input_gemm" if dirs > 1 else "input_gemm", x_region, lead, c, w_ih,
+                b_ih, None, xp_region, ends=(lengths, ends) if ends is not None else None)
             inputs = [xp_whole, *recurrent]
         if lengths is not None:
             inputs.append(Region(lengths, (ALL,)))
@@ -715,7 +744,8 @@ class _Builder:
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
                   *given, y, *sn, *kept, *([packed] if history else []),
                   *([] if in_place else [xp]), *sw, *(folded.params if proj else []), sync,
-                  *more_sync, *([stacked] if layers > 1 else []), *more]
+                  *more_sync, *([ends] if ends is not None else []),
+                  *([stacked] if layers > 1 else []), *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)
 
