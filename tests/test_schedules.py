@@ -205,8 +205,8 @@ def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng
 
 
 @pytest.mark.parametrize("steps, batch, depth, outputs, weights, wave", [
-    (5, 33, 128, 260, "rows", 4), (7, 40, 136, 256, "cols", 4), (3, 40, 136, 256, "rows", 4),
-    (7, 16, 128, 132, "rows", 2)])
+    pytest.param(5, 33, 128, 260, "rows", 4, marks=pytest.mark.slow),
+    (7, 40, 136, 256, "cols", 4), (3, 40, 136, 256, "rows", 4), (7, 16, 128, 132, "rows", 2)])
 def test_sgemm_of_all_steps_splits_the_tail_past_whole_waves_on_the_simulator(
         steps, batch, depth, outputs, weights, wave, rng, monkeypatch):
     """All steps' tiles past the last whole wave of blocks (ALL_STEPS_SPLIT_BLOCKS, made
@@ -644,8 +644,9 @@ def test_the_simulator_runs_mma_on_the_warps_a_condition_holds(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
-@pytest.mark.parametrize("form", ["rows", "cols", "flat", "gradient", "gradient_half", "step",
-                                  "slices"])
+@pytest.mark.parametrize("form", ["rows", pytest.param("cols", marks=pytest.mark.slow), "flat",
+                                  pytest.param("gradient", marks=pytest.mark.slow),
+                                  "gradient_half", "step", "slices"])
 def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     """cuda.mma_gemm's kernel on the NumPy interpreter of TIR (tests/tir_sim.py): a
     projection of T*N = 135 rows (two row tiles, the second partial) with weights [O, K] and

@@ -309,8 +309,10 @@ def _slow(*names):
 
 
 @pytest.mark.parametrize("name", _slow("overlapped, grid",
-                                        "bidirectional, tensor cores, h in 3 slices")(
-    list(KERNELS)))
+                                        "bidirectional, tensor cores, h in 3 slices",
+                                        "overlapped, staged x, barrier", "fused, batch groups",
+                                        "tensor cores, K split, shared memory",
+                                        "tagged, chunks of steps")(list(KERNELS)))
 def test_kernel_variant_matches_reference(name, rng):
     """Every variant of the plan, as the interpreter runs its kernel, within the dtype's
     tolerance of float64 at T = 1 and 5 (over a chunk of steps, a group of the overlapped
@@ -1005,7 +1007,9 @@ BACKWARD_KERNELS = {
 }
 
 
-@pytest.mark.parametrize("name", list(BACKWARD_KERNELS))
+@pytest.mark.parametrize("name", _slow("tensor cores, tiles", "tensor cores, tiles, K split",
+                                        "tensor cores, K split among warps")(
+    list(BACKWARD_KERNELS)))
 def test_backward_kernel_matches_reference(name, rng):
     """Every variant of a backward plan, on the interpreter: dGI (dGH) of every step and the
     initial states' gradients within the dtype's tolerance of float64 at T = 1 and 5."""
