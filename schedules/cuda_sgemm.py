@@ -43,12 +43,13 @@ tiles finish (H200, LSTM 512 at batch 64, T = 100: 800 tiles, 3.03 waves; the pr
 at batch 32, 800 tiles K = 1024 deep, 692 -> 582).
 
 Given the samples' lengths (rnncc's gemm component with ``lengths``: a layer that takes them,
-not in training), all steps' product computes only the rows (t, n) with t < lengths[n], laid
-out sample after sample: a tile's row m is step m - ends[n - 1] of the sample n that
-:func:`_locate` finds by bisection of ``ends`` (the lengths' running sums), each thread's a
-row located once and each row it writes at the end; the grid is T*N rows of tiles, those past
-the last row return at once, and nothing splits K (H200, LSTM 512, 2 layers, batch 64,
-lengths spread from T to T/4 as a PackedSequence: 18.98 -> 16.72 us a step, padded 17.76).
+in inference and in training), all steps' product computes only the rows (t, n) with
+t < lengths[n], laid out sample after sample: a tile's row m is step m - ends[n - 1] of the
+sample n that :func:`_locate` finds by bisection of ``ends`` (the lengths' running sums),
+each thread's a row located once and each row it writes at the end; the grid is T*N rows of
+tiles, those past the last row return at once, and nothing splits K (H200, LSTM 512, 2
+layers, batch 64, lengths spread from T to T/4 as a PackedSequence: 18.98 -> 16.72 us a
+step, padded 17.76).
 
 The kernel is composed of stages (``@T.macro``) that close over a :class:`Tile`, the
 product's tile arithmetic: ``_load`` (a chunk's global reads into registers), ``_store`` (to

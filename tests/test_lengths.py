@@ -100,3 +100,15 @@ def test_cuda_input_gemm_leaves_out_the_rows_past_the_lengths():
                          persistent="off", tuning="off")
     assert "ends" not in {p["name"] for p in half.metadata["functions"]["forward"]}
     assert "input_gemm" in half.metadata["schedule"]["rules"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+def test_cuda_training_forward_leaves_out_the_rows_past_the_lengths():
+    """The training forward (persistent and not) leaves them out too: the backward pass reads
+    those rows only where it selects zeros (GPU: test_training's gradients at batch 40)."""
+    module = rnncc.compile("lstm", 40, 132, 33, target="cuda", lengths=True, training=True,
+                           tuning="off")
+    for entry in ("forward", "train_forward", "persistent_forward", "persistent_train_forward"):
+        assert "ends" in {p["name"] for p in module.metadata["functions"][entry]}, entry
+    assert module.metadata["schedule"]["rules"]["input_gemm_lengths"] == "cuda.sgemm"

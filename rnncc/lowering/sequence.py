@@ -311,14 +311,15 @@ class _Builder:
                        out_of_gate(i)], 1)
                 for i in range(count_gates)]
 
-    def row_ends(self, sig, lengths, lead, history):
+    def row_ends(self, sig, lengths, lead):
         """With the samples' ``lengths``: ``ends`` [N] int32 (:func:`comp.length_ends`) and
         the stage computing it, for the input GEMM of all steps (of ``lead``) to leave out the
         rows past the lengths (cuda.sgemm: where the lengths are given, on CUDA, IEEE float32
-        products of the combined gates, the steps not in chunks, not in the training forward,
-        whose backward pass reads every row), else (None, [])."""
+        products of the combined gates, the steps not in chunks), else (None, []). The rows
+        left out are read only by masked steps (in training too: the backward pass selects
+        zeros for their gradients, whatever they hold)."""
         p, layout = self.p, self.layout
-        if (lengths is None or history or len(lead) != 2 or self.target.kind.name != "cuda"
+        if (lengths is None or len(lead) != 2 or self.target.kind.name != "cuda"
                 or p.dtype != "float32" or p.allow_tf32 or layout.gates != "combined"
                 or layout.chunk != 1 or (layout.flat_rows and p.directions == 1)):
             return None, []
@@ -444,7 +445,7 @@ class _Builder:
             func = self.scheduled("activity", comp.activity(n, t_len), "elementwise")
             prologue.append(Stage("activity", func, [Region(lengths, (ALL,)),
                                                      Region(active[0], (ALL, ALL))], 1))
-        ends, stages = (self.row_ends(sig, lengths, (t_len, n), history) if options.input_gemm
+        ends, stages = (self.row_ends(sig, lengths, (t_len, n)) if options.input_gemm
                         else (None, []))
         prologue += stages
         if x_rev is not None:
@@ -703,7 +704,7 @@ class _Builder:
                       *recurrent, xp_whole]
         else:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
-            ends, stages = self.row_ends(sig, lengths, lead, history)
+            ends, stages = self.row_ends(sig, lengths, lead)
             prologue += stages + self.projections(
                 "persistent_input_gemm" if dirs > 1 else "input_gemm", x_region, lead, c, w_ih,
                 b_ih, None, xp_region, ends=(lengths, ends) if ends is not None else None)
