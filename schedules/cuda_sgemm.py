@@ -45,11 +45,11 @@ at batch 32, 800 tiles K = 1024 deep, 692 -> 582).
 Given the samples' lengths (rnncc's gemm component with ``lengths``: a layer that takes them,
 in inference and in training), all steps' product computes only the rows (t, n) with
 t < lengths[n], laid out sample after sample: a tile's row m is step m - ends[n - 1] of the
-sample n that :func:`_locate` finds by bisection of ``ends`` (the lengths' running sums),
-each thread's a row located once and each row it writes at the end; the grid is T*N rows of
-tiles, those past the last row return at once, and nothing splits K (H200, LSTM 512, 2
-layers, batch 64, lengths spread from T to T/4 as a PackedSequence: 18.98 -> 16.72 us a
-step, padded 17.76).
+sample n that :func:`_locate` finds by bisection of ``ends`` (the running sums of the
+lengths, each within 0 .. T), each thread's a row located once and each row it writes at the
+end; the grid is T*N rows of tiles, those past the last row return at once, and nothing
+splits K (H200, LSTM 512, 2 layers, batch 64, lengths spread from T to T/4 as a
+PackedSequence: 18.98 -> 16.72 us a step, padded 17.76).
 
 The kernel is composed of stages (``@T.macro``) that close over a :class:`Tile`, the
 product's tile arithmetic: ``_load`` (a chunk's global reads into registers), ``_store`` (to
@@ -368,11 +368,9 @@ class Tile:
 
     def at(self, m, where=None):
         """The leading indices of row m of a or out: (t, n) for all steps, else (n,); with
-        lengths, those :func:`_locate` wrote to ``where``, t clamped to 0 .. T - 1 (a length
-        past T, which a call refuses but a CUDA graph's replay with new lengths may bring,
-        makes its rows past T step T - 1's again: the same sums, nothing out of bounds)."""
+        lengths, those :func:`_locate` wrote to ``where``."""
         if self.product.lengths:
-            return [tirx.max(tirx.min(where[0], self.t_len - 1), 0), where[1]]
+            return [where[0], where[1]]
         n_ = self.product.batch
         return [m // n_, m % n_] if self.product.all_steps else [m]
 
@@ -459,14 +457,17 @@ def _parameters(t: Tile):
 def _locate(t, m, where):
     """With lengths: ``where`` = (t, n), the step and sample of row m < :meth:`Tile.count`
     of the rows within the samples' lengths, laid out sample after sample (sample n's from
-    ends[n - 1] on): n = how many samples end at or before m, found by bisection."""
+    ends[n - 1] on; ``ends`` counts each length within 0 .. T, :func:`rnncc.lowering.
+    components.length_ends`, and so does t here): n = how many samples end at or before m,
+    found by bisection."""
     steps = T.meta_var((t.product.batch - 1).bit_length())
     where[1] = 0
     for j in T.unroll(steps):
         if where[1] + (1 << (steps - 1 - j)) <= t.product.batch:
             if t.ends[where[1] + (1 << (steps - 1 - j)) - 1] <= m:
                 where[1] = where[1] + (1 << (steps - 1 - j))
-    where[0] = m - t.ends[where[1]] + t.lengths[where[1]]
+    where[0] = m - t.ends[where[1]] + T.max(T.min(t.lengths[where[1]],
+                                                  T.Cast("int32", t.t_len)), 0)
 
 
 @T.macro

@@ -102,6 +102,23 @@ def test_cuda_input_gemm_leaves_out_the_rows_past_the_lengths():
     assert "input_gemm" in half.metadata["schedule"]["rules"]
 
 
+def test_length_ends_count_each_length_within_the_steps():
+    """``ends`` (where each sample's rows end, laid out sample after sample) counts a length
+    within 0 .. T: one past T (a CUDA graph's replay may bring it) as T, below 0 as 0."""
+    import tvm
+    from tvm import tirx
+
+    from rnncc.lowering import components as comp
+
+    func = comp.length_ends(5, tirx.Var("T", "int64"), 3, "float32")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    x = tvm.runtime.tensor(np.zeros((4, 5, 3), np.float32))  # T = 4
+    lengths = tvm.runtime.tensor(np.array([30, 1, 0, -2, 4], np.int32))
+    ends = tvm.runtime.tensor(np.full(5, -7, np.int32))
+    lib["main"](x, lengths, ends)
+    assert ends.numpy().tolist() == [4, 5, 5, 5, 9]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_cuda_training_forward_leaves_out_the_rows_past_the_lengths():

@@ -242,7 +242,7 @@ def test_sgemm_of_all_steps_splits_the_tail_past_whole_waves_on_the_simulator(
 @pytest.mark.parametrize("steps, lengths, depth, outputs, weights", [
     (7, [3, 7, 1, 5, 7, 2, 6, 1, 4] * 4 + [7], 40, 132, "rows"), (5, [5] * 40, 128, 256, "cols"),
     (9, [1, 9, 4], 32, 128, "rows"), (6, [1] * 33, 16, 128, "rows"),
-    (4, [6, 1, 4, 2], 16, 128, "rows")])
+    (4, [30, 1, 4, 2], 16, 128, "rows")])
 def test_sgemm_of_all_steps_with_lengths_writes_only_their_rows_on_the_simulator(
         steps, lengths, depth, outputs, weights, rng):
     """All steps' SGEMM that takes the samples' lengths: the rows (t, n) with t < lengths[n],
@@ -251,7 +251,8 @@ def test_sgemm_of_all_steps_with_lengths_writes_only_their_rows_on_the_simulator
     the last row do nothing. Unsorted lengths with 1 and T among them, O not whole tiles and
     K not whole pairs of chunks (33 + 4 tiles' worth of rows: some tiles span several
     samples); all samples full, weights as columns; batch 3; every sample of length 1; a
-    length past T (which a CUDA graph's replay may bring): nothing written past T."""
+    length past T (which a CUDA graph's replay may bring; ``ends`` counts it as T): its rows
+    up to T, the other samples' in place, nothing written past T."""
     from rnncc.schedules import cuda_sgemm
     from tir_sim import Simulator
 
@@ -267,7 +268,8 @@ def test_sgemm_of_all_steps_with_lengths_writes_only_their_rows_on_the_simulator
     out = np.full((steps, batch, outputs), np.nan, np.float32)
     given = w if weights == "rows" else np.ascontiguousarray(w.T)
     lens = np.array(lengths, np.int32)
-    args = (a, given, b, lens, np.cumsum(lens).astype(np.int32), out)
+    ends = np.cumsum(np.clip(lens, 0, steps)).astype(np.int32)  # as comp.length_ends
+    args = (a, given, b, lens, ends, out)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     want = a.astype(np.float64) @ w.T.astype(np.float64) + b
     inside = np.arange(steps)[:, None] < lens[None, :]  # [T, N] (rows past T: none)

@@ -466,15 +466,20 @@ def activity(batch: int, t_len) -> tirx.PrimFunc:
     return te.create_prim_func([lengths, active])
 
 
-def length_ends(batch: int) -> tirx.PrimFunc:
-    """``ends[n]`` = lengths[0] + ... + lengths[n] (``lengths`` [N] int32): where sample n's
-    rows end when the rows (t, n) within the samples' lengths are laid out sample after
-    sample; ``ends[N - 1]`` counts them."""
+def length_ends(batch: int, t_len, width: int, dtype: str) -> tirx.PrimFunc:
+    """``ends[n]`` = l[0] + ... + l[n], l[k] = ``lengths[k]`` within 0 .. T (``lengths`` [N]
+    int32; T of ``x`` [T, N, C], read for its shape only): where sample n's rows end when the
+    rows (t, n) within the samples' lengths are laid out sample after sample; ``ends[N - 1]``
+    counts them. A length past T counts T, as the steps it runs: one that a call refuses but a
+    CUDA graph's replay with new lengths may bring leaves the other samples' rows in place."""
+    x = te.placeholder((t_len, i64(batch), i64(width)), dtype, "x")
     lengths = te.placeholder((i64(batch),), "int32", "lengths")
     k = te.reduce_axis((i64(0), i64(batch)), "k")
+    steps = t_len.astype("int32")
     ends = te.compute((i64(batch),), lambda n: te.sum(tvm.tirx.if_then_else(
-        k <= n, lengths[k], tirx.const(0, "int32")), axis=k), name="ends")
-    return te.create_prim_func([lengths, ends])
+        k <= n, tvm.tirx.max(tvm.tirx.min(lengths[k], steps), 0), tirx.const(0, "int32")),
+        axis=k), name="ends")
+    return te.create_prim_func([x, lengths, ends])
 
 
 def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str,

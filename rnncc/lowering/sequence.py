@@ -311,9 +311,10 @@ class _Builder:
                        out_of_gate(i)], 1)
                 for i in range(count_gates)]
 
-    def row_ends(self, sig, lengths, lead):
-        """With the samples' ``lengths``: ``ends`` [N] int32 (:func:`comp.length_ends`) and
-        the stage computing it, for the input GEMM of all steps (of ``lead``) to leave out the
+    def row_ends(self, sig, x, lengths, lead):
+        """With the samples' ``lengths``: ``ends`` [N] int32 (:func:`comp.length_ends`, T
+        from ``x``) and the stage computing it, for the input GEMM of all steps (of ``lead``)
+        to leave out the
         rows past the lengths (cuda.sgemm: where the lengths are given, on CUDA, IEEE float32
         products of the combined gates, the steps not in chunks), else (None, []). The rows
         left out are read only by masked steps (in training too: the backward pass selects
@@ -324,8 +325,9 @@ class _Builder:
                 or layout.chunk != 1 or (layout.flat_rows and p.directions == 1)):
             return None, []
         ends = self.param(sig, "ends", (p.batch,), "workspace", "int32")
-        func = self.scheduled("length_ends", comp.length_ends(p.batch), "elementwise")
-        return ends, [Stage("length_ends", func, [Region(lengths, (ALL,)),
+        func = self.scheduled("length_ends", comp.length_ends(
+            p.batch, x.shape[0], p.input_size, x.dtype), "elementwise")
+        return ends, [Stage("length_ends", func, [Region(x, (ALL,) * 3), Region(lengths, (ALL,)),
                                                   Region(ends, (ALL,))], 1)]
 
     def input_operands(self, x, xp, flat=True):
@@ -445,7 +447,7 @@ class _Builder:
             func = self.scheduled("activity", comp.activity(n, t_len), "elementwise")
             prologue.append(Stage("activity", func, [Region(lengths, (ALL,)),
                                                      Region(active[0], (ALL, ALL))], 1))
-        ends, stages = (self.row_ends(sig, lengths, (t_len, n)) if options.input_gemm
+        ends, stages = (self.row_ends(sig, x, lengths, (t_len, n)) if options.input_gemm
                         else (None, []))
         prologue += stages
         if x_rev is not None:
@@ -704,7 +706,7 @@ class _Builder:
                       *recurrent, xp_whole]
         else:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
-            ends, stages = self.row_ends(sig, lengths, lead)
+            ends, stages = self.row_ends(sig, x, lengths, lead)
             prologue += stages + self.projections(
                 "persistent_input_gemm" if dirs > 1 else "input_gemm", x_region, lead, c, w_ih,
                 b_ih, None, xp_region, ends=(lengths, ends) if ends is not None else None)
