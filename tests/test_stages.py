@@ -285,6 +285,9 @@ KERNELS = {
     "bidirectional, barrier, batch groups, K in three places": lambda: (
         "gru", 7, 300, 4, "float32", crafted(3, 300, 4, "float32", 40, 4, (1, 1, 1), groups=2,
                                              sync="barrier", directions=2), 1),
+    # (11 such groups at H 132, batch 33 fail on an H200, timing-dependent: docs/benchmarks.md)
+    "bidirectional, tagged, batch groups": lambda: ("lstm", 5, 12, 6, "float32", crafted(
+        4, 12, 6, "float32", 6, 2, groups=3, sync="tagged", directions=2), 1),
     "bidirectional, tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(
         4, 64, 3, "float16", 2, 1, mma=True, directions=2), 1),
     "tensor cores, K split among warps": lambda: ("gru", 5, 300, 21, "float16", split_k(
