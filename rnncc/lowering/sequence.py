@@ -278,10 +278,10 @@ class _Builder:
         return Stage(f"reverse_{name}", func, [src, *given, dst], 1)
 
     def projections(self, name, a_region, lead, k, w, b, out_of_gate, out_whole, d=None,
-                    gates=None, ends=None):
+                    gates=None, lengths=None):
         """One GEMM over all gates, or one a gate (gate_gemm off), of direction ``d``'s
         weights (their part of the stacked ``w`` and ``b``), or of all directions' at once
-        (``d`` None); with ``gates`` (and ``d``), of the first ones only. ``ends``: the
+        (``d`` None); with ``gates`` (and ``d``), of the first ones only. ``lengths``: the
         samples' (lengths, ends) buffers (:meth:`row_ends`), for a GEMM of all steps that
         leaves out the rows past the lengths."""
         p, layout = self.p, self.layout
@@ -295,13 +295,14 @@ class _Builder:
             chunk = layout.chunk if len(lead) == 2 else 1  # chunks of the steps of x
             width = count * count_gates * h
             func = self.scheduled(
-                name + ("_lengths" if ends else ""), comp.gemm(
-                    lead, k, width, layout.weights, p.dtype, a_dtype, chunk, bool(ends)), "gemm")
+                name + ("_lengths" if lengths else ""), comp.gemm(
+                    lead, k, width, layout.weights, p.dtype, a_dtype, chunk, bool(lengths)),
+                "gemm")
             w_part = Region(w, (slice(first * rows, first * rows + width), ALL)
                             if layout.weights == "rows"  # cols: every gate (gates is None)
                             else (slice(first * rows, (first + count) * rows), ALL))
             b_part = Region(b, (slice(first * g * h, first * g * h + width),))
-            given = [Region(v, (ALL,)) for v in ends] if ends else []
+            given = [Region(v, (ALL,)) for v in lengths] if lengths else []
             return [Stage(name, func, [a_region, w_part, b_part, *given, out_whole], 1)]
         func = self.scheduled(name, comp.gemm(lead, k, h, layout.weights, p.dtype, a_dtype),
                               "gemm")
@@ -312,13 +313,13 @@ class _Builder:
                 for i in range(count_gates)]
 
     def row_ends(self, sig, x, lengths, lead):
-        """With the samples' ``lengths``: ``ends`` [N] int32 (:func:`comp.length_ends`, T
-        from ``x``) and the stage computing it, for the input GEMM of all steps (of ``lead``)
-        to leave out the
-        rows past the lengths (cuda.sgemm: where the lengths are given, on CUDA, IEEE float32
-        products of the combined gates, the steps not in chunks), else (None, []). The rows
-        left out are read only by masked steps (in training too: the backward pass selects
-        zeros for their gradients, whatever they hold)."""
+        """With the samples' ``lengths``: (lengths, ``ends`` [N] int32) for the input GEMM
+        of all steps (of ``lead``) to leave out the rows past the lengths, and the stage
+        computing ``ends`` (:func:`comp.length_ends`, T from ``x``); where cuda.sgemm takes
+        such a product (on CUDA, IEEE float32 products of the combined gates, the steps not
+        in chunks), else (None, []). The rows left out are read only by masked steps (in
+        training too: the backward pass selects zeros for their gradients, whatever they
+        hold)."""
         p, layout = self.p, self.layout
         if (lengths is None or len(lead) != 2 or self.target.kind.name != "cuda"
                 or p.dtype != "float32" or p.allow_tf32 or layout.gates != "combined"
@@ -327,8 +328,8 @@ class _Builder:
         ends = self.param(sig, "ends", (p.batch,), "workspace", "int32")
         func = self.scheduled("length_ends", comp.length_ends(
             p.batch, x.shape[0], p.input_size, x.dtype), "elementwise")
-        return ends, [Stage("length_ends", func, [Region(x, (ALL,) * 3), Region(lengths, (ALL,)),
-                                                  Region(ends, (ALL,))], 1)]
+        return (lengths, ends), [Stage("length_ends", func, [
+            Region(x, (ALL,) * 3), Region(lengths, (ALL,)), Region(ends, (ALL,))], 1)]
 
     def input_operands(self, x, xp, flat=True):
         """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of
@@ -447,8 +448,8 @@ class _Builder:
             func = self.scheduled("activity", comp.activity(n, t_len), "elementwise")
             prologue.append(Stage("activity", func, [Region(lengths, (ALL,)),
                                                      Region(active[0], (ALL, ALL))], 1))
-        ends, stages = (self.row_ends(sig, x, lengths, (t_len, n)) if options.input_gemm
-                        else (None, []))
+        skipping, stages = (self.row_ends(sig, x, lengths, (t_len, n)) if options.input_gemm
+                            else (None, []))
         prologue += stages
         if x_rev is not None:
             prologue.append(self.reversed_steps("x", Region(x, (ALL,) * 3),
@@ -470,8 +471,7 @@ class _Builder:
                 prologue += _named(self.projections(
                     "input_gemm", x_region, lead, c, w_ih, b_ih,
                     lambda i, d=d: Region(xp, at(d, (i, ALL, ALL, ALL))), xp_region, d,
-                    ends=(lengths, ends) if ends is not None else None),
-                    suffix)
+                    lengths=skipping), suffix)
                 gi = ([Region(xp, at(d, (i, t, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(xp, at(d, layout.projections_at(t)))])
             else:
@@ -553,8 +553,7 @@ class _Builder:
                   *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
                   *vector_copies,
                   *reversed_,
-                  *([hf, hr, zero] if proj else []), *active,
-                  *([ends] if ends is not None else [])]
+                  *([hf, hr, zero] if proj else []), *active, *(skipping or ())[1:]]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 
@@ -700,16 +699,16 @@ class _Builder:
             prologue += folded.initial
             recurrent.append(Region(folded.first, (ALL, ALL)))
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
-        ends = None
+        skipping = None
         if plan.fused:  # the kernel reads x and W_ih and writes xp
             inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
                       *recurrent, xp_whole]
         else:
             x_region, lead, xp_region, views = self.input_operands(x, xp)
-            ends, stages = self.row_ends(sig, x, lengths, lead)
+            skipping, stages = self.row_ends(sig, x, lengths, lead)
             prologue += stages + self.projections(
                 "persistent_input_gemm" if dirs > 1 else "input_gemm", x_region, lead, c, w_ih,
-                b_ih, None, xp_region, ends=(lengths, ends) if ends is not None else None)
+                b_ih, None, xp_region, lengths=skipping)
             inputs = [xp_whole, *recurrent]
         if lengths is not None:
             inputs.append(Region(lengths, (ALL,)))
@@ -747,7 +746,7 @@ class _Builder:
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
                   *given, y, *sn, *kept, *([packed] if history else []),
                   *([] if in_place else [xp]), *sw, *(folded.params if proj else []), sync,
-                  *more_sync, *([ends] if ends is not None else []),
+                  *more_sync, *(skipping or ())[1:],
                   *([stacked] if layers > 1 else []), *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)
