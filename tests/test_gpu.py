@@ -243,6 +243,35 @@ def test_tagged_exchange_survives_many_runs(cell, rng):
     assert reference.relative_error(first.astype("float64"), ref_y) < TOL["float16"]
 
 
+@pytest.mark.xfail(reason="known bug, cause not found: a wait of the tagged exchange traps in "
+                          "this plan (docs/benchmarks.md, forty-fourth session)", strict=False)
+def test_bidirectional_tagged_exchange_in_batch_groups_survives_many_runs():
+    """LSTM 40 -> 132 at batch 33, both directions: 11 batch groups a direction of 6 blocks
+    (22 units, 3 rows each), the tagged exchange. On an H200 the launch failed (a wait
+    trapped) in 20 of 21 processes within 12 runs, under cuda-gdb and compute-sanitizer too;
+    the counter barrier and the grid sync passed. Run in a process of its own: the failure
+    loses the CUDA context."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import rnncc
+        sys.path.insert(0, "tests")
+        from helpers import TOL, check_against_reference
+        m = rnncc.compile("lstm", 40, 132, 33, target="cuda", directions=2, persistent="on",
+                          tuning="off")
+        plan = m.metadata["schedule"]["persistent"]["plan"]
+        assert (plan["sync"], plan["batch_groups"], plan["units"]) == ("tagged", 11, 22), plan
+        rng = np.random.default_rng(0)
+        for steps in (37, 100):
+            for r in range(6):
+                err = check_against_reference(m, rng, steps, r % 2 == 0)
+                assert err < TOL["float32"], (steps, err)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cell, batch", [("lstm", 1), ("gru", 2), ("rnn_tanh", 4),
                                          ("lstm", 8)])
 @pytest.mark.parametrize("persistent", ["auto", "off"])
