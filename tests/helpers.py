@@ -72,12 +72,12 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
     finals = finals if isinstance(finals, tuple) else (finals,)
     errors = [reference.relative_error(np.asarray(_host(y)), ref_y)]
     step_norm = np.linalg.norm(ref_y) / np.sqrt(steps)
-    errors += [_state_error(np.asarray(_host(f)), ref_states[s], step_norm)
+    errors += [state_error(np.asarray(_host(f)), ref_states[s], step_norm)
                for f, s in zip(finals, cell.states)]
     return max(errors)
 
 
-def _state_error(out, ref, floor: float) -> float:
+def state_error(out, ref, floor: float) -> float:
     """A final state's relative error, against its norm or ``floor`` (one step's output
     norm) where that is larger: a state that ends near zero is a cancellation of far larger
     terms (c = f * c + i * g), whose float32 error is absolute; at N = H = 1 that is one
