@@ -232,3 +232,72 @@ def test_random_networks_match_torch_in_float64(target, tmp_path, monkeypatch):
             assert err < TOL["float32"], f"relative error {err:.3e} for {case}"
 
     check()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_random_networks_train_as_torch_in_float64(target, tmp_path, monkeypatch):
+    """rnncc.nn's gradients against torch's own module in float64 on the CPU, the same
+    weights and the same loss (random weights on y and the final states): of x, the initial
+    states and every weight and bias, over the networks the inference test draws (a third as
+    many: each compiles a training module a layer and direction)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("RNNCC_CACHE_DIR", str(tmp_path))
+    device = "cuda" if target == "cuda" else "cpu"
+    utils = torch.nn.utils.rnn
+
+    @hypothesis.settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
+    @hypothesis.given(networks())
+    def check(case):
+        gen = torch.Generator().manual_seed(case["seed"])
+        kind, extra = ((case["kind"], {}) if case["kind"] != "RNN_relu"
+                       else ("RNN", {"nonlinearity": "relu"}))
+        with torch.random.fork_rng():
+            torch.manual_seed(case["seed"])
+            theirs = getattr(torch.nn, kind)(
+                case["input_size"], case["hidden"], num_layers=case["layers"],
+                bias=case["bias"], batch_first=case["batch_first"],
+                bidirectional=case["bidirectional"], **extra).double()
+        ours = rnncc.nn.from_torch(theirs).to(device, torch.float32)
+        n, steps = case["batch"], case["steps"]
+        shape = (n, steps) if case["batch_first"] else (steps, n)
+        x = torch.randn(*shape, case["input_size"], generator=gen, dtype=torch.float64)
+        lengths = torch.randint(1, steps + 1, (n,), generator=gen)
+        if case["form"] == "packed_sorted":
+            lengths = lengths.sort(descending=True).values
+        states = case["layers"] * (2 if case["bidirectional"] else 1)
+        hx = [torch.randn(states, n, case["hidden"], generator=gen, dtype=torch.float64)
+              for _ in range(2 if kind == "LSTM" else 1)] if case["hx"] else []
+
+        def grads(module, dtype, where):
+            leaves = [t.to(where, dtype).requires_grad_() for t in (x, *hx)]
+            data, kwargs = leaves[0], {}
+            if case["form"] == "lengths" and module is ours:
+                kwargs["lengths"] = lengths.to(where)
+            elif case["form"] != "tensor":
+                data = utils.pack_padded_sequence(
+                    data, lengths, batch_first=case["batch_first"],
+                    enforce_sorted=case["form"] == "packed_sorted")
+            state = (None if not hx else tuple(leaves[1:]) if kind == "LSTM" else leaves[1])
+            out, finals = module(data, state, **kwargs)
+            if case["form"] == "lengths" and module is not ours:
+                out, _ = utils.pad_packed_sequence(out, batch_first=case["batch_first"],
+                                                   total_length=steps)
+            elif case["form"] in ("packed", "packed_sorted"):
+                out = out.data
+            weights = torch.Generator().manual_seed(case["seed"] + 1)
+            loss = 0
+            for t in (out, *(finals if isinstance(finals, tuple) else (finals,))):
+                loss = loss + (t * torch.randn(t.shape, generator=weights,
+                                               dtype=torch.float64).to(where, dtype)).sum()
+            loss.backward()
+            named = [(f"input {i}", t.grad) for i, t in enumerate(leaves)]
+            named += [(k, p.grad) for k, p in module.named_parameters()]
+            return {k: g.double().cpu().numpy() for k, g in named}
+
+        mine, want = grads(ours, torch.float32, device), grads(theirs, torch.float64, "cpu")
+        assert set(mine) == set(want)
+        for name, value in want.items():
+            err = reference.relative_error(mine[name], value)
+            assert err < 1e-4, f"{name}: relative error {err:.3e} for {case}"
+
+    check()
