@@ -145,3 +145,31 @@ def _host(a):
     if hasattr(a, "get"):
         return a.get()
     return a
+
+
+def sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals):
+    """Central differences of sum(y * dy) + sum(final_s * d_finals[s]) through the float64
+    reference, for every input (tiny sizes)."""
+    def loss(x_, w_, s_):
+        y, finals = reference.run(cell, x_, w_, s_, lengths)
+        return float((y * dy).sum()) + sum(float((finals[k] * d_finals[k]).sum())
+                                           for k in cell.states)
+
+    def numeric(arr, f):
+        out = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            keep = arr[idx]
+            arr[idx] = keep + 1e-6
+            up = f()
+            arr[idx] = keep - 1e-6
+            down = f()
+            arr[idx] = keep
+            out[idx] = (up - down) / 2e-6
+        return out
+
+    grads = {"x": numeric(x, lambda: loss(x, weights, initial))}
+    for k, v in weights.items():
+        grads[k] = numeric(v, lambda: loss(x, weights, initial))
+    for k, v in initial.items():
+        grads[f"{k}0"] = numeric(v, lambda: loss(x, weights, initial))
+    return grads

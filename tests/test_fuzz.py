@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rnncc
-from helpers import TOL, state_error
+from helpers import TOL, sequence_loss_grads, state_error
 from rnncc import reference
 from rnncc.cells import Cell, ops
 
@@ -149,6 +149,65 @@ def test_random_layers_match_the_float64_reference(target):
 
     check()
 
+
+
+@st.composite
+def trained_layers(draw):
+    """Tiny layers for training: central differences run the reference once an input
+    element."""
+    return {
+        "cell": draw(st.one_of(st.sampled_from(BUILTIN).map(rnncc.cells.get), user_cells())),
+        "input_size": draw(st.integers(1, 3)),
+        "hidden": draw(st.integers(1, 4)),
+        "batch": draw(st.integers(1, 3)),
+        "steps": draw(st.integers(1, 5)),
+        "lengths": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_random_layers_train_as_central_differences(target):
+    """A layer's training step (``train_forward``, ``backward``) of drawn cells, built-in and
+    generated (a cell a user writes trains as it compiles), against central differences of
+    the float64 reference: the gradients of x, the initial states and every weight and bias,
+    with lengths or without (a third as many as the other tests draw)."""
+    @hypothesis.settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
+    @hypothesis.given(trained_layers())
+    def check(case):
+        cell, c, h, n = case["cell"], case["input_size"], case["hidden"], case["batch"]
+        steps = case["steps"]
+        module = rnncc.compile(cell, c, h, n, target=target, tuning="off", training=True,
+                               lengths=case["lengths"])
+        rng = np.random.default_rng(case["seed"])
+
+        def f32(shape, scale=1.0):  # float32 values, in float64
+            return (rng.uniform(-scale, scale, shape).astype(np.float32).astype(np.float64))
+
+        k = 1.0 / np.sqrt(h)
+        weights = {"weight_ih_l0": f32((cell.gates * h, c), k),
+                   "weight_hh_l0": f32((cell.gates * h, h), k),
+                   "bias_ih_l0": f32(cell.gates * h, k), "bias_hh_l0": f32(cell.gates * h, k)}
+        x = f32((steps, n, c), 2.0)
+        initial = {s: f32((1, n, h)) for s in cell.states}
+        lengths = rng.integers(1, steps + 1, n) if case["lengths"] else None
+        dy = rng.standard_normal((steps, n, h))
+        d_finals = {s: rng.standard_normal((1, n, h)) for s in cell.states}
+        want = sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals)
+        single = {k_: v.astype(np.float32) for k_, v in weights.items()}
+        _, _, kept = module.train_forward(
+            x.astype(np.float32), single, lengths=lengths,
+            **{f"{s}0": v.astype(np.float32) for s, v in initial.items()})
+        got = module.backward(x.astype(np.float32), single, kept, dy.astype(np.float32),
+                              tuple(d_finals[s].astype(np.float32) for s in cell.states),
+                              lengths=lengths)
+        assert set(got) == set(want)
+        for name, value in want.items():
+            err = reference.relative_error(np.asarray(_host(got[name]), np.float64), value)
+            assert err < 1e-4, (f"{name}: relative error {err:.3e} for "
+                                f"{cell.doc or cell.name}, {case}")
+
+    check()
 
 @st.composite
 def networks(draw):

@@ -9,6 +9,7 @@ import pytest
 
 import rnncc
 from conftest import random_weights
+from helpers import sequence_loss_grads
 from rnncc import cells, reference
 from rnncc.cells import autodiff
 from rnncc.errors import ConfigError, InputError
@@ -89,34 +90,6 @@ def test_a_step_with_foreign_values_is_refused():
         autodiff.trace(bad)
 
 
-def _sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals):
-    """Central differences of sum(y * dy) + sum(final_s * d_finals[s]) through the float64
-    reference, for every input (tiny sizes)."""
-    def loss(x_, w_, s_):
-        y, finals = reference.run(cell, x_, w_, s_, lengths)
-        return float((y * dy).sum()) + sum(float((finals[k] * d_finals[k]).sum())
-                                           for k in cell.states)
-
-    def numeric(arr, f):
-        out = np.zeros_like(arr)
-        for idx in np.ndindex(arr.shape):
-            keep = arr[idx]
-            arr[idx] = keep + 1e-6
-            up = f()
-            arr[idx] = keep - 1e-6
-            down = f()
-            arr[idx] = keep
-            out[idx] = (up - down) / 2e-6
-        return out
-
-    grads = {"x": numeric(x, lambda: loss(x, weights, initial))}
-    for k, v in weights.items():
-        grads[k] = numeric(v, lambda: loss(x, weights, initial))
-    for k, v in initial.items():
-        grads[f"{k}0"] = numeric(v, lambda: loss(x, weights, initial))
-    return grads
-
-
 @pytest.mark.parametrize("target", ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cell", CELLS)
 def test_layer_gradients_match_finite_differences(cell, target, rng):
@@ -139,7 +112,7 @@ def test_layer_gradients_match_finite_differences(cell, target, rng):
     lengths = np.array([steps, 1, 3])
     dy = rng.standard_normal((steps, n, h))
     d_finals = {s: rng.standard_normal((1, n, h)) for s in cell.states}
-    ref = _sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals)
+    ref = sequence_loss_grads(cell, x, weights, initial, lengths, dy, d_finals)
 
     f32 = {k_: v.astype(np.float32) for k_, v in weights.items()}
     init32 = {f"{s}0": v.astype(np.float32) for s, v in initial.items()}
