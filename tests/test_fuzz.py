@@ -26,7 +26,8 @@ SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, database=No
                                suppress_health_check=list(hypothesis.HealthCheck),
                                print_blob=True)
 TARGETS = ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)]
-BUILTIN = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+#: The registered cells (the LSTM and GRU variants, with per-unit parameters, among them).
+BUILTIN = tuple(rnncc.cells.names())
 OPTIONS = [{}, {"input_gemm": False}, {"gate_gemm": False}, {"fuse_pointwise": False}]
 CUDA_OPTIONS = [{"persistent": "off"}]
 
@@ -129,6 +130,8 @@ def test_random_layers_match_the_float64_reference(target):
                                 ("bias_ih_l0", (cell.gates * h,)),
                                 ("bias_hh_l0", (cell.gates * h,))):
                 weights[name + suffix] = rng.uniform(-k, k, shape).astype(dt)
+            for name in cell.params:  # per unit, [H]
+                weights[f"{name}_l0{suffix}"] = rng.uniform(-1, 1, h).astype(dt)
         x = rng.standard_normal((steps, n, c)).astype(dt)
         initial = ({s: rng.standard_normal((dirs, n, h)).astype(dt) for s in cell.states}
                    if case["initial"] else {})
@@ -187,7 +190,8 @@ def test_random_layers_train_as_central_differences(target):
         k = 1.0 / np.sqrt(h)
         weights = {"weight_ih_l0": f32((cell.gates * h, c), k),
                    "weight_hh_l0": f32((cell.gates * h, h), k),
-                   "bias_ih_l0": f32(cell.gates * h, k), "bias_hh_l0": f32(cell.gates * h, k)}
+                   "bias_ih_l0": f32(cell.gates * h, k), "bias_hh_l0": f32(cell.gates * h, k),
+                   **{f"{name}_l0": f32(h) for name in cell.params}}
         x = f32((steps, n, c), 2.0)
         initial = {s: f32((1, n, h)) for s in cell.states}
         lengths = rng.integers(1, steps + 1, n) if case["lengths"] else None
