@@ -36,7 +36,7 @@ import tvm_ffi
 from tvm import tirx
 
 from .. import schedules
-from ..cells import autodiff, ops
+from ..cells import autodiff
 from ..dtypes import accum_dtype
 from ..spec import Options, Problem
 from . import components as comp
@@ -888,16 +888,14 @@ def build(problem: Problem, options: Options, target, persistent_plan=None,
     ``backward_plan`` is given). ``database``: a MetaSchedule database whose records schedule
     the components they match."""
     builder = _Builder(problem, options, target, database)
-    functions = schedules.cpu_elementwise.FUNCTIONS if target.kind.name == "llvm" else {}
-    with ops.lowered_with(functions):
-        if problem.layers == 1:  # a wavefront of layers runs only as the persistent kernel
-            builder.sequence_entry()
+    if problem.layers == 1:  # a wavefront of layers runs only as the persistent kernel
+        builder.sequence_entry()
+    if problem.training:
+        training.build(builder, backward_plan)
+    if persistent_plan is not None:
+        builder.persistent_entry(persistent_plan)
         if problem.training:
-            training.build(builder, backward_plan)
-        if persistent_plan is not None:
-            builder.persistent_entry(persistent_plan)
-            if problem.training:
-                builder.persistent_entry(persistent_plan, history=True)
+            builder.persistent_entry(persistent_plan, history=True)
     return builder.lowered
 
 
