@@ -232,6 +232,54 @@ def networks(draw):
     }
 
 
+def _network(torch, case, device):
+    """The drawn network: torch's module in float64, rnncc.nn's made from it on ``device`` in
+    float32, x (batch-first where the module is), the samples' lengths and the initial states
+    (a list: h, and c for an LSTM; empty where none are drawn), all float64 on the CPU."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    kind, extra = ((case["kind"], {}) if case["kind"] != "RNN_relu"
+                   else ("RNN", {"nonlinearity": "relu"}))
+    with torch.random.fork_rng():
+        torch.manual_seed(case["seed"])
+        theirs = getattr(torch.nn, kind)(
+            case["input_size"], case["hidden"], num_layers=case["layers"],
+            bias=case["bias"], batch_first=case["batch_first"],
+            bidirectional=case["bidirectional"], **extra).double()
+    ours = rnncc.nn.from_torch(theirs).to(device, torch.float32)
+    n, steps = case["batch"], case["steps"]
+    shape = (n, steps) if case["batch_first"] else (steps, n)
+    x = torch.randn(*shape, case["input_size"], generator=gen, dtype=torch.float64)
+    lengths = torch.randint(1, steps + 1, (n,), generator=gen)
+    if case["form"] == "packed_sorted":
+        lengths = lengths.sort(descending=True).values
+    states = case["layers"] * (2 if case["bidirectional"] else 1)
+    hx = [torch.randn(states, n, case["hidden"], generator=gen, dtype=torch.float64)
+          for _ in range(2 if kind == "LSTM" else 1)] if case["hx"] else []
+    return theirs, ours, x, lengths, hx
+
+
+def _run(torch, module, case, lengths, inputs, where, ours):
+    """``module`` on ``inputs`` (x, then the initial states) in the drawn form: padded, padded
+    with ``lengths`` (rnncc.nn takes them; torch a PackedSequence, padded back) or packed.
+    Returns y (padded, or the packed data) and the final states as a tuple."""
+    utils = torch.nn.utils.rnn
+    data, kwargs = inputs[0], {}
+    if case["form"] == "lengths" and module is ours:
+        kwargs["lengths"] = lengths.to(where)
+    elif case["form"] != "tensor":
+        data = utils.pack_padded_sequence(data, lengths, batch_first=case["batch_first"],
+                                          enforce_sorted=case["form"] == "packed_sorted")
+    state = (None if len(inputs) == 1 else tuple(inputs[1:]) if len(inputs) > 2
+             else inputs[1])
+    out, finals = module(data, state, **kwargs)
+    if case["form"] == "lengths" and module is not ours:
+        out, _ = utils.pad_packed_sequence(out, batch_first=case["batch_first"],
+                                           total_length=case["steps"])
+    elif case["form"] in ("packed", "packed_sorted"):
+        out = out.data
+    return out, finals if isinstance(finals, tuple) else (finals,)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_random_networks_match_torch_in_float64(target, tmp_path, monkeypatch):
     """rnncc.nn against torch's own module in float64 on the CPU, the same weights: layers,
@@ -240,54 +288,16 @@ def test_random_networks_match_torch_in_float64(target, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("RNNCC_CACHE_DIR", str(tmp_path))
     device = "cuda" if target == "cuda" else "cpu"
-    utils = torch.nn.utils.rnn
 
     @SETTINGS
     @hypothesis.given(networks())
     def check(case):
-        gen = torch.Generator().manual_seed(case["seed"])
-        kind, extra = ((case["kind"], {}) if case["kind"] != "RNN_relu"
-                       else ("RNN", {"nonlinearity": "relu"}))
-        with torch.random.fork_rng():
-            torch.manual_seed(case["seed"])
-            theirs = getattr(torch.nn, kind)(
-                case["input_size"], case["hidden"], num_layers=case["layers"],
-                bias=case["bias"], batch_first=case["batch_first"],
-                bidirectional=case["bidirectional"], **extra).double()
-        ours = rnncc.nn.from_torch(theirs).to(device, torch.float32)
-        n, steps = case["batch"], case["steps"]
-        shape = (n, steps) if case["batch_first"] else (steps, n)
-        x = torch.randn(*shape, case["input_size"], generator=gen, dtype=torch.float64)
-        lengths = torch.randint(1, steps + 1, (n,), generator=gen)
-        if case["form"] == "packed_sorted":
-            lengths = lengths.sort(descending=True).values
-        states = case["layers"] * (2 if case["bidirectional"] else 1)
-        hx = None
-        if case["hx"]:
-            hx = torch.randn(states, n, case["hidden"], generator=gen, dtype=torch.float64)
-            if kind == "LSTM":
-                hx = (hx, torch.randn(states, n, case["hidden"], generator=gen,
-                                      dtype=torch.float64))
+        theirs, ours, x, lengths, hx = _network(torch, case, device)
 
         def call(module, dtype, where):
-            data = x.to(where, dtype)
-            state = (None if hx is None else tuple(s.to(where, dtype) for s in hx)
-                     if isinstance(hx, tuple) else hx.to(where, dtype))
-            kwargs = {}
-            if case["form"] == "lengths" and module is ours:
-                kwargs["lengths"] = lengths.to(where)
-            elif case["form"] != "tensor":
-                data = utils.pack_padded_sequence(
-                    data, lengths, batch_first=case["batch_first"],
-                    enforce_sorted=case["form"] == "packed_sorted")
             with torch.no_grad():
-                out, finals = module(data, state, **kwargs)
-            if case["form"] == "lengths" and module is not ours:
-                out, _ = utils.pad_packed_sequence(out, batch_first=case["batch_first"],
-                                                   total_length=steps)
-            elif case["form"] in ("packed", "packed_sorted"):
-                out = out.data
-            finals = finals if isinstance(finals, tuple) else (finals,)
+                out, finals = _run(torch, module, case, lengths,
+                                   [t.to(where, dtype) for t in (x, *hx)], where, ours)
             return [t.double().cpu().numpy() for t in (out, *finals)]
 
         for a, b in zip(call(ours, torch.float32, device), call(theirs, torch.float64, "cpu")):
@@ -306,50 +316,18 @@ def test_random_networks_train_as_torch_in_float64(target, tmp_path, monkeypatch
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("RNNCC_CACHE_DIR", str(tmp_path))
     device = "cuda" if target == "cuda" else "cpu"
-    utils = torch.nn.utils.rnn
 
     @hypothesis.settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
     @hypothesis.given(networks())
     def check(case):
-        gen = torch.Generator().manual_seed(case["seed"])
-        kind, extra = ((case["kind"], {}) if case["kind"] != "RNN_relu"
-                       else ("RNN", {"nonlinearity": "relu"}))
-        with torch.random.fork_rng():
-            torch.manual_seed(case["seed"])
-            theirs = getattr(torch.nn, kind)(
-                case["input_size"], case["hidden"], num_layers=case["layers"],
-                bias=case["bias"], batch_first=case["batch_first"],
-                bidirectional=case["bidirectional"], **extra).double()
-        ours = rnncc.nn.from_torch(theirs).to(device, torch.float32)
-        n, steps = case["batch"], case["steps"]
-        shape = (n, steps) if case["batch_first"] else (steps, n)
-        x = torch.randn(*shape, case["input_size"], generator=gen, dtype=torch.float64)
-        lengths = torch.randint(1, steps + 1, (n,), generator=gen)
-        if case["form"] == "packed_sorted":
-            lengths = lengths.sort(descending=True).values
-        states = case["layers"] * (2 if case["bidirectional"] else 1)
-        hx = [torch.randn(states, n, case["hidden"], generator=gen, dtype=torch.float64)
-              for _ in range(2 if kind == "LSTM" else 1)] if case["hx"] else []
+        theirs, ours, x, lengths, hx = _network(torch, case, device)
 
         def grads(module, dtype, where):
             leaves = [t.to(where, dtype).requires_grad_() for t in (x, *hx)]
-            data, kwargs = leaves[0], {}
-            if case["form"] == "lengths" and module is ours:
-                kwargs["lengths"] = lengths.to(where)
-            elif case["form"] != "tensor":
-                data = utils.pack_padded_sequence(
-                    data, lengths, batch_first=case["batch_first"],
-                    enforce_sorted=case["form"] == "packed_sorted")
-            state = (None if not hx else tuple(leaves[1:]) if kind == "LSTM" else leaves[1])
-            out, finals = module(data, state, **kwargs)
-            if case["form"] == "lengths" and module is not ours:
-                out, _ = utils.pad_packed_sequence(out, batch_first=case["batch_first"],
-                                                   total_length=steps)
-            elif case["form"] in ("packed", "packed_sorted"):
-                out = out.data
+            out, finals = _run(torch, module, case, lengths, leaves, where, ours)
             weights = torch.Generator().manual_seed(case["seed"] + 1)
             loss = 0
-            for t in (out, *(finals if isinstance(finals, tuple) else (finals,))):
+            for t in (out, *finals):
                 loss = loss + (t * torch.randn(t.shape, generator=weights,
                                                dtype=torch.float64).to(where, dtype)).sum()
             loss.backward()
