@@ -243,14 +243,12 @@ def test_tagged_exchange_survives_many_runs(cell, rng):
     assert reference.relative_error(first.astype("float64"), ref_y) < TOL["float16"]
 
 
-@pytest.mark.xfail(reason="known bug, cause not found: a wait of the tagged exchange traps in "
-                          "this plan (docs/benchmarks.md, forty-fourth session)", strict=False)
 def test_bidirectional_tagged_exchange_in_batch_groups_survives_many_runs():
     """LSTM 40 -> 132 at batch 33, both directions: 11 batch groups a direction of 6 blocks
-    (22 units, 3 rows each), the tagged exchange. On an H200 the launch failed (a wait
-    trapped) in 20 of 21 processes within 12 runs, under cuda-gdb and compute-sanitizer too;
-    the counter barrier and the grid sync passed. Run in a process of its own: the failure
-    loses the CUDA context."""
+    (22 units, 3 rows each), the tagged exchange. While a wait spun only in the lanes whose
+    tag was behind, lanes fell behind their block (on an H200 the launch trapped in 20 of 21
+    processes within 12 runs); the warp now waits as one. Run in a process of its own: a
+    failure loses the CUDA context."""
     code = textwrap.dedent("""
         import sys
         import numpy as np

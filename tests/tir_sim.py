@@ -340,9 +340,11 @@ class Simulator:
         if name in ("rnncc_ldcg", "rnncc_grid_load"):
             return self._load(values[0].buffer, values[0].flat)
         if name == "rnncc_grid_wait":
-            word = self._load(values[0].buffer, values[0].flat)
-            if np.any((word >> np.uint64(32)) != values[1]):
-                raise Deadlock(f"a tagged word's tag is not step {values[1]}")
+            step = np.uint64(values[2])
+            word = np.where((values[1] >> np.uint64(32)) == step, values[1],
+                            self._load(values[0].buffer, values[0].flat))
+            if np.any((word >> np.uint64(32)) != step):
+                raise Deadlock(f"a tagged word's tag is not step {values[2]}")
             return word
         if name == "rnncc_grid_store":
             self._write(values[0].buffer, values[0].flat, values[1], mask)
@@ -358,6 +360,9 @@ class Simulator:
                 raise Deadlock(f"the barrier's count {count[mask].min()} stays under "
                                f"{np.asarray(values[1]).max()}")
             return None
+        if name == "rnncc_any_in_warp":
+            warps = np.broadcast_to(np.asarray(values[0]) != 0, (self.lanes,)).reshape(-1, 32)
+            return np.repeat(warps.any(axis=1), 32).astype(np.int32)
         if name == "rnncc_shfl_xor":
             value = np.broadcast_to(np.asarray(values[0]), (self.lanes,))
             return value[self.lane ^ int(values[1])]

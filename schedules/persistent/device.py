@@ -81,14 +81,23 @@ __device__ __forceinline__ void {GRID_STORE}(uint64_t* address, uint64_t value) 
 GRID_LOAD_SOURCE = _acquire_load(GRID_LOAD, "uint64_t", 64, False)
 
 # TVM emits a device function's source once a called name, so the wait (a separate call) has
-# its own copy of the load under a private name.
+# its own copy of the load under a private name. A warp waits as one: every lane calls the
+# wait with the word it loaded, and while any lane's tag is behind (``__any_sync``) each such
+# lane reloads. A wait spun only by the lanes whose tag was behind, in a branch of their own,
+# let those lanes fall behind their block: on an H200 (LSTM 40 -> 132, batch 33, both
+# directions, 132 blocks) lanes spun on step 4 while the rest of their block went on past its
+# block barriers to the last step, and the launch trapped in nearly every process
+# (docs/benchmarks.md, forty-fifth session).
 GRID_WAIT_SOURCE = _acquire_load("rnncc_acquire_u64", "uint64_t", 64, False) + f"""
-__device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t step) {{
-  uint64_t value = rnncc_acquire_u64(address);
-  long long start = clock64();
-  while ((value >> 32) != step) {{
-    if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
-    value = rnncc_acquire_u64(address);
+__device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t value,
+                                               uint64_t step) {{
+  if (__any_sync(0xffffffffu, (value >> 32) != step)) {{
+    long long start = clock64();
+    do {{
+      uint64_t fresh = rnncc_acquire_u64(address);
+      value = (value >> 32) != step ? fresh : value;
+      if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
+    }} while (__any_sync(0xffffffffu, (value >> 32) != step));
   }}
   return value;
 }}
@@ -136,9 +145,24 @@ def load_tagged(address):
                             return_type="uint64")
 
 
-def wait_tagged(address, step):
-    """The tagged word at ``address`` once its tag is ``step`` (uint64)."""
-    return T.cuda.func_call(GRID_WAIT, address, step, source_code=GRID_WAIT_SOURCE,
+ANY_SOURCE = """
+__device__ __forceinline__ int rnncc_any_in_warp(int predicate) {
+  return __any_sync(0xffffffffu, predicate);
+}
+"""
+
+
+def any_in_warp(predicate):
+    """Whether ``predicate`` (int32) is nonzero in any lane of the warp (every lane calls it)."""
+    return T.cuda.func_call("rnncc_any_in_warp", predicate, source_code=ANY_SOURCE,
+                            return_type="int32")
+
+
+def wait_tagged(address, word, step):
+    """The tagged word at ``address`` once its tag is ``step`` (uint64), ``word`` as this lane
+    loaded it (kept if its tag is ``step``): every lane of the warp calls it, and the warp
+    waits as one."""
+    return T.cuda.func_call(GRID_WAIT, address, word, step, source_code=GRID_WAIT_SOURCE,
                             return_type="uint64")
 
 

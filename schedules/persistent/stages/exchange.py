@@ -5,9 +5,10 @@ shared memory as the product stage wants it (its ``store_h``). Three variants (t
 ``sync``):
 
 - ``"tagged"``: h travels as 8-byte words, the value and the step that wrote it. A thread
-  issues :data:`WAIT_BATCH` acquire loads, then re-reads only the words whose tag is not yet
-  the step's: no separate barrier, and a step costs about one L2 round trip of communication
-  (data and flag in one store, as NCCL's low-latency protocol does).
+  issues :data:`WAIT_BATCH` acquire loads, then its warp re-reads, as one, the words whose tag
+  is not yet the step's (:data:`.device.GRID_WAIT_SOURCE`): no separate barrier, and a step
+  costs about one L2 round trip of communication (data and flag in one store, as NCCL's
+  low-latency protocol does).
 - ``"barrier"``: rnncc's counter barrier, one counter a batch group: after a block barrier
   (every h_t stored), thread 0 arrives (a release) and waits for the group's count (an
   acquire); then the block reads h past L1.
@@ -35,9 +36,11 @@ opaque to it, it added barriers of its own: 8 a step where 4 are needed).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import tvm
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .. import device
@@ -54,25 +57,41 @@ def _wait_batches(total: int, threads: int) -> int:
     return -(-per_thread // WAIT_BATCH)
 
 
+def _words_a_batch(total: int, threads: int) -> int:
+    """Words a thread loads in a batch: :data:`WAIT_BATCH`, fewer where one batch holds all."""
+    return WAIT_BATCH if _wait_batches(total, threads) > 1 else -(-total // threads)
+
+
+def _behind(tv, count: int, step):
+    """Whether any of the first ``count`` words in ``tv`` has a tag other than ``step``."""
+    tags = [T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", step) for i in range(count)]
+    return functools.reduce(tirx.Or, tags)
+
+
 @T.macro
 def _stage_tagged(spec, hw, tv, store, t, bx, tx):
-    """h_{t-1} from the tagged words: loads first, then waits where a tag is behind."""
+    """h_{t-1} from the tagged words: loads first; then, where a tag is behind in any lane of
+    the warp, the warp waits as one (every lane calls the wait: no lane waits in a branch of
+    its own)."""
     h, kp, n_, threads = T.meta_var((spec.exchange_width, spec.width, spec.local_batch,
                                      spec.plan.threads))
     total = T.meta_var(n_ * kp)
+    count = T.meta_var(_words_a_batch(total, threads))
     for bi in range(_wait_batches(total, threads)):
-        for i in T.unroll(WAIT_BATCH):
+        for i in T.unroll(count):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             tv[i] = T.if_then_else(
                 e < total and e % kp < h, device.load_tagged(T.address_of(hw[
                     t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)])),
                 T.shift_left(T.Cast("uint64", t), T.uint64(32)))
-        for i in T.unroll(WAIT_BATCH):
-            e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
-            if T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", t):
+        if device.any_in_warp(T.Cast("int32", _behind(tv, count, t))) != 0:
+            for i in T.unroll(count):
+                e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
                 tv[i] = device.wait_tagged(T.address_of(hw[
                     t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)]),
-                    T.Cast("uint64", t))
+                    tv[i], T.Cast("uint64", t))
+        for i in T.unroll(count):
+            e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             if e < total:
                 store(e, T.reinterpret("float32", T.Cast("uint32", T.bitwise_and(
                     tv[i], T.uint64(0xFFFFFFFF)))))
