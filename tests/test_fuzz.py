@@ -216,10 +216,13 @@ def test_random_layers_train_as_central_differences(target):
 @st.composite
 def networks(draw):
     kind = draw(st.sampled_from(["LSTM", "GRU", "RNN", "RNN_relu"]))
+    hidden = draw(st.one_of(st.sampled_from([1, 3, 33]), st.integers(1, 40)))
+    projects = kind == "LSTM" and hidden > 1 and draw(st.booleans())
     return {
         "kind": kind,
         "input_size": draw(st.integers(1, 24)),
-        "hidden": draw(st.one_of(st.sampled_from([1, 3, 33]), st.integers(1, 40))),
+        "hidden": hidden,
+        "proj_size": draw(st.integers(1, hidden - 1)) if projects else 0,
         "layers": draw(st.integers(1, 3)),
         "bidirectional": draw(st.booleans()),
         "batch_first": draw(st.booleans()),
@@ -239,6 +242,8 @@ def _network(torch, case, device):
     gen = torch.Generator().manual_seed(case["seed"])
     kind, extra = ((case["kind"], {}) if case["kind"] != "RNN_relu"
                    else ("RNN", {"nonlinearity": "relu"}))
+    if case["proj_size"]:
+        extra["proj_size"] = case["proj_size"]
     with torch.random.fork_rng():
         torch.manual_seed(case["seed"])
         theirs = getattr(torch.nn, kind)(
@@ -253,8 +258,9 @@ def _network(torch, case, device):
     if case["form"] == "packed_sorted":
         lengths = lengths.sort(descending=True).values
     states = case["layers"] * (2 if case["bidirectional"] else 1)
-    hx = [torch.randn(states, n, case["hidden"], generator=gen, dtype=torch.float64)
-          for _ in range(2 if kind == "LSTM" else 1)] if case["hx"] else []
+    sizes = [case["proj_size"] or case["hidden"]] + ([case["hidden"]] if kind == "LSTM" else [])
+    hx = [torch.randn(states, n, size, generator=gen, dtype=torch.float64)
+          for size in sizes] if case["hx"] else []
     return theirs, ours, x, lengths, hx
 
 
@@ -283,8 +289,8 @@ def _run(torch, module, case, lengths, inputs, where, ours):
 @pytest.mark.parametrize("target", TARGETS)
 def test_random_networks_match_torch_in_float64(target, tmp_path, monkeypatch):
     """rnncc.nn against torch's own module in float64 on the CPU, the same weights: layers,
-    directions, batch-first, bias or none, padded with lengths or packed (sorted or not),
-    initial states or none."""
+    directions, LSTM projections (``proj_size``) or none, batch-first, bias or none, padded
+    with lengths or packed (sorted or not), initial states or none."""
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("RNNCC_CACHE_DIR", str(tmp_path))
     device = "cuda" if target == "cuda" else "cpu"
