@@ -302,7 +302,8 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=N
                                          tir_pipeline=pipeline.register())
             cuda_source = executable.mod.imports[0].inspect_source()
         else:
-            executable = tvm.compile(pipeline.accurate_tanh(lowered.mod), target=tvm_target)
+            executable = tvm.compile(lowered.mod, target=tvm_target,
+                                     tir_pipeline=pipeline.register("llvm"))
             cuda_source = None
     except RnnccError:
         raise

@@ -88,28 +88,44 @@ _TANH_TERMS = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835)
 
 
 def _accurate_tanh(call):
-    """A float32 ``tanh(x)`` as ``let v = x in select(|v| < 0.25, series(v), tanh(v))``: x
-    bound once (a new variable at every occurrence, so a subexpression that two outputs share
-    gets two), other calls as they are."""
-    if not call.op.same_as(tvm.ir.Op.get("tirx.tanh")) or str(call.ty.dtype) != "float32":
+    """A float32 ``tanh(x)`` (scalar or vector) as ``let v = x in select(|v| < 0.25,
+    series(v), tanh(v))``: x bound once, a new variable at every occurrence; other calls as
+    they are."""
+    if not call.op.same_as(tvm.ir.Op.get("tirx.tanh")):
         return call
-    v = tvm.tirx.Var("tanh_x", "float32")
-    x2, poly = v * v, tvm.tirx.const(_TANH_TERMS[-1], "float32")
+    dtype = tvm.DataType(str(call.ty.dtype))
+    if dtype.bits != 32 or dtype.type_code != tvm.DataTypeCode.FLOAT:
+        return call
+
+    def const(value):
+        scalar = tvm.tirx.const(value, "float32")
+        return scalar if dtype.lanes == 1 else tvm.tirx.Broadcast(scalar, dtype.lanes)
+
+    v = tvm.tirx.Var("tanh_x", str(call.ty.dtype))
+    x2, poly = v * v, const(_TANH_TERMS[-1])
     for term in reversed(_TANH_TERMS[:-1]):
-        poly = poly * x2 + tvm.tirx.const(term, "float32")
-    near_zero = tvm.tirx.abs(v) < tvm.tirx.const(TANH_SERIES_BELOW, "float32")
+        poly = poly * x2 + const(term)
+    near_zero = tvm.tirx.abs(v) < const(TANH_SERIES_BELOW)
     return tvm.tirx.Let(v, call.args[0], tvm.tirx.Select(near_zero, v * poly, tvm.tirx.tanh(v)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="rnncc.AccurateTanh")
 def accurate_tanh(mod, _ctx):
-    """Every PrimFunc's float32 tanh accurate near zero (CPU builds)."""
+    """Every PrimFunc's float32 tanh accurate near zero (CPU builds; after TVM's passes that
+    copy or vectorize loop bodies, which refuse a variable bound in two places)."""
     updates = {gvar: func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.Call,
                                                                        _accurate_tanh)))
                for gvar, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
     for gvar, func in updates.items():
         mod[gvar] = func
     return mod
+
+
+def _cpu_factory():
+    import tvm.s_tir.pipeline  # noqa: F401 - registers the s_tir pipeline
+
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir")
+    return tvm.ir.transform.Sequential([pipeline, accurate_tanh]), finalize_host, finalize_device
 
 
 def _factory():
@@ -123,10 +139,12 @@ def _factory():
     return pipeline, finalize_host, finalize
 
 
-def register() -> str:
-    """Register the pipeline (idempotent) and return its name for ``tvm.compile``."""
+def register(kind: str = "cuda") -> str:
+    """Register the pipeline of a target kind, "cuda" or "llvm" (idempotent), and return its
+    name for ``tvm.compile``."""
     from tvm.tirx.compilation_pipeline import PIPELINE_MAP, register_tir_pipeline
 
-    if NAME not in PIPELINE_MAP:
-        register_tir_pipeline(NAME, _factory)
-    return NAME
+    name, factory = (NAME, _factory) if kind == "cuda" else (NAME + "_cpu", _cpu_factory)
+    if name not in PIPELINE_MAP:
+        register_tir_pipeline(name, factory)
+    return name
