@@ -85,13 +85,14 @@ def cooperative_launch(mod, _ctx):
 #: form is within 2e-7.
 TANH_SERIES_BELOW = 0.25
 _TANH_TERMS = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835)
+_TANH = tvm.ir.Op.get("tirx.tanh")
 
 
 def _accurate_tanh(call):
     """A float32 ``tanh(x)`` (scalar or vector) as ``let v = x in select(|v| < 0.25,
     series(v), tanh(v))``: x bound once, a new variable at every occurrence; other calls as
     they are."""
-    if not call.op.same_as(tvm.ir.Op.get("tirx.tanh")):
+    if not call.op.same_as(_TANH):
         return call
     dtype = tvm.DataType(str(call.ty.dtype))
     if dtype.bits != 32 or dtype.type_code != tvm.DataTypeCode.FLOAT:

@@ -62,6 +62,14 @@ def _words_a_batch(total: int, threads: int) -> int:
     return WAIT_BATCH if _wait_batches(total, threads) > 1 else -(-total // threads)
 
 
+def _tagged_word(spec, hw, t, bx, e):
+    """Address of element e = n*KP + k of the block's group's h_{t-1} in the tagged words
+    (clamped into the group's words where e is past them)."""
+    h, kp, n_ = spec.exchange_width, spec.width, spec.local_batch
+    return T.address_of(hw[t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)),
+                           T.min(e % kp, h - 1)])
+
+
 def _behind(tv, count: int, step):
     """Whether any of the first ``count`` words in ``tv`` has a tag other than ``step``."""
     tags = [T.shift_right(tv[i], T.uint64(32)) != T.Cast("uint64", step) for i in range(count)]
@@ -81,15 +89,13 @@ def _stage_tagged(spec, hw, tv, store, t, bx, tx):
         for i in T.unroll(count):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             tv[i] = T.if_then_else(
-                e < total and e % kp < h, device.load_tagged(T.address_of(hw[
-                    t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)])),
+                e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e)),
                 T.shift_left(T.Cast("uint64", t), T.uint64(32)))
         if device.any_in_warp(T.Cast("int32", _behind(tv, count, t))) != 0:
             for i in T.unroll(count):
                 e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
-                tv[i] = device.wait_tagged(T.address_of(hw[
-                    t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)), T.min(e % kp, h - 1)]),
-                    tv[i], T.Cast("uint64", t))
+                tv[i] = device.wait_tagged(_tagged_word(spec, hw, t, bx, e), tv[i],
+                                           T.Cast("uint64", t))
         for i in T.unroll(count):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             if e < total:
