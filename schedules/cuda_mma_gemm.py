@@ -230,6 +230,8 @@ def product_of(func, target) -> Product | None:
         form = "projection" if sliced is None else "slices"
         return Product(form, specs, (True, rows), outputs, depth, op, count, _mma.rounded(func))
     if block_named(sch, "weight_grad") is not None:
+        if len(specs) != 3:  # the sum over the rows within the samples' lengths only
+            return None
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
         op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written
         if op is None or g_dtype not in ("float32", dw_dtype) or a_dtype not in (

@@ -299,6 +299,7 @@ class Tile:
 
     def __init__(self, product: Product):
         self.product = product
+        self.batch = product.batch
         self.m, self.threads = product.tile_rows, product.threads
         self.t_len = tirx.Var("T_len", "int64") if product.all_steps else None
         self.rows = self.t_len * product.batch if product.all_steps else product.batch
@@ -459,11 +460,12 @@ def _locate(t, m, where):
     of the rows within the samples' lengths, laid out sample after sample (sample n's from
     ends[n - 1] on; ``ends`` counts each length within 0 .. T, :func:`rnncc.lowering.
     components.length_ends`, and so does t here): n = how many samples end at or before m,
-    found by bisection."""
-    steps = T.meta_var((t.product.batch - 1).bit_length())
+    found by bisection. ``t``: ``batch`` N, ``t_len`` T, and the ``ends`` and ``lengths``
+    buffers (a stage :mod:`.cuda_weight_grad` shares)."""
+    steps = T.meta_var((t.batch - 1).bit_length())
     where[1] = 0
     for j in T.unroll(steps):
-        if where[1] + (1 << (steps - 1 - j)) <= t.product.batch:
+        if where[1] + (1 << (steps - 1 - j)) <= t.batch:
             if t.ends[where[1] + (1 << (steps - 1 - j)) - 1] <= m:
                 where[1] = where[1] + (1 << (steps - 1 - j))
     where[0] = m - t.ends[where[1]] + T.max(T.min(t.lengths[where[1]],

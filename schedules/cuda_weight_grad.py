@@ -15,6 +15,12 @@ M is split in S slices (blockIdx.z, S fixed by the tiles: the most, up to
 :data:`MAX_SPLITS`, within :data:`SPLIT_BLOCKS` blocks), each into an [S, O, K] workspace
 that a second kernel sums in order (deterministic, unlike atomics).
 
+Given the samples' lengths (rnncc's weight_gradient component with ``batch``: a layer that
+takes them), the sum visits only the rows m = t*N + n with t < lengths[n]: M is their count,
+``ends[N - 1]``, laid out sample after sample as :mod:`.cuda_sgemm` lays them out, and each
+warp locates its row of a chunk (:func:`.cuda_sgemm._locate`, a bisection of ``ends``) before
+it loads it.
+
 dlight's Matmul, which took these products before, ran LSTM 1024's at batch 64 (T*N = 6400)
 at 2.9 ms each (about 18 TFLOP/s, H100), cuDNN's 1.2 ms.
 """
@@ -26,9 +32,9 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ._common import block_named, float32_parameters, static_extent
+from ._common import block_named, buffer_parameters, static_extent
 from ._rule import Rule
-from .cuda_sgemm import PAD, TILE, products, thread_col, thread_row
+from .cuda_sgemm import PAD, TILE, _locate, products, thread_col, thread_row
 
 #: Rows of M a chunk through shared memory (a warp stages one).
 BK = 8
@@ -43,10 +49,11 @@ SPLIT_BLOCKS = 264
 @dataclass(frozen=True)
 class Gradient:
     """A weight gradient this rule computes: O ``outputs`` x K ``depth``, summed over a
-    run-time M."""
+    run-time M; with ``batch`` N, over the rows within the samples' lengths only."""
 
     outputs: int
     depth: int
+    batch: int | None = None
 
     @property
     def splits(self) -> int:
@@ -59,18 +66,21 @@ class Gradient:
 
 def sizes(func) -> Gradient | None:
     """The gradient of rnncc's weight_gradient component ``func`` when this rule takes it, else
-    None: float32 throughout, O and K multiples of :data:`TILE`."""
+    None: float32 throughout (but the lengths), O and K multiples of :data:`TILE`."""
     sch = s_tir.Schedule(func)
     block = block_named(sch, "weight_grad")
     if block is None or block_named(sch, "weight_grad_out") is None:
         return None
-    if any(str(buf.dtype) != "float32" for buf in func.params):
+    lengths = [p.name for p in func.params[2:4]] == ["lengths", "ends"]
+    if any(str(p.dtype) != ("int32" if lengths and i in (2, 3) else "float32")
+           for i, p in enumerate(func.params)):
         return None
     o_loop, k_loop, _ = sch.get_loops(block)
     outputs, depth = static_extent(sch, o_loop), static_extent(sch, k_loop)
     if None in (outputs, depth) or outputs % TILE or depth % TILE:
         return None
-    return Gradient(outputs, depth)
+    batch = int(func.params[2].shape[0]) if lengths else None
+    return Gradient(outputs, depth, batch)
 
 
 class _Tile:
@@ -86,27 +96,59 @@ class _Tile:
         self.gradient = gradient
         self.rows = tirx.Var("M", "int64")
         self.splits = gradient.splits
-        # chunk pairs a slice: every slice the same count, the last one's past M read zeros
-        self.pairs = (self.rows + (2 * BK * self.splits - 1)) // (2 * BK * self.splits)
+        self.batch = gradient.batch
+        self.t_len = self.rows // self.batch if self.batch else None
+        self.lengths = self.ends = None  # with lengths: their buffers (:func:`_parameters`)
+
+    def count(self):
+        """The rows summed: M, or with lengths those within the samples' lengths."""
+        if self.batch is None:
+            return self.rows
+        return tirx.Cast("int64", self.ends[self.batch - 1])
+
+    def pairs(self):
+        """Chunk pairs a slice: every slice the same count, the last one's past the rows read
+        zeros."""
+        return (self.count() + (2 * BK * self.splits - 1)) // (2 * BK * self.splits)
 
 
 def _parameters(t: _Tile):
-    """The component's parameters: g [M, O], a [M, K], dw [O, K]."""
+    """The component's parameters: g [M, O], a [M, K], dw [O, K]; with lengths, ``lengths``
+    and ``ends`` [N] int32 between a and dw (kept in ``t``)."""
     o_, k_ = t.gradient.outputs, t.gradient.depth
-    return float32_parameters({"g": (t.rows, o_), "a": (t.rows, k_), "dw": (o_, k_)})
+    specs = {"g": ((t.rows, o_), "float32"), "a": ((t.rows, k_), "float32")}
+    if t.batch is not None:
+        specs.update({"lengths": ((t.batch,), "int32"), "ends": ((t.batch,), "int32")})
+    g, a, *given, dw = buffer_parameters({**specs, "dw": ((o_, k_), "float32")})
+    if given:
+        t.lengths, t.ends = given
+    return g, a, dw
 
 
 @T.macro
-def _load(t, g, a, gr, ar, row, bo, bk, tx):
+def _load(t, g, a, gr, ar, row, bo, bk, tx, where):
     """Row ``row`` + tx // 32 of the chunk: 4 columns of each operand into registers (zeros
-    past M)."""
+    past the rows); with lengths, the row of step ``where[0]`` of sample ``where[1]``."""
     m = T.meta_var(row + tx // 32)
-    for v in T.vectorized(4):
-        gr[v] = T.if_then_else(m < t.rows, g[T.min(m, t.rows - 1), bo * TILE + tx % 32 * 4 + v],
-                               T.float32(0))
-    for v in T.vectorized(4):
-        ar[v] = T.if_then_else(m < t.rows, a[T.min(m, t.rows - 1), bk * TILE + tx % 32 * 4 + v],
-                               T.float32(0))
+    if t.batch is None:
+        for v in T.vectorized(4):
+            gr[v] = T.if_then_else(m < t.rows, g[T.min(m, t.rows - 1),
+                                                 bo * TILE + tx % 32 * 4 + v], T.float32(0))
+        for v in T.vectorized(4):
+            ar[v] = T.if_then_else(m < t.rows, a[T.min(m, t.rows - 1),
+                                                 bk * TILE + tx % 32 * 4 + v], T.float32(0))
+    else:
+        where[0] = 0
+        where[1] = 0
+        if m < t.count():
+            _locate(t, T.Cast("int32", m), where)
+        src = T.meta_var(T.Cast("int64", where[0]) * t.batch + T.Cast("int64", where[1]))
+        for v in T.vectorized(4):
+            gr[v] = T.if_then_else(m < t.count(), g[src, bo * TILE + tx % 32 * 4 + v],
+                                   T.float32(0))
+        for v in T.vectorized(4):
+            ar[v] = T.if_then_else(m < t.count(), a[src, bk * TILE + tx % 32 * 4 + v],
+                                   T.float32(0))
 
 
 @T.macro
@@ -132,18 +174,21 @@ def _tile(t, io, slices, bz, bo, bk, tx):
     af = T.alloc_buffer((8,), "float32", scope="local")
     gr = T.alloc_buffer((4,), "float32", scope="local")
     ar = T.alloc_buffer((4,), "float32", scope="local")
-    first = T.meta_var(T.bind(bz * t.pairs * (2 * BK)))  # the slice's first row
+    where = T.alloc_buffer((2,), "int32", scope="local")  # with lengths: a row's (t, n)
+    pairs = T.meta_var(T.bind(t.pairs()))
+    first = T.meta_var(T.bind(bz * pairs * (2 * BK)))  # the slice's first row
     for e in T.unroll(64):
         acc[e] = T.float32(0)
-    _load(t, g, a, gr, ar, first, bo, bk, tx)
+    _load(t, g, a, gr, ar, first, bo, bk, tx, where)
     _store(t, gr, ar, g_s0, a_s0, tx)
     T.tvm_storage_sync("shared")
-    for c in range(t.pairs):
-        _load(t, g, a, gr, ar, first + (c * 2 + 1) * BK, bo, bk, tx)
+    for c in range(pairs):
+        _load(t, g, a, gr, ar, first + (c * 2 + 1) * BK, bo, bk, tx, where)
         products(t, g_s0, a_s0, gf, af, acc, tx)
         _store(t, gr, ar, g_s1, a_s1, tx)
         T.tvm_storage_sync("shared")
-        _load(t, g, a, gr, ar, first + T.min(c * 2 + 2, t.pairs * 2 - 1) * BK, bo, bk, tx)
+        _load(t, g, a, gr, ar, first + T.min(c * 2 + 2, pairs * 2 - 1) * BK, bo, bk, tx,
+              where)
         products(t, g_s1, a_s1, gf, af, acc, tx)
         _store(t, gr, ar, g_s0, a_s0, tx)
         T.tvm_storage_sync("shared")

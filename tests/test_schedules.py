@@ -439,6 +439,37 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
 
 
+@pytest.mark.parametrize("steps, lengths, outputs, depth", [
+    (7, [3, 7, 1, 5, 7, 2, 6, 1, 4], 128, 128), (5, [5] * 3, 128, 128), (6, [1] * 5, 128, 128),
+    (4, [30, 1, 4, 2], 128, 128)])
+def test_weight_grad_with_lengths_sums_only_their_rows_on_the_simulator(steps, lengths, outputs,
+                                                                       depth, rng):
+    """A weight's gradient given the samples' lengths sums only the rows m = t*N + n with
+    t < lengths[n] (located by bisection of ``ends``, M sliced over blocks): it matches
+    float64 over those rows, while every other row of both operands holds NaN (never read).
+    Unsorted lengths with 1 and T among them; all samples full; every sample of length 1; a
+    length past T (counted as T)."""
+    from rnncc.schedules import cuda_weight_grad
+    from tir_sim import Simulator
+
+    batch = len(lengths)
+    func = comp.weight_gradient(tirx.Var("M", "int64"), outputs, depth, "float32", "float32",
+                                batch=batch)
+    assert cuda_weight_grad.sizes(func).batch == batch
+    kernel = cuda_weight_grad.apply(func, CUDA).mod["main"]
+    lens = np.array(lengths, np.int32)
+    inside = (np.arange(steps)[:, None] < lens[None, :]).reshape(-1)  # rows t*N + n
+    g = rng.standard_normal((steps * batch, outputs)).astype(np.float32)
+    a = rng.standard_normal((steps * batch, depth)).astype(np.float32)
+    g[~inside], a[~inside] = np.nan, np.nan
+    ends = np.cumsum(np.clip(lens, 0, steps)).astype(np.int32)  # as comp.length_ends
+    dw = np.full((outputs, depth), np.nan, np.float32)
+    args = (g, a, lens, ends, dw)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    want = g[inside].astype(np.float64).T @ a[inside].astype(np.float64)
+    assert np.abs(dw - want).max() / np.abs(want).max() < TOL_F32
+
+
 def test_tf32_rounding_to_nearest_ties_away(rng):
     """``rnncc.dtypes.round_tf32`` built for this CPU: normal floats to the nearest value of 10
     mantissa bits, ties away from zero (computed here from frexp), the largest float to

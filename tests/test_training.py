@@ -273,6 +273,8 @@ def test_backward_checks_its_inputs(rng):
     ("LSTM", 48, 32, 2, True, 13, 1),
     ("RNN", 16, 3, 1, False, 3, 1000),
     ("LSTM", 48, 64, 1, False, 40, 20),  # batch >= 32: the sums kept over the projections
+    ("LSTM", 128, 128, 2, False, 37, 25),  # dx and the weights' gradients of whole tiles: only
+    # the rows within the lengths (cuda.sgemm, cuda.weight_grad)
 ])
 def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirectional, n, steps,
                                                  rng):

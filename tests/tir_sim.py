@@ -217,12 +217,21 @@ class Simulator:
             self._stmt(node.body, mask)
             self.mask = outer
             return
-        start, extent = self._expr(node.min), self._expr(node.extent)
-        assert np.ndim(start) == 0 and np.ndim(extent) == 0, "loop bounds differ by thread"
+        start, extent = (self._bound(self._expr(e), mask) for e in (node.min, node.extent))
         for i in range(int(start), int(start) + int(extent)):
             self.env[node.loop_var] = i
             self._stmt(node.body, mask)
         self.mask = mask
+
+    @staticmethod
+    def _bound(value, mask):
+        """A loop bound: one value for every lane the loop runs on (read from memory by each,
+        it must be the same in all of them; none run it: 0)."""
+        if np.ndim(value) == 0:
+            return value
+        values = np.broadcast_to(value, np.shape(mask))[mask]
+        assert (values == values[:1]).all(), "loop bounds differ by thread"
+        return values[0] if values.size else 0
 
     # -- expressions ---------------------------------------------------------------------------
 

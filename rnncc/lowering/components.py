@@ -836,28 +836,43 @@ def transpose(rows: int, cols: int, dtype: str) -> tirx.PrimFunc:
 def zeros(shape: tuple, dtype: str) -> tirx.PrimFunc:
     """Zeros of ``dtype`` in ``shape``: the persistent kernel's uint32 counters (a barrier's, one
     a batch group; a wavefront's progress), a bias of zeros for the products that have none, a
-    gradient before the first step adds to it."""
-    out = te.compute(tuple(i64(d) for d in shape), lambda *i: tirx.const(0, dtype),
-                     name="zeros")
+    gradient before the first step adds to it, dx before the rows within the samples' lengths
+    are written (``shape`` with a run-time T)."""
+    out = te.compute(tuple(d if isinstance(d, tirx.Var) else i64(d) for d in shape),
+                     lambda *i: tirx.const(0, dtype), name="zeros")
     return te.create_prim_func([out])
 
 
 def weight_gradient(rows, outputs: int, depth: int, dtype: str, a_dtype: str,
-                    g_dtype: str | None = None) -> tirx.PrimFunc:
+                    g_dtype: str | None = None, batch: int | None = None) -> tirx.PrimFunc:
     """``dw[o, k] = sum_m g[m, o] * a[m, k]`` over the M = ``rows`` (a run-time T*N) rows of
     all steps: a weight's gradient from its product's gradients ``g`` [M, O] (``g_dtype``,
     default the accumulation dtype) and the product's inputs ``a`` [M, K] (``a_dtype``); ``dw``
     [O, K] in ``dtype``. Blocks "weight_grad" (the reduction, in the accumulation dtype) and
-    "weight_grad_out" (the cast)."""
+    "weight_grad_out" (the cast).
+
+    ``batch`` N given: the sum is over the rows m = t*N + n within the samples' lengths (t <
+    lengths[n]) only, which come after ``a`` with ``ends`` [N] int32 (:func:`length_ends`),
+    so that a schedule may visit only those rows, laid out sample after sample."""
     acc = accum_dtype(dtype)
     g = te.placeholder((rows, i64(outputs)), g_dtype or acc, "g")
     a = te.placeholder((rows, i64(depth)), a_dtype, "a")
     r = te.reduce_axis((i64(0), rows), "m")
+    given = ([te.placeholder((i64(batch),), "int32", name) for name in ("lengths", "ends")]
+             if batch is not None else [])
+
+    def term(o, k):
+        product = _cast(g[r, o], acc) * _cast(a[r, k], acc)
+        if batch is None:
+            return product
+        n_ = i64(batch)
+        inside = tvm.tirx.floordiv(r, n_) < given[0][tvm.tirx.floormod(r, n_)].astype("int64")
+        return tvm.tirx.if_then_else(inside, product, tirx.const(0, acc))
+
     prod = te.compute((i64(outputs), i64(depth)),
-                      lambda o, k: te.sum(_cast(g[r, o], acc) * _cast(a[r, k], acc), axis=r),
-                      name="weight_grad")
+                      lambda o, k: te.sum(term(o, k), axis=r), name="weight_grad")
     out = te.compute(prod.shape, lambda o, k: _cast(prod[o, k], dtype), name="weight_grad_out")
-    return te.create_prim_func([g, a, out])
+    return te.create_prim_func([g, a, *given, out])
 
 
 def column_sum(rows, outputs: int, dtype: str, g_dtype: str | None = None) -> tirx.PrimFunc:

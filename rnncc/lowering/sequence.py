@@ -315,21 +315,34 @@ class _Builder:
     def row_ends(self, sig, x, lengths, lead):
         """With the samples' ``lengths``: (lengths, ``ends`` [N] int32) for the input GEMM
         of all steps (of ``lead``) to leave out the rows past the lengths, and the stage
-        computing ``ends`` (:func:`comp.length_ends`, T from ``x``); where cuda.sgemm takes
-        such a product (on CUDA, IEEE float32 products of the combined gates, the steps not
-        in chunks), else (None, []). The rows left out are read only by masked steps (in
-        training too: the backward pass selects zeros for their gradients, whatever they
-        hold)."""
+        computing ``ends`` (:meth:`length_ends`); where cuda.sgemm takes such a product (on
+        CUDA, IEEE float32 products of the combined gates, the steps not in chunks), else
+        (None, []). The rows left out are read only by masked steps (in training too: the
+        backward pass selects zeros for their gradients, whatever they hold)."""
         p, layout = self.p, self.layout
-        if (lengths is None or len(lead) != 2 or self.target.kind.name != "cuda"
-                or p.dtype != "float32" or p.allow_tf32 or layout.gates != "combined"
-                or layout.chunk != 1 or (layout.flat_rows and p.directions == 1)):
+        if (lengths is None or len(lead) != 2 or not self.sums_rows_within_lengths()
+                or layout.gates != "combined" or layout.chunk != 1
+                or (layout.flat_rows and p.directions == 1)):
             return None, []
+        ends, stage = self.length_ends(sig, x, lengths)
+        return (lengths, ends), [stage]
+
+    def sums_rows_within_lengths(self) -> bool:
+        """Whether the products over the rows of all steps leave out the rows past the
+        samples' lengths where the layer takes them: on CUDA in IEEE float32 (cuda.sgemm's
+        and cuda.weight_grad's kernels)."""
+        p = self.p
+        return self.target.kind.name == "cuda" and p.dtype == "float32" and not p.allow_tf32
+
+    def length_ends(self, sig, a, lengths, key="length_ends"):
+        """A workspace ``ends`` [N] int32 and the stage that computes it from ``lengths``
+        (:func:`comp.length_ends`, component ``key``, T from ``a`` [T, N, F])."""
+        p = self.p
         ends = self.param(sig, "ends", (p.batch,), "workspace", "int32")
-        func = self.scheduled("length_ends", comp.length_ends(
-            p.batch, x.shape[0], p.input_size, x.dtype), "elementwise")
-        return (lengths, ends), [Stage("length_ends", func, [
-            Region(x, (ALL,) * 3), Region(lengths, (ALL,)), Region(ends, (ALL,))], 1)]
+        func = self.scheduled(key, comp.length_ends(
+            p.batch, a.shape[0], int(a.shape[2]), a.dtype), "elementwise")
+        return ends, Stage("length_ends", func, [
+            Region(a, (ALL,) * 3), Region(lengths, (ALL,)), Region(ends, (ALL,))], 1)
 
     def input_operands(self, x, xp, flat=True):
         """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of

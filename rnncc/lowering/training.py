@@ -12,7 +12,7 @@ what the cell's derivative needs of every step's projections, ``pre`` [T, N, P*H
 backward(x, w_hh, <s>_steps each, pre, (lengths), dy [T,N,H], d<s>_n [1,N,H] each,
          d<s>0 [1,N,H] each, dweight_ih [G*H,C], dweight_hh [G*H,H], dbias_ih [G*H],
          dbias_hh [G*H], dgi [T,N,G*H], workspaces)
-backward_input(dgi [T,N,G*H], w_ih, dx [T,N,C], workspaces)
+backward_input(dgi [T,N,G*H], w_ih, (lengths), dx [T,N,C], workspaces)
 
 take the packed weight matrices ``forward`` takes (the biases are in ``pre``). For t = T-1
 .. 0: the cell's derivative (its vector-Jacobian product, derived from the cell's step:
@@ -81,10 +81,11 @@ class _Backward:
         #: the projections' gradients' dtype (a half layer's in its storage dtype)
         self.dg = projection_grad_dtype(self.p.dtype)
 
-    def gemm(self, key, lead, k, o, a_dtype, args, weights=None):
-        """A stage: a product of the layout's weights (or of ``weights``: "rows", "cols")."""
+    def gemm(self, key, lead, k, o, a_dtype, args, weights=None, lengths=False):
+        """A stage: a product of the layout's weights (or of ``weights``: "rows", "cols");
+        ``lengths``: of the rows within the samples' lengths (:func:`comp.gemm`)."""
         func = self.b.scheduled(key, comp.gemm(lead, k, o, weights or self.layout.weights,
-                                               self.p.dtype, a_dtype), "gemm")
+                                               self.p.dtype, a_dtype, lengths=lengths), "gemm")
         return Stage(key, func, args, 1)
 
     def elementwise(self, key, func, args, outputs=1):
@@ -101,19 +102,28 @@ class _Backward:
 
     def add_input_gradient(self):
         """``backward_input``: dx [T, N, C] = dGI @ W_ih, from ``backward``'s dgi (a call
-        whose x needs no gradient skips it)."""
+        whose x needs no gradient skips it); given the samples' lengths, on CUDA in IEEE
+        float32, the product computes only the rows within them and dx is zero past them."""
         b, p, layout, acc = self.b, self.p, self.layout, self.acc
         n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
         t_len = tirx.Var("T", "int64")
         sig = []
         dgi = b.param(sig, "dgi", (t_len, n, g * h), "input", self.dg)
         w_ih = b.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
+        lengths = (b.param(sig, "lengths", (n,), "input", "int32")
+                   if p.lengths and b.sums_rows_within_lengths() else None)
         dx = b.param(sig, "dx", (t_len, n, c), "output")
         zero = b.param(sig, "zero_bias_c", (c,), "workspace")
         dx_acc = (b.param(sig, "dx_acc", (t_len, n, c), "workspace", acc)
                   if acc != p.dtype else None)
         stages = [self.elementwise("zero_bias_c", comp.zeros((c,), p.dtype),
                                    [Region(zero, (ALL,))])]
+        given, ends = [], None
+        if lengths is not None:  # dx's rows past the lengths are zeros, the others the product's
+            ends, stage = b.length_ends(sig, dgi, lengths, "length_ends_dgi")
+            stages += [stage, self.elementwise("zero_dx", comp.zeros((t_len, n, c), p.dtype),
+                                               [Region(dx, (ALL,) * 3)])]
+            given = [Region(lengths, (ALL,)), Region(ends, (ALL,))]
         # W_ih as the product's [O, K] (C, G*H): packed so, or as rows [G*H, C] transposed
         # first where the product is on tensor cores but for warpgroup MMA's 16-bit operands
         # (cuda.mma_gemm's pipelined kernel and TF32 take k last in both operands; H200,
@@ -124,15 +134,18 @@ class _Backward:
                 p.allow_tf32 if p.dtype == "float32" else not schedules.has_wgmma(b.target)):
             w_t = b.param(sig, "w_ih_t", (c, g * h), "workspace")
             stages.append(self.transposed("w_ih", w_ih, w_t, c))
-        stages.append(self.gemm("input_gemm_backward", (t_len, n), g * h, c, self.dg, [
-            Region(dgi, (ALL, ALL, ALL)), Region(w_t if w_t is not None else w_ih, (ALL, ALL)),
-            Region(zero, (ALL,)), Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))],
-            "rows" if w_t is not None or layout.weights == "cols" else "cols"))
+        stages.append(self.gemm(
+            "input_gemm_backward" + ("_lengths" if given else ""), (t_len, n), g * h, c, self.dg,
+            [Region(dgi, (ALL, ALL, ALL)), Region(w_t if w_t is not None else w_ih, (ALL, ALL)),
+             Region(zero, (ALL,)), *given,
+             Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))],
+            "rows" if w_t is not None or layout.weights == "cols" else "cols", bool(given)))
         if dx_acc is not None:
             stages.append(self.elementwise("dx_cast", comp.copy_steps(n, c, acc, t_len, p.dtype),
                                            [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
-        params = [dgi, w_ih, dx, zero, *([dx_acc] if dx_acc is not None else []),
-                  *([w_t] if w_t is not None else [])]
+        params = [dgi, w_ih, *([lengths] if lengths is not None else []), dx, zero,
+                  *([dx_acc] if dx_acc is not None else []),
+                  *([w_t] if w_t is not None else []), *([ends] if ends is not None else [])]
         b.add("backward_input", sequence_function("backward_input", params, stages, None, None,
                                                   []), sig)
 
@@ -191,7 +204,8 @@ class _Backward:
 
     def _weight_grads(self, io, sig, dh_projected=None):
         """After the recurrence, products over all T*N rows: dW_ih = dGI^T x, dW_hh = dGH^T
-        h_{t-1}, the biases' gradients as column sums; with a projection dW_hr = dHP^T h'
+        h_{t-1} (given the samples' lengths, on CUDA in IEEE float32, over the rows within
+        them only), the biases' gradients as column sums; with a projection dW_hr = dHP^T h'
         (``dh_projected`` [T, N, P], the gradients of every step's W_hr h'). Returns (stages,
         views, workspaces)."""
         b, p = self.b, self.p
@@ -201,11 +215,17 @@ class _Backward:
         def view(buffer, shape, name):  # the buffer's memory in another shape
             return tirx.decl_buffer(shape, buffer.dtype, name)
 
+        # the samples' lengths: dW_ih and dW_hh sum only the rows within them
+        stages, workspaces, given = [], [], []
+        if io.lengths is not None and b.sums_rows_within_lengths():
+            ends, stage = b.length_ends(sig, io.x, io.lengths)
+            stages.append(stage)
+            workspaces.append(ends)
+            given = [Region(io.lengths, (ALL,)), Region(ends, (ALL,))]
         dgi_rows = view(io.dgi, (rows, gh), "dgi_rows")
         dgh_rows = dgi_rows if io.summed else view(io.dgh, (rows, gh), "dgh_rows")
         x_rows = view(io.x, (rows, c), "x_rows")
         views = [(dgi_rows, io.dgi)] + ([(dgh_rows, io.dgh)] if not io.summed else [])
-        stages, workspaces = [], []
         if self.dg != self.acc and schedules.has_mma(b.target):
             # a half layer's h_{t-1} in its dtype first, as the tensor cores read it: copied
             # by dW_hh's kernel, not converted there (H200, bfloat16 LSTM 1024, T*N = 6400:
@@ -224,9 +244,9 @@ class _Backward:
         m = tirx.Var("M", "int64")
         for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
             stages.append(self.reduction(
-                f"weight_grad_{which}", comp.weight_gradient(m, gh, k, p.dtype, inputs.dtype,
-                                                             grads.dtype),
-                [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)),
+                f"weight_grad_{which}" + ("_lengths" if given else ""), comp.weight_gradient(
+                    m, gh, k, p.dtype, inputs.dtype, grads.dtype, n if given else None),
+                [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)), *given,
                  Region(io.dw[which], (ALL, ALL))]))
             if which == "hh" and io.summed:  # dGH is dGI: db_hh is db_ih, copied (a column
                 # sum over the T*N rows: H200, bfloat16 LSTM 1024 N64, 26 us)

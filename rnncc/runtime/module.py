@@ -576,7 +576,7 @@ class Module:
             dgi = results.pop("dgi") if "dgi" in results else results.pop("pre")
             if input_grad:
                 results.update(self._invoke(family, "backward_input", None, packed,
-                                            {"dgi": dgi}, None))
+                                            {"dgi": dgi}, lengths))
         names = {"dx": "x", "dweight_ih": "weight_ih_l0", "dweight_hh": "weight_hh_l0",
                  "dweight_hr": "weight_hr_l0",
                  "dbias_ih": "bias_ih_l0", "dbias_hh": "bias_hh_l0",
