@@ -6,15 +6,18 @@ repository root:
 
     python3 benchmarks/training.py [--repeat 50] [--jobs 16] [--json out.json] [--profile]
                                    [--dtype bfloat16] [--config LSTM,2048,1,1,32,bfloat16 ...]
+                                   [--packed]
 
 ``--config``: rows of your own instead of the table's (network, H, layers, directions, N,
 dtype; no memory rows). ``--profile``: after each row, where each side's time goes: the
 kernels of one step (by ``torch.profiler``), each kernel's times summed, the longest first.
 
 The step is ``y, _ = net(x); y.backward(dy)`` with x requiring grad (so both sides compute the
-gradients of the input and of every weight and bias). Before timing, the two sides' gradients
-of one step (same weights, same x and dy) are compared. The training modules compile first,
-``--jobs`` at a time in worker processes, into the on-disk cache the timed modules load from.
+gradients of the input and of every weight and bias). ``--packed``: each row also as a
+PackedSequence (lengths spread from T to T/4 in a random order, its ``data`` the leaf that
+requires grad), on both sides. Before timing, the two sides' gradients of one step (same
+weights, same x and dy) are compared. The training modules compile first, ``--jobs`` at a time
+in worker processes, into the on-disk cache the timed modules load from.
 """
 
 import argparse
@@ -51,7 +54,7 @@ def _config(text: str) -> tuple:
     return kind, int(hidden), int(layers), directions == "2", int(batch), dtype
 
 
-def _jobs(arch, configs=CONFIGS, memory=MEMORY):
+def _jobs(arch, configs=CONFIGS, memory=MEMORY, packed=False):
     from rnncc.nn.network import bucket
 
     jobs = set()
@@ -59,16 +62,17 @@ def _jobs(arch, configs=CONFIGS, memory=MEMORY):
             (k, h, 1, False, n, "float32") for k, h, n, _ in memory]:
         for layer in range(layers):
             width = hidden * (2 if bidirectional else 1) if layer else hidden
-            jobs.add((kind.lower(), width, hidden, bucket(batch), dtype, arch))
+            for lengths in (False, True)[:1 + packed]:
+                jobs.add((kind.lower(), width, hidden, bucket(batch), dtype, arch, lengths))
     return sorted(jobs)
 
 
 def _compile(job):
     from rnncc.compiler import cache
 
-    cell, width, hidden, batch, dtype, arch = job
+    cell, width, hidden, batch, dtype, arch, lengths = job
     cache.compiled(cell, width, hidden, batch, dtype=dtype, target="cuda", arch=arch,
-                   training=True)
+                   training=True, lengths=lengths)
     return job
 
 
@@ -95,11 +99,35 @@ def _inputs(torch, hidden, batch, steps, bidirectional, dtype="float32"):
                           dtype=dt)
 
 
+def _packed_inputs(torch, x, dy):
+    """(a PackedSequence of x [T, N, C] whose data is a leaf that requires grad, the packed
+    dy): lengths from T to T/4, in a random order."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+    steps, batch = x.shape[:2]
+    lengths = torch.linspace(steps, steps // 4, batch).round().long()[torch.randperm(batch)]
+    seq = pack_padded_sequence(x.detach(), lengths, enforce_sorted=False)
+    leaf = seq.data.clone().requires_grad_()
+    return (PackedSequence(leaf, seq.batch_sizes, seq.sorted_indices, seq.unsorted_indices),
+            pack_padded_sequence(dy, lengths, enforce_sorted=False).data)
+
+
+def _packed_step(net, seq, dy):
+    def step():
+        y, _ = net(seq)
+        y.data.backward(dy)
+    return step
+
+
 def _gradients(net, x, step):
     net.zero_grad(set_to_none=True)
     x.grad = None
     step()
     return [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+
+
+def _difference(mine, ref) -> float:
+    return max(float((a - b).float().norm() / b.float().norm()) for a, b in zip(mine, ref))
 
 
 def _peak_mib(torch, net, x, step):
@@ -144,6 +172,8 @@ def main():
     parser.add_argument("--config", type=_config, action="append",
                         help="a row of your own, NETWORK,H,LAYERS,DIRECTIONS,N,DTYPE (repeat it "
                              "for more), instead of the table's")
+    parser.add_argument("--packed", action="store_true",
+                        help="each row also with a PackedSequence (lengths from T to T/4)")
     args = parser.parse_args()
     configs = args.config or [c for c in CONFIGS if args.dtype in (None, c[-1])]
     measured = MEMORY if not args.config and args.dtype in (None, "float32") else []
@@ -155,7 +185,8 @@ def main():
     major, minor = torch.cuda.get_device_capability()
     spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
-        list(pool.map(_compile, _jobs(f"sm_{major}{minor}", configs, measured)))
+        list(pool.map(_compile, _jobs(f"sm_{major}{minor}", configs, measured,
+                                      args.packed)))
     rows, memory = [], []
     for kind, hidden, layers, bidirectional, batch, dtype in configs:
         ours, theirs = _nets(torch, kind, hidden, layers, bidirectional, dtype)
@@ -164,15 +195,23 @@ def main():
         mine, ref = (_gradients(net, x, steps[k]) for net, k in ((ours, "rnncc"),
                                                                  (theirs, "cudnn")))
         row = {"network": kind, "H": hidden, "layers": layers, "bidirectional": bidirectional,
-               "N": batch, "dtype": dtype,
-               "max_rel_diff": max(float((a - b).float().norm() / b.float().norm())
-                                   for a, b in zip(mine, ref))}
+               "N": batch, "dtype": dtype, "max_rel_diff": _difference(mine, ref)}
         for name, net in (("rnncc", ours), ("cudnn", theirs)):
             net.zero_grad(set_to_none=True)
             row[f"{name}_us"] = _graph_ms(torch, steps[name], args.repeat) * 1e3 / STEPS
             if args.profile:
                 print(f"{kind} {hidden} x{layers}{' bidirectional' if bidirectional else ''} "
                       f"N={batch} {dtype}, {name}:", *_profile(torch, steps[name]), sep="\n")
+        if args.packed:
+            seq, dy_packed = _packed_inputs(torch, x, dy)
+            packed = {k: _packed_step(net, seq, dy_packed) for k, net in (("rnncc", ours),
+                                                                         ("cudnn", theirs))}
+            mine, ref = (_gradients(net, seq.data, packed[k]) for net, k in ((ours, "rnncc"),
+                                                                             (theirs, "cudnn")))
+            row["packed_max_rel_diff"] = _difference(mine, ref)
+            for name, net in (("rnncc", ours), ("cudnn", theirs)):
+                net.zero_grad(set_to_none=True)
+                row[f"{name}_packed_us"] = _graph_ms(torch, packed[name], args.repeat) * 1e3 / STEPS
         rows.append(row)
     for kind, hidden, batch, steps in measured:
         ours, theirs = _nets(torch, kind, hidden, 1, False)
@@ -190,6 +229,15 @@ def main():
         print(f"| {r['network']} | {r['H']} | {r['layers']} | {2 if r['bidirectional'] else 1} "
               f"| {r['N']} | {r['dtype']} | {r['rnncc_us']:.1f} | {r['cudnn_us']:.1f} | "
               f"{r['cudnn_us'] / r['rnncc_us']:.2f}x | {r['max_rel_diff']:.1e} |")
+    if args.packed:
+        print("\n| network | H | layers | directions | N | dtype | rnncc packed | cuDNN packed | "
+              "speed-up | grads vs cuDNN |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows if args.packed else []:
+        print(f"| {r['network']} | {r['H']} | {r['layers']} | {2 if r['bidirectional'] else 1} "
+              f"| {r['N']} | {r['dtype']} | {r['rnncc_packed_us']:.1f} | "
+              f"{r['cudnn_packed_us']:.1f} | {r['cudnn_packed_us'] / r['rnncc_packed_us']:.2f}x | "
+              f"{r['packed_max_rel_diff']:.1e} |")
     if memory:
         print("\n| network | H | N | T | rnncc peak MiB | cuDNN peak MiB | ratio |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
