@@ -102,6 +102,19 @@ def test_cuda_input_gemm_leaves_out_the_rows_past_the_lengths():
     assert "input_gemm" in half.metadata["schedule"]["rules"]
 
 
+def test_cuda_masked_step_computes_the_gates_once_for_all_outputs():
+    """The step with lengths (CUDA, not persistent) binds each output's value and kept state
+    and selects between them, rather than a branch an output that computes the gates again in
+    each (TVM makes a branch of a select that loads memory)."""
+    module = rnncc.compile("lstm", 24, 40, 7, target="cuda", lengths=True, persistent="off",
+                           tuning="off")
+    source = module.source("cuda")
+    step = next(body for body in source.split("__global__")
+                if "active_ptr[" in body and "y_ptr[" in body)  # the kernel, not its declaration
+    # y, h and c each a select of its bound value (the kept c and h bound too), no branches
+    assert "condval" not in step and step.count("? taken") == 3 and step.count("kept") >= 2
+
+
 def test_length_ends_count_each_length_within_the_steps():
     """``ends`` (where each sample's rows end, laid out sample after sample) counts a length
     within 0 .. T: one past T (a CUDA graph's replay may bring it) as T, below 0 as 0."""

@@ -214,10 +214,25 @@ def chunks(t_len, chunk: int):
     return tvm.tirx.floordiv(t_len + i64(chunk - 1), i64(chunk))
 
 
+def _select(condition, value, other):
+    """``value`` where ``condition``, else ``other``, both computed either way: bound to
+    variables first, so that TVM keeps a select (it makes a branch of a select of loads: a
+    masked cell step of a branch an output computed the gates once an output, LSTM 256 at
+    batch 256 on CUDA, 576 instructions with 30 MUFU where the unmasked step has 272 and 14);
+    the step's outputs then share their computation."""
+    dtype = _dtype_of(value)
+    if dtype in ("float16", "bfloat16"):  # bound in float32: TVM widens 16-bit arithmetic
+        # after the variables are typed (a round trip of the 16-bit value is exact)
+        return _select(condition, value.astype("float32"), other.astype("float32")).astype(dtype)
+    taken, kept = tirx.Var("taken", dtype), tirx.Var("kept", _dtype_of(other))
+    return tirx.Let(taken, value, tirx.Let(kept, other, tirx.Select(condition, taken, kept)))
+
+
 def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str,
               fused: bool, masked: bool = False, kept: tuple = (), rec_parts: int = 1,
               projected: bool = False, upto: int | None = None,
-              recurrent_gates: int | None = None, h_copy: str | None = None) -> tirx.PrimFunc:
+              recurrent_gates: int | None = None, h_copy: str | None = None,
+              selects: bool = False) -> tirx.PrimFunc:
     """The cell's point-wise step for one time step.
 
     Inputs: the gate projections (biases included): "combined", ``gi`` then ``gh``, each
@@ -250,6 +265,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
     products of other values). ``h_copy`` (fused): after the states (before the kept parts),
     h again [N, H], y's values, for the next step's recurrent product to read as its tensor
     cores take it: in ``dtype`` (a half one), or "tf32": float32 rounded to TF32.
+    ``selects`` (``masked``, for CUDA): the outputs' values are bound to variables and
+    selected (:func:`_select`), so that they share the gates' computation (TVM's CPU passes
+    refuse such bindings: its common subexpressions and 16-bit legalisation).
     """
     from ..cells import autodiff
 
@@ -301,8 +319,9 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
         if active is None:
             return values
         live = active[n] != 0
-        return ([tvm.tirx.if_then_else(live, values[0], tirx.const(0, dtype))]
-                + [tvm.tirx.if_then_else(live, v, s[n, j]) for v, s in zip(values[1:], states)])
+        chosen = _select if selects else tvm.tirx.if_then_else
+        return ([chosen(live, values[0], tirx.const(0, dtype))]
+                + [chosen(live, v, s[n, j]) for v, s in zip(values[1:], states)])
 
     if fused:
         def body(n, j):
@@ -316,8 +335,11 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             parts = {"sum": lambda g: read_i(g, n, j) + read_h(g, n, j),
                      "gi": lambda g: read_i(g, n, j), "gh": lambda g: read_h(g, n, j),
                      "product": lambda k: products[order[k]][n, j]}
-            values = frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
-            copied = {None: [], "tf32": [round_tf32(values[0])]}.get(h_copy, values[:1])
+            def outputs():
+                return frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
+
+            values, again = outputs(), outputs()[0]  # h's copy binds variables of its own
+            copied = {None: [], "tf32": [round_tf32(again)]}.get(h_copy, [again])
             # the kept parts last: the training forward writes the sums over the projections
             # (in place), and each output's expression reads its inputs again (y's copy,
             # after them, read sums as projections: bfloat16 LSTM 1024 N128's y 2.5e-2 off)

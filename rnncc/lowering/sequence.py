@@ -527,7 +527,7 @@ class _Builder:
                 comp.cell_step(p.cell, n, h, p.dtype, layout.gates, options.fuse_pointwise,
                                masked=bool(active), kept=kept_parts, rec_parts=rec_parts,
                                projected=bool(proj), recurrent_gates=rec_gates,
-                               h_copy=h_form),
+                               h_copy=h_form, selects=self.target.kind.name == "cuda"),
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
