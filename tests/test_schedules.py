@@ -440,8 +440,9 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
 
 
 @pytest.mark.parametrize("steps, lengths, outputs, depth", [
-    (7, [3, 7, 1, 5, 7, 2, 6, 1, 4], 128, 128), (5, [5] * 3, 128, 128), (6, [1] * 5, 128, 128),
-    (4, [30, 1, 4, 2], 128, 128)])
+    (7, [3, 7, 1, 5, 7, 2, 6, 1, 4], 128, 128),
+    pytest.param(5, [5] * 3, 128, 128, marks=pytest.mark.slow),
+    pytest.param(6, [1] * 5, 128, 128, marks=pytest.mark.slow), (4, [30, 1, 4, 2], 128, 128)])
 def test_weight_grad_with_lengths_sums_only_their_rows_on_the_simulator(steps, lengths, outputs,
                                                                        depth, rng):
     """A weight's gradient given the samples' lengths sums only the rows m = t*N + n with

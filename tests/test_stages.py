@@ -313,6 +313,7 @@ def _slow(*names):
 
 @pytest.mark.parametrize("name", _slow("overlapped, grid",
                                         "bidirectional, tensor cores, h in 3 slices",
+                                        "bidirectional, barrier, batch groups, K in three places",
                                         "overlapped, staged x, barrier", "fused, batch groups",
                                         "tensor cores, K split, shared memory",
                                         "tagged, chunks of steps")(list(KERNELS)))
@@ -1011,7 +1012,8 @@ BACKWARD_KERNELS = {
 
 
 @pytest.mark.parametrize("name", _slow("tensor cores, tiles", "tensor cores, tiles, K split",
-                                        "tensor cores, K split among warps")(
+                                        "tensor cores, K split among warps",
+                                        "tensor cores, tiles, 4 slices")(
     list(BACKWARD_KERNELS)))
 def test_backward_kernel_matches_reference(name, rng):
     """Every variant of a backward plan, on the interpreter: dGI (dGH) of every step and the
