@@ -105,7 +105,8 @@ def test_cuda_input_gemm_leaves_out_the_rows_past_the_lengths():
 def test_cuda_masked_step_computes_the_gates_once_for_all_outputs():
     """The step with lengths (CUDA, not persistent) binds each output's value and kept state
     and selects between them, rather than a branch an output that computes the gates again in
-    each (TVM makes a branch of a select that loads memory)."""
+    each (TVM makes a branch of a select that loads memory); so does its copy of h in TF32
+    (a variable binds once: the copy has its own)."""
     module = rnncc.compile("lstm", 24, 40, 7, target="cuda", lengths=True, persistent="off",
                            tuning="off")
     source = module.source("cuda")
@@ -113,6 +114,13 @@ def test_cuda_masked_step_computes_the_gates_once_for_all_outputs():
                 if "active_ptr[" in body and "y_ptr[" in body)  # the kernel, not its declaration
     # y, h and c each a select of its bound value (the kept c and h bound too), no branches
     assert "condval" not in step and step.count("? taken") == 3 and step.count("kept") >= 2
+    # in TF32 at batch 16 the step also writes h again, rounded, for the next step's product:
+    # a select of its own, bound before it is rounded
+    tf32 = rnncc.compile("lstm", 128, 256, 16, target="cuda", lengths=True, persistent="off",
+                         allow_tf32=True, tuning="off")
+    step = next(body for body in tf32.source("cuda").split("__global__")
+                if "active_ptr[" in body and "y_ptr[" in body)
+    assert "condval" not in step and step.count("? taken") == 4 and "h_copy" in step
 
 
 def test_length_ends_count_each_length_within_the_steps():

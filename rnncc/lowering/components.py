@@ -338,8 +338,13 @@ def cell_step(cell: Cell, batch: int, hidden: int, dtype: str, gates_layout: str
             def outputs():
                 return frozen(n, j, [_cast(new[0], dtype)] + [_cast(v, acc) for v in new[skip:]])
 
-            values, again = outputs(), outputs()[0]  # h's copy binds variables of its own
-            copied = {None: [], "tf32": [round_tf32(again)]}.get(h_copy, [again])
+            values, copied = outputs(), []
+            if h_copy:  # h's copy binds variables of its own
+                again = outputs()[0]
+                if h_copy == "tf32":  # rounded once bound (round_tf32 reads its value twice)
+                    bound = tirx.Var("h_copy", "float32")
+                    again = tirx.Let(bound, again, round_tf32(bound))
+                copied = [again]
             # the kept parts last: the training forward writes the sums over the projections
             # (in place), and each output's expression reads its inputs again (y's copy,
             # after them, read sums as projections: bfloat16 LSTM 1024 N128's y 2.5e-2 off)

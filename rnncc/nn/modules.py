@@ -297,9 +297,10 @@ class _Rows(torch.autograd.Function):
     """The rows of ``src`` [R, F] at ``index`` (R where no row is wanted: a row of src stands
     in), with a gradient that is a gather too (no scatter with accumulation, which autograd
     gives an indexing: a sort and a kernel that took a quarter of a packed training step, H200,
-    LSTM 256 at batch 256). Every row of src is taken at exactly one place of the output,
-    ``inverse`` [R]; with ``zeros``, ``inverse`` holds the output's row count for the rows of
-    src that none stands for: their gradients are zeros."""
+    LSTM 256 at batch 256). Each row of src has one place of the output, ``inverse`` [R],
+    whose gradient is its gradient (the places where a row stands in must get none: the
+    modules give x none past the lengths); with ``zeros``, ``inverse`` holds the output's row
+    count for the rows of src that have no place: their gradients are zeros."""
 
     @staticmethod
     def forward(ctx, src, index, inverse, zeros):
