@@ -451,6 +451,20 @@ def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rul
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("lstm", 128, 256, 16), ("gru", 40, 257, 37)])
+def test_tf32_products_with_lengths_match_reference(cell, input_size, hidden, batch, rng):
+    """allow_tf32=True with lengths, not persistent: the masked step keeps the states of
+    finished samples and writes its TF32-rounded copy of h for the next step's product, within
+    TF32's bound of float64 and past float32's (the products ran in TF32)."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", allow_tf32=True,
+                           persistent="off", tuning="off", lengths=True)
+    assert module.allow_tf32
+    for steps, initial in ((1, True), (37, False), (100, True)):
+        err = check_against_reference(module, rng, steps, initial, lengths=True)
+        assert TOL_F32 < err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
     ("lstm", 64, 256, 32), ("gru", 48, 512, 9), ("lstm", 33, 512, 40), ("rnn_tanh", 16, 257, 24),
     ("gru", 40, 333, 17), ("lstm", 64, 1024, 16)])
 def test_tf32_persistent_kernel_matches_reference(cell, input_size, hidden, batch, rng):
