@@ -1,6 +1,8 @@
 """Samples of their own lengths in one batch (modules compiled with ``lengths=True``): each
 sample's final states are those of its own last step and its outputs past it are zero."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -121,6 +123,21 @@ def test_cuda_masked_step_computes_the_gates_once_for_all_outputs():
     step = next(body for body in tf32.source("cuda").split("__global__")
                 if "active_ptr[" in body and "y_ptr[" in body)
     assert "condval" not in step and step.count("? taken") == 4 and "h_copy" in step
+
+
+@pytest.mark.parametrize("persistent", ["on", "off"])
+def test_cuda_masked_steps_of_training_compute_the_gates_outside_branches(persistent):
+    """With lengths, the persistent kernels (inference, the training forward and backward)
+    and the per-step cell derivative bind the cell's values before they select between them
+    and the kept ones: no branch computes a gate's function (a branch an output computed them
+    all again: the persistent backward of LSTM 256 at batch 4 had 50 MUFU instructions
+    against 10 without lengths, the step's derivative 44 against 14)."""
+    module = rnncc.compile("lstm", 24, 40, 7, target="cuda", lengths=True, training=True,
+                           persistent=persistent, tuning="off")
+    assert module.metadata["schedule"]["kind"] == ("persistent" if persistent == "on"
+                                                   else "sequence")
+    source = module.source("cuda")
+    assert not re.findall(r"condval\w* = [^;]*(?:expf|tanhf|fdividef)", source)
 
 
 def test_length_ends_count_each_length_within_the_steps():

@@ -384,7 +384,8 @@ class _Backward:
         cell = self.elementwise(
             "cell_backward", comp.cell_step_backward(p.cell, n, h, p.dtype, parts,
                                                      active is not None, rec_parts, bool(proj),
-                                                     grad_dtype=self.dg),
+                                                     grad_dtype=self.dg,
+                                                     selects=self.b.target.kind.name == "cuda"),
             inputs + given
             + [Region(sums, (i, ALL, ALL)) for i in range(count)]
             + [Region(d, (step, ALL, slice(i * h, (i + 1) * h)))

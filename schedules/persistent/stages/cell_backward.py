@@ -77,15 +77,17 @@ def apply(spec, graph, kept, dgi, dgh, hs, r, ln, publish, t, t_len, bx, tx):
                 graph, kept, lambda i: r.pre[it * parts + i],
                 [r.sp[it * states + k] for k in range(states)], seeds,
                 autodiff.PrimExprs("float32"), [r.pv[it * count + k] for k in range(count)])
-        if spec.lengths:
-            live = at < T.Cast("int64", ln[it])
-            projections = [T.if_then_else(live, v, T.float32(0)) for v in projections]
-            of_params = [T.if_then_else(live, v, T.float32(0)) for v in of_params]
-            passed = [rec + carry[0]] + carry[1:]
-            previous = [T.if_then_else(live, v, p) for v, p in zip(previous, passed)]
+        # bound before any select: a select of an expression is a branch of it, and the
+        # values share their terms (the gates' functions)
         projections = [T.Bind(v) for v in projections]
         previous = [T.Bind(v) for v in previous]
         of_params = [T.Bind(v) for v in of_params]
+        if spec.lengths:
+            live = at < T.Cast("int64", ln[it])
+            projections = [T.Bind(T.if_then_else(live, v, T.float32(0))) for v in projections]
+            of_params = [T.Bind(T.if_then_else(live, v, T.float32(0))) for v in of_params]
+            passed = [rec + carry[0]] + carry[1:]
+            previous = [T.Bind(T.if_then_else(live, v, p)) for v, p in zip(previous, passed)]
         row = spec.batch_row(bx, n)
         for g in range(gates):
             store(dgi, T.Cast(dgi.dtype, projections[g]), at, row, g * h + j)
