@@ -212,6 +212,10 @@ def main():
             for name, net in (("rnncc", ours), ("cudnn", theirs)):
                 net.zero_grad(set_to_none=True)
                 row[f"{name}_packed_us"] = _graph_ms(torch, packed[name], args.repeat) * 1e3 / STEPS
+                if args.profile:
+                    print(f"{kind} {hidden} x{layers}{' bidirectional' if bidirectional else ''} "
+                          f"N={batch} {dtype}, {name} packed:", *_profile(torch, packed[name]),
+                          sep="\n")
         rows.append(row)
     for kind, hidden, batch, steps in measured:
         ours, theirs = _nets(torch, kind, hidden, 1, False)

@@ -138,6 +138,8 @@ def test_cuda_masked_steps_of_training_compute_the_gates_outside_branches(persis
                                                    else "sequence")
     source = module.source("cuda")
     assert not re.findall(r"condval\w* = [^;]*(?:expf|tanhf|fdividef)", source)
+    # at batch 7, dx is the product of all rows, in slices of K (dGI is zero past the lengths)
+    assert "lengths" not in {p["name"] for p in module.metadata["functions"]["backward_input"]}
 
 
 def test_length_ends_count_each_length_within_the_steps():
@@ -164,6 +166,7 @@ def test_cuda_training_forward_leaves_out_the_rows_past_the_lengths():
     those rows only where it selects zeros (GPU: test_training's gradients at batch 40)."""
     module = rnncc.compile("lstm", 40, 132, 33, target="cuda", lengths=True, training=True,
                            tuning="off")
-    for entry in ("forward", "train_forward", "persistent_forward", "persistent_train_forward"):
+    for entry in ("forward", "train_forward", "persistent_forward", "persistent_train_forward",
+                  "backward_input"):
         assert "ends" in {p["name"] for p in module.metadata["functions"][entry]}, entry
     assert module.metadata["schedule"]["rules"]["input_gemm_lengths"] == "cuda.sgemm"
