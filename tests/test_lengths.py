@@ -55,6 +55,22 @@ def test_bad_lengths_are_refused(lengths, match, rng):
         module(np.zeros((4, 3, 2), "float32"), w, lengths=lengths)
 
 
+def test_torch_lengths_are_checked_again_once_written_or_for_another_t(rng):
+    """A torch tensor of lengths is read for the check once per version (a network's modules
+    take it one after another): written in place, or with x of fewer steps, it is read again."""
+    torch = pytest.importorskip("torch")
+    module = compiled("rnn_tanh", 2, 3, 3, "llvm", lengths=True)
+    w = random_weights(rng, 1, 2, 3, "float32")
+    lengths = torch.tensor([1, 4, 3])
+    module(torch.zeros((4, 3, 2)), w, lengths=lengths)
+    module(torch.zeros((4, 3, 2)), w, lengths=lengths)
+    with pytest.raises(InputError, match=r"from 1 to T = 3 .* got values from 1 to 4"):
+        module(torch.zeros((3, 3, 2)), w, lengths=lengths)
+    lengths[0] = 0
+    with pytest.raises(InputError, match=r"from 1 to T = 4 .* got values from 0 to 4"):
+        module(torch.zeros((4, 3, 2)), w, lengths=lengths)
+
+
 def test_lengths_need_a_module_that_takes_them(rng):
     module = compiled("rnn_tanh", 2, 3, 3, "llvm")
     with pytest.raises(InputError, match="takes no lengths; compile it with lengths=True"):

@@ -136,7 +136,7 @@ class Recurrent(torch.nn.Module):
                 raise InputError("lengths come with the PackedSequence; pass lengths only "
                                  "with a padded tensor")
             layout = _packed_layout(input)
-            x, lengths = _unpacked(input, layout), layout[2]
+            x, lengths = _unpacked(input, layout), layout[3]
             unbatched = False
         else:
             x, unbatched = self._check_input(input)
@@ -294,19 +294,19 @@ def _to_device(host, device):
 
 
 class _Rows(torch.autograd.Function):
-    """The rows of ``src`` [R, F] at ``index`` (R where no row is wanted: a row of src stands
-    in), with a gradient that is a gather too (no scatter with accumulation, which autograd
-    gives an indexing: a sort and a kernel that took a quarter of a packed training step, H200,
-    LSTM 256 at batch 256). Each row of src has one place of the output, ``inverse`` [R],
-    whose gradient is its gradient (the places where a row stands in must get none: the
-    modules give x none past the lengths); with ``zeros``, ``inverse`` holds the output's row
-    count for the rows of src that have no place: their gradients are zeros."""
+    """The rows of ``src`` [R, F] at ``index``, with a gradient that is a gather too (no
+    scatter with accumulation, which autograd gives an indexing: a sort and a kernel that took
+    a quarter of a packed training step, H200, LSTM 256 at batch 256). Each row of src has one
+    place of the output, ``inverse`` [R], whose gradient is its gradient (the places where a
+    row only stands in must get none: the modules give x none past the lengths); with
+    ``zeros``, ``inverse`` holds the output's row count for the rows of src that have no
+    place: their gradients are zeros."""
 
     @staticmethod
     def forward(ctx, src, index, inverse, zeros):
         ctx.save_for_backward(inverse)
         ctx.zeros = zeros
-        return src.index_select(0, index.clamp(max=src.shape[0] - 1))
+        return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
@@ -318,26 +318,35 @@ class _Rows(torch.autograd.Function):
 
 def _packed_layout(seq: PackedSequence):
     """Where a PackedSequence's rows go in its padded form [T, N, F] (the samples in their
-    original order) and back, on its data's device, whatever T (the indices from
-    ``batch_sizes`` on the CPU, in one copy): (``pad`` [T*N], the packed row at each padded
-    place, P = the number of packed rows past a sample's length; ``pack`` [P], each packed
-    row's padded place t*N + n; the samples' lengths [N])."""
+    original order) and back, on its data's device, whatever T: (``pad`` [T*N], the packed row
+    at each padded place, P = the number of packed rows past a sample's length; ``source``
+    [T*N], the same with the last packed row past them, the rows x gathers; ``pack`` [P], each
+    packed row's padded place t*N + n; the samples' lengths [N] int32). The indices come from
+    ``batch_sizes`` on the CPU in one copy, and the samples' order in two gathers and a sum
+    (each small kernel costs a CUDA graph about 1.5 us: LSTM 512 at batch 4, T = 100)."""
     sizes = seq.batch_sizes  # on the CPU: how many samples run at each step
     steps, rows, total = sizes.shape[0], int(sizes[0]), seq.data.shape[0]
+    if steps * (rows + 1) >= 2 ** 31:
+        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples is past the "
+                         f"2 ** 31 padded rows rnncc.nn indexes")
     starts = torch.cumsum(sizes, 0) - sizes
     sample = torch.arange(rows)
     pad = torch.where(sample[None, :] < sizes[:, None], starts[:, None] + sample[None, :], total)
     lengths = (sizes[None, :] > sample[:, None]).sum(1)
     step = torch.repeat_interleave(torch.arange(steps), sizes)  # of each packed row
     within = torch.arange(total) - starts[step]  # its place among the sorted samples
-    both = _to_device(torch.cat([pad.flatten(), lengths, step, within]), seq.data.device)
-    pad, lengths, step, within = torch.split(both, [steps * rows, rows, total, total])
-    pad = pad.view(steps, rows)
+    # one table of the per-sample columns ([T] pad, [T] source, [1] lengths), one of the rows'
+    table = torch.cat([pad, pad.clamp(max=total - 1), lengths[None]]).to(torch.int32)
+    both = _to_device(torch.cat([table.flatten(), (step * rows).to(torch.int32),
+                                 within.to(torch.int32)]), seq.data.device)
+    table, base, within = torch.split(both, [table.numel(), total, total])
+    table = table.view(2 * steps + 1, rows)
     if seq.unsorted_indices is not None:  # original sample m is sorted sample unsorted[m]
-        pad, lengths = pad[:, seq.unsorted_indices], lengths[seq.unsorted_indices]
+        table = table[:, seq.unsorted_indices]
     if seq.sorted_indices is not None:  # sorted sample s is original sample sorted[s]
         within = seq.sorted_indices[within]
-    return pad.reshape(-1), step * rows + within, lengths
+    return (table[:steps].reshape(-1), table[steps:2 * steps].reshape(-1), base + within,
+            table[2 * steps])
 
 
 def _unpacked(seq: PackedSequence, layout):
@@ -345,16 +354,16 @@ def _unpacked(seq: PackedSequence, layout):
     the device (torch's pad_packed_sequence copies step by step, a kernel a step). x past a
     sample's length holds other rows of the data, not zeros: the modules that take lengths
     never read it (nor give it a gradient)."""
-    pad, pack, _ = layout
+    _, source, pack, _ = layout
     steps, rows = seq.batch_sizes.shape[0], int(seq.batch_sizes[0])
-    return _Rows.apply(seq.data, pad, pack, False).view(steps, rows, *seq.data.shape[1:])
+    return _Rows.apply(seq.data, source, pack, False).view(steps, rows, *seq.data.shape[1:])
 
 
 def _repacked(y, like: PackedSequence, layout) -> PackedSequence:
     """y [T, N, F] (the samples in their original order) as a PackedSequence laid out as
     ``like`` (:func:`_packed_layout`): step by step, the samples sorted by length; one
     gather on the device (and its gradient, zeros past the lengths, one too)."""
-    pad, pack, _ = layout
+    pad, _, pack, _ = layout
     data = _Rows.apply(y.reshape(-1, y.shape[2]), pack, pad, True)
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
 

@@ -20,6 +20,7 @@ takes ``weight_ih_l{k}`` ... for k < L, states [L, N, H], and gives the last lay
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -585,11 +586,21 @@ class Module:
         return {names[k]: v for k, v in results.items()}
 
 
+@functools.cache
+def _checked():
+    """The torch lengths checked already, with their version (a write in place changes it), T
+    and N: a network's modules take the same lengths one after another, and each check waits
+    for the device (a copy to the host)."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
+
+
 def _lengths(value, steps: int, batch: int, family: Family):
     """The samples' lengths as an int32 tensor on the call's device (all ``steps`` where
     ``value`` is None: made there for torch, so that a CUDA graph may capture the call), each
     checked to be 1 to T (a device tensor is read for the check, except while a CUDA graph is
-    being captured)."""
+    being captured, and once: :func:`_checked`)."""
     import numpy as np
 
     if value is None:
@@ -618,8 +629,11 @@ def _lengths(value, steps: int, batch: int, family: Family):
             raise InputError(f"lengths is on {value.device}, but this call runs on "
                              f"{family.describe_device()} (where x is)")
         if value.dim() == 1 and value.numel() and not (
-                value.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _check_lengths(tuple(value.shape), int(value.min()), int(value.max()), steps, batch)
+                value.is_cuda and torch.cuda.is_current_stream_capturing()) and _checked().get(
+                value) != (value._version, steps, batch):
+            low, high = torch.stack(torch.aminmax(value)).tolist()  # one copy to the host
+            _check_lengths(tuple(value.shape), low, high, steps, batch)
+            _checked()[value] = (value._version, steps, batch)
         value = value.to(torch.int32).contiguous()
     return to_tensor("lengths", value, [batch], "int32", family)
 
