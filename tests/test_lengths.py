@@ -13,8 +13,16 @@ from rnncc import reference
 from rnncc.errors import ConfigError, InputError
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
-@pytest.mark.parametrize("options", [{}, {"fuse_pointwise": False}, {"gate_gemm": False}])
+def _cells_and_options():
+    """Every cell with the default schedule; the unfused and per-gate ones for lstm and gru,
+    and for the other cells with --slow."""
+    for cell in rnncc.cells.names():
+        for options in ({}, {"fuse_pointwise": False}, {"gate_gemm": False}):
+            slow = options and cell not in ("lstm", "gru")
+            yield pytest.param(cell, options, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("cell, options", list(_cells_and_options()))
 def test_lengths_match_reference(cell, options, rng):
     module = compiled(cell, 5, 9, 4, "llvm", lengths=True, **options)
     assert module.takes_lengths and module.metadata["lengths"]
@@ -141,17 +149,16 @@ def test_cuda_masked_step_computes_the_gates_once_for_all_outputs():
     assert "condval" not in step and step.count("? taken") == 4 and "h_copy" in step
 
 
-@pytest.mark.parametrize("persistent", ["on", "off"])
-def test_cuda_masked_steps_of_training_compute_the_gates_outside_branches(persistent):
+def test_cuda_masked_steps_of_training_compute_the_gates_outside_branches():
     """With lengths, the persistent kernels (inference, the training forward and backward)
-    and the per-step cell derivative bind the cell's values before they select between them
-    and the kept ones: no branch computes a gate's function (a branch an output computed them
-    all again: the persistent backward of LSTM 256 at batch 4 had 50 MUFU instructions
-    against 10 without lengths, the step's derivative 44 against 14)."""
+    and the per-step cell derivative (the module's sequence entries) bind the cell's values
+    before they select between them and the kept ones: no branch computes a gate's function
+    (a branch an output computed them all again: the persistent backward of LSTM 256 at batch
+    4 had 50 MUFU instructions against 10 without lengths, the step's derivative 44 against
+    14)."""
     module = rnncc.compile("lstm", 24, 40, 7, target="cuda", lengths=True, training=True,
-                           persistent=persistent, tuning="off")
-    assert module.metadata["schedule"]["kind"] == ("persistent" if persistent == "on"
-                                                   else "sequence")
+                           persistent="on", tuning="off")
+    assert {"backward", "persistent_backward"} <= set(module.metadata["functions"])
     source = module.source("cuda")
     assert not re.findall(r"condval\w* = [^;]*(?:expf|tanhf|fdividef)", source)
     # at batch 7, dx is the product of all rows, in slices of K (dGI is zero past the lengths)
