@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 
 from ..errors import BuildError
+from ..runtime.metadata import c_bytes
 
 _NVCC_FLAGS = [
     "-O3", "-std=c++17", "-Xptxas", "-v", "--expt-relaxed-constexpr",
@@ -213,9 +214,9 @@ def pack_imports_with_cubin(arch: str, reports: dict):
         m = re.search(r"const unsigned char (\w+)\[\d+\] = \{.*?\};", c_text, re.S)
         if m is None:
             raise BuildError("unexpected output of ModulePackImportsToC")
-        array = ",".join(str(b) for b in new_blob)
-        c_text = (c_text[:m.start()] + f"const unsigned char {m.group(1)}[{len(new_blob)}] = "
-                  f"{{{array}}};" + c_text[m.end():])
+        # as string literals, a zero after them (nvcc's cubin: 1.4 MB, LSTM 1024 training)
+        c_text = (c_text[:m.start()] + f"const unsigned char {m.group(1)}[{len(new_blob) + 1}]"
+                  f" =\n{c_bytes(new_blob)};" + c_text[m.end():])
         path = os.path.join(workspace_dir, f"{prefix}devc.c")
         with open(path, "w") as f:
             f.write(c_text)

@@ -17,14 +17,28 @@ FORMAT = 1
 META, CUDA, TIR = ".rnncc_meta", ".rnncc_cuda", ".rnncc_tir"
 
 
+#: Each byte as it stands in a C string literal: printable ASCII as itself (but the quote, the
+#: backslash and "?", which could start a trigraph), the others as three octal digits
+_C_CHARS = [chr(b) if 32 <= b < 127 and chr(b) not in '\\"?' else f"\\{b:03o}"
+            for b in range(256)]
+
+
+def c_bytes(data: bytes, width: int = 96) -> str:
+    """``data`` as C string literals, one a line of ``width`` bytes (adjacent literals join):
+    it initialises an array of len(data) + 1 bytes (the last a zero) in C and C++. The
+    compiler reads it far faster than a list of numbers (g++, 1.4 MB: 3.3 s -> 0.1 s)."""
+    get = _C_CHARS.__getitem__
+    return "\n".join('"' + "".join(map(get, data[i:i + width])) + '"'
+                     for i in range(0, len(data), width)) or '""'
+
+
 def c_source(sections: dict[str, bytes]) -> str:
-    """C source that places each payload in its own section of the library."""
+    """C source that places each payload in its own section of the library, a zero after it."""
     lines = ["/* rnncc module metadata; see rnncc/runtime/metadata.py */"]
     for i, (name, payload) in enumerate(sections.items()):
-        data = payload + b"\0"
-        body = ",".join(str(b) for b in data)
         lines.append(f'__attribute__((used, section("{name}")))\n'
-                     f"const unsigned char rnncc_section_{i}[{len(data)}] = {{{body}}};")
+                     f"const unsigned char rnncc_section_{i}[{len(payload) + 1}] =\n"
+                     f"{c_bytes(payload)};")
     return "\n".join(lines) + "\n"
 
 
