@@ -15,6 +15,8 @@ tensor changed in place).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.graph import increment_version
 
@@ -97,12 +99,23 @@ def _on_side(device, module, args):
     return results
 
 
-@torch.compiler.disable
 def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
     """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
     rnncc.nn module) on x [T, N, C] from ``states``, with ``weights`` by torch's names (the
     parameters, or their half copies under autocast), with gradients. Under ``torch.compile``
     it runs eagerly (a graph break; inference is one custom op, :mod:`.op`)."""
+    return _eager()(recurrent, x, states, lengths, weights, target, arch)
+
+
+@functools.cache
+def _eager():
+    """:func:`_run` kept out of torch.compile's graphs, made on first use: ``torch.compiler.
+    disable`` imports torch._dynamo, which took most of ``import rnncc.nn`` (4.0 of 4.1 s,
+    -X importtime on 2 busy cores)."""
+    return torch.compiler.disable(_run)
+
+
+def _run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
     from ..compiler import cache
 
     lay = recurrent._layout
