@@ -292,6 +292,18 @@ def test_from_torch_takes_only_recurrent_modules():
     assert ours._layout.module_options("bfloat16") == {}
 
 
+def test_import_leaves_torch_dynamo_out():
+    """``import rnncc.nn`` does not import torch._dynamo (about 2 s): the training run's graph
+    break under torch.compile is made on first use."""
+    import subprocess
+    import sys
+
+    code = "import sys, rnncc.nn; print('torch._dynamo' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True)
+    assert found.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("lengths", [False, True])
 def test_torch_compile_takes_the_network_whole(lengths, rng):
     """``torch.compile(..., fullgraph=True)``: no graph break (the network is one custom op,
