@@ -95,6 +95,23 @@ def test_packed_matches_torch(kind, sort, rng):
     _close(mine, ref)
 
 
+def test_lengths_and_packed_under_inference_mode(rng):
+    """Under torch.inference_mode (whose tensors keep no version for the runtime to see
+    writes in place), lengths and a PackedSequence run as under no_grad, and bad lengths are
+    refused every call."""
+    theirs, ours = _torch_and_ours("GRU", 4, 5)
+    x, lengths = torch.randn(6, 3, 4), _lengths(rng, 3, 6)
+    ref, _ = theirs(pack(x.double(), lengths, enforce_sorted=False))
+    with torch.inference_mode():
+        mine, _ = ours(pack(x, lengths, enforce_sorted=False))
+        _close(mine, ref)
+        given = lengths.clone()
+        ours(x, lengths=given)
+        given[0] = 7
+        with pytest.raises(InputError, match=r"from 1 to T = 6 .* got values from \d to 7"):
+            ours(x, lengths=given)
+
+
 def test_padded_with_lengths_and_batch_first(rng):
     """``lengths`` with a padded batch-first tensor: torch's packed results, padded with
     zeros past each length."""

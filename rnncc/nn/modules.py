@@ -326,9 +326,9 @@ def _packed_layout(seq: PackedSequence):
     on the device (few small kernels: each is one more node of a CUDA graph)."""
     sizes = seq.batch_sizes  # on the CPU: how many samples run at each step
     steps, rows, total = sizes.shape[0], int(sizes[0]), seq.data.shape[0]
-    if steps * (rows + 1) >= 2 ** 31:
-        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples is past the "
-                         f"2 ** 31 padded rows rnncc.nn indexes")
+    if steps * rows >= 2 ** 31:
+        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples pads to "
+                         f"{steps * rows} rows; rnncc.nn takes at most 2 ** 31 - 1")
     starts = torch.cumsum(sizes, 0) - sizes
     sample = torch.arange(rows)
     pad = torch.where(sample[None, :] < sizes[:, None], starts[:, None] + sample[None, :], total)

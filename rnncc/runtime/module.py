@@ -628,12 +628,16 @@ def _lengths(value, steps: int, batch: int, family: Family):
         if value.device != torch.device(family.describe_device()):
             raise InputError(f"lengths is on {value.device}, but this call runs on "
                              f"{family.describe_device()} (where x is)")
+        # an inference tensor has no version (written in place, it would not show): checked
+        # every call
+        seen = None if value.is_inference() else (value._version, steps, batch)
         if value.dim() == 1 and value.numel() and not (
-                value.is_cuda and torch.cuda.is_current_stream_capturing()) and _checked().get(
-                value) != (value._version, steps, batch):
+                value.is_cuda and torch.cuda.is_current_stream_capturing()) and (
+                seen is None or _checked().get(value) != seen):
             low, high = torch.stack(torch.aminmax(value)).tolist()  # one copy to the host
             _check_lengths(tuple(value.shape), low, high, steps, batch)
-            _checked()[value] = (value._version, steps, batch)
+            if seen is not None:
+                _checked()[value] = seen
         value = value.to(torch.int32).contiguous()
     return to_tensor("lengths", value, [batch], "int32", family)
 
