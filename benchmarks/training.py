@@ -196,12 +196,13 @@ def main():
                                                                  (theirs, "cudnn")))
         row = {"network": kind, "H": hidden, "layers": layers, "bidirectional": bidirectional,
                "N": batch, "dtype": dtype, "max_rel_diff": _difference(mine, ref)}
+        title = (f"{kind} {hidden} x{layers}{' bidirectional' if bidirectional else ''} "
+                 f"N={batch} {dtype}")
         for name, net in (("rnncc", ours), ("cudnn", theirs)):
             net.zero_grad(set_to_none=True)
             row[f"{name}_us"] = _graph_ms(torch, steps[name], args.repeat) * 1e3 / STEPS
             if args.profile:
-                print(f"{kind} {hidden} x{layers}{' bidirectional' if bidirectional else ''} "
-                      f"N={batch} {dtype}, {name}:", *_profile(torch, steps[name]), sep="\n")
+                print(f"{title}, {name}:", *_profile(torch, steps[name]), sep="\n")
         if args.packed:
             seq, dy_packed = _packed_inputs(torch, x, dy)
             packed = {k: _packed_step(net, seq, dy_packed) for k, net in (("rnncc", ours),
@@ -213,9 +214,7 @@ def main():
                 net.zero_grad(set_to_none=True)
                 row[f"{name}_packed_us"] = _graph_ms(torch, packed[name], args.repeat) * 1e3 / STEPS
                 if args.profile:
-                    print(f"{kind} {hidden} x{layers}{' bidirectional' if bidirectional else ''} "
-                          f"N={batch} {dtype}, {name} packed:", *_profile(torch, packed[name]),
-                          sep="\n")
+                    print(f"{title}, {name} packed:", *_profile(torch, packed[name]), sep="\n")
         rows.append(row)
     for kind, hidden, batch, steps in measured:
         ours, theirs = _nets(torch, kind, hidden, 1, False)
