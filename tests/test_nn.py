@@ -112,6 +112,37 @@ def test_lengths_and_packed_under_inference_mode(rng):
             ours(x, lengths=given)
 
 
+def test_lengths_are_read_back_once_and_layouts_copied_once(monkeypatch, rng):
+    """A PackedSequence's lengths are never read back to be checked (they are 1 to T by the
+    making), given lengths once for a tensor however many layers and padded rows take them;
+    the tables of a packed layout seen before are not copied to the device again (nor
+    captured in a CUDA graph): a packed call of the same batch sizes is one more gather."""
+    from rnncc.nn import modules
+    from rnncc.runtime import module as runtime
+
+    reads, copies = [], []
+    check, to_device = runtime._check_lengths, modules._to_device
+    monkeypatch.setattr(runtime, "_check_lengths", lambda *a: reads.append(a) or check(*a))
+    monkeypatch.setattr(modules, "_to_device", lambda *a: copies.append(a) or to_device(*a))
+    monkeypatch.setattr(modules, "_LAYOUTS", type(modules._LAYOUTS)())
+    theirs, ours = _torch_and_ours("LSTM", 4, 5, num_layers=2, bidirectional=True)
+    x, lengths = torch.randn(6, 3, 4), _lengths(rng, 3, 6)
+    ref, _ = theirs(pack(x.double(), lengths, enforce_sorted=False))
+    with torch.no_grad():
+        for sort in (False, True, False):
+            order = torch.argsort(lengths, descending=True) if sort else torch.arange(3)
+            mine, _ = ours(pack(x[:, order], lengths[order], enforce_sorted=sort))
+            _close(torch.nn.utils.rnn.pad_packed_sequence(mine)[0],
+                   torch.nn.utils.rnn.pad_packed_sequence(ref)[0][:, order])
+        assert not reads and len(copies) == 1
+        ours(x, lengths=lengths)
+        ours(x, lengths=lengths)
+        assert len(reads) == 1
+        lengths[0] = 7  # written in place: read again, and refused
+        with pytest.raises(InputError, match=r"from 1 to T = 6 .* got values from \d to 7"):
+            ours(x, lengths=lengths)
+
+
 def test_padded_with_lengths_and_batch_first(rng):
     """``lengths`` with a padded batch-first tensor: torch's packed results, padded with
     zeros past each length."""

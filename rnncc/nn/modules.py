@@ -18,6 +18,7 @@ training (:mod:`.training`): gradients of the input, the initial states and ever
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
@@ -25,6 +26,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import ConfigError, InputError
+from ..runtime.module import vouch_lengths
 from ..spec import Problem
 from . import op, training
 from .network import Layout, Network
@@ -137,6 +139,7 @@ class Recurrent(torch.nn.Module):
                                  "with a padded tensor")
             layout = _packed_layout(input)
             x, lengths = _unpacked(input, layout), layout[3]
+            vouch_lengths(lengths, x.shape[0])  # 1 to T by the making: not read back
             unbatched = False
         else:
             x, unbatched = self._check_input(input)
@@ -154,7 +157,8 @@ class Recurrent(torch.nn.Module):
                                      dict(zip(self._weight_names(), weights)), network.target,
                                      network.arch)
         else:
-            y, *finals = op.network(self._key, x, states, lengths, weights, self.training)
+            y, *finals = op.network(self._key, x, [] if hx is None else states, lengths,
+                                    weights, self.training)  # []: zeros
         if packed:
             return _repacked(y, input, layout), _finals(finals)
         return self._outputs(y, finals, unbatched)
@@ -316,37 +320,64 @@ class _Rows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None, None
 
 
-def _packed_layout(seq: PackedSequence):
-    """Where a PackedSequence's rows go in its padded form [T, N, F] (the samples in their
-    original order) and back, on its data's device, whatever T: (``pad`` [T*N], the packed row
-    at each padded place, P = the number of packed rows past a sample's length; ``source``
-    [T*N], the same with the last packed row past them, the rows x gathers; ``pack`` [P], each
-    packed row's padded place t*N + n; the samples' lengths [N] int32). The indices come from
-    ``batch_sizes`` on the CPU in one copy, and the samples' order in two gathers and a sum
-    on the device (few small kernels: each is one more node of a CUDA graph)."""
-    sizes = seq.batch_sizes  # on the CPU: how many samples run at each step
-    steps, rows, total = sizes.shape[0], int(sizes[0]), seq.data.shape[0]
-    if steps * rows >= 2 ** 31:
-        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples pads to "
-                         f"{steps * rows} rows; rnncc.nn takes at most 2 ** 31 - 1")
+#: The device tables of the PackedSequence layouts seen last (:func:`_layout_tables`), by
+#: device and ``batch_sizes``: a layout seen before costs no copy from the host, and a CUDA
+#: graph captured after warm-up calls holds none (H200, LSTM 512 at batch 4: the copy's node
+#: took about 20 us a call).
+_LAYOUTS: collections.OrderedDict = collections.OrderedDict()
+LAYOUTS_KEPT = 64
+
+
+def _layout_tables(sizes, device):
+    """What :func:`_packed_layout` takes from ``batch_sizes`` [T] alone (the samples sorted by
+    length, as packed), int32 on ``device``: (``table`` [2T + 1, N]: each sample's length,
+    then a row a step of its pad indices, then of its source indices; ``base`` [P]: each
+    packed row's step t times N; ``within`` [P]: its sample among the sorted ones; ``pack``
+    [P]: ``base + within``). Made in one copy to the device and kept for the last
+    :data:`LAYOUTS_KEPT` layouts (so callers never write them)."""
+    key = (device, sizes.numpy().tobytes())
+    found = _LAYOUTS.get(key)
+    if found is not None:
+        _LAYOUTS.move_to_end(key)
+        return found
+    steps, rows, total = sizes.shape[0], int(sizes[0]), int(sizes.sum())
     starts = torch.cumsum(sizes, 0) - sizes
     sample = torch.arange(rows)
     pad = torch.where(sample[None, :] < sizes[:, None], starts[:, None] + sample[None, :], total)
     lengths = (sizes[None, :] > sample[:, None]).sum(1)
     step = torch.repeat_interleave(torch.arange(steps), sizes)  # of each packed row
     within = torch.arange(total) - starts[step]  # its place among the sorted samples
-    # one table of the per-sample columns ([T] pad, [T] source, [1] lengths), one of the rows'
-    table = torch.cat([pad, pad.clamp(max=total - 1), lengths[None]]).to(torch.int32)
-    both = _to_device(torch.cat([table.flatten(), (step * rows).to(torch.int32),
-                                 within.to(torch.int32)]), seq.data.device)
-    table, base, within = torch.split(both, [table.numel(), total, total])
-    table = table.view(2 * steps + 1, rows)
+    table = torch.cat([lengths[None], pad, pad.clamp(max=total - 1)])
+    parts = [table.flatten(), step * rows, within, step * rows + within]
+    host = torch.cat(parts).to(torch.int32)
+    table, base, within, pack = torch.split(_to_device(host, device), [p.numel() for p in parts])
+    found = (table.view(2 * steps + 1, rows), base, within, pack)
+    _LAYOUTS[key] = found
+    if len(_LAYOUTS) > LAYOUTS_KEPT:
+        _LAYOUTS.popitem(last=False)
+    return found
+
+
+def _packed_layout(seq: PackedSequence):
+    """Where a PackedSequence's rows go in its padded form [T, N, F] (the samples in their
+    original order) and back, on its data's device, whatever T: (``pad`` [T*N], the packed row
+    at each padded place, P = the number of packed rows past a sample's length; ``source``
+    [T*N], the same with the last packed row past them, the rows x gathers; ``pack`` [P], each
+    packed row's padded place t*N + n; the samples' lengths [N] int32). The parts that follow
+    from ``batch_sizes`` come from :func:`_layout_tables`; the samples' order takes a gather
+    of the table and, for ``pack``, a gather and a sum on the device (each kernel is one more
+    node of a CUDA graph)."""
+    sizes = seq.batch_sizes  # on the CPU: how many samples run at each step
+    steps, rows = sizes.shape[0], int(sizes[0])
+    if steps * rows >= 2 ** 31:
+        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples pads to "
+                         f"{steps * rows} rows; rnncc.nn takes at most 2 ** 31 - 1")
+    table, base, within, pack = _layout_tables(sizes, seq.data.device)
     if seq.unsorted_indices is not None:  # original sample m is sorted sample unsorted[m]
-        table = table[:, seq.unsorted_indices]
+        table = table.index_select(1, seq.unsorted_indices)
     if seq.sorted_indices is not None:  # sorted sample s is original sample sorted[s]
-        within = seq.sorted_indices[within]
-    return (table[:steps].reshape(-1), table[steps:2 * steps].reshape(-1), base + within,
-            table[2 * steps])
+        pack = base + seq.sorted_indices.index_select(0, within)
+    return (table[1:steps + 1].reshape(-1), table[steps + 1:].reshape(-1), pack, table[0])
 
 
 def _unpacked(seq: PackedSequence, layout):

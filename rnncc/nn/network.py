@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..runtime.module import check_lengths_once, vouch_lengths
+
 
 def bucket(batch: int) -> int:
     """The batch a module is compiled for to serve ``batch`` rows: the next power of two."""
@@ -71,25 +73,31 @@ class Network:
 
     def run(self, x, states, lengths, weights, between=None):
         """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of the network on
-        ``x`` [T, N, C] from ``states`` (a list, [L*D, N, H] each). ``lengths``: [N] on x's
-        device, or None (all T). ``weights``: the parameters by torch's names.
-        ``between(y)``: applied to a layer's output before the next layer takes it
-        (dropout; the layers then run one after another)."""
+        ``x`` [T, N, C] from ``states`` (a list, [L*D, N, H] each; empty: zeros, made by the
+        modules, not copied to them). ``lengths``: [N] on x's device, or None (all T).
+        ``weights``: the parameters by torch's names. ``between(y)``: applied to a layer's
+        output before the next layer takes it (dropout; the layers then run one after
+        another)."""
         import torch
 
         steps, n, _ = x.shape
         rows = bucket(n)
         network = self.compiled(rows, _dtype_name(x.dtype), lengths is not None)
+        if lengths is not None:  # checked here once, not again for the rows padded to ``rows``
+            check_lengths_once(lengths, steps, n)
         if rows != n:
             x = torch.cat([x, x.new_zeros(steps, rows - n, x.shape[2])], dim=1)
             states = [torch.cat([s, s.new_zeros(s.shape[0], rows - n, s.shape[2])], dim=1)
                       for s in states]
             if lengths is not None:
                 lengths = torch.cat([lengths, lengths.new_ones(rows - n)])
+        if lengths is not None:
+            lengths = aligned(lengths)
+            vouch_lengths(lengths, steps)
         packed = self._weights((rows, str(x.dtype), lengths is not None, between is not None),
                                network, weights)
-        y, finals = network.run(aligned(x), states,
-                                None if lengths is None else aligned(lengths), packed, between)
+        y, finals = network.run(aligned(x), states or [None] * len(self.layout.cell.states),
+                                lengths, packed, between)
         if rows == n:
             return y, finals
         return y[:, :n].contiguous(), [f[:, :n].contiguous() for f in finals]

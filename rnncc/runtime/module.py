@@ -628,18 +628,34 @@ def _lengths(value, steps: int, batch: int, family: Family):
         if value.device != torch.device(family.describe_device()):
             raise InputError(f"lengths is on {value.device}, but this call runs on "
                              f"{family.describe_device()} (where x is)")
-        # an inference tensor has no version (written in place, it would not show): checked
-        # every call
-        seen = None if value.is_inference() else (value._version, steps, batch)
-        if value.dim() == 1 and value.numel() and not (
-                value.is_cuda and torch.cuda.is_current_stream_capturing()) and (
-                seen is None or _checked().get(value) != seen):
-            low, high = torch.stack(torch.aminmax(value)).tolist()  # one copy to the host
-            _check_lengths(tuple(value.shape), low, high, steps, batch)
-            if seen is not None:
-                _checked()[value] = seen
+        check_lengths_once(value, steps, batch)
         value = value.to(torch.int32).contiguous()
     return to_tensor("lengths", value, [batch], "int32", family)
+
+
+def check_lengths_once(value, steps: int, batch: int) -> None:
+    """An InputError unless torch lengths ``value`` [``batch``] (1-D: other shapes are left to
+    the caller) has values from 1 to T = ``steps``; read on the host once for a tensor and its
+    version (:func:`_checked`), not while a CUDA graph is being captured. An inference tensor
+    has no version (written in place, it would not show): checked every call."""
+    import torch
+
+    seen = None if value.is_inference() else (value._version, steps, batch)
+    if value.dim() == 1 and value.numel() and not (
+            value.is_cuda and torch.cuda.is_current_stream_capturing()) and (
+            seen is None or _checked().get(value) != seen):
+        low, high = torch.stack(torch.aminmax(value)).tolist()  # one copy to the host
+        _check_lengths(tuple(value.shape), low, high, steps, batch)
+        if seen is not None:
+            _checked()[value] = seen
+
+
+def vouch_lengths(value, steps: int) -> None:
+    """Record torch lengths [N] made from lengths known to be 1 to T = ``steps`` (checked by
+    :func:`check_lengths_once`, or a PackedSequence's), so that the calls taking them do not
+    read them back to check them."""
+    if not value.is_inference():
+        _checked()[value] = (value._version, steps, value.shape[0])
 
 
 def _check_lengths(shape, low: int, high: int, steps: int, batch: int) -> None:
