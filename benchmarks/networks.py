@@ -5,10 +5,10 @@ for all layers and directions together. Run on a GPU machine from the repository
     python3 benchmarks/networks.py [--repeat 50] [--jobs 16] [--json out.json]
 
 Prints markdown tables with the GPU's name and the date: the networks of the networks issue at
-batch 1, 4 and 64; packed sequences (lengths spread from T to T/4) against the same batch
-padded; and the cost of serving any batch (a batch of 13 on the modules of its bucket, 16,
-against modules compiled for 13). The layer modules compile first, ``--jobs`` at a time in
-worker processes, into the on-disk cache the timed modules then load from.
+batch 1, 4 and 64; packed sequences (lengths spread from T to T/4) at batch 4 and 64 against
+the same batch padded; and the cost of serving any batch (a batch of 13 on the modules of its
+bucket, 16, against modules compiled for 13). The layer modules compile first, ``--jobs`` at a
+time in worker processes, into the on-disk cache the timed modules then load from.
 """
 
 import argparse
@@ -37,8 +37,8 @@ def _layer_jobs():
         for width in widths:
             for batch in BATCHES:
                 jobs.add((CELLS[kind], width, hidden, bucket(batch), False, dirs))
-    jobs |= {("lstm", 512, 512, 64, True, 1), ("lstm", 512, 512, 16, False, 1),
-             ("lstm", 512, 512, 13, False, 1)}
+    jobs |= {("lstm", 512, 512, 64, True, 1), ("lstm", 512, 512, 4, True, 1),
+             ("lstm", 512, 512, 16, False, 1), ("lstm", 512, 512, 13, False, 1)}
     return sorted(jobs)
 
 
@@ -70,16 +70,21 @@ def _pair(torch, kind, hidden, layers, bidirectional, batch, repeat):
                 _us(_graph_ms(torch, lambda: theirs(x), repeat)))
 
 
-def _packed(torch, repeat):
-    """LSTM 512, 2 layers, batch 64: padded and packed (lengths from T to T/4), us/step."""
+#: The batches of the packed rows: small (where packing costs more than it leaves out) and
+#: large.
+PACKED_BATCHES = (4, 64)
+
+
+def _packed(torch, repeat, batch):
+    """LSTM 512, 2 layers: padded and packed (lengths from T to T/4), us/step."""
     import rnncc.nn
     from rnncc.bench import _graph_ms
 
     torch.manual_seed(0)
     theirs = torch.nn.LSTM(512, 512, num_layers=2).cuda()
     ours = rnncc.nn.from_torch(theirs)
-    x = torch.randn(STEPS, 64, 512, device="cuda")
-    lengths = torch.linspace(STEPS, STEPS // 4, 64).round().long()
+    x = torch.randn(STEPS, batch, 512, device="cuda")
+    lengths = torch.linspace(STEPS, STEPS // 4, batch).round().long()
     packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
     with torch.no_grad():
         return {"rnncc padded": _us(_graph_ms(torch, lambda: ours(x), repeat)),
@@ -131,7 +136,8 @@ def main():
             rows.append({"network": kind, "H": hidden, "layers": layers,
                          "bidirectional": bidirectional, "N": batch, "rnncc_us": mine,
                          "cudnn_us": cudnn})
-    packed, any_batch = _packed(torch, args.repeat), _any_batch(torch, args.repeat)
+    packed = {batch: _packed(torch, args.repeat, batch) for batch in PACKED_BATCHES}
+    any_batch = _any_batch(torch, args.repeat)
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H, TF32 off, us per time step "
           "(all layers and directions)\n")
@@ -141,8 +147,10 @@ def main():
         print(f"| {r['network']} | {r['H']} | {r['layers']} | {2 if r['bidirectional'] else 1} "
               f"| {r['N']} | {r['rnncc_us']:.2f} | {r['cudnn_us']:.2f} | "
               f"{r['cudnn_us'] / r['rnncc_us']:.2f}x |")
-    print("\nLSTM 512, 2 layers, N = 64, lengths from T to T/4:", ", ".join(
-        f"{k} {v:.2f}" for k, v in packed.items()))
+    print()
+    for batch, figures in packed.items():
+        print(f"LSTM 512, 2 layers, N = {batch}, lengths from T to T/4:", ", ".join(
+            f"{k} {v:.2f}" for k, v in figures.items()))
     print("LSTM 512, 1 layer, N = 13:", ", ".join(f"{k} {v:.2f}" for k, v in any_batch.items()))
     if args.json:
         write_json(args.json, {"device": device, "rows": rows, "packed": packed,
