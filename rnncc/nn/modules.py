@@ -70,6 +70,7 @@ class Recurrent(torch.nn.Module):
                               2 if bidirectional else 1, self.proj_size, allow_tf32)
         self._networks: dict = {}
         self._said_autocast = False
+        self._names = self._weight_names()
         self._key = op.register(self)
         rows = self.cell.gates * hidden_size
         kw = {"device": device, "dtype": dtype}
@@ -126,9 +127,9 @@ class Recurrent(torch.nn.Module):
 
     def _run(self, x, states, lengths, weights, training):
         """The network on ``x`` [T, N, C]: y and the list of final states (the op's body;
-        ``weights``: the parameters in :meth:`_weight_names`' order)."""
+        ``weights``: the parameters in ``_names``' order, :meth:`_weight_names`')."""
         between = self._between if training and self.dropout else None
-        named = dict(zip(self._weight_names(), weights))
+        named = dict(zip(self._names, weights))
         return self._network(x, weights[0].dtype).run(x, states, lengths, named, between)
 
     def forward(self, input, hx=None, lengths=None):  # noqa: A002 - torch's name
@@ -145,20 +146,22 @@ class Recurrent(torch.nn.Module):
             x, unbatched = self._check_input(input)
             if lengths is not None:
                 lengths = self._check_lengths(lengths, x)
-        states = self._initial_states(hx, x, unbatched)
-        weights = [getattr(self, n) for n in self._weight_names()]
+        # no hx: no states ([]), the modules start from zeros of their own
+        states = [] if hx is None else self._initial_states(hx, x, unbatched)
+        weights = [getattr(self, n) for n in self._names]
         half = self._autocast_dtype(x)
         if half is not None:  # torch.autocast: float16 or bfloat16 modules, as torch's run
             x, states = x.to(half), [s.to(half) for s in states]
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
+            states = states or self._initial_states(None, x, unbatched)
             network = self._network(x, weights[0].dtype)
-            y, finals = training.run(self, x, states, lengths,
-                                     dict(zip(self._weight_names(), weights)), network.target,
-                                     network.arch)
-        else:
-            y, *finals = op.network(self._key, x, [] if hx is None else states, lengths,
-                                    weights, self.training)  # []: zeros
+            y, finals = training.run(self, x, states, lengths, dict(zip(self._names, weights)),
+                                     network.target, network.arch)
+        elif torch.compiler.is_compiling():  # one node of the graph, with its shapes
+            y, *finals = op.network(self._key, x, states, lengths, weights, self.training)
+        else:  # eager: the op's body, without its dispatch (a tenth of a small call)
+            y, finals = self._run(x, states, lengths, weights, self.training)
         if packed:
             return _repacked(y, input, layout), _finals(finals)
         return self._outputs(y, finals, unbatched)
@@ -320,6 +323,13 @@ class _Rows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None, None
 
 
+def _rows(src, index, inverse, zeros: bool):
+    """``src.index_select(0, index)``, through :class:`_Rows` where a gradient will flow."""
+    if torch.is_grad_enabled() and src.requires_grad:
+        return _Rows.apply(src, index, inverse, zeros)
+    return src.index_select(0, index)
+
+
 #: The device tables of the PackedSequence layouts seen last (:func:`_layout_tables`), by
 #: device and ``batch_sizes``: a layout seen before costs no copy from the host, and a CUDA
 #: graph captured after warm-up calls holds none (H200, LSTM 512 at batch 4: the copy's node
@@ -333,14 +343,18 @@ def _layout_tables(sizes, device):
     length, as packed), int32 on ``device``: (``table`` [2T + 1, N]: each sample's length,
     then a row a step of its pad indices, then of its source indices; ``base`` [P]: each
     packed row's step t times N; ``within`` [P]: its sample among the sorted ones; ``pack``
-    [P]: ``base + within``). Made in one copy to the device and kept for the last
-    :data:`LAYOUTS_KEPT` layouts (so callers never write them)."""
+    [P]: ``base + within``; and the table's parts as :func:`_packed_layout` gives them).
+    Made in one copy to the device and kept for the last :data:`LAYOUTS_KEPT` layouts (so
+    callers never write them)."""
     key = (device, sizes.numpy().tobytes())
     found = _LAYOUTS.get(key)
     if found is not None:
         _LAYOUTS.move_to_end(key)
         return found
     steps, rows, total = sizes.shape[0], int(sizes[0]), int(sizes.sum())
+    if steps * rows >= 2 ** 31:
+        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples pads to "
+                         f"{steps * rows} rows; rnncc.nn takes at most 2 ** 31 - 1")
     starts = torch.cumsum(sizes, 0) - sizes
     sample = torch.arange(rows)
     pad = torch.where(sample[None, :] < sizes[:, None], starts[:, None] + sample[None, :], total)
@@ -351,7 +365,8 @@ def _layout_tables(sizes, device):
     parts = [table.flatten(), step * rows, within, step * rows + within]
     host = torch.cat(parts).to(torch.int32)
     table, base, within, pack = torch.split(_to_device(host, device), [p.numel() for p in parts])
-    found = (table.view(2 * steps + 1, rows), base, within, pack)
+    table = table.view(2 * steps + 1, rows)
+    found = (table, base, within, pack, _split(table))
     _LAYOUTS[key] = found
     if len(_LAYOUTS) > LAYOUTS_KEPT:
         _LAYOUTS.popitem(last=False)
@@ -367,17 +382,22 @@ def _packed_layout(seq: PackedSequence):
     from ``batch_sizes`` come from :func:`_layout_tables`; the samples' order takes a gather
     of the table and, for ``pack``, a gather and a sum on the device (each kernel is one more
     node of a CUDA graph)."""
-    sizes = seq.batch_sizes  # on the CPU: how many samples run at each step
-    steps, rows = sizes.shape[0], int(sizes[0])
-    if steps * rows >= 2 ** 31:
-        raise InputError(f"a PackedSequence of {steps} steps and {rows} samples pads to "
-                         f"{steps * rows} rows; rnncc.nn takes at most 2 ** 31 - 1")
-    table, base, within, pack = _layout_tables(sizes, seq.data.device)
+    # batch_sizes, on the CPU: how many samples run at each step
+    table, base, within, pack, parts = _layout_tables(seq.batch_sizes, seq.data.device)
     if seq.unsorted_indices is not None:  # original sample m is sorted sample unsorted[m]
-        table = table.index_select(1, seq.unsorted_indices)
+        parts = _split(table.index_select(1, seq.unsorted_indices))
     if seq.sorted_indices is not None:  # sorted sample s is original sample sorted[s]
         pack = base + seq.sorted_indices.index_select(0, within)
-    return (table[1:steps + 1].reshape(-1), table[steps + 1:].reshape(-1), pack, table[0])
+    pad, source, lengths = parts
+    return pad, source, pack, lengths
+
+
+def _split(table):
+    """A layout's ``table`` [2T + 1, N] (contiguous) as pad [T*N], source [T*N] and the
+    lengths [N], views of it."""
+    steps = table.shape[0] // 2
+    lengths, pad, source = torch.split(table, [1, steps, steps])
+    return pad.view(-1), source.view(-1), lengths.view(-1)
 
 
 def _unpacked(seq: PackedSequence, layout):
@@ -385,9 +405,8 @@ def _unpacked(seq: PackedSequence, layout):
     the device (torch's pad_packed_sequence copies step by step, a kernel a step). x past a
     sample's length holds other rows of the data, not zeros: the modules that take lengths
     never read it (nor give it a gradient)."""
-    _, source, pack, _ = layout
-    steps, rows = seq.batch_sizes.shape[0], int(seq.batch_sizes[0])
-    return _Rows.apply(seq.data, source, pack, False).view(steps, rows, *seq.data.shape[1:])
+    _, source, pack, lengths = layout
+    return _rows(seq.data, source, pack, False).view(-1, lengths.shape[0], *seq.data.shape[1:])
 
 
 def _repacked(y, like: PackedSequence, layout) -> PackedSequence:
@@ -395,7 +414,7 @@ def _repacked(y, like: PackedSequence, layout) -> PackedSequence:
     ``like`` (:func:`_packed_layout`): step by step, the samples sorted by length; one
     gather on the device (and its gradient, zeros past the lengths, one too)."""
     pad, _, pack, _ = layout
-    data = _Rows.apply(y.reshape(-1, y.shape[2]), pack, pad, True)
+    data = _rows(y.reshape(-1, y.shape[2]), pack, pad, True)
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
 
 

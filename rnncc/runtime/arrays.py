@@ -49,6 +49,11 @@ def _from_dlpack(value, family: Family):
 
 
 def _dlpack_device(value) -> tuple[str, int]:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):  # its __dlpack_device__ took
+        device = value.device  # 10 us, a tenth of a small call's time in Python
+        if device.type in ("cpu", "cuda"):
+            return device.type, device.index or 0
     dev_type, index = value.__dlpack_device__()
     return _DL_DEVICE.get(int(dev_type), f"dlpack device type {int(dev_type)}"), int(index)
 

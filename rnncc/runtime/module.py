@@ -83,6 +83,7 @@ class Module:
         self.metadata = metadata
         self._lib = None
         self._entries: dict = {}
+        self._shapes: dict = {}
         self._key = (f"{metadata['cell']} C={metadata['input_size']} H={metadata['hidden_size']} "
                      f"N={metadata['batch']} {metadata['dtype']} {metadata['target']['kind']}"
                      + (" bidirectional" if metadata.get("directions", 1) == 2 else "")
@@ -430,15 +431,13 @@ class Module:
                 raise InputError(f"x has {steps} time steps; the persistent kernel of this "
                                  f"module takes at most {limit} (its barrier counter is 32-bit)")
 
-        def concrete(shape):
-            return [md.concrete_dim(d, steps) for d in shape]
-
+        concrete = self._concrete_shapes(function, steps)
         args, results = [], {}
         lent = lent(steps) if lent else {}
-        for p in sig:
+        for p, shape in zip(sig, concrete):
             name, kind = p["name"], p["kind"]
             if name in lent:
-                args.append(to_tensor(name, lent[name], concrete(p["shape"]), p["dtype"], family))
+                args.append(to_tensor(name, lent[name], shape, p["dtype"], family))
                 results[name] = lent[name]
             elif name == "x":
                 args.append(x_t)
@@ -449,16 +448,15 @@ class Module:
             elif kind in ("input", "inout"):  # a state, a kept state or a gradient
                 value = given.get(name)
                 if value is None:
-                    args.append(family.zeros(concrete(p["shape"]), p["dtype"])[1])
+                    args.append(family.zeros(shape, p["dtype"])[1])
                 else:
-                    args.append(to_tensor(name, value, concrete(p["shape"]), p["dtype"],
-                                          family))
+                    args.append(to_tensor(name, value, shape, p["dtype"], family))
                 if kind == "inout":  # the call overwrites it: returned, as it is after
                     results[name] = family.view(args[-1])
             else:
                 float_out = p["dtype"].startswith("float")
                 alloc = family.poisoned if self.poison and float_out else family.empty
-                arr, tensor = alloc(concrete(p["shape"]), p["dtype"])
+                arr, tensor = alloc(shape, p["dtype"])
                 args.append(tensor)
                 if kind == "output":
                     results[name] = arr
@@ -466,6 +464,16 @@ class Module:
         with family.stream():
             lib[function](*args)
         return {name: family.result(arr) for name, arr in results.items()}
+
+    def _concrete_shapes(self, function: str, steps: int) -> list:
+        """The shapes of ``function``'s parameters for a run of ``steps`` steps, in its
+        signature's order (kept for the last steps each function ran)."""
+        found = self._shapes.get(function)
+        if found is None or found[0] != steps:
+            found = (steps, [tuple(md.concrete_dim(d, steps) for d in p["shape"])
+                             for p in self._signature(function)])
+            self._shapes[function] = found
+        return found[1]
 
     # -- training ------------------------------------------------------------------------
     def _check_training(self) -> None:
