@@ -143,6 +143,37 @@ def test_lengths_are_read_back_once_and_layouts_copied_once(monkeypatch, rng):
             ours(x, lengths=lengths)
 
 
+def test_layouts_a_cuda_graph_captures_are_kept_for_it(monkeypatch):
+    """A layout's tables read by a captured graph are never freed (however many layouts come
+    after it), and tables made during a capture, written only when the graph replays, are
+    not given to other calls."""
+    from rnncc.nn import modules
+
+    monkeypatch.setattr(modules, "_LAYOUTS", type(modules._LAYOUTS)())
+    monkeypatch.setattr(modules, "_CAPTURED", [])
+    capturing = [False]
+    monkeypatch.setattr(modules, "_capturing", lambda device: capturing[0])
+    cpu = torch.device("cpu")
+
+    def tables(*sizes):
+        return modules._layout_tables(torch.tensor(sizes), cpu)
+
+    seen = tables(3, 2, 1)
+    capturing[0] = True
+    assert tables(3, 2, 1) is seen and modules._CAPTURED == [seen]
+    tables(3, 2, 1)
+    new = tables(2, 2)
+    assert len(modules._CAPTURED) == 2 and len(modules._LAYOUTS) == 1
+    capturing[0] = False
+    assert tables(2, 2) is not new
+    for size in range(2, modules.LAYOUTS_KEPT + 3):
+        tables(size)
+    assert all(key[1] != torch.tensor([3, 2, 1]).numpy().tobytes() for key in modules._LAYOUTS)
+    assert modules._CAPTURED[0] is seen
+    _, _, _, _, (pad, source, lengths) = seen
+    assert lengths.tolist() == [3, 2, 1] and pad.shape == source.shape == (9,)
+
+
 def test_padded_with_lengths_and_batch_first(rng):
     """``lengths`` with a padded batch-first tensor: torch's packed results, padded with
     zeros past each length."""

@@ -336,6 +336,14 @@ def _rows(src, index, inverse, zeros: bool):
 #: took about 20 us a call).
 _LAYOUTS: collections.OrderedDict = collections.OrderedDict()
 LAYOUTS_KEPT = 64
+#: The tables a CUDA graph capture took (with their host copies): a graph reads them at every
+#: replay, so they are never freed (nor, made during a capture, written before a replay: those
+#: are not kept in :data:`_LAYOUTS` for other calls).
+_CAPTURED: list = []
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _layout_tables(sizes, device):
@@ -345,11 +353,14 @@ def _layout_tables(sizes, device):
     packed row's step t times N; ``within`` [P]: its sample among the sorted ones; ``pack``
     [P]: ``base + within``; and the table's parts as :func:`_packed_layout` gives them).
     Made in one copy to the device and kept for the last :data:`LAYOUTS_KEPT` layouts (so
-    callers never write them)."""
+    callers never write them), and for good where a CUDA graph captures them
+    (:data:`_CAPTURED`)."""
     key = (device, sizes.numpy().tobytes())
     found = _LAYOUTS.get(key)
     if found is not None:
         _LAYOUTS.move_to_end(key)
+        if _capturing(device) and not any(held is found for held in _CAPTURED):
+            _CAPTURED.append(found)
         return found
     steps, rows, total = sizes.shape[0], int(sizes[0]), int(sizes.sum())
     if steps * rows >= 2 ** 31:
@@ -364,9 +375,13 @@ def _layout_tables(sizes, device):
     table = torch.cat([lengths[None], pad, pad.clamp(max=total - 1)])
     parts = [table.flatten(), step * rows, within, step * rows + within]
     host = torch.cat(parts).to(torch.int32)
+    host = host.pin_memory() if device.type == "cuda" else host  # what a graph's copy reads
     table, base, within, pack = torch.split(_to_device(host, device), [p.numel() for p in parts])
     table = table.view(2 * steps + 1, rows)
     found = (table, base, within, pack, _split(table))
+    if _capturing(device):
+        _CAPTURED.append((host, found))
+        return found
     _LAYOUTS[key] = found
     if len(_LAYOUTS) > LAYOUTS_KEPT:
         _LAYOUTS.popitem(last=False)
