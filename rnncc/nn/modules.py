@@ -69,6 +69,7 @@ class Recurrent(torch.nn.Module):
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
                               2 if bidirectional else 1, self.proj_size, allow_tf32)
         self._networks: dict = {}
+        self._training_modules: dict = {}  # by (C, N, dtype, lengths, target, arch): training
         self._said_autocast = False
         self._names = self._weight_names()
         self._key = op.register(self)

@@ -134,10 +134,14 @@ def _run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | 
     finals: list = [[] for _ in states]
     layer_input = x
     for layer in range(lay.layers):
-        module = cache.compiled(lay.cell, lay.layer_input(layer), lay.hidden_size, rows,
-                                dtype=dtype, target=target, arch=arch,
-                                lengths=lengths is not None, training=True,
-                                **lay.module_options(dtype))
+        # the module, looked up in the compile cache once a module (it hashes the cell files)
+        key = (lay.layer_input(layer), rows, dtype, lengths is not None, target, arch)
+        module = recurrent._training_modules.get(key)
+        if module is None:
+            module = recurrent._training_modules[key] = cache.compiled(
+                lay.cell, lay.layer_input(layer), lay.hidden_size, rows, dtype=dtype,
+                target=target, arch=arch, lengths=lengths is not None, training=True,
+                **lay.module_options(dtype))
         outputs = []
         for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
             given = [weights.get(f"{name}_l{layer}{suffix}")
