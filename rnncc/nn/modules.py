@@ -69,7 +69,6 @@ class Recurrent(torch.nn.Module):
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
                               2 if bidirectional else 1, self.proj_size, allow_tf32)
         self._networks: dict = {}
-        self._training_modules: dict = {}  # by (C, N, dtype, lengths, target, arch): training
         self._said_autocast = False
         self._names = self._weight_names()
         self._key = op.register(self)
@@ -128,7 +127,7 @@ class Recurrent(torch.nn.Module):
 
     def _run(self, x, states, lengths, weights, training):
         """The network on ``x`` [T, N, C]: y and the list of final states (the op's body;
-        ``weights``: the parameters in ``_names``' order, :meth:`_weight_names`')."""
+        ``weights``: the parameters in ``_names``' order)."""
         between = self._between if training and self.dropout else None
         named = dict(zip(self._names, weights))
         return self._network(x, weights[0].dtype).run(x, states, lengths, named, between)
@@ -156,9 +155,8 @@ class Recurrent(torch.nn.Module):
             weights = [w.to(half) for w in weights]
         if self._needs_grad(x, states, weights):
             states = states or self._initial_states(None, x, unbatched)
-            network = self._network(x, weights[0].dtype)
-            y, finals = training.run(self, x, states, lengths, dict(zip(self._names, weights)),
-                                     network.target, network.arch)
+            y, finals = training.run(self, self._network(x, weights[0].dtype), x, states,
+                                     lengths, dict(zip(self._names, weights)))
         elif torch.compiler.is_compiling():  # one node of the graph, with its shapes
             y, *finals = op.network(self._key, x, states, lengths, weights, self.training)
         else:  # eager: the op's body, without its dispatch (a tenth of a small call)

@@ -64,11 +64,12 @@ class Network:
     """Runs :class:`Layout`'s network for one target: a compiled network
     (:func:`rnncc.compiler.compile_network`, its modules from the disk cache) for each batch
     bucket, dtype and whether lengths are given, and the weights packed for it until they
-    change."""
+    change; and the layer modules a training call runs (:meth:`training_module`)."""
 
     def __init__(self, layout: Layout, target: str, arch: str | None):
         self.layout, self.target, self.arch = layout, target, arch
         self._compiled: dict = {}
+        self._training: dict = {}
         self._packed: dict = {}
 
     def run(self, x, states, lengths, weights, between=None):
@@ -115,6 +116,19 @@ class Network:
                 directions=lay.directions, dtype=dtype, target=self.target, arch=self.arch,
                 lengths=lengths, build=cache.compiled, **lay.module_options(dtype))
         return self._compiled[key]
+
+    def training_module(self, width: int, rows: int, dtype: str, lengths: bool):
+        """The layer module compiled for training (:mod:`.training`) of input width C =
+        ``width`` for ``rows`` batch rows, looked up in the compile cache once."""
+        from ..compiler import cache
+
+        key = (width, rows, dtype, lengths)
+        if key not in self._training:
+            lay = self.layout
+            self._training[key] = cache.compiled(
+                lay.cell, width, lay.hidden_size, rows, dtype=dtype, target=self.target,
+                arch=self.arch, lengths=lengths, training=True, **lay.module_options(dtype))
+        return self._training[key]
 
     def _weights(self, key: tuple, network, weights: dict):
         """``weights`` packed for ``network`` (layer by layer where ``key``'s last item says

@@ -99,12 +99,13 @@ def _on_side(device, module, args):
     return results
 
 
-def run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
+def run(recurrent, network, x, states, lengths, weights: dict):
     """y [T, N, D*H] and the final states (a list, [L*D, N, H] each) of ``recurrent`` (an
     rnncc.nn module) on x [T, N, C] from ``states``, with ``weights`` by torch's names (the
-    parameters, or their half copies under autocast), with gradients. Under ``torch.compile``
+    parameters, or their half copies under autocast), with gradients, on the layer modules
+    of ``network`` (its :class:`~.network.Network` for x's device). Under ``torch.compile``
     it runs eagerly (a graph break; inference is one custom op, :mod:`.op`)."""
-    return _eager()(recurrent, x, states, lengths, weights, target, arch)
+    return _eager()(recurrent, network, x, states, lengths, weights)
 
 
 @functools.cache
@@ -115,10 +116,8 @@ def _eager():
     return torch.compiler.disable(_run)
 
 
-def _run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | None):
-    from ..compiler import cache
-
-    lay = recurrent._layout
+def _run(recurrent, network, x, states, lengths, weights: dict):
+    lay = network.layout
     steps, n, _ = x.shape
     rows = bucket(n)
     if rows != n:  # the padded rows: zero inputs and states, length 1
@@ -134,14 +133,8 @@ def _run(recurrent, x, states, lengths, weights: dict, target: str, arch: str | 
     finals: list = [[] for _ in states]
     layer_input = x
     for layer in range(lay.layers):
-        # the module, looked up in the compile cache once a module (it hashes the cell files)
-        key = (lay.layer_input(layer), rows, dtype, lengths is not None, target, arch)
-        module = recurrent._training_modules.get(key)
-        if module is None:
-            module = recurrent._training_modules[key] = cache.compiled(
-                lay.cell, lay.layer_input(layer), lay.hidden_size, rows, dtype=dtype,
-                target=target, arch=arch, lengths=lengths is not None, training=True,
-                **lay.module_options(dtype))
+        module = network.training_module(lay.layer_input(layer), rows, dtype,
+                                         lengths is not None)
         outputs = []
         for d, suffix in enumerate(("", "_reverse")[:lay.directions]):
             given = [weights.get(f"{name}_l{layer}{suffix}")
