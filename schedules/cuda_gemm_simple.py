@@ -9,7 +9,7 @@ bias into the reduction's update, which adds it once per k.)
 
 from tvm import s_tir
 
-from ._common import block_named, gemm_blocks
+from ._common import gemm_blocks
 from ._rule import Rule
 
 THREADS = 128
@@ -21,9 +21,6 @@ def apply(func, target):
     if blocks is None:
         return None
     gemm, bias = blocks
-    rows = block_named(sch, "gemm_rows")
-    if rows is not None:  # a chunked input projection: read x in place
-        sch.compute_inline(rows)
     loops = sch.get_loops(gemm)
     spatial = loops[:-1]
     fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]

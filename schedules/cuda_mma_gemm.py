@@ -213,7 +213,7 @@ def product_of(func, target) -> Product | None:
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
     sliced = block_named(sch, "gemm_parts")
-    if (blocks is not None and block_named(sch, "gemm_rows") is None) or sliced is not None:
+    if blocks is not None or sliced is not None:
         (_, a_shape, a_dtype), (_, _, w_dtype) = specs[:2]
         op = _mma.operand(w_dtype, func)
         if op is None or a_dtype not in (w_dtype, "float32"):

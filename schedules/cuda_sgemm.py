@@ -61,7 +61,7 @@ lengths), ``_grid`` and ``_sum_slices`` (one step's),
 Why not a schedule of the component's loops (:mod:`.cuda_tiled_gemm` does that): TVM's buffer
 compaction gave no layout that was both double-buffered and free of bank conflicts from the
 schedules tried (docs/benchmarks.md, "Batch 64"); that rule takes the sizes this one does not
-(and float16) and the chunked projections of small batches.
+(and float16).
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ from ._common import (
 from ._rule import Rule
 
 #: Fewest batch rows one step's product this rule takes. The products of all steps (T*N rows)
-#: it takes at any batch; at batch 1, 2, 4 and 8 they reach it in chunks of steps, which
-#: :mod:`.cuda_tiled_gemm` takes instead. (dlight's Matmul, which took the others, ran LSTM
-#: 4096's at batch 16 at about 12 TFLOP/s on an H200.)
+#: it takes at any batch (dlight's Matmul, which took them before, ran LSTM 4096's at batch 16
+#: at about 12 TFLOP/s on an H200; :mod:`.cuda_tiled_gemm`'s 64 x 64 tiles, which took those of
+#: batch 1, 2, 4 and 8 in chunks of steps, ran 10-40% slower than this rule, H200).
 MIN_BATCH = 32
 #: Columns (of O) a block's tile, and rows (of M) a tile of the products of all steps.
 TILE = 128

@@ -3,12 +3,10 @@
 out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o], with N (the batch, static) at least 32:
 the recurrent projection at batch >= 32 ([N, H] x [G*H, H]^T a step) and the input projection
 of all steps ([T, N, C] x [G*H, C]^T; T, when present, is a grid dimension, so a run-time T
-needs no bounds checks). At a smaller batch (1, 2, 4 or 8) the input projection of all steps
-comes in chunks of S steps (:func:`chunk_steps`; the lowering lays xp out so): a chunk's S*N
-rows are the tile rows, read from x through the component's "gemm_rows" block straight into
-shared memory. :mod:`.cuda_sgemm` comes first for float32 projections (of all steps and of one
-step) at batch >= 32 with O and K multiples of 4 (O of 128 where the weights are columns);
-this rule takes those it declines, and the half types' that the tensor-core rules decline.
+needs no bounds checks). :mod:`.cuda_sgemm` comes first for float32 projections (of all steps
+at any batch, of one step at batch >= 32) with O and K multiples of 4 (O of 128 where the
+weights are columns); this rule takes those it declines, and the half types' that the
+tensor-core rules decline.
 
 A block computes a BN x BO tile of one step's output, TM x TO outputs a thread (8 x 4 by
 default: 8 rows of a, read as two 16-byte vectors that a warp's threads mostly share, and 4
@@ -25,16 +23,14 @@ it, H200): each K chunk's global reads go into registers first and are issued be
 products of the previous chunk, then stored to shared memory after them (TVM's
 ``software_pipeline_stage``/``order`` on the chunk loop), so the loads' latency overlaps the
 FMAs (input projections 2-10% faster at batch 1-64). A thread copies a contiguous run of its
-row (thread outermost in the copy's split), which keeps its register copy at 8 values. A
-chunked projection's x rows go straight to shared memory (their register copy would have a
-run-time size) after the products; only w is prefetched there.
+row (thread outermost in the copy's split), which keeps its register copy at 8 values.
 """
 
 from dataclasses import astuple, dataclass
 
 from tvm import s_tir
 
-from ._common import block_named, gemm_blocks, static_extent, weights_are_rows
+from ._common import gemm_blocks, static_extent, weights_are_rows
 from ._rule import Rule
 
 MIN_BATCH = 32
@@ -44,7 +40,7 @@ MIN_BATCH = 32
 TILES = ((64, 64, 8, 4), (64, 32, 4, 4), (32, 32, 4, 4))
 #: The products of all steps (T in the grid) at batch >= MIN_BATCH try 64 x 128 tiles (256
 #: threads) first: 4-5% faster than 64 x 64 at batch 64 (H200, LSTM 1024, GRU 2048), and slower
-#: on the few-block grids of one step's product and of small-batch chunks.
+#: on the few-block grids of one step's product.
 ALL_STEPS_TILE = (64, 128, 8, 4)
 TARGET_BLOCKS = 120
 #: K chunk sizes, preferred first.
@@ -69,8 +65,8 @@ class Tiling:
     splits: int = 1
 
 
-def _pick_tile(batch, rows, steps, chunked=False):
-    tiles = TILES if steps is not None or chunked else (ALL_STEPS_TILE, *TILES)
+def _pick_tile(batch, rows, steps):
+    tiles = TILES if steps is not None else (ALL_STEPS_TILE, *TILES)
     fits = [t for t in tiles if batch % t[0] == 0 and rows % t[1] == 0]
     for tile in fits:
         if steps in (None, 1) or (batch // tile[0]) * (rows // tile[1]) * steps >= TARGET_BLOCKS:
@@ -78,22 +74,11 @@ def _pick_tile(batch, rows, steps, chunked=False):
     return fits[-1] if fits else None
 
 
-def _lead(sch, gemm):
-    """(lead loops, o, k) of the gemm block; a chunked input projection's (S, N) loops fused
-    into one of S*N rows."""
-    *lead, o, k = sch.get_loops(gemm)
-    if len(lead) == 3:
-        lead = [lead[0], sch.fuse(lead[1], lead[2])]
-    return lead, o, k
-
-
 def _sizes(sch, gemm):
-    """(lead loops, o, k, rows a step, O, K, N of a chunked projection or None)."""
-    loops = sch.get_loops(gemm)
-    chunk_batch = static_extent(sch, loops[-3]) if len(loops) == 5 else None
-    lead, o, k = _lead(sch, gemm)
+    """(lead loops, o, k, rows a step, O, K)."""
+    *lead, o, k = sch.get_loops(gemm)
     batch, rows, depth = (static_extent(sch, x) for x in (lead[-1], o, k))
-    return lead, o, k, batch, rows, depth, chunk_batch
+    return lead, o, k, batch, rows, depth
 
 
 def plan(func) -> Tiling | None:
@@ -102,36 +87,33 @@ def plan(func) -> Tiling | None:
     blocks = gemm_blocks(sch)
     if blocks is None:
         return None
-    if len(sch.get_loops(blocks[0])) not in (3, 4, 5) or not weights_are_rows(sch, blocks[0]):
+    if len(sch.get_loops(blocks[0])) not in (3, 4) or not weights_are_rows(sch, blocks[0]):
         return None
-    lead, _, _, batch, rows, depth, chunk_batch = _sizes(sch, blocks[0])
+    lead, _, _, batch, rows, depth = _sizes(sch, blocks[0])
     if None in (batch, rows, depth):
         return None
     # the steps a launch covers (unknown: T is a run-time size, and large; one step: split-K
     # makes its grid)
     steps = 1 if len(lead) == 1 else static_extent(sch, lead[0])
-    return _tiling(batch, rows, depth, steps, len(lead) == 1, chunk_batch)
+    return _tiling(batch, rows, depth, steps, len(lead) == 1)
 
 
-def _tiling(batch: int, rows: int, depth: int, steps, one_step: bool,
-            chunk_batch) -> Tiling | None:
+def _tiling(batch: int, rows: int, depth: int, steps, one_step: bool) -> Tiling | None:
     """The planned tiling of a product of ``batch`` x ``rows`` outputs a step over ``depth``
     (``steps`` of them, None when a run-time count; ``one_step``: no step loop, so split-K
     makes its grid), or None."""
     if batch < MIN_BATCH:
         return None
     bk = next((c for c in BK_CHOICES if depth % c == 0), None)
-    tile = _pick_tile(batch, rows, steps, chunk_batch is not None)
+    tile = _pick_tile(batch, rows, steps)
     if bk is None or tile is None:
         return None
     bn, bo, tm, to = tile
-    if chunk_batch is not None and tm % chunk_batch:
-        return None  # a thread's rows would not be whole batches (see chunk_steps)
     splits = _splits(depth, bk, (batch // bn) * (rows // bo)) if one_step else 1
     return Tiling(bn, bo, tm, to, bk, splits)
 
 
-def _misfits(tiling: Tiling, batch, rows, depth, one_step: bool, chunk_batch) -> list[str]:
+def _misfits(tiling: Tiling, batch, rows, depth, one_step: bool) -> list[str]:
     """What keeps ``tiling`` from scheduling a product of ``batch`` x ``rows`` outputs a
     step over ``depth``; empty when it fits."""
     t = tiling
@@ -149,22 +131,7 @@ def _misfits(tiling: Tiling, batch, rows, depth, one_step: bool, chunk_batch) ->
         out.append(f"{t.splits} slices of whole {t.bk}-deep chunks must divide K = {depth}")
     if t.splits > 1 and not one_step:
         out.append("split-K is for one step's product only")
-    if chunk_batch is not None and t.tm % chunk_batch:
-        out.append(f"a thread's {t.tm} rows must be whole batches of {chunk_batch}")
     return out
-
-
-def chunk_steps(batch: int, rows: int, depth: int, dtype: str) -> int:
-    """S: the steps of a chunk for the input projection of all steps at a batch N below
-    MIN_BATCH, so that this rule tiles the chunk's S*N rows; 1 where it would not. A thread's
-    TM rows must be whole batches (N divides TM): else the register tile's rows are not a box
-    in (step, n), and TVM's buffer compaction makes it thousands of floats. float32 only:
-    at float16 dlight's rule uses tensor cores on the unchunked product where it can (H200,
-    GRU 2816 batch 1: 0.58 us/step, this rule 2.68)."""
-    if dtype != "float32" or batch >= MIN_BATCH or batch & (batch - 1):
-        return 1
-    chunk = TILES[0][0] // batch
-    return chunk if _tiling(chunk * batch, rows, depth, None, False, batch) else 1
 
 
 def apply(func, target):
@@ -178,8 +145,8 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     bn, bo, tm, to, bk, splits = astuple(tiling)
     sch = s_tir.Schedule(func)
     gemm, bias = gemm_blocks(sch)
-    lead, o, k, batch, rows, depth, chunk_batch = _sizes(sch, gemm)
-    misfits = _misfits(tiling, batch, rows, depth, len(lead) == 1, chunk_batch)
+    lead, o, k, batch, rows, depth = _sizes(sch, gemm)
+    misfits = _misfits(tiling, batch, rows, depth, len(lead) == 1)
     if misfits:
         raise ValueError(f"{tiling} does not fit this product ({batch} x {rows} outputs a "
                          f"step, K = {depth}): {'; '.join(misfits)}")
@@ -207,21 +174,14 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     sch.bind(thread, "threadIdx.x")
     threads = ty * tx
 
-    rows_block = block_named(sch, "gemm_rows")
-
     def stage(index):
         """Operand ``index`` (0: a, 1: w) into shared memory k-major (16-byte global reads
-        along K), then a thread's values of a chunk row into registers, 4 at a time. A
-        chunked projection's a is its "gemm_rows" block, computed into shared memory."""
-        if index == 0 and rows_block is not None:
-            shared = rows_block
-            sch.set_scope(shared, 0, "shared")
-        else:
-            shared = sch.cache_read(main, index, "shared")
+        along K), then a thread's values of a chunk row into registers, 4 at a time."""
+        shared = sch.cache_read(main, index, "shared")
         sch.compute_at(shared, k_o)
         sch.transform_layout(shared, ("write", 0), lambda *i: (i[-1], *i[:-1]))
         copies = [shared]
-        if pipeline and shared is not rows_block:
+        if pipeline:
             copies.insert(0, sch.cache_read(shared, 0, "local"))
             sch.compute_at(copies[0], k_o)
         for block in copies:
@@ -237,12 +197,9 @@ def schedule(func, tiling: Tiling) -> s_tir.Schedule:
     stage(0)
     stage(1)
     sch.unroll(k_i)
-    if pipeline and rows_block is None:
+    if pipeline:
         sch.annotate(k_o, "software_pipeline_stage", [0, 0, 0, 0, 1])
         sch.annotate(k_o, "software_pipeline_order", [0, 3, 1, 4, 2])
-    elif pipeline:
-        sch.annotate(k_o, "software_pipeline_stage", [0, 0, 0, 1])
-        sch.annotate(k_o, "software_pipeline_order", [2, 0, 3, 1])
     if splits == 1:
         sch.set_scope(gemm, 0, "local")
         sch.decompose_reduction(gemm, k_o)

@@ -81,7 +81,7 @@ def _llvm(func, *arrays):
     return [t.numpy() for t in tensors]
 
 
-def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()):
+def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
     """y and the final states of the persistent kernel of plan ``p`` on ``x`` [T, N, C], run
     on the interpreter with rnncc's own packings (built for this CPU); ``lengths``: the
     kernel takes the samples' lengths. With two directions (``p.directions``), ``weights``
@@ -121,9 +121,7 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
         xp = np.concatenate([x.astype(dtype).astype(np.float32) @ weights[
             "weight_ih_l0" + d].astype(dtype).astype(np.float32).T + weights[
             "bias_ih_l0" + d].astype(dtype).astype(np.float32) for d in suffixes], axis=2)
-        padded = np.zeros((-(-steps // chunk) * chunk, n, dirs * g * h), np.float32)
-        padded[:steps] = xp
-        args["xp"] = padded if chunk == 1 else padded.reshape(-1, chunk, n, dirs * g * h)
+        args["xp"] = xp.astype(np.float32)
     for k, name in enumerate(cell.states):
         s = np.full((2, dirs * n, h), np.nan, np.float32)
         s[0] = 0.0 if folded and k == 0 else initial[name].reshape(dirs * n, h).astype(dtype)
@@ -150,9 +148,9 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
     for k in range(len(cell.states)) if kept else ():
         args[f"s{k}_steps"] = np.full((steps + 1, n, h), np.nan, np.float32)
     if kept:  # the sums over the input projections, where the entry keeps them there
-        args["pre"] = (args["xp"] if not p.fused and sums_in_place(kept, chunk)
+        args["pre"] = (args["xp"] if not p.fused and sums_in_place(kept)
                        else np.full((steps, n, len(kept) * h), np.nan, np.float32))
-    func = kernel(cell, h, n, p, dtype=dtype, chunk=chunk, input_size=c if p.fused else 0,
+    func = kernel(cell, h, n, p, dtype=dtype, input_size=c if p.fused else 0,
                   lengths=lengths is not None, kept=kept, first=bool(folded))
     Simulator(func, args).run()
     finals = {s: args[f"s{k}"][steps % 2].reshape(dirs, n, h) for k, s in enumerate(cell.states)}
@@ -162,7 +160,7 @@ def simulate(cell, p, x, weights, initial, dtype, chunk=1, lengths=None, kept=()
     return args["y"], finals
 
 
-def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 5), chunk=1,
+def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 5),
                  lengths=False):
     """The kernel of plan ``p`` against float64 at each T of ``steps``, with initial states;
     ``lengths``: random lengths (one sample of 1 step, one of all T)."""
@@ -181,7 +179,7 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
         if lengths:
             ln = rng.integers(1, t + 1, batch)
             ln[0], ln[-1] = 1, t
-        y, finals = simulate(cell, p, x, weights, initial, dtype, chunk, ln)
+        y, finals = simulate(cell, p, x, weights, initial, dtype, ln)
         run = reference.run if dirs == 1 else reference.run_bidirectional
         ref_y, ref_states = run(cell, x, weights, initial, ln)
         errors = [reference.relative_error(y, ref_y)] + [
@@ -244,62 +242,62 @@ def _overlapped(base, gates, input_size, batch, steps):
 SMALL_SMEM = dataclasses.replace(H100, smem_per_block=16000)
 
 KERNELS = {
-    "tagged, chunks of steps": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
-        4, 33, 3, "float32", H100, 2), 4),
+    "tagged": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
+        4, 33, 3, "float32", H100, 2)),
     "barrier, K in registers, shared and global memory": lambda: (
         "gru", 7, 300, 2, "float32", crafted(3, 300, 2, "float32", 40, 4, (1, 1, 1),
-                                             sync="barrier"), 1),
+                                             sync="barrier")),
     "grid, shared-memory chunks unrolled": lambda: (
         "rnn_tanh", 3, 300, 1, "float32", crafted(1, 300, 1, "float32", 40, 4, (0, 3, 0),
-                                                  sync="grid", unroll=3), 1),
+                                                  sync="grid", unroll=3)),
     "batch groups": lambda: ("lstm", 4, 64, 4, "float32", crafted(
-        4, 64, 4, "float32", 8, 4, groups=2, sync="barrier"), 16),
+        4, 64, 4, "float32", 8, 4, groups=2, sync="barrier")),
     "float16": lambda: ("gru", 6, 70, 2, "float16", crafted(3, 70, 2, "float16", 10, 2,
-                                                             sync="barrier"), 1),
+                                                             sync="barrier")),
     "bfloat16": lambda: ("lstm", 6, 70, 2, "bfloat16", crafted(4, 70, 2, "bfloat16", 10, 2,
-                                                                sync="barrier"), 1),
+                                                                sync="barrier")),
     "tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(4, 64, 3, "float16", 2, 1,
-                                                                  mma=True), 1),
+                                                                  mma=True)),
     "tensor cores, tiles of batch rows": lambda: ("gru", 5, 64, 21, "float16", crafted(
-        3, 64, 21, "float16", 8, 3, mma=True, sync="barrier"), 1),
+        3, 64, 21, "float16", 8, 3, mma=True, sync="barrier")),
     "tensor cores in TF32, tiles of batch rows": lambda: ("lstm", 5, 64, 21, "float32", crafted(
-        4, 64, 21, "float32", 8, 4, mma=True, sync="barrier"), 1),
+        4, 64, 21, "float32", 8, 4, mma=True, sync="barrier")),
     "tensor cores, shared memory, batch groups": lambda: (
         "lstm", 5, 300, 4, "float16", crafted(4, 300, 4, "float16", 4, 2, (1, 1, 0), groups=2,
-                                              mma=True, sync="barrier"), 1),
+                                              mma=True, sync="barrier")),
     "fused, odd C": lambda: ("gru", 37, 33, 2, "float32", _fused(
-        crafted(3, 33, 2, "float32", 5, 2), 3, 37, 2, 8), 1),
+        crafted(3, 33, 2, "float32", 5, 2), 3, 37, 2, 8)),
     "fused in slabs": lambda: ("gru", 200, 33, 2, "float32", _fused(
         crafted(3, 33, 2, "float32", 5, 2, (0, 1, 0), sync="barrier"), 3, 200, 2, None,
-        SMALL_SMEM), 1),
+        SMALL_SMEM)),
     "fused, batch groups": lambda: ("lstm", 33, 40, 6, "float32", _fused(
-        crafted(4, 40, 6, "float32", 5, 2, groups=3), 4, 33, 6, 8), 1),
+        crafted(4, 40, 6, "float32", 5, 2, groups=3), 4, 33, 6, 8)),
     "overlapped, asynchronous copies": lambda: ("lstm", 64, 33, 2, "float32", _overlapped(
-        crafted(4, 33, 2, "float32", 5, 2), 4, 64, 2, 2), 1),
+        crafted(4, 33, 2, "float32", 5, 2), 4, 64, 2, 2)),
     "overlapped, staged x, barrier": lambda: ("gru", 37, 40, 4, "float32", _overlapped(
-        crafted(3, 40, 4, "float32", 5, 2, sync="barrier"), 3, 37, 4, 3), 1),
+        crafted(3, 40, 4, "float32", 5, 2, sync="barrier"), 3, 37, 4, 3)),
     "overlapped, grid": lambda: ("rnn_relu", 16, 33, 4, "float32", _overlapped(
-        crafted(1, 33, 4, "float32", 9, 1, sync="grid"), 1, 16, 4, 1), 1),
-    "bidirectional, tagged, chunks of steps": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
-        4, 33, 3, "float32", H100, 2, directions=2), 4),
+        crafted(1, 33, 4, "float32", 9, 1, sync="grid"), 1, 16, 4, 1)),
+    "bidirectional, tagged": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
+        4, 33, 3, "float32", H100, 2, directions=2)),
     "bidirectional, barrier, batch groups, K in three places": lambda: (
         "gru", 7, 300, 4, "float32", crafted(3, 300, 4, "float32", 40, 4, (1, 1, 1), groups=2,
-                                             sync="barrier", directions=2), 1),
+                                             sync="barrier", directions=2)),
     # (11 such groups at H 132, batch 33 fail on an H200, timing-dependent: docs/benchmarks.md)
     "bidirectional, tagged, batch groups": lambda: ("lstm", 5, 12, 6, "float32", crafted(
-        4, 12, 6, "float32", 6, 2, groups=3, sync="tagged", directions=2), 1),
+        4, 12, 6, "float32", 6, 2, groups=3, sync="tagged", directions=2)),
     "bidirectional, tensor cores": lambda: ("lstm", 5, 64, 3, "float16", crafted(
-        4, 64, 3, "float16", 2, 1, mma=True, directions=2), 1),
+        4, 64, 3, "float16", 2, 1, mma=True, directions=2)),
     "tensor cores, K split among warps": lambda: ("gru", 5, 300, 21, "float16", split_k(
-        crafted(3, 300, 21, "float16", 8, 3, mma=True, sync="barrier"), 2), 1),
+        crafted(3, 300, 21, "float16", 8, 3, mma=True, sync="barrier"), 2)),
     "tensor cores, K split, shared memory": lambda: ("lstm", 5, 520, 3, "bfloat16", split_k(
-        crafted(4, 520, 3, "bfloat16", 2, 1, (0, 3, 0), mma=True), 3), 1),
+        crafted(4, 520, 3, "bfloat16", 2, 1, (0, 3, 0), mma=True), 3)),
     # h in slices of K (planner: "Slices of K"): slices 0-1 in registers, 2 in shared memory
     "tensor cores, h in slices": lambda: ("lstm", 5, 768, 17, "bfloat16", in_slices(crafted(
-        4, 768, 17, "bfloat16", 16, 8, (2, 1, 0), mma=True, sync="barrier"), 3), 1),
+        4, 768, 17, "bfloat16", 16, 8, (2, 1, 0), mma=True, sync="barrier"), 3)),
     "bidirectional, tensor cores, h in 3 slices": lambda: ("gru", 3, 700, 18, "float16",
                                                            in_slices(crafted(
-        3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2), 3),
+        3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2)),
         1),
 }
 
@@ -316,29 +314,29 @@ def _slow(*names):
                                         "bidirectional, barrier, batch groups, K in three places",
                                         "overlapped, staged x, barrier", "fused, batch groups",
                                         "tensor cores, K split, shared memory",
-                                        "tagged, chunks of steps")(list(KERNELS)))
+                                        "tagged")(list(KERNELS)))
 def test_kernel_variant_matches_reference(name, rng):
     """Every variant of the plan, as the interpreter runs its kernel, within the dtype's
-    tolerance of float64 at T = 1 and 5 (over a chunk of steps, a group of the overlapped
-    projection), with initial states."""
-    cell, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
+    tolerance of float64 at T = 1 and 5 (over a group of the overlapped projection), with
+    initial states."""
+    cell, input_size, hidden, batch, dtype, p = KERNELS[name]()
     if name == "fused in slabs":
         assert p.input_slab > 0
-    check_kernel(cell, p, input_size, hidden, batch, dtype, rng, chunk=chunk)
+    check_kernel(cell, p, input_size, hidden, batch, dtype, rng)
 
 
 @pytest.mark.parametrize("name", _slow(
     "barrier, K in registers, shared and global memory",
     "bidirectional, barrier, batch groups, K in three places")([
-        "tagged, chunks of steps", "barrier, K in registers, shared and global memory",
+        "tagged", "barrier, K in registers, shared and global memory",
         "batch groups", "tensor cores", "fused, odd C", "overlapped, staged x, barrier",
-        "bidirectional, tagged, chunks of steps",
+        "bidirectional, tagged",
         "bidirectional, barrier, batch groups, K in three places"]))
 def test_kernel_with_lengths_matches_reference(name, rng):
     """Samples of their own lengths: each pair keeps its states past its sample's length,
     publishes them, and writes zero to y (T = 1 and 5, lengths 1 to T)."""
-    cell, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
-    check_kernel(cell, p, input_size, hidden, batch, dtype, rng, chunk=chunk, lengths=True)
+    cell, input_size, hidden, batch, dtype, p = KERNELS[name]()
+    check_kernel(cell, p, input_size, hidden, batch, dtype, rng, lengths=True)
 
 
 @pytest.mark.parametrize("cell", persistent_cells())
@@ -360,16 +358,16 @@ def test_kernel_of_a_cell_whose_new_state_reads_the_previous_h(rng):
     check_kernel(cell.name, p, 6, 40, 3, "float32", rng)
 
 
-@pytest.mark.parametrize("name", ["tagged, chunks of steps", "tensor cores", "fused, batch groups",
+@pytest.mark.parametrize("name", ["tagged", "tensor cores", "fused, batch groups",
                                   "overlapped, asynchronous copies",
-                                  "bidirectional, tagged, chunks of steps"])
+                                  "bidirectional, tagged"])
 def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
     """The peephole LSTM, whose step reads its peephole weights (one register a pair and
     parameter, loaded once): LSTM-shaped plan variants, lengths included."""
     cell = rnncc.cells.get("peephole")
-    lstm, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
+    lstm, input_size, hidden, batch, dtype, p = KERNELS[name]()
     assert lstm == "lstm"
-    check_kernel(cell.name, p, input_size, hidden, batch, dtype, rng, chunk=chunk,
+    check_kernel(cell.name, p, input_size, hidden, batch, dtype, rng,
                  lengths=True)
 
 
@@ -843,14 +841,14 @@ def test_input_projection_stage(name, steps, rng):
 
 # -- training: the forward that keeps, the backward kernel ------------------------------------
 
-@pytest.mark.parametrize("name", ["tagged, chunks of steps", "batch groups", "tensor cores",
+@pytest.mark.parametrize("name", ["tagged", "batch groups", "tensor cores",
                                   "overlapped, staged x, barrier", "tensor cores, h in slices"])
 def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
     """With ``kept`` the kernel also stores the states of every step (the initial ones first)
     and the parts of each step's projections the backward pass takes (for GRU's n gate gi and
     gh apart), as the float64 step computes them, with random lengths (states past a sample's
     length are the last ones)."""
-    cell, input_size, hidden, batch, dtype, p, chunk = KERNELS[name]()
+    cell, input_size, hidden, batch, dtype, p = KERNELS[name]()
     cell = rnncc.cells.get(cell)
     if p.fused:  # the training forward runs the input GEMM before the kernel
         p = dataclasses.replace(p, input_rows=0, input_chunks=0, input_slab=0, input_steps=0)
@@ -862,7 +860,7 @@ def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
     initial = {s: rng.standard_normal((1, batch, hidden)).astype(dtype) for s in cell.states}
     ln = rng.integers(1, steps + 1, batch)
     ln[0], ln[-1] = 1, steps
-    y, _, kept_states, pre = simulate(cell, p, x, weights, initial, dtype, chunk, ln, kept)
+    y, _, kept_states, pre = simulate(cell, p, x, weights, initial, dtype, ln, kept)
     f64 = {k: v.astype(np.float64) for k, v in weights.items()}
     graph, backend, h = autodiff.trace(cell), autodiff.NumPy(), hidden
     states = [initial[s][0].astype(np.float64) for s in cell.states]

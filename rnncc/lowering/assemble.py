@@ -81,8 +81,8 @@ def _bound_buffer(param, region: Region, remap: dict):
     """A buffer like ``param`` whose shape, strides and offset are those of ``region``.
 
     ``remap`` maps the symbolic dimensions of the component's parameters (its own T) to the
-    region's; a dimension that is an expression of them (a chunk count) must equal the
-    region's extent.
+    region's; a dimension that is an expression of them (T + 1) must equal the region's
+    extent.
     """
     kept = region.kept()
     shape = list(param.shape)

@@ -10,10 +10,8 @@ Layouts (chosen by the schedule, see :class:`Layout`):
   ``"cols"``: [K, O] (O contiguous, for vectorising over outputs on CPUs).
 - gates ``"combined"``: a projection is one GEMM over all G gates, output [.., N, G*H];
   ``"per_gate"``: G GEMMs of H outputs each, output [G, .., N, H].
-- chunk S: the input projections of all steps, ``xp``, are [T, N, G*H] (S = 1) or, in chunks
-  of S steps, [ceil(T/S), S, N, G*H] (gates "combined" only; see :func:`gemm`).
 - flat rows: the input GEMM of all steps sees x [T, N, C] as [T*N, C] and xp [T, N, G*H] as
-  [T*N, G*H], one run-time row dimension (views of the same memory; gates "combined", chunk 1).
+  [T*N, G*H], one run-time row dimension (views of the same memory; gates "combined").
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ class Layout:
 
     weights: str = "rows"
     gates: str = "combined"
-    chunk: int = 1
     flat_rows: bool = False
 
     def __post_init__(self):
@@ -52,25 +49,8 @@ class Layout:
             raise ValueError(f"weights layout must be 'rows' or 'cols', got {self.weights!r}")
         if self.gates not in ("combined", "per_gate"):
             raise ValueError(f"gates layout must be 'combined' or 'per_gate', got {self.gates!r}")
-        if self.chunk < 1 or (self.chunk > 1 and self.gates != "combined"):
-            raise ValueError(f"chunk must be 1, or more with gates 'combined'; got {self.chunk} "
-                             f"with gates {self.gates!r}")
-        if self.flat_rows and (self.chunk > 1 or self.gates != "combined"):
-            raise ValueError(f"flat rows need chunk 1 and gates 'combined'; got chunk "
-                             f"{self.chunk} with gates {self.gates!r}")
-
-    def projections_shape(self, t_len, batch: int, gates: int, hidden: int) -> tuple:
-        """Shape of the input projections of all T steps (gates "combined")."""
-        if self.chunk == 1:
-            return (t_len, batch, gates * hidden)
-        return (chunks(t_len, self.chunk), self.chunk, batch, gates * hidden)
-
-    def projections_at(self, t) -> tuple:
-        """Index of step t's [N, G*H] in the input projections of all steps."""
-        if self.chunk == 1:
-            return (t, ALL, ALL)
-        return (tvm.tirx.floordiv(t, i64(self.chunk)), tvm.tirx.floormod(t, i64(self.chunk)),
-                ALL, ALL)
+        if self.flat_rows and self.gates != "combined":
+            raise ValueError(f"flat rows need gates 'combined', got {self.gates!r}")
 
     @property
     def packs_as_given(self) -> bool:
@@ -110,7 +90,7 @@ def _cast(expr, dtype: str):
 
 
 def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
-         a_dtype: str | None = None, chunk: int = 1, lengths: bool = False) -> tirx.PrimFunc:
+         a_dtype: str | None = None, lengths: bool = False) -> tirx.PrimFunc:
     """``out[..., j] = sum_k a[..., k] * w[j, k] + b[j]`` for one projection.
 
     ``a`` is ``lead + (K,)`` (dtype ``a_dtype``, default ``dtype``), ``w`` [O, K] ("rows") or
@@ -118,12 +98,7 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
     ``out`` are in the accumulation dtype (``out`` is a workspace: half storage rounds only
     what the caller sees). Blocks: "gemm" (the reduction) and "gemm_bias" (the epilogue).
 
-    ``chunk`` S > 1, for the input projection of all steps (``lead`` (T, N)): ``out`` is
-    [ceil(T/S), S, N, O], T padded to whole chunks of S steps. Block "gemm_rows" first reads
-    ``a`` in that shape, the last step's rows standing in for the steps past T, so that a
-    schedule can tile the S*N static rows of a chunk with no bounds checks.
-
-    ``lengths`` (``lead`` (T, N), S = 1): two more inputs after ``b``, ``lengths`` [N] int32
+    ``lengths`` (``lead`` (T, N)): two more inputs after ``b``, ``lengths`` [N] int32
     (the samples' lengths) and ``ends`` [N] int32 (:func:`length_ends`): a schedule may then
     leave ``out``'s rows of steps past their sample's length unwritten (the steps that would
     read them are masked); the definition computes them all.
@@ -135,21 +110,13 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
     w = te.placeholder(w_shape, dtype, "w")
     b = te.placeholder((i64(o),), dtype, "b")
     r = te.reduce_axis((i64(0), i64(k)), "k")
-    rows = a
-    if chunk > 1:
-        t_len, n_ = lead
-        s_ = i64(chunk)
-        lead = (chunks(t_len, chunk), s_, n_)
-        rows = te.compute(lead + (i64(k),),
-                          lambda c, s, n, kk: a[tvm.tirx.min(c * s_ + s, t_len - 1), n, kk],
-                          name="gemm_rows")
 
     def weight(j, kk):
         return w[j, kk] if weights == "rows" else w[kk, j]
 
     prod = te.compute(
         lead + (i64(o),),
-        lambda *i: te.sum(_cast(rows[i[:-1] + (r,)], acc) * _cast(weight(i[-1], r), acc),
+        lambda *i: te.sum(_cast(a[i[:-1] + (r,)], acc) * _cast(weight(i[-1], r), acc),
                           axis=r),
         name="gemm",
     )
@@ -208,10 +175,6 @@ def parts_sum(t: te.Tensor, n, j):
         total = total + t[s, n, j]
     return total
 
-
-def chunks(t_len, chunk: int):
-    """ceil(T / S): the chunks of S steps that hold T steps."""
-    return tvm.tirx.floordiv(t_len + i64(chunk - 1), i64(chunk))
 
 
 def _select(condition, value, other):

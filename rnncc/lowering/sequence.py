@@ -1,8 +1,8 @@
 """A layer's IRModule: the packing functions and one or two ways to run the sequence.
 
 Entries (function names; each has a signature in the module's metadata: parameter names,
-shapes with "T" for the run-time length and "T/S" for ceil(T/S) chunks of S steps, and
-"input", "output" or "workspace"):
+shapes with "T" for the run-time length and "T+1" for one more, and "input", "output" or
+"workspace"):
 
 - ``pack_w_ih``, ``pack_w_hh``, ``forward``: the non-persistent schedule, cuDNN's first three
   optimisations as switchable stages (input GEMM of all steps, one GEMM over all gates, fused
@@ -19,8 +19,7 @@ forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each sta
 In half precision or with TF32 allowed on CUDA, ``h_operand`` [2,N,H] follows the states: h
 again, as the recurrent products' tensor cores take it (:func:`h_for_products`).
 
-xp holds the input projections; of all steps at once, it is laid out by :class:`Layout`
-(in chunks of steps on CUDA at a small batch, so that the input GEMM tiles).
+xp holds the input projections of all steps at once, [T, N, G*H] (:class:`Layout`).
 
 The states ping-pong between two slots of their workspace (step t reads slot t % 2 and writes
 slot (t+1) % 2), so a cell may read any previous state while writing the new ones.
@@ -60,23 +59,19 @@ class Lowered:
 
 def layout_for(target, options: Options, problem: Problem) -> Layout:
     """CUDA keeps PyTorch's [O, K] rows (coalesced along K); CPUs want [K, O] to vectorise.
-    On CUDA the input projections of all steps go in chunks of steps where that lets the
-    tiled GEMM rule take their product (float32 at a batch of 1 to 8; not with TF32 allowed
-    where cuda.mma_gemm takes it); in float16, as flat rows where dlight's rule then puts
-    their product on tensor cores."""
+    On CUDA the input projections of all steps in half precision go as flat rows where
+    dlight's rule then puts their product on tensor cores (not with TF32 allowed where
+    cuda.mma_gemm takes it)."""
     cuda = target.kind.name == "cuda"
     combined = options.gate_gemm
-    chunk, flat = 1, False
+    flat = False
     tf32 = problem.allow_tf32 and schedules.cuda_mma_gemm.fits(
         problem.gates * problem.hidden_size, problem.input_size, schedules.TF32)
     if cuda and combined and options.input_gemm and not tf32:
-        chunk = schedules.cuda_tiled_gemm.chunk_steps(
-            problem.batch, problem.gates * problem.hidden_size, problem.input_size,
-            problem.dtype)
-        flat = chunk == 1 and schedules.cuda_matmul.wants_flat_rows(
+        flat = schedules.cuda_matmul.wants_flat_rows(
             problem.dtype, problem.input_size, problem.gates * problem.hidden_size)
     return Layout(weights="rows" if cuda else "cols",
-                  gates="combined" if combined else "per_gate", chunk=chunk, flat_rows=flat)
+                  gates="combined" if combined else "per_gate", flat_rows=flat)
 
 
 class _Builder:
@@ -292,11 +287,10 @@ class _Builder:
         first = 0 if d is None else d
         if layout.gates == "combined":
             rows = int(w.shape[0]) // p.directions
-            chunk = layout.chunk if len(lead) == 2 else 1  # chunks of the steps of x
             width = count * count_gates * h
             func = self.scheduled(
                 name + ("_lengths" if lengths else ""), comp.gemm(
-                    lead, k, width, layout.weights, p.dtype, a_dtype, chunk, bool(lengths)),
+                    lead, k, width, layout.weights, p.dtype, a_dtype, bool(lengths)),
                 "gemm")
             w_part = Region(w, (slice(first * rows, first * rows + width), ALL)
                             if layout.weights == "rows"  # cols: every gate (gates is None)
@@ -316,12 +310,12 @@ class _Builder:
         """With the samples' ``lengths``: (lengths, ``ends`` [N] int32) for the input GEMM
         of all steps (of ``lead``) to leave out the rows past the lengths, and the stage
         computing ``ends`` (:meth:`length_ends`); where cuda.sgemm takes such a product (on
-        CUDA, IEEE float32 products of the combined gates, the steps not in chunks), else
+        CUDA, IEEE float32 products of the combined gates), else
         (None, []). The rows left out are read only by masked steps (in training too: the
         backward pass selects zeros for their gradients, whatever they hold)."""
         p, layout = self.p, self.layout
         if (lengths is None or len(lead) != 2 or not self.sums_rows_within_lengths()
-                or layout.gates != "combined" or layout.chunk != 1
+                or layout.gates != "combined"
                 or (layout.flat_rows and p.directions == 1)):
             return None, []
         ends, stage = self.length_ends(sig, x, lengths)
@@ -390,7 +384,7 @@ class _Builder:
             return index if dirs == 1 else (d, *index)
 
         if options.input_gemm:
-            xp_shape = (g, t_len, n, h) if per_gate else layout.projections_shape(t_len, n, g, h)
+            xp_shape = (g, t_len, n, h) if per_gate else (t_len, n, g * h)
         else:
             xp_shape = (g, n, h) if per_gate else (n, g * h)
         acc = accum_dtype(p.dtype)
@@ -407,7 +401,7 @@ class _Builder:
             (n,), r, rec_gates * h, layout.weights, p.dtype, h_dtype))
         kept_parts = training.kept_parts(p.cell) if history else ()
         in_place = (history and options.input_gemm and not per_gate
-                    and sums_in_place(kept_parts, layout.chunk))
+                    and sums_in_place(kept_parts))
         xp = None if in_place else self.param(sig, "xp", per_direction(xp_shape), "workspace",
                                               acc)
         hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, rec_gates * h))
@@ -486,7 +480,7 @@ class _Builder:
                     lambda i, d=d: Region(xp, at(d, (i, ALL, ALL, ALL))), xp_region, d,
                     lengths=skipping), suffix)
                 gi = ([Region(xp, at(d, (i, t, ALL, ALL))) for i in range(g)] if per_gate
-                      else [Region(xp, at(d, layout.projections_at(t)))])
+                      else [Region(xp, at(d, (t, ALL, ALL)))])
             else:
                 steps += _named(self.projections(
                     "input_gemm", Region(xs, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
@@ -652,10 +646,8 @@ class _Builder:
                     for s in p.cell.states]
             kept.append(self.param(sig, "pre", (t_len, n, len(parts) * h), "output", acc))
             packed = self.param(sig, "w_hh_packed", w_shape, "workspace")
-        chunk = 1 if plan.fused else self.layout.chunk
-        xp_shape = (t_len, n, dirs * g * h) if plan.fused else self.layout.projections_shape(
-            t_len, n, dirs * g, h)
-        in_place = history and not plan.fused and sums_in_place(parts, chunk)
+        xp_shape = (t_len, n, dirs * g * h)
+        in_place = history and not plan.fused and sums_in_place(parts)
         xp = kept[-1] if in_place else self.param(sig, "xp", xp_shape, "workspace", acc)
         rows = dirs * n
         sw = [self.param(sig, f"{s}_ws", (2, rows, h), "workspace", acc) for s in p.cell.states]
@@ -726,7 +718,7 @@ class _Builder:
         if lengths is not None:
             inputs.append(Region(lengths, (ALL,)))
         prologue += sync_stages
-        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, chunk=chunk, input_size=c,
+        k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, input_size=c,
                                lengths=lengths is not None, kept=parts, first=bool(proj))
         self.lowered.rules[name.removesuffix("_forward")] = f"persistent.{plan.sync}" + (
             "+input" if plan.fused else "") + ("+wavefront" if layers > 1 else "")
@@ -866,14 +858,14 @@ def h_for_products(target, problem: Problem, options: Options) -> str | None:
     return "tf32" if problem.allow_tf32 else None
 
 
-def sums_in_place(parts: tuple, chunk: int) -> bool:
+def sums_in_place(parts: tuple) -> bool:
     """Whether the training forward keeps each step's projection sums ``pre`` [T, N, G*H]
     where its input projections were: where every gate is kept as its sum (:func:`rnncc.
-    lowering.training.kept_parts`) and the projections are laid out step by step (``chunk``
-    1), a gate's sum goes where its input projection was, which the cell reads first (one
-    thread an element, the sums stored last; the persistent kernel prefetches a step's
-    projections), and the backward pass writes the projections' gradients there in turn."""
-    return chunk == 1 and len(parts) > 0 and all(part == "sum" for _, part in parts)
+    lowering.training.kept_parts`), a gate's sum goes where its input projection was, which
+    the cell reads first (one thread an element, the sums stored last; the persistent kernel
+    prefetches a step's projections), and the backward pass writes the projections'
+    gradients there in turn."""
+    return len(parts) > 0 and all(part == "sum" for _, part in parts)
 
 
 #: Suffix of direction d's weights (torch's names) and stages.
@@ -913,14 +905,14 @@ def build(problem: Problem, options: Options, target, persistent_plan=None,
 
 
 def _signature_dim(dim):
-    """A dimension as signatures write it: an int, "T", "T+1" or "T/S" (comp.chunks(T, S))."""
+    """A dimension as signatures write it: an int, "T" or "T+1"."""
     if isinstance(dim, int):
         return dim
     if isinstance(dim, tvm.ir.Var):
         return "T"
     if isinstance(dim, tirx.Add):
         return "T+1"
-    return f"T/{int(dim.b)}"
+    raise ValueError(f"a signature's dimension is an int, T or T + 1, got {dim}")
 
 
 def _rename_params(func, buffers):

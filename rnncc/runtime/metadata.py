@@ -133,7 +133,8 @@ def _checked(sections: dict[str, bytes], shown: str) -> dict:
 def concrete_dim(dim, steps: int) -> int:
     """A signature's dimension for a run of ``steps`` steps: an int as it is, "T" the steps,
     "T+1" one more (the states of every step and the initial ones), "T/S" the chunks of S
-    steps that hold them (ceil(T/S))."""
+    steps that hold them (ceil(T/S); module files written before rnncc stopped laying out the
+    input projections of small batches in chunks of steps have such dimensions)."""
     if isinstance(dim, int):
         return dim
     if dim == "T":

@@ -2,7 +2,7 @@
 
 Tunable components are those with static shapes: the recurrent GEMM of a step and, with
 ``input_gemm`` off, the per-step input GEMM. The input GEMM of all steps at once has a
-run-time size (T*N rows, or ceil(T/S) chunks of S*N): MetaSchedule samples tile sizes that
+run-time size (T*N rows): MetaSchedule samples tile sizes that
 divide static extents, so it keeps its rule-based schedule.
 
 Trials run in rounds of at most :data:`ROUND` with one builder, runner, cost model and

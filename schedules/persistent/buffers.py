@@ -47,17 +47,17 @@ def published_h(p: Plan, batch: int, dtype: str) -> tuple | None:
 def parameters(spec: KernelSpec) -> SimpleNamespace:
     """Declare the kernel's parameters, inputs first, outputs last: (with a fused input
     projection: x [T,N,C], W_ih packed (:func:`input_weight_shape`), b_ih [G*H]), xp [T,N,G*H]
-    (or [ceil(T/S),S,N,G*H] in chunks of S steps; written by a fused projection, read otherwise;
-    after the per-unit parameters where it is written), W_hh packed [B/NG, Wn, KI, RW, 32, VEC],
-    b_hh [G*H], (the cell's per-unit parameters p0 ... [H] each, where it has them),
-    (``spec.first``: the addition to the first step's projections [N,G*H] float32), (with
-    lengths: the samples' lengths [N] int32), y [T,N,H], one [2,N,H] float32 ping-pong buffer a
-    state (h first), (a training forward's, ``spec.kept``: the states of every step [T+1,N,H]
-    each and the kept parts ``pre`` [T,N,P*H], float32), then the tagged h [2,N,H] uint64, or
-    the barrier counters [NG] uint32, one a batch group, (h as published for the next step's
-    staging ``hx``, where the planner says so: :func:`published_h`), (the values of the step
-    it exchanges before h, its product's argument or each of its means', [2,N,H] each, uint64
-    tagged as h, else float32). T is the symbolic length ``T_len``.
+    (written by a fused projection, read otherwise; after the per-unit parameters where it is
+    written), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (the cell's per-unit
+    parameters p0 ... [H] each, where it has them), (``spec.first``: the addition to the first
+    step's projections [N,G*H] float32), (with lengths: the samples' lengths [N] int32), y
+    [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h first), (a training forward's,
+    ``spec.kept``: the states of every step [T+1,N,H] each and the kept parts ``pre`` [T,N,P*H],
+    float32), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
+    group, (h as published for the next step's staging ``hx``, where the planner says so:
+    :func:`published_h`), (the values of the step it exchanges before h, its product's argument
+    or each of its means', [2,N,H] each, uint64 tagged as h, else float32). T is the symbolic
+    length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
     the counters [D*NG]. With L layers (planner: "Layers as a wavefront") the same with L for D
@@ -94,11 +94,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("x", "x", (t_len, n, spec.input_size), dt)
         match("wi", "wi", input_weight_shape(p, spec.gates), dt)
         match("b_ih", "bi", (spec.layers * spec.gate_rows,), dt)
-    if spec.chunk == 1:
-        match("xp", "xp", (t_len, n, gh), "float32")
-    else:
-        match("xp", "xp", ((t_len + (spec.chunk - 1)) // spec.chunk, spec.chunk, n, gh),
-              "float32")
+    match("xp", "xp", (t_len, n, gh), "float32")
     match("w", "w", (d * p.group_blocks, *p.packed_shape[1:]), dt)
     match("b_hh", "b", (gh,), dt)
     out.params = [match(f"p{k}", f"p{k}", (d * spec.hidden,), dt) for k in range(spec.params)]

@@ -121,16 +121,15 @@ def sliced_gate_sums(spec, b, start, warp, lane):
     T.tvm_storage_sync("shared.dyn")
 
 
-def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", chunk: int = 1,
+def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
            input_size: int = 0, lengths: bool = False, kept: tuple = (), first: bool = False):
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
     PrimFunc named "persistent" whose parameters :func:`.buffers.parameters` lists. ``dtype``:
-    the storage dtype of the weights, the biases and y; ``chunk`` S > 1: the input projections
-    come in chunks of S steps; ``input_size`` C: for a fused input projection; ``batch``: N,
-    all batch groups together; ``lengths``: the samples' lengths are a parameter; ``kept``: a
-    training forward's, which keeps every step's states and these parts of its projections
-    (:mod:`.stages.history`); ``first``: the first step's input projections take an addition
-    (a projection's W_hh h0)."""
+    the storage dtype of the weights, the biases and y; ``input_size`` C: for a fused input
+    projection; ``batch``: N, all batch groups together; ``lengths``: the samples' lengths are
+    a parameter; ``kept``: a training forward's, which keeps every step's states and these
+    parts of its projections (:mod:`.stages.history`); ``first``: the first step's input
+    projections take an addition (a projection's W_hh h0)."""
     taken = product_gates(trace(cell))
     if len(taken) > 1:
         raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
@@ -138,8 +137,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32", ch
     if plan.k_slices > 1 and (taken or mean_levels(cell)):
         raise ValueError(f"cell {cell.name!r} exchanges values of its step before h; h in "
                          "slices of K takes a step of one product, of h")
-    spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, chunk,
-                      input_size, lengths, kept=kept, params=len(cell.params), first=first,
+    spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, input_size,
+                      lengths, kept=kept, params=len(cell.params), first=first,
                       product=taken[0] if taken else -1,
                       levels=tuple(tuple(level) for level in mean_levels(cell)))
     p, products = plan, tensor_cores if plan.mma else cuda_cores

@@ -30,7 +30,6 @@ class KernelSpec:
     """One persistent kernel: ``plan`` for a layer of ``gates`` G and ``states`` (h first),
     ``hidden`` H, ``batch`` N (all batch groups together). ``dtype`` is the storage dtype of
     the weights, the biases and y (products, sums, the cell and the states are float32);
-    ``chunk`` S > 1: the input projections come in chunks of S steps, [ceil(T/S), S, N, G*H];
     ``input_size`` C, which a fused input projection needs; ``lengths``: the kernel takes each
     sample's length and stops its states there (outputs past it zero); ``exchanged``: the
     length of the vector the blocks exchange each step (the products' K), if not H (the
@@ -51,7 +50,6 @@ class KernelSpec:
     hidden: int
     batch: int
     dtype: str = "float32"
-    chunk: int = 1
     input_size: int = 0
     lengths: bool = False
     exchanged: int = 0
@@ -79,12 +77,11 @@ class KernelSpec:
             raise ValueError(
                 f"a wavefront of {p.layers} layers takes C = H and overlapped input projections, "
                 f"got C = {self.input_size}, H = {self.hidden}, input_steps {p.input_steps}")
-        if p.fused and (self.chunk != 1 or self.input_size < 1
-                        or (p.input_slab and not p.smem_chunks)):
+        if p.fused and (self.input_size < 1 or (p.input_slab and not p.smem_chunks)):
             raise ValueError(
-                f"a fused input projection needs chunk 1, an input size and, in slabs, shared "
-                f"memory for W_hh, got chunk {self.chunk}, input size {self.input_size} and "
-                f"{p.smem_chunks} chunks of W_hh in shared memory")
+                f"a fused input projection needs an input size and, in slabs, shared memory "
+                f"for W_hh, got input size {self.input_size} and {p.smem_chunks} chunks of W_hh "
+                "in shared memory")
 
     @property
     def local_batch(self) -> int:

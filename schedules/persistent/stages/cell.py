@@ -98,15 +98,14 @@ def _length(spec, ln, it):
 
 def prefetch(spec, xp, gi, ln, t, t_len, bx, tx, first=None):
     """Loop step t's input projections of the pairs (their sequence step: the reverse
-    direction's runs back; xp in chunks of S steps where S > 1), plus, at step 0, ``first``'s
+    direction's runs back), plus, at step 0, ``first``'s
     (``spec.first``)."""
 
     def body(it, n, j):
         at = spec.step(bx, t, t_len, _length(spec, ln, it))
-        step = (at,) if spec.chunk == 1 else (at // spec.chunk, at % spec.chunk)
         for g in range(spec.gates):
             row, column = spec.batch_row(bx, n), spec.gate_column(bx, g, j)
-            value = xp[(*step, row, column)]
+            value = xp[at, row, column]
             if spec.first:
                 value = value + T.if_then_else(t == 0, first[row, column], T.float32(0))
             store(gi, value, it * spec.gates + g)
