@@ -1058,11 +1058,28 @@ def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_gemm_is_parallel_and_vectorised():
-    result = schedules.schedule(comp.gemm((3,), 64, 128, "cols", "float32"), LLVM, "gemm")
+@pytest.mark.parametrize("lead, k, o, slab", [
+    ((1,), 64, 128, False), ((3,), 64, 128, False), ((1,), 5, 12, False), ((40,), 16, 48, True),
+    (("T", 3), 7, 132, True), (("T", 1), 64, 128, True)])
+def test_cpu_gemm_forms_match_numpy(lead, k, o, slab, rng):
+    """Each form of cpu.gemm (one row; row tiles; row tiles on a copied column block of W^T
+    where the rows are many) is parallel and vectorised, and gives x W^T + b."""
+    t_len = tirx.Var("T", "int64")
+    shape = tuple(5 if d == "T" else d for d in lead)
+    result = schedules.schedule(comp.gemm(tuple(t_len if d == "T" else d for d in lead), k, o,
+                                          "cols", "float32"), LLVM, "gemm")
     assert result.rule == "cpu.gemm"
-    kinds = {k for k, _ in loops(result.func)}
+    kinds = {kind for kind, _ in loops(result.func)}
     assert int(tirx.ForKind.PARALLEL) in kinds and int(tirx.ForKind.VECTORIZED) in kinds
+    assert ("w_local" in result.func.script()) == slab
+    lib = tvm.compile(tvm.IRModule({"main": result.func}), target=LLVM)
+    a = rng.standard_normal(shape + (k,)).astype("float32")
+    w = rng.standard_normal((k, o)).astype("float32")
+    b = rng.standard_normal(o).astype("float32")
+    args = [tvm.runtime.tensor(v) for v in (a, w, b, np.full(shape + (o,), np.nan, "float32"))]
+    lib["main"](*args)
+    ref = a.astype("float64") @ w.astype("float64") + b
+    np.testing.assert_allclose(args[3].numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_failing_rule_falls_back_and_says_so(monkeypatch):
