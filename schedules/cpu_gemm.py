@@ -27,7 +27,7 @@ from tvm import s_tir
 from ._common import divisor, gemm_blocks, static_extent
 from ._rule import Rule
 
-#: Outputs a task of the one-row form sums at once (4 KB of L1), most first.
+#: Outputs a task of the one-row form sums at once (at most 1 KB of sums, in L1), most first.
 ROW_BLOCK = (256, 128, 64, 32, 16, 8, 4)
 #: Rows from which a task copies its column block of W^T first.
 MANY_ROWS = 32
