@@ -5,8 +5,9 @@ RL, 8, VEC]), by groups of SN rows m = t*N + n of x (its batch group's). A group
 one width of K chunks (``Plan.input_width``: all of them, a slab through W_hh's shared memory,
 or a slab of the overlapped projection): its columns of x are staged in shared memory (float32,
 zero past C and past T*N, rows padded by 16 bytes so the 4 x groups' loads hit different
-banks); warp w multiplies its range of the chunks, lane (x group xg, row group rg) rows r =
-rg*RL + q of W_ih by rows m = 4*s + xg of x, into its accumulators ``pacc``. Then the warps'
+banks); warp w multiplies its range of the chunks, lane (x group xg, row group rg; which is
+the faster in the lane's index: :attr:`Geometry.x_fastest`) rows r = rg*RL + q of W_ih by rows
+m = 4*s + xg of x, into its accumulators ``pacc``. Then the warps'
 sums go through shared memory ([Wn, SN, 8*RL + 1], padded: a stride of SN floats made 16-way
 bank conflicts, 1.7x slower on an H200), and thread i adds them up for outputs (n, r) =
 divmod(i, R) and writes xp[t, n, g*H + j] = sum + b_ih[g*H + j] (in slabs through W_hh's shared
@@ -57,6 +58,18 @@ class Geometry:
     warp_chunks: int
     unroll: int
     copies: bool
+
+    @property
+    def x_fastest(self) -> bool:
+        """Lane l takes x group l % 4 and row group l // 4 where the lane loads more vectors of
+        W_ih than of x a chunk (RL > SN/4), else x group l // 8 and row group l % 8. With the
+        row groups fastest each quarter of the warp (8 lanes) loads the same 8 vectors of
+        W_ih, and ncu counted 4 shared-memory wavefronts for each such 16-byte load (x's
+        loads, one vector a quarter: 2); with the x groups fastest a quarter loads 2 vectors
+        of W_ih and all 4 of x. H200, us a step, rows / x groups fastest: LSTM 512, 2 layers,
+        batch 1 (RL 8, SN/4 1) 2.24 / 2.05, 4 layers 2.74 / 2.55, GRU 512 2 layers 2.13 /
+        2.05; LSTM 1024 batch 4 (RL 4, SN/4 8) 3.39 / 3.48."""
+        return self.rl > self.snl
 
     @property
     def staged(self) -> bool:
@@ -205,6 +218,16 @@ def zero(spec, io):
         io.pacc[a] = T.float32(0)
 
 
+def x_group(geo, lane):
+    """The lane's group of rows of x (:attr:`Geometry.x_fastest`)."""
+    return lane % X_GROUPS if geo.x_fastest else lane // ROW_GROUPS
+
+
+def row_group(geo, lane):
+    """The lane's group of rows of W_ih (:attr:`Geometry.x_fastest`)."""
+    return lane // X_GROUPS if geo.x_fastest else lane % ROW_GROUPS
+
+
 def _chunk_bounds(spec, chunk, sl):
     """(whether to check, the condition) that the warp's ``chunk`` exists: within the width
     where the warps' ranges pass it, and, overlapped, within KC where the last slab passes
@@ -227,10 +250,10 @@ def _chunk_products(spec, io, sl, lane, chunk):
     for s in T.unroll(snl):
         for v in T.vectorized(vec):
             io.xv[s * vec + v] = io.x_staged[
-                (s * X_GROUPS + lane // ROW_GROUPS) * geo.xstride + chunk * vec + v]
+                (s * X_GROUPS + x_group(geo, lane)) * geo.xstride + chunk * vec + v]
     for q in T.unroll(rl):
         for v in T.vectorized(vec):
-            io.wq[q * vec + v] = io.w_ih[((wchunk * rl + q) * ROW_GROUPS + lane % ROW_GROUPS)
+            io.wq[q * vec + v] = io.w_ih[((wchunk * rl + q) * ROW_GROUPS + row_group(geo, lane))
                                          * vec + v]
     for q in T.unroll(rl):
         for s in T.unroll(snl):
@@ -286,8 +309,8 @@ def write(spec, io, m0, accumulate, t_len, warp, lane, bx, tx):
     p, geo = T.meta_var((spec.plan, geometry(spec)))
     for q in T.unroll(geo.rl):
         for s in T.unroll(geo.snl):
-            io.hs[(warp * p.input_rows + s * X_GROUPS + lane // ROW_GROUPS) * geo.sum_stride
-                  + lane % ROW_GROUPS * geo.rl + q] = io.pacc[q * geo.snl + s]
+            io.hs[(warp * p.input_rows + s * X_GROUPS + x_group(geo, lane)) * geo.sum_stride
+                  + row_group(geo, lane) * geo.rl + q] = io.pacc[q * geo.snl + s]
     T.tvm_storage_sync("shared.dyn")
     outs = T.meta_var(geo.rows * p.input_rows)
     for e in spec.spread(outs, unroll=True):
