@@ -57,8 +57,10 @@ def apply(func, target):
         tile = o_o
         slab = sch.cache_read(gemm, 1, "local")
         sch.compute_at(slab, tile)
-        _, lanes = sch.split(sch.get_loops(slab)[-1], [None, divisor(vec, (8, 4))])
-        sch.vectorize(lanes)
+        copy = sch.get_loops(slab)[1:]  # none where the slab is one element (K = 1, O = 1)
+        if copy:
+            _, lanes = sch.split(copy[-1], [None, divisor(vec, (8, 4))])
+            sch.vectorize(lanes)
         epilogue_at = n_o
     else:
         sch.reorder(*outer, n_o, o_o, k, n_i, o_i)

@@ -1,6 +1,7 @@
 """Schedule rules, checked on the scheduled TIR (no GPU needed)."""
 
 import re
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -1080,6 +1081,25 @@ def test_cpu_gemm_forms_match_numpy(lead, k, o, slab, rng):
     lib["main"](*args)
     ref = a.astype("float64") @ w.astype("float64") + b
     np.testing.assert_allclose(args[3].numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("o", [1, 3])
+def test_cpu_gemm_of_all_steps_takes_depth_one(o, rng):
+    """K = 1 (an RNN's input projection of one feature): the copied column block of W^T is
+    one element wide where O is 1 or 3, and cpu.gemm takes it (it once failed and fell back)."""
+    t_len, steps = tirx.Var("T", "int64"), 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = schedules.schedule(comp.gemm((t_len, 2), 1, o, "cols", "float32"), LLVM,
+                                    "gemm")
+    assert result.rule == "cpu.gemm"
+    lib = tvm.compile(tvm.IRModule({"main": result.func}), target=LLVM)
+    a, w, b = (rng.standard_normal(shape).astype("float32")
+               for shape in ((steps, 2, 1), (1, o), (o,)))
+    args = [tvm.runtime.tensor(v) for v in (a, w, b, np.full((steps, 2, o), np.nan, "float32"))]
+    lib["main"](*args)
+    np.testing.assert_allclose(args[3].numpy(), a.astype("float64") @ w + b, rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_failing_rule_falls_back_and_says_so(monkeypatch):
