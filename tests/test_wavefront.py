@@ -32,6 +32,11 @@ def test_each_layer_is_planned_on_its_share_of_the_gpu(layers):
     assert alone.layers == 1 and alone.blocks <= H200.sms
 
 
+def test_tagged_loads_are_relaxed_where_the_blocks_read_their_own_projections():
+    assert _plan("lstm", 512, 1, 2).tagged_loads == "relaxed"
+    assert _plan("lstm", 512, 1, 1).tagged_loads == "acquire"  # the separate GEMM's xp
+
+
 def test_wavefront_steps_keep_the_groups_small():
     assert planner.wavefront_steps(1) == [4]
     assert planner.wavefront_steps(4) == [4, 3, 2, 1]
@@ -65,6 +70,11 @@ def test_a_wavefront_module_takes_every_layers_weights_and_states():
     assert shapes["h0"] == shapes["h_n"] == [3, 3, 24] and shapes["y"] == ["T", 3, 24]
     assert "forward" not in module.metadata["functions"]  # no fallback: the wavefront only
     assert "+wavefront" in module.metadata["schedule"]["rules"]["persistent"]
+    # the layers read input projections they wrote: relaxed loads of the tagged words, whose
+    # acquire would have invalidated L1 every step (the progress counters stay acquire loads)
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "tagged"
+    source = module.source("cuda")
+    assert "ld.relaxed.gpu.global.u64" in source and "ld.acquire.gpu.global.u64" not in source
     weights = {name: np.zeros((72, 24) if "weight" in name else 72, "float32")
                for name in module.weight_names}
     with pytest.raises(InputError, match="missing weight 'weight_hh_l2'"):

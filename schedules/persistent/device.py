@@ -26,16 +26,17 @@ GRID_WAIT = COOPERATIVE_PREFIX + "wait"
 WAIT_LIMIT_CYCLES = 1 << 34
 
 
-def _acquire_load(name: str, ctype: str, bits: int, ordering: bool) -> str:
-    """A device function ``name(address)``: an acquire load at GPU scope (``ld.acquire.gpu``:
-    on sm_90 a strong load followed by an L1 invalidation). ``ordering``: the compiler may not
-    move other memory accesses across it (a barrier's wait, whose loads of h come after); a
-    tagged word carries its data, so its loads need no such clobber."""
+def _strong_load(name: str, ctype: str, bits: int, order: str, ordering: bool = False) -> str:
+    """A device function ``name(address)``: a strong load at GPU scope, ``order`` "acquire"
+    (``ld.acquire.gpu``: on sm_90 the load, then an invalidation of the whole L1, which the
+    load waits for) or "relaxed" (``ld.relaxed.gpu``: the load alone, from L2). ``ordering``:
+    the compiler may not move other memory accesses across it (a barrier's wait, whose loads
+    of h come after); a tagged word carries its data, so its loads need no such clobber."""
     reg = "r" if bits == 32 else "l"
     clobber = ' : "memory"' if ordering else ""
     return (f"__device__ __forceinline__ {ctype} {name}(const {ctype}* address) {{\n"
             f"  {ctype} value;\n"
-            f'  asm volatile("ld.acquire.gpu.global.u{bits} %0, [%1];" : "={reg}"(value) : '
+            f'  asm volatile("ld.{order}.gpu.global.u{bits} %0, [%1];" : "={reg}"(value) : '
             f'"l"(address){clobber});\n'
             "  return value;\n}\n")
 
@@ -52,7 +53,8 @@ __device__ __forceinline__ void {ARRIVE}(unsigned int* counter) {{
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
 }}
 """
-BARRIER_SOURCE = "\n" + _acquire_load("rnncc_acquire_u32", "unsigned int", 32, True) + f"""\
+BARRIER_SOURCE = "\n" + _strong_load("rnncc_acquire_u32", "unsigned int", 32, "acquire",
+                                       True) + f"""\
 __device__ __forceinline__ void {BARRIER}(unsigned int* counter, unsigned int target) {{
   long long start = clock64();
   while (rnncc_acquire_u32(counter) < target) {{
@@ -73,12 +75,18 @@ __device__ __forceinline__ void {GRID_STORE}(uint64_t* address, uint64_t value) 
 }}
 """
 
-#: The tagged exchange's loads are acquire loads (:func:`_acquire_load`). Plain volatile loads
-#: (``ld.volatile``, strong at system scope) were measured to deadlock about once in 10 to 100
-#: runs of 37 steps (float16 tanh and relu RNNs, H=33, N=7, 9 blocks on an H200: a block waited
-#: on a word whose tag never came, and the wait limit trapped); with acquire loads 600 such
-#: runs passed.
-GRID_LOAD_SOURCE = _acquire_load(GRID_LOAD, "uint64_t", 64, False)
+#: The tagged exchange's loads, by the plan's :attr:`..planner.Plan.tagged_loads`: acquire
+#: loads (:func:`_strong_load`), or relaxed loads where the block reads input projections it
+#: wrote itself (a fused input projection, every layer of a wavefront). A word carries its
+#: value, so nothing after it needs ordering; an acquire also invalidates the whole L1 (which
+#: the load waits for), and with it the block's own projections, read again every step.
+#: History: plain volatile loads deadlocked about once in 10 to 100 runs of 37 steps (float16
+#: tanh and relu RNNs, H=33, N=7, 9 blocks on an H200) and acquire loads were taken (600 runs
+#: passed); the cause found later was a wait spun by single lanes (below). With the warp
+#: waiting as one, relaxed loads passed 4000 runs of each of those two plans, and 1000 runs of
+#: LSTM 512 at batch 1 and 4, two layers as a wavefront, and LSTM 40 -> 132 at batch 33 both
+#: directions, each run repeating the first exactly (H200, fiftieth session).
+TAGGED_LOADS = ("acquire", "relaxed")
 
 # TVM emits a device function's source once a called name, so the wait (a separate call) has
 # its own copy of the load under a private name. A warp waits as one: every lane calls the
@@ -88,13 +96,23 @@ GRID_LOAD_SOURCE = _acquire_load(GRID_LOAD, "uint64_t", 64, False)
 # directions, 132 blocks) lanes spun on step 4 while the rest of their block went on past its
 # block barriers to the last step, and the launch trapped in nearly every process
 # (docs/benchmarks.md, forty-fifth session).
-GRID_WAIT_SOURCE = _acquire_load("rnncc_acquire_u64", "uint64_t", 64, False) + f"""
-__device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_t value,
+
+
+def _tagged_sources(order: str) -> tuple:
+    """(load name, its source, wait name, its source) of the tagged exchange with ``order``
+    loads (the acquire ones keep the names they always had)."""
+    if order not in TAGGED_LOADS:
+        raise ValueError(f"tagged loads are one of {TAGGED_LOADS}, got {order!r}")
+    suffix = "" if order == "acquire" else "_" + order
+    load, wait, private = GRID_LOAD + suffix, GRID_WAIT + suffix, f"rnncc_{order}_u64"
+    return load, _strong_load(load, "uint64_t", 64, order), wait, _strong_load(
+        private, "uint64_t", 64, order) + f"""
+__device__ __forceinline__ uint64_t {wait}(const uint64_t* address, uint64_t value,
                                                uint64_t step) {{
   if (__any_sync(0xffffffffu, (value >> 32) != step)) {{
     long long start = clock64();
     do {{
-      uint64_t fresh = rnncc_acquire_u64(address);
+      uint64_t fresh = {private}(address);
       value = (value >> 32) != step ? fresh : value;
       if (clock64() - start > {WAIT_LIMIT_CYCLES}LL) {{ __trap(); }}
     }} while (__any_sync(0xffffffffu, (value >> 32) != step));
@@ -102,6 +120,7 @@ __device__ __forceinline__ uint64_t {GRID_WAIT}(const uint64_t* address, uint64_
   return value;
 }}
 """
+
 
 LDCG_SOURCE = """
 __device__ __forceinline__ float rnncc_ldcg(const float* address) {
@@ -138,11 +157,11 @@ def wait_count(counter, target):
     return T.cuda.func_call(BARRIER, counter, target, source_code=BARRIER_SOURCE)
 
 
-def load_tagged(address):
-    """An acquire load of the tagged word at ``address`` (uint64: the step's tag above the
-    value's bits)."""
-    return T.cuda.func_call(GRID_LOAD, address, source_code=GRID_LOAD_SOURCE,
-                            return_type="uint64")
+def load_tagged(address, order):
+    """A load (``order``: one of :data:`TAGGED_LOADS`) of the tagged word at ``address``
+    (uint64: the step's tag above the value's bits)."""
+    name, source, _, _ = _tagged_sources(order)
+    return T.cuda.func_call(name, address, source_code=source, return_type="uint64")
 
 
 ANY_SOURCE = """
@@ -158,11 +177,12 @@ def any_in_warp(predicate):
                             return_type="int32")
 
 
-def wait_tagged(address, word, step):
+def wait_tagged(address, word, step, order):
     """The tagged word at ``address`` once its tag is ``step`` (uint64), ``word`` as this lane
     loaded it (kept if its tag is ``step``): every lane of the warp calls it, and the warp
-    waits as one."""
-    return T.cuda.func_call(GRID_WAIT, address, word, step, source_code=GRID_WAIT_SOURCE,
+    waits as one, reloading with ``order`` loads."""
+    _, _, name, source = _tagged_sources(order)
+    return T.cuda.func_call(name, address, word, step, source_code=source,
                             return_type="uint64")
 
 

@@ -231,6 +231,17 @@ class Plan:
         return self.input_rows > 0
 
     @property
+    def tagged_loads(self) -> str:
+        """The order of the tagged exchange's loads (:data:`.device.TAGGED_LOADS`): "relaxed"
+        where the block reads the input projections it computes itself (fused, and every
+        layer of a wavefront), which an acquire's invalidation of L1 evicted every step; else
+        "acquire". H200, us a step, acquire / relaxed: LSTM 512, 2 layers, batch 1 1.99 / 1.82,
+        4 layers 2.40 / 2.20; with the separate GEMM the single layers moved both ways (LSTM
+        256 batch 1 1.03 / 0.98, GRU 512 batch 1 1.33 / 1.38, LSTM 512 both directions
+        batch 1 1.45 / 1.50)."""
+        return "relaxed" if self.fused else "acquire"
+
+    @property
     def input_width(self) -> int:
         """K chunks of W_ih a group's product takes at once: a slab of the overlapped
         projection, one through W_hh's shared memory, or all of them."""

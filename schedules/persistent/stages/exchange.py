@@ -6,7 +6,7 @@ shared memory as the product stage wants it (its ``store_h``). Three variants (t
 
 - ``"tagged"``: h travels as 8-byte words, the value and the step that wrote it. A thread
   issues :data:`WAIT_BATCH` acquire loads, then its warp re-reads, as one, the words whose tag
-  is not yet the step's (:data:`.device.GRID_WAIT_SOURCE`): no separate barrier, and a step
+  is not yet the step's (:func:`.device.wait_tagged`): no separate barrier, and a step
   costs about one L2 round trip of communication (data and flag in one store, as NCCL's
   low-latency protocol does).
 - ``"barrier"``: rnncc's counter barrier, one counter a batch group: after a block barrier
@@ -89,13 +89,14 @@ def _stage_tagged(spec, hw, tv, store, t, bx, tx):
         for i in T.unroll(count):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             tv[i] = T.if_then_else(
-                e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e)),
+                e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e),
+                                                           spec.plan.tagged_loads),
                 T.shift_left(T.Cast("uint64", t), T.uint64(32)))
         if device.any_in_warp(T.Cast("int32", _behind(tv, count, t))) != 0:
             for i in T.unroll(count):
                 e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
                 tv[i] = device.wait_tagged(_tagged_word(spec, hw, t, bx, e), tv[i],
-                                           T.Cast("uint64", t))
+                                           T.Cast("uint64", t), spec.plan.tagged_loads)
         for i in T.unroll(count):
             e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
             if e < total:
