@@ -346,9 +346,10 @@ class Simulator:
 
     def _device(self, name, args, mask):
         values = [self._expr(a) for a in args]
-        if name in ("rnncc_ldcg", "rnncc_grid_load"):
+        # in one thread of simulation the tagged loads' orders (acquire, relaxed) are alike
+        if name in ("rnncc_ldcg", "rnncc_grid_load", "rnncc_grid_load_relaxed"):
             return self._load(values[0].buffer, values[0].flat)
-        if name == "rnncc_grid_wait":
+        if name in ("rnncc_grid_wait", "rnncc_grid_wait_relaxed"):
             step = np.uint64(values[2])
             word = np.where((values[1] >> np.uint64(32)) == step, values[1],
                             self._load(values[0].buffer, values[0].flat))
