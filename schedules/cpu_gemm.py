@@ -18,8 +18,9 @@ Before, every product took the second form without the copy. On this repository'
 steps at batch 4) 5437 -> 3600, the same at batch 1 5051 -> 2395; rnncc.nn.LSTM, T = 100, us a
 step: H = 256 batch 1 167 -> 77, H = 512 batch 1 498 -> 239, H = 64 batch 1 15.5 -> 7.5; batch
 4 and 64 within noise; GRU 256 batch 16 328 -> 289. (One task for a whole row of W^T, 1024 to
-4096 outputs, was faster still there at batch 1, 1 x 256 x 1024 47 against 67 us, but gives up
-the parallelism of a larger CPU: not taken.)
+4096 outputs, was faster still there at batch 1, 1 x 256 x 1024 26 against 40 us on two
+threads, but gives up the parallelism of a larger CPU: not taken. On one thread the rule's 18
+us is about the bandwidth of streaming W^T's 1 MB from L3.)
 """
 
 from tvm import s_tir
