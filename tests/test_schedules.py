@@ -1061,7 +1061,7 @@ def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
 
 @pytest.mark.parametrize("lead, k, o, slab", [
     ((1,), 64, 128, False), ((3,), 64, 128, False), ((1,), 5, 12, False), ((40,), 16, 48, True),
-    (("T", 3), 7, 132, True), (("T", 1), 64, 128, True)])
+    (("T", 3), 7, 132, True), (("T", 1), 64, 128, True), (("T", 2), 16, 96, True)])
 def test_cpu_gemm_forms_match_numpy(lead, k, o, slab, rng):
     """Each form of cpu.gemm (one row; row tiles; row tiles on a copied column block of W^T
     where the rows are many) is parallel and vectorised, and gives x W^T + b."""
