@@ -5,10 +5,10 @@ shared memory as the product stage wants it (its ``store_h``). Three variants (t
 ``sync``):
 
 - ``"tagged"``: h travels as 8-byte words, the value and the step that wrote it. A thread
-  issues :data:`WAIT_BATCH` acquire loads, then its warp re-reads, as one, the words whose tag
-  is not yet the step's (:func:`.device.wait_tagged`): no separate barrier, and a step
-  costs about one L2 round trip of communication (data and flag in one store, as NCCL's
-  low-latency protocol does).
+  issues :data:`WAIT_BATCH` loads (acquire or relaxed: ``Plan.tagged_loads``), then its warp
+  re-reads, as one, the words whose tag is not yet the step's (:func:`.device.wait_tagged`):
+  no separate barrier, and a step costs about one L2 round trip of communication (data and
+  flag in one store, as NCCL's low-latency protocol does).
 - ``"barrier"``: rnncc's counter barrier, one counter a batch group: after a block barrier
   (every h_t stored), thread 0 arrives (a release) and waits for the group's count (an
   acquire); then the block reads h past L1.
