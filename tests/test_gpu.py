@@ -243,6 +243,19 @@ def test_tagged_exchange_survives_many_runs(cell, rng):
     assert reference.relative_error(first.astype("float64"), ref_y) < TOL["float16"]
 
 
+@pytest.mark.parametrize("cell, hidden, batch, layers", [
+    ("lstm", 1024, 1, 1), ("gru", 512, 8, 2), ("lstm", 257, 6, 2)])
+def test_overlapped_tagged_exchange_on_large_grids(cell, hidden, batch, layers, rng):
+    """Overlapped input projections take the tagged exchange on grids past 32 blocks (LSTM
+    1024: 128 blocks; GRU 512, 2 layers: 2 batch groups of 32 blocks a layer; LSTM 257: 3 of
+    22, 2 rows each): within TOL of float64 and bit-identical over many runs."""
+    module = rnncc.compile(cell, hidden, hidden, batch, target="cuda", layers=layers)
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["sync"] == "tagged" and plan["input_steps"] > 0 and plan["blocks"] > 32, plan
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng, steps=100, repeats=300)
+
+
 def test_bidirectional_tagged_exchange_in_batch_groups_survives_many_runs():
     """LSTM 40 -> 132 at batch 33, both directions: 11 batch groups a direction of 6 blocks
     (22 units, 3 rows each), the tagged exchange. While a wait spun only in the lanes whose

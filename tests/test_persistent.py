@@ -47,6 +47,36 @@ def test_batch_groups_exchange_h_tagged_only_where_groups_poll_little(gates, hid
     assert (load <= TAGGED_MAX_GROUP_LOAD) == (sync == "tagged")
 
 
+@pytest.mark.parametrize("cell, hidden, batch, layers, sync", [
+    ("lstm", 512, 4, 2, "tagged"), ("gru", 512, 8, 2, "tagged"), ("lstm", 256, 16, 2, "tagged"),
+    ("lstm", 512, 8, 2, "barrier"), ("gru", 768, 4, 2, "barrier"), ("lstm", 384, 8, 4, "barrier"),
+    ("lstm", 1024, 1, 1, "tagged"), ("gru", 1024, 1, 1, "tagged"), ("lstm", 1024, 2, 1, "barrier"),
+    ("lstm", 1536, 1, 1, "barrier")])
+def test_overlapped_projections_exchange_h_tagged_where_blocks_poll_little(cell, hidden, batch,
+                                                                          layers, sync):
+    """Where the input projection is overlapped with the time loop (its blocks load the tagged
+    words relaxed), the tagged exchange where a grid's blocks of a batch group times its rows
+    are at most TAGGED_OVERLAPPED_MAX_LOAD, on grids past TAGGED_MAX_BLOCKS too (LSTM 1024 at
+    batch 1: 128 blocks), else the counter barrier, on small grids too (LSTM 384, 4 layers of
+    32 blocks, batch 8); where the projection is fused before the loop (LSTM 1536, in slabs),
+    the rule of the separate GEMM. A sync knob still decides."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.schedules.persistent.planner import TAGGED_OVERLAPPED_MAX_LOAD
+    from rnncc.spec import Problem
+
+    problem = Problem(cells.get(cell), hidden, hidden, batch, layers=layers)
+    p = knobs.plan_for(problem, H100, {}, 24)
+    load = p.group_blocks * batch // p.batch_groups
+    assert p.fused and p.sync == sync and p.tagged_loads == "relaxed"
+    if p.input_steps:
+        assert (load <= TAGGED_OVERLAPPED_MAX_LOAD) == (sync == "tagged")
+    else:
+        assert p.group_blocks > 32
+    other = {"tagged": "barrier", "barrier": "tagged"}[sync]
+    assert knobs.plan_for(problem, H100, {"sync": other}, 24).sync == other
+
+
 @pytest.mark.parametrize("gates, hidden, batch", [(4, 2048, 4), (3, 2048, 1), (4, 33, 7)])
 def test_float16_plans_hold_twice_the_weights(gates, hidden, batch):
     """Half weights: 8 a 16-byte chunk, so a chunk of a row takes 4 registers, as in float32."""

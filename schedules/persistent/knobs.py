@@ -10,7 +10,9 @@ one named step after another:
    with none (ptxas then says whether it spills), else streamed in part from L2;
 3. the knobs that only set a field (sync, unroll);
 4. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
-   by default, fused before the time loop, or the separate GEMM.
+   by default, fused before the time loop, or the separate GEMM;
+5. the exchange of h, unless the knobs set it (:func:`.planner.exchange`: where the input
+   projection is overlapped, the tagged exchange on larger grids too).
 
 Pure arithmetic on the planner's :class:`~.planner.Plan`; no TVM.
 """
@@ -139,8 +141,10 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     tensor = tensor_cores(request, reg_margin, tight)
     if tensor is not None:
         return tensor
-    found = weights_on_chip(request, reg_margin, tight)
-    return input_projection(request, found)
+    found = input_projection(request, weights_on_chip(request, reg_margin, tight))
+    if "sync" in knobs:
+        return found
+    return dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
 
 
 def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None:

@@ -270,6 +270,37 @@ TAGGED_MAX_BLOCKS = 32
 #: blocks and 16 rows, 14.81 / 8.99; GRU 512 at batch 16, 4 of 32 and 4, 3.76 / 3.09; LSTM 256
 #: at batch 64, 16 of 8 and 4, 3.31 / 3.52; LSTM 512 at batch 4, 4 of 32 and 1, 1.60 / 2.02).
 TAGGED_MAX_GROUP_LOAD = 32
+#: Where the input projection is overlapped with the time loop (fused, and every layer of a
+#: wavefront), whose blocks load the tagged words relaxed (:attr:`Plan.tagged_loads`), the
+#: tagged exchange where a grid's blocks of a batch group times its batch rows are at most
+#: this, whatever the grid. H200, us a step, tagged / barrier: LSTM 1024 batch 1, 128 blocks,
+#: 1.47 / 1.86; GRU 1024 batch 1 1.60 / 1.87; 2 layers: LSTM 512 batch 4 (2 groups of 32
+#: blocks, 2 rows) 2.35 / 2.89, GRU 512 batch 8 (32 and 4) 3.03 / 3.41, LSTM 256 batch 16 (16
+#: and 4) 2.34 / 2.92. Past it: LSTM 1024 batch 2 (128 and 2) 2.77 / 2.32; GRU 768, 2 layers,
+#: batch 4 (60 and 4) 4.63 / 4.05; LSTM 640 likewise (64 and 4) 4.02 / 3.80; LSTM 384, 4
+#: layers, batch 8 (32 and 8) 5.77 / 5.47; 3 layers at batch 4 (40-43 blocks): GRU 640 4.82
+#: / 4.30, RNN 1024 4.20 / 4.19, and the gains missed, LSTM 512 3.46 / 3.82, GRU 512 3.09 /
+#: 3.57.
+TAGGED_OVERLAPPED_MAX_LOAD = 128
+
+
+def exchange(p: Plan, batch: int) -> str:
+    """How ``p`` (a whole plan at batch ``batch``) exchanges h unless a knob says: "tagged"
+    words on small grids, else "barrier" (a counter barrier), where every block polling every
+    word of h would load L2 more than one counter: never with h staged in slices of K; where
+    the input projection is overlapped, up to :data:`TAGGED_OVERLAPPED_MAX_LOAD` blocks times
+    rows; else on at most :data:`TAGGED_MAX_BLOCKS` blocks a grid, in batch groups only where
+    a group's blocks times its rows are at most :data:`TAGGED_MAX_GROUP_LOAD` (H200:
+    docs/benchmarks.md)."""
+    load = p.group_blocks * (batch // p.batch_groups)
+    if p.k_slices > 1:
+        return "barrier"
+    if p.input_steps:
+        tagged = load <= TAGGED_OVERLAPPED_MAX_LOAD
+    else:
+        tagged = p.group_blocks <= TAGGED_MAX_BLOCKS and (
+            p.batch_groups == 1 or load <= TAGGED_MAX_GROUP_LOAD)
+    return "tagged" if tagged else "barrier"
 
 
 def _chunk_bytes(warps: int, rows_per_warp: int) -> int:
@@ -699,13 +730,9 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         if best is not None:
             break
     if best is not None:
-        # Measured on an H200 (docs/benchmarks.md): the tagged exchange wins on small grids;
-        # on large ones every block polling every word of h loads L2 more than one counter.
-        tagged = best.blocks <= TAGGED_MAX_BLOCKS and best.k_slices == 1 and (
-            batch_groups == 1 or best.blocks * local <= TAGGED_MAX_GROUP_LOAD)
-        return replace(best, sync="tagged" if tagged else "barrier",
-                       blocks=best.blocks * batch_groups * grids,
+        best = replace(best, blocks=best.blocks * batch_groups * grids,
                        batch_groups=batch_groups, directions=directions, layers=layers)
+        return replace(best, sync=exchange(best, batch))
     need = gates * hidden * (width or hidden) * elem / max(cap, 1)
     also = f", or than those and half the L2 ({gpu.l2_bytes // 2**21} MiB)" if stream else ""
     groups = f" ({batch_groups} batch groups)" if batch_groups > 1 else ""
