@@ -47,6 +47,43 @@ def test_batch_groups_exchange_h_tagged_only_where_groups_poll_little(gates, hid
     assert (load <= TAGGED_MAX_GROUP_LOAD) == (sync == "tagged")
 
 
+@pytest.mark.parametrize("cell, hidden, batch, directions, groups", [
+    ("gru", 512, 8, 1, 8), ("lstm", 512, 5, 1, 5), ("lstm", 448, 3, 2, 3), ("gru", 768, 4, 1, 4),
+    ("lstm", 768, 4, 1, 2), ("lstm", 256, 16, 2, 8), ("lstm", 1024, 4, 1, 1),
+    ("lstm", 256, 4, 1, 4), ("gru", 1024, 4, 2, 1)])
+def test_one_batch_row_a_group_where_its_weights_need_little_shared_memory(
+        cell, hidden, batch, directions, groups):
+    """One batch row a group (tagged exchange) where that plan's weights need at most
+    ONE_ROW_SMEM_CHUNKS chunks of shared memory on groups of at least ONE_ROW_MIN_BLOCKS
+    blocks; else the planner's groups (LSTM 768: 3 chunks; LSTM 256 both directions at batch
+    16: groups of 4 blocks; LSTM 1024: the input projection fused); the batch_groups knob and
+    a training module keep the planner's choice."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    problem = Problem(cells.get(cell), hidden, hidden, batch, directions=directions)
+    p = knobs.plan_for(problem, H100, {}, 24)
+    assert p.batch_groups == groups
+    request = knobs._Request(problem, H100, {})
+    planned = knobs.weights_on_chip(request, 24, True)  # the planner's groups
+    try:
+        one_row = request.weights(24, groups=batch)
+    except Unfit:
+        one_row = None
+    chosen = (one_row is not None and one_row.smem_chunks <= knobs.ONE_ROW_SMEM_CHUNKS
+              and one_row.group_blocks >= knobs.ONE_ROW_MIN_BLOCKS and one_row.sync == "tagged"
+              and not (knobs.fuses_input(problem) and directions == 1))
+    assert (p.batch_groups == batch) == (chosen or planned.batch_groups == batch)
+    if chosen and planned.batch_groups < batch:
+        assert p.smem_chunks > planned.smem_chunks == 0  # the trade: weights in shared memory
+        given = knobs.plan_for(problem, H100, {"batch_groups": planned.batch_groups}, 24)
+        assert given.batch_groups == planned.batch_groups
+        if directions == 1:
+            training = dataclasses.replace(problem, training=True)
+            assert knobs.plan_for(training, H100, {}, 24).batch_groups == planned.batch_groups
+
+
 @pytest.mark.parametrize("cell, hidden, batch, layers, sync", [
     ("lstm", 512, 4, 2, "tagged"), ("gru", 512, 8, 2, "tagged"), ("lstm", 256, 16, 2, "tagged"),
     ("lstm", 512, 8, 2, "barrier"), ("gru", 768, 4, 2, "barrier"), ("lstm", 384, 8, 4, "barrier"),
@@ -787,9 +824,9 @@ def test_fast_forms_take_float32_only():
 @pytest.mark.parametrize("cell, hidden, batch", [("lstm", 512, 1), ("gru", 512, 4),
                                                  ("lstm", 1024, 2), ("rnn_tanh", 64, 40)])
 def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
-    """Two directions: each direction's grid planned on half the multiprocessors (with its
-    batch groups), the grid twice that, no fused input projection even where one direction
-    would fuse it, and streaming refused."""
+    """Two directions: each direction's grid planned on half the multiprocessors (with the
+    batch groups chosen, :func:`knobs.one_row_groups` included), the grid twice that, no fused
+    input projection even where one direction would fuse it, and streaming refused."""
     from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
@@ -798,7 +835,7 @@ def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
                           H100, {}, 24)
     half = dataclasses.replace(H100, sms=H100.sms // 2)
     one = plan(gates, hidden, batch, "float32", half, len(rnncc.cells.get(cell).states),
-               batch_groups=None)
+               batch_groups=both.batch_groups)
     assert both.directions == 2 and not both.fused
     assert (both.blocks, both.batch_groups, both.units) == (2 * one.blocks, one.batch_groups,
                                                              one.units)

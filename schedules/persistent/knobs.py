@@ -7,7 +7,8 @@ one named step after another:
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
    no: a plan of their own (the weights on-chip, the input projection a separate GEMM); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
-   with none (ptxas then says whether it spills), else streamed in part from L2;
+   with none (ptxas then says whether it spills), else streamed in part from L2; and the batch
+   groups, one row each where :func:`one_row_groups` says;
 3. the knobs that only set a field (sync, unroll);
 4. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
    by default, fused before the time loop, or the separate GEMM;
@@ -105,14 +106,16 @@ class _Request:
     gpu: planner.GPU
     knobs: dict
 
-    def weights(self, margin: int, stream: bool = False, mma: bool = False) -> Plan:
+    def weights(self, margin: int, stream: bool = False, mma: bool = False,
+                groups: int | None = None) -> Plan:
         """The planner's plan with ``margin`` registers kept free (``stream``: in part from
-        L2; ``mma``: its products on tensor cores), the knobs' fixed fields set."""
+        L2; ``mma``: its products on tensor cores; ``groups``: batch groups, if not the
+        knobs'), the knobs' fixed fields set."""
         p, k = self.problem, self.knobs
         found = planner.plan(p.gates, p.hidden_size, p.batch, p.dtype, self.gpu,
                              len(p.cell.states), max_blocks=k.get("max_blocks"),
                              reg_margin=margin, warps=k.get("warps"), stream=stream,
-                             batch_groups=k.get("batch_groups"),
+                             batch_groups=groups or k.get("batch_groups"),
                              directions=p.directions, layers=p.layers,
                              pair_regs=(2 * p.gates + len(p.cell.states) + len(p.cell.params)
                                         if p.cell.params else None), mma=mma,
@@ -141,7 +144,8 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     tensor = tensor_cores(request, reg_margin, tight)
     if tensor is not None:
         return tensor
-    found = input_projection(request, weights_on_chip(request, reg_margin, tight))
+    found = input_projection(request, one_row_groups(request, weights_on_chip(
+        request, reg_margin, tight)))
     if "sync" in knobs:
         return found
     return dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
@@ -207,6 +211,40 @@ def weights_on_chip(request: _Request, reg_margin: int, tight: bool) -> Plan:
         except Unfit:
             pass
     return request.weights(*tries[-1])
+
+
+#: A layer of several batch rows runs one row a batch group where that plan's groups exchange
+#: h as tagged words and its weights take at most ONE_ROW_SMEM_CHUNKS chunks of shared memory,
+#: rather than in fewer groups of several rows with every weight in registers (the planner's
+#: choice). H200, us a step, one row a group / the planner's: GRU 512 batch 8 1.97 / 2.36 (8
+#: groups / 4), both directions at batch 4 2.03 / 2.40 (4 / 2 a direction); LSTM 512 batch 8
+#: 2.38 / 2.47, both directions at batch 4 2.45 / 2.54; GRU 768 batch 4 2.60 / 2.71 (2
+#: chunks). With 3 chunks it lost: LSTM 768 batch 4 2.95 / 2.79, RNN 1024 both directions
+#: batch 4 2.51 / 2.46; so did LSTM 256 both directions at batch 16 (16 groups of 4 blocks,
+#: 1 chunk) 2.00 / 1.93, whence groups of at least ONE_ROW_MIN_BLOCKS blocks (the gains had
+#: 16-32).
+ONE_ROW_SMEM_CHUNKS, ONE_ROW_MIN_BLOCKS = 2, 16
+
+
+def one_row_groups(request: _Request, found: Plan) -> Plan:
+    """``found``, or the plan of one batch row a group where :data:`ONE_ROW_SMEM_CHUNKS` says
+    (unless the knobs set batch_groups or the input projection is fused by default, which
+    both directions' never is); one layer, inference, float32 on the CUDA cores, weights not
+    streamed."""
+    problem = request.problem
+    if ("batch_groups" in request.knobs or problem.layers > 1 or problem.training
+            or problem.dtype != "float32" or found.global_chunks
+            or (fuses_input(problem) and problem.directions == 1)
+            or not 1 < problem.batch <= planner.MAX_BATCH or found.batch_groups == problem.batch):
+        return found
+    try:
+        one_row = request.weights(found.reg_margin, groups=problem.batch)
+    except Unfit:
+        return found
+    if (one_row.smem_chunks <= ONE_ROW_SMEM_CHUNKS and one_row.group_blocks >= ONE_ROW_MIN_BLOCKS
+            and planner.exchange(one_row, problem.batch) == "tagged"):
+        return one_row
+    return found
 
 
 def input_projection(request: _Request, found: Plan) -> Plan:

@@ -40,7 +40,9 @@ shorter (fewer blocks to wait for, a shorter staging of h, fewer products a lane
 of NG copies of the weights on-chip. Chosen by default (``batch_groups=None``) where a group's
 weights fit in its blocks' registers (measured on an H200: LSTM 256 batch 4 in 4 groups 1.74 ->
 1.18 us a step, LSTM 512 2.36 -> 1.68, GRU 512 2.31 -> 1.68; where a group needs shared memory
-for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15). Past
+for its weights, LSTM 1024 batch 4 in 2 groups, it was slower: 3.81 -> 4.15; but one batch
+row a group, with the tagged exchange, won with up to 2 chunks of shared memory:
+:func:`.knobs.one_row_groups`). Past
 :data:`MAX_BATCH` a batch runs persistently only in groups, the most that fit (LSTM 256 batch
 64 in 16 groups 3.59 us a step against 9.59 for the non-persistent schedule, GRU 512 in 8
 groups 10.42 against 15.79).
