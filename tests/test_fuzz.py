@@ -206,8 +206,13 @@ def test_random_layers_train_as_central_differences(target):
                               tuple(d_finals[s].astype(np.float32) for s in cell.states),
                               lengths=lengths)
         assert set(got) == set(want)
+        # a gradient summed from terms that cancel (a layer norm's beta of one unit: 3e-4 from
+        # terms of 1e-1) is measured against 1% of the largest gradient: float32 sums of such
+        # terms are off by about 1e-7 of their size, not of the sum's
+        floor = 1e-2 * max(np.abs(value).max() for value in want.values())
         for name, value in want.items():
-            err = reference.relative_error(np.asarray(_host(got[name]), np.float64), value)
+            diff = np.abs(np.asarray(_host(got[name]), np.float64) - value).max()
+            err = diff / max(np.abs(value).max(), floor)
             assert err < 1e-4, (f"{name}: relative error {err:.3e} for "
                                 f"{cell.doc or cell.name}, {case}")
 
