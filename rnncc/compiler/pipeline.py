@@ -91,38 +91,49 @@ _TANH_TERMS = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835)
 _TANH = tvm.ir.Op.get("tirx.tanh")
 
 
+def _const(value, lanes: int, dtype: str = "float32"):
+    """A constant of ``dtype``, broadcast to ``lanes`` lanes where there are several."""
+    scalar = tvm.tirx.const(value, dtype)
+    return scalar if lanes == 1 else tvm.tirx.Broadcast(scalar, lanes)
+
+
+def _float32_lanes(call) -> int:
+    """The lanes of a float32 call's value, or 0 for another dtype."""
+    dtype = tvm.DataType(str(call.ty.dtype))
+    return dtype.lanes if dtype.bits == 32 and dtype.type_code == tvm.DataTypeCode.FLOAT else 0
+
+
 def _accurate_tanh(call):
     """A float32 ``tanh(x)`` (scalar or vector) as ``let v = x in select(|v| < 0.25,
     series(v), tanh(v))``: x bound once, a new variable at every occurrence; other calls as
     they are."""
     if not call.op.same_as(_TANH):
         return call
-    dtype = tvm.DataType(str(call.ty.dtype))
-    if dtype.bits != 32 or dtype.type_code != tvm.DataTypeCode.FLOAT:
+    lanes = _float32_lanes(call)
+    if not lanes:
         return call
-
-    def const(value):
-        scalar = tvm.tirx.const(value, "float32")
-        return scalar if dtype.lanes == 1 else tvm.tirx.Broadcast(scalar, dtype.lanes)
-
     v = tvm.tirx.Var("tanh_x", str(call.ty.dtype))
-    x2, poly = v * v, const(_TANH_TERMS[-1])
+    x2, poly = v * v, _const(_TANH_TERMS[-1], lanes)
     for term in reversed(_TANH_TERMS[:-1]):
-        poly = poly * x2 + const(term)
-    near_zero = tvm.tirx.abs(v) < const(TANH_SERIES_BELOW)
+        poly = poly * x2 + _const(term, lanes)
+    near_zero = tvm.tirx.abs(v) < _const(TANH_SERIES_BELOW, lanes)
     return tvm.tirx.Let(v, call.args[0], tvm.tirx.Select(near_zero, v * poly, tvm.tirx.tanh(v)))
+
+
+def _map_calls(mod, rewrite):
+    """``mod`` with every PrimFunc's calls mapped by ``rewrite`` (a call -> its replacement)."""
+    updates = {gvar: func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.Call, rewrite)))
+               for gvar, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return mod
 
 
 @tvm.transform.module_pass(opt_level=0, name="rnncc.AccurateTanh")
 def accurate_tanh(mod, _ctx):
     """Every PrimFunc's float32 tanh accurate near zero (CPU builds; after TVM's passes that
     copy or vectorize loop bodies, which refuse a variable bound in two places)."""
-    updates = {gvar: func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.Call,
-                                                                       _accurate_tanh)))
-               for gvar, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
-    for gvar, func in updates.items():
-        mod[gvar] = func
-    return mod
+    return _map_calls(mod, _accurate_tanh)
 
 
 #: float32 e^x in arithmetic (Cephes' expf): x clamped to the floats' range, x = n ln 2 + r
@@ -134,11 +145,6 @@ _LN2_PARTS = (0.693359375, -2.12194440e-4)
 _EXP_TERMS = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
               1.6666665459e-1, 5.0000001201e-1)
 _EXP, _SIGMOID = tvm.ir.Op.get("tirx.exp"), tvm.ir.Op.get("tirx.sigmoid")
-
-
-def _const(value, lanes: int, dtype: str = "float32"):
-    scalar = tvm.tirx.const(value, dtype)
-    return scalar if lanes == 1 else tvm.tirx.Broadcast(scalar, lanes)
 
 
 def _vector_exp(x, lanes: int):
@@ -169,12 +175,6 @@ def _vector_exp(x, lanes: int):
     return tirx.Select(nan, x, value)
 
 
-def _float32_lanes(call) -> int:
-    """The lanes of a float32 call's value, or 0 for another dtype."""
-    dtype = tvm.DataType(str(call.ty.dtype))
-    return dtype.lanes if dtype.bits == 32 and dtype.type_code == tvm.DataTypeCode.FLOAT else 0
-
-
 def _arithmetic_exp(call):
     """A float32 ``exp``, ``sigmoid`` or ``tanh`` call (scalar or vector) in arithmetic on
     :func:`_vector_exp`; other calls as they are."""
@@ -198,12 +198,7 @@ def _arithmetic_exp(call):
 def arithmetic_exp(mod, _ctx):
     """Every PrimFunc's float32 exp, sigmoid and tanh in arithmetic (CPU builds, after
     :func:`accurate_tanh`): LLVM calls libm's scalar expf for each lane of TVM's forms."""
-    updates = {gvar: func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.Call,
-                                                                       _arithmetic_exp)))
-               for gvar, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
-    for gvar, func in updates.items():
-        mod[gvar] = func
-    return mod
+    return _map_calls(mod, _arithmetic_exp)
 
 
 def _cpu_factory():
