@@ -727,7 +727,8 @@ def test_lengths_match_reference(cell, input_size, hidden, batch, dtype, knobs, 
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, knobs, persistent", [
-    ("lstm", 512, 512, 1, "float32", None, "on"),
+    ("lstm", 512, 512, 1, "float32", None, "on"),  # input projections overlapped by default
+    ("lstm", 448, 448, 6, "float32", None, "on"),  # ... in 2 batch groups, 12 rows a group
     ("gru", 33, 257, 7, "float32", {"sync": "barrier"}, "on"),
     ("rnn_tanh", 16, 64, 40, "float32", {"batch_groups": 4, "sync": "grid"}, "on"),
     ("gru", 512, 512, 4, "float32", None, "on"),  # batch groups by default
@@ -737,9 +738,9 @@ def test_lengths_match_reference(cell, input_size, hidden, batch, dtype, knobs, 
 @pytest.mark.parametrize("lengths", [False, True])
 def test_bidirectional_matches_reference(cell, input_size, hidden, batch, dtype, knobs,
                                          persistent, lengths, rng):
-    """Both directions in one persistent launch (each exchange, batch groups, tensor cores)
-    and in the non-persistent schedule; the reverse direction from each sample's own last
-    step; every run bit for bit the first."""
+    """Both directions in one persistent launch (each exchange, batch groups, tensor cores,
+    input projections overlapped or a GEMM) and in the non-persistent schedule; the reverse
+    direction from each sample's own last step; every run bit for bit the first."""
     module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
                            knobs=knobs, persistent=persistent, tuning="off", lengths=lengths,
                            directions=2)

@@ -333,7 +333,8 @@ class TestPersistentBuild:
         with open(path, "rb") as f:
             assert b"tirx.use_cooperative_launch" in f.read()
 
-    @pytest.mark.parametrize("knobs", [None, {"input_rows": 0}])
+    @pytest.mark.parametrize("knobs", [None, pytest.param({"input_rows": 0},
+                                                         marks=pytest.mark.slow)])
     def test_fused_input_projection_by_default_at_wide_inputs(self, knobs):
         """C >= 1024, N <= 4: the kernel computes its own input projections (no input GEMM
         stage in the persistent entry, W_ih packed for it); ``input_rows=0`` turns it off."""
@@ -360,7 +361,7 @@ class TestPersistentBuild:
         else:
             assert plan_["input_rows"] == 0 and "persistent_pack_w_ih" not in functions
 
-    @pytest.mark.parametrize("batch", [1, 4])
+    @pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.slow)])
     def test_fused_input_in_slabs_by_default_at_batch_1(self, batch):
         """LSTM 1536: W_ih in slabs through W_hh's shared memory, by default at N = 1 only
         (measured slower at N = 4); ``input_rows`` forces it."""
@@ -377,19 +378,23 @@ class TestPersistentBuild:
         else:
             assert plan_["input_rows"] == 0
 
-    @pytest.mark.parametrize("cell, input_size, hidden, batch, knobs", [
-        ("gru", 1024, 1024, 4, None), ("lstm", 1001, 257, 3, {"input_steps": 4, "sync": "tagged"})])
-    def test_overlapped_input_projection_builds(self, cell, input_size, hidden, batch, knobs):
+    @pytest.mark.parametrize("cell, input_size, hidden, batch, directions, knobs, steps", [
+        ("gru", 1024, 1024, 4, 1, None, 8),
+        ("lstm", 1001, 257, 3, 1, {"input_steps": 4, "sync": "tagged"}, 4),
+        ("lstm", 512, 512, 4, 2, None, 4)])
+    def test_overlapped_input_projection_builds(self, cell, input_size, hidden, batch,
+                                                directions, knobs, steps):
         """The slab's products sit between publishing h (the arrival at the counter barrier,
         or the tagged stores) and waiting for the other blocks; x's slab copied with
-        ``cp.async`` where C % 4 == 0 (GRU 1024 N=4, by default), else staged; no spills."""
+        ``cp.async`` where C % 4 == 0 (GRU 1024 N=4 and both directions of LSTM 512 N=4, by
+        default), else staged; no spills."""
         from rnncc.compiler.cuda_binary import cooperative_kernels, kernel_bodies
 
         module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", knobs=knobs,
-                               tuning="off", persistent="on")
+                               tuning="off", persistent="on", directions=directions,
+                               lengths=directions > 1)
         schedule = module.metadata["schedule"]
-        assert schedule["persistent"]["plan"]["input_steps"] == (knobs or {"input_steps": 8})[
-            "input_steps"]
+        assert schedule["persistent"]["plan"]["input_steps"] == steps
         assert schedule["rules"]["persistent"].endswith("+input")
         source = module.source("cuda")
         (name,) = cooperative_kernels(source)
@@ -397,19 +402,23 @@ class TestPersistentBuild:
         assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0
         loop = kernel_bodies(source)[name].split("for (int64_t t = (int64_t)0; t < T; ++t)")[1]
         products = loop.index("pacc_ptr[")
-        if knobs is None:
+        if input_size % 4 == 0:
             assert "cp.async.cg.shared.global" in source and "rnncc_cp_async(" in loop
-            assert loop.index("rnncc_grid_arrive(") < products < loop.index("rnncc_grid_barrier(")
         else:
             assert "cp.async" not in source
+        if schedule["persistent"]["plan"]["sync"] == "barrier":
+            assert loop.index("rnncc_grid_arrive(") < products < loop.index("rnncc_grid_barrier(")
+        else:
             assert loop.index("rnncc_grid_store(") < products
 
+    @pytest.mark.slow
     def test_narrow_inputs_keep_the_input_gemm(self):
         module = rnncc.compile("lstm", 256, 256, 4, target="cuda", tuning="off")
         assert module.metadata["schedule"]["persistent"]["plan"]["input_rows"] == 0
         with pytest.raises(ConfigError, match="input_rows must be an integer"):
             rnncc.compile("lstm", 256, 256, 4, target="cuda", knobs={"input_rows": -1})
 
+    @pytest.mark.slow
     def test_batch_groups_build(self):
         """LSTM 256 N=4 runs as 4 groups of batch 1 by default; the groups share one packing
         of W_hh and have a counter each with the barrier."""
@@ -824,15 +833,15 @@ def test_fast_forms_take_float32_only():
 @pytest.mark.parametrize("cell, hidden, batch", [("lstm", 512, 1), ("gru", 512, 4),
                                                  ("lstm", 1024, 2), ("rnn_tanh", 64, 40)])
 def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
-    """Two directions: each direction's grid planned on half the multiprocessors (with the
-    batch groups chosen, :func:`knobs.one_row_groups` included), the grid twice that, no fused
-    input projection even where one direction would fuse it, and streaming refused."""
+    """Two directions, their input projections a GEMM (``input_steps=0``): each direction's
+    grid planned on half the multiprocessors (with the batch groups chosen,
+    :func:`knobs.one_row_groups` included), the grid twice that, and streaming refused."""
     from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
     gates = rnncc.cells.get(cell).gates
     both = knobs.plan_for(Problem(rnncc.cells.get(cell), hidden, hidden, batch, directions=2),
-                          H100, {}, 24)
+                          H100, {"input_steps": 0}, 24)
     half = dataclasses.replace(H100, sms=H100.sms // 2)
     one = plan(gates, hidden, batch, "float32", half, len(rnncc.cells.get(cell).states),
                batch_groups=both.batch_groups)
@@ -842,9 +851,35 @@ def test_bidirectional_plan_is_two_grids_of_half_the_gpu(cell, hidden, batch):
     assert both.group_blocks == one.group_blocks and both.blocks <= H100.sms
     with pytest.raises(Unfit, match="a streaming plan runs one direction"):
         plan(gates, hidden, batch, "float32", H100, stream=True, directions=2)
-    with pytest.raises(Unfit, match="input projections are one GEMM before the launch"):
-        knobs.plan_for(Problem(rnncc.cells.get(cell), hidden, hidden, batch, directions=2),
-                       H100, {"input_rows": 8}, 24)
+
+
+@pytest.mark.parametrize("cell, hidden, batch, overlapped", [
+    ("lstm", 512, 4, True), ("gru", 512, 1, True), ("lstm", 448, 6, True),
+    ("gru", 640, 5, False), ("lstm", 256, 4, False), ("lstm", 512, 16, False),
+    ("lstm", 1024, 4, False)])
+def test_both_directions_overlap_their_input_projections_where_the_rule_says(
+        cell, hidden, batch, overlapped):
+    """float32, C >= BIDIR_OVERLAP_MIN_INPUT, N <= BIDIR_OVERLAP_MAX_BATCH: each direction's
+    grid computes its input projections overlapped with the time loop, S*N rows a group the
+    first of BIDIR_OVERLAP_ROWS that fits with S >= MIN_STEPS (none at batch 5 of one group,
+    none where W_ih's rows do not fit: LSTM 1024), never before the loop unless input_rows
+    asks; input_steps=0 (the driver's fallback where the kernel spills) gives the GEMM."""
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    problem = Problem(rnncc.cells.get(cell), hidden, hidden, batch, directions=2)
+    found = knobs.plan_for(problem, H100, {}, 24)
+    assert found.directions == 2 and bool(found.input_steps) == overlapped == found.fused
+    if overlapped:
+        assert found.input_steps >= knobs.MIN_STEPS
+        assert found.input_rows in knobs.BIDIR_OVERLAP_ROWS
+        assert found.input_rows == found.input_steps * batch // found.batch_groups
+    gemm = knobs.plan_for(problem, H100, {"input_steps": 0}, 24)
+    assert not gemm.fused and gemm.directions == 2
+    before = knobs.plan_for(problem, H100, {"input_rows": 8}, 24)
+    assert before.input_rows == 8 and before.input_steps == 0
+    half = dataclasses.replace(problem, dtype="float16")
+    assert not knobs.plan_for(half, H100, {}, 24).fused
 
 
 @pytest.mark.parametrize("gates, hidden, batch, dtype, parts, groups", [

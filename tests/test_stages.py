@@ -110,13 +110,14 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
     for k, name in enumerate(cell.params):  # the cell's per-unit parameters, [D*H] each
         args[f"p{k}"] = np.concatenate([weights[f"{name}_l0{d}"].astype(dtype)
                                         for d in suffixes])
-    if p.fused:
-        shape = buffers.input_weight_shape(p, g)
-        w_ih = weights["weight_ih_l0"].astype(dtype)
-        args["wi"] = _llvm(comp.pack_fused_input(g, h, c, shape, p, dtype), w_ih,
-                           np.zeros(shape, dtype))[1]
-        args.update(x=x.astype(dtype), b_ih=weights["bias_ih_l0"].astype(dtype),
-                    xp=np.full((steps, n, g * h), np.nan, np.float32))
+    if p.fused:  # a direction's W_ih packed as the entry packs it, the reverse one's after
+        shape = (p.group_blocks, *buffers.input_weight_shape(p, g)[1:])
+        pack = comp.pack_fused_input(g, h, c, shape, p, dtype)
+        args["wi"] = np.concatenate([_llvm(pack, weights["weight_ih_l0" + d].astype(dtype),
+                                           np.zeros(shape, dtype))[1] for d in suffixes])
+        args.update(x=x.astype(dtype), b_ih=np.concatenate([
+            weights["bias_ih_l0" + d].astype(dtype) for d in suffixes]),
+            xp=np.full((steps, n, dirs * g * h), np.nan, np.float32))
     else:
         xp = np.concatenate([x.astype(dtype).astype(np.float32) @ weights[
             "weight_ih_l0" + d].astype(dtype).astype(np.float32).T + weights[
@@ -280,6 +281,12 @@ KERNELS = {
         crafted(1, 33, 4, "float32", 9, 1, sync="grid"), 1, 16, 4, 1)),
     "bidirectional, tagged": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
         4, 33, 3, "float32", H100, 2, directions=2)),
+    "bidirectional, overlapped, asynchronous copies": lambda: ("lstm", 64, 33, 2, "float32",
+                                                               _overlapped(crafted(
+        4, 33, 2, "float32", 5, 2, directions=2), 4, 64, 2, 2)),
+    "bidirectional, overlapped, staged x, batch groups": lambda: ("gru", 37, 40, 4, "float32",
+                                                                  _overlapped(crafted(
+        3, 40, 4, "float32", 5, 2, groups=2, sync="barrier", directions=2), 3, 37, 4, 2)),
     "bidirectional, barrier, batch groups, K in three places": lambda: (
         "gru", 7, 300, 4, "float32", crafted(3, 300, 4, "float32", 40, 4, (1, 1, 1), groups=2,
                                              sync="barrier", directions=2)),
@@ -330,7 +337,8 @@ def test_kernel_variant_matches_reference(name, rng):
     "bidirectional, barrier, batch groups, K in three places")([
         "tagged", "barrier, K in registers, shared and global memory",
         "batch groups", "tensor cores", "fused, odd C", "overlapped, staged x, barrier",
-        "bidirectional, tagged",
+        "bidirectional, tagged", "bidirectional, overlapped, asynchronous copies",
+        "bidirectional, overlapped, staged x, batch groups",
         "bidirectional, barrier, batch groups, K in three places"]))
 def test_kernel_with_lengths_matches_reference(name, rng):
     """Samples of their own lengths: each pair keeps its states past its sample's length,

@@ -25,11 +25,11 @@ from .stages import exchange
 
 def input_weight_shape(p: Plan, gates: int) -> tuple:
     """Shape of W_ih packed for a fused input projection: [B, KC, RL, 8, VEC] (B: the blocks of
-    one batch group; with L layers, L*B, layer l's at l*B), block b, chunk c,
+    one batch group; with L layers or D directions, L*B or D*B, grid l's at l*B), block b, chunk c,
     row q of the lane's RL, row group rg, element v holding W_ih[g*H + j, c*VEC + v] with
     r = rg*RL + q, g = r // U and j = b*U + r % U (zero outside)."""
     rl = planner.fused_row_split(p, gates)
-    return (p.layers * p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
+    return (p.grids * p.group_blocks, p.input_chunks, rl, planner.ROW_GROUPS, p.vec)
 
 
 def published_h(p: Plan, batch: int, dtype: str) -> tuple | None:
@@ -60,7 +60,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
-    the counters [D*NG]. With L layers (planner: "Layers as a wavefront") the same with L for D
+    the counters [D*NG] (with a fused input projection W_ih [D*B/(D*NG), ...], b_ih
+    [D*G*H]). With L layers (planner: "Layers as a wavefront") the same with L for D
     (W_ih and b_ih too; y holds every layer's outputs, and layer l > 0 reads layer l - 1's as
     its x), and last the layers' progress counters ``prog`` [L*NG] uint32."""
     p, dt, n = spec.plan, spec.dtype, spec.batch
@@ -93,7 +94,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     if p.fused:
         match("x", "x", (t_len, n, spec.input_size), dt)
         match("wi", "wi", input_weight_shape(p, spec.gates), dt)
-        match("b_ih", "bi", (spec.layers * spec.gate_rows,), dt)
+        match("b_ih", "bi", (gh,), dt)
     match("xp", "xp", (t_len, n, gh), "float32")
     match("w", "w", (d * p.group_blocks, *p.packed_shape[1:]), dt)
     match("b_hh", "b", (gh,), dt)
@@ -283,12 +284,13 @@ def _fused(spec: KernelSpec, alloc) -> int:
 
 def projection(params: SimpleNamespace, chips: SimpleNamespace) -> SimpleNamespace:
     """The fused input projection's buffers: x (with layers, y and the progress counters:
-    layer l > 0 reads layer l - 1's outputs), W_ih (``wi``, packed; ``w_ih`` its rows in
-    shared memory: ``wis``, or ``wsm`` in slabs), b_ih, xp; x's staged rows (``x_staged``:
+    layer l > 0 reads layer l - 1's outputs; with lengths, the samples': the reverse
+    direction's rows run back from each one's last step), W_ih (``wi``, packed; ``w_ih`` its
+    rows in shared memory: ``wis``, or ``wsm`` in slabs), b_ih, xp; x's staged rows (``x_staged``:
     ``xsl`` overlapped, else ``hs``), the warps' sums (``hs``) and its registers."""
     return SimpleNamespace(
-        x=params.x, y=params.y, prog=params.prog, wi=params.wi, b_ih=params.b_ih, xp=params.xp,
-        hs=chips.hs,
+        x=params.x, y=params.y, prog=params.prog, lengths=params.lengths, wi=params.wi,
+        b_ih=params.b_ih, xp=params.xp, hs=chips.hs,
         w_ih=chips.wis if chips.wis is not None else chips.wsm, xsl=chips.xsl,
         x_staged=chips.xsl if chips.xsl is not None else chips.hs, pacc=chips.pacc,
         xv=chips.xv, wq=chips.wq, xs=chips.xs)

@@ -7,12 +7,12 @@ one named step after another:
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
    no: a plan of their own (the weights on-chip, the input projection a separate GEMM); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
-   with none (ptxas then says whether it spills), else streamed in part from L2; and the batch
-   groups, one row each where :func:`one_row_groups` says;
+   with none (ptxas then says whether it spills), else streamed in part from L2;
 3. the knobs that only set a field (sync, unroll);
 4. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
    by default, fused before the time loop, or the separate GEMM;
-5. the exchange of h, unless the knobs set it (:func:`.planner.exchange`: where the input
+5. with the separate GEMM, the batch groups, one row each where :func:`one_row_groups` says;
+6. the exchange of h, unless the knobs set it (:func:`.planner.exchange`: where the input
    projection is overlapped, the tagged exchange on larger grids too).
 
 Pure arithmetic on the planner's :class:`~.planner.Plan`; no TVM.
@@ -58,6 +58,24 @@ FUSE_SLAB_MAX_BATCH = 1
 #: with one chunk of W_hh moved, GRU 1024 N=1 2.02 / 1.86 and LSTM 1024 N=1 2.08 / 1.95 with
 #: the counter barrier).
 OVERLAP_ROOM = (0, 24, 48)
+#: Both directions' input projections are overlapped with the time loop by default (float32,
+#: where it fits and its blocks exchange h as tagged words; never before the loop) at C >=
+#: BIDIR_OVERLAP_MIN_INPUT and N <= BIDIR_OVERLAP_MAX_BATCH, S*N rows a group the first of
+#: BIDIR_OVERLAP_ROWS that fits with S >= MIN_STEPS: their GEMM before the launch is twice one
+#: direction's, while each block's share of the overlapped one is what it is alone. H200, us a
+#: step, the GEMM / overlapped (S*N rows, S): LSTM 512 batch 4 2.43 / 1.79 (8, 4), 2.21 (12,
+#: 6), batch 2 1.63 / 1.42 (8, 8), 1.72 (12, 12), batch 1 1.48 / 1.35 (8, 8), 1.65 (12, 12),
+#: batch 8 3.52 / 3.29 (32, 4), 3.73 (16, 2); GRU 512 batch 1 1.40 / 1.27 (8), 1.25 (16), 1.38
+#: (32), batch 4 2.03 / 1.64 (16), 1.80 (32), batch 8 3.23 / 2.58 (16, 4); LSTM 448 batch 6
+#: 3.09 / 2.44 (12, 4); LSTM 384 batch 4 1.75 / 1.58; GRU 384 batch 4 1.69 / 1.54; GRU 448
+#: batch 8 3.21 / 2.52; GRU 768 batch 2 2.65 / 1.96; LSTM 576 batch 2 2.29 / 1.94; RNN 512
+#: batch 4 1.25 / 1.01; RNN 1024 batch 4 2.45 / 1.90. All these exchange tagged words; those
+#: with the barrier gained less or lost (LSTM 512 batch 4 in one group 2.21, LSTM 640 batch 3
+#: 2.93 / 2.80, GRU 640 batch 5 3.21 / 3.48). At C = 256 it lost where it took fewer batch
+#: groups (LSTM 256 batch 4 1.24 / 1.40) and won where it did not (GRU 256 batch 16 1.89 /
+#: 1.61).
+BIDIR_OVERLAP_MIN_INPUT, BIDIR_OVERLAP_MAX_BATCH = 384, 8
+BIDIR_OVERLAP_ROWS, MIN_STEPS = (16, 8, 12), 4
 #: A layer of 16-bit weights runs persistently by default only up to HALF_MAX_BATCH batch rows
 #: (past it only in batch groups, and tensor-core GEMMs a step of the non-persistent schedule,
 #: its slices of K filling the GPU, were faster; H200, us a step, persistent / not: float16
@@ -93,9 +111,13 @@ def check_knobs(knobs) -> dict:
 
 def fuses_input(problem) -> bool:
     """Whether the persistent kernel computes its input projections itself by default
-    (:func:`.planner.fuse_input`)."""
-    return (problem.dtype == "float32" and problem.input_size >= FUSE_MIN_INPUT
-            and problem.batch <= FUSE_MAX_BATCH)
+    (:func:`.planner.fuse_input`; both directions' only overlapped)."""
+    if problem.dtype != "float32":
+        return False
+    if problem.directions > 1:
+        return (problem.input_size >= BIDIR_OVERLAP_MIN_INPUT
+                and problem.batch <= BIDIR_OVERLAP_MAX_BATCH)
+    return problem.input_size >= FUSE_MIN_INPUT and problem.batch <= FUSE_MAX_BATCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +166,7 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     tensor = tensor_cores(request, reg_margin, tight)
     if tensor is not None:
         return tensor
-    found = input_projection(request, one_row_groups(request, weights_on_chip(
+    found = one_row_groups(request, input_projection(request, weights_on_chip(
         request, reg_margin, tight)))
     if "sync" in knobs:
         return found
@@ -228,13 +250,13 @@ ONE_ROW_SMEM_CHUNKS, ONE_ROW_MIN_BLOCKS = 2, 16
 
 def one_row_groups(request: _Request, found: Plan) -> Plan:
     """``found``, or the plan of one batch row a group where :data:`ONE_ROW_SMEM_CHUNKS` says
-    (unless the knobs set batch_groups or the input projection is fused by default, which
-    both directions' never is); one layer, inference, float32 on the CUDA cores, weights not
+    (unless the knobs set batch_groups, ``found`` fuses the input projection, or one
+    direction's is fused by default); one layer, inference, float32 on the CUDA cores, weights not
     streamed."""
     problem = request.problem
     if ("batch_groups" in request.knobs or problem.layers > 1 or problem.training
             or problem.dtype != "float32" or found.global_chunks
-            or (fuses_input(problem) and problem.directions == 1)
+            or found.fused or (fuses_input(problem) and problem.directions == 1)
             or not 1 < problem.batch <= planner.MAX_BATCH or found.batch_groups == problem.batch):
         return found
     try:
@@ -255,11 +277,6 @@ def input_projection(request: _Request, found: Plan) -> Plan:
     rows, steps = knobs.get("input_rows"), knobs.get("input_steps")
     if problem.layers > 1:
         return _wavefront(request, found, rows, steps)
-    if problem.directions > 1:
-        if rows or steps:
-            raise Unfit(f"input_rows={rows} input_steps={steps}: a bidirectional layer's "
-                        "input projections are one GEMM before the launch (both 0 or unset)")
-        return found
     if steps:
         overlapped = _overlapped(request, found, steps)
         if overlapped is None:
@@ -273,6 +290,11 @@ def input_projection(request: _Request, found: Plan) -> Plan:
         return overlapped
     if rows == 0 or (rows is None and not fuses_input(problem)):
         return found
+    if problem.directions > 1 and rows is None:  # overlapped (unless input_steps=0), or the GEMM
+        overlapped = (_overlapped(request, found, rows=BIDIR_OVERLAP_ROWS) if steps is None
+                      else None)
+        tagged = overlapped and planner.exchange(overlapped, problem.batch) == "tagged"
+        return overlapped if tagged else found
     fused = _overlapped(request, found) if rows is None and steps is None else None
     if fused is None:
         fused = planner.fuse_input(found, problem.gates, problem.input_size, problem.batch,
@@ -300,18 +322,25 @@ def _wavefront(request: _Request, found: Plan, rows, steps) -> Plan:
                 f"{found.blocks // found.grids} blocks a layer), and it does not fit")
 
 
-def _overlapped(request: _Request, found: Plan, steps: int | None = None) -> Plan | None:
-    """``found`` with its input projection overlapped (``steps`` a group, or the planner's),
-    W_hh's chunks moved to shared memory :data:`OVERLAP_ROOM` registers at a time to make room
-    for the accumulators (unless the knobs fix reg_margin); None where it does not fit."""
+def _overlapped(request: _Request, found: Plan, steps: int | None = None,
+                rows: tuple = ()) -> Plan | None:
+    """``found`` with its input projection overlapped (``steps`` a group, or the planner's;
+    ``rows``: S*N the first of these that fits, S at least :data:`MIN_STEPS`), W_hh's chunks
+    moved to shared memory :data:`OVERLAP_ROOM` registers at a time to make room for the
+    accumulators (unless the knobs fix reg_margin); None where it does not fit."""
     problem = request.problem
     for more in OVERLAP_ROOM if "reg_margin" not in request.knobs else (0,):
         try:
             base = request.weights(found.reg_margin + more) if more else found
         except Unfit:
             return None
-        overlapped = planner.overlap_input(base, problem.gates, problem.input_size,
-                                           problem.batch, request.gpu, steps)
-        if overlapped is not None:
-            return overlapped
+        local = problem.batch // base.batch_groups
+        tries = [steps]
+        if rows:
+            tries = [r // local for r in rows if r % local == 0 and r // local >= MIN_STEPS]
+        for tried in tries:
+            overlapped = planner.overlap_input(base, problem.gates, problem.input_size,
+                                               problem.batch, request.gpu, tried)
+            if overlapped is not None:
+                return overlapped
     return None

@@ -74,8 +74,9 @@ one a direction, each planned as the layer alone would be on a D-th of the multi
 (with its batch groups): block bx runs direction bx // (B/D) with that direction's weights and
 its own h exchange and barrier; the reverse direction's step t is each sample's step
 len - 1 - t (T - 1 - t without lengths). The two recurrences never wait for each other, so a
-step costs what one direction's does, not two. No fused input projection or streaming (the
-input projections of both directions are one GEMM before the launch).
+step costs what one direction's does, not two. No streaming. The input projections of both
+directions are one GEMM before the launch, or fused (each grid its own, overlapped where
+:func:`~.knobs.input_projection` says; the reverse grid's rows of x run back as its steps).
 
 Layers as a wavefront (``layers`` L > 1, a stack of unidirectional layers whose input size is
 their hidden size): the grid is L grids side by side, one a layer, each planned as the layer
@@ -470,11 +471,10 @@ def wavefront_steps(batch: int) -> list[int]:
     return sorted(fits, key=lambda s: s * batch > WAVEFRONT_ROWS)  # S = 4 always fits
 
 
-def overlap_steps(batch: int) -> int:
+def overlap_steps(batch: int, rows: int = OVERLAP_ROWS) -> int:
     """S for a group of the batch's ``batch`` rows: SN = S*N a multiple of the lanes' x
-    groups, the largest not over :data:`OVERLAP_ROWS`, else the smallest over it."""
-    fits = [s for s in range(1, OVERLAP_ROWS + 1) if s * batch % X_GROUPS == 0
-            and s * batch <= OVERLAP_ROWS]
+    groups, the largest not over ``rows``, else the smallest over it."""
+    fits = [s for s in range(1, rows + 1) if s * batch % X_GROUPS == 0 and s * batch <= rows]
     return max(fits) if fits else X_GROUPS // math.gcd(batch, X_GROUPS)
 
 

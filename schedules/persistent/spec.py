@@ -71,8 +71,6 @@ class KernelSpec:
             raise ValueError("a training forward runs one direction of one layer")
         if self.first and p.layers > 1:
             raise ValueError("an addition to the first step's input projections runs one layer")
-        if p.fused and p.directions > 1:
-            raise ValueError("a fused input projection runs one direction")
         if p.layers > 1 and (not p.input_steps or self.input_size != self.hidden):
             raise ValueError(
                 f"a wavefront of {p.layers} layers takes C = H and overlapped input projections, "

@@ -18,8 +18,10 @@ copies slab t % S of group t // S + 1's x (:func:`start_copies`: ``cp.async`` wh
 16-byte vectors aligned, else staged in :func:`in_loop`) and, between publishing h_t and
 waiting for the other blocks (:func:`in_loop`), adds that slab's products; after the group's
 last slab it writes the group's xp. With layers (planner: "Layers as a wavefront"), layer
-l > 0's x is layer l - 1's y, and each group waits for its steps (:mod:`.wavefront`). The
-macros take the projection's buffers as ``io``
+l > 0's x is layer l - 1's y, and each group waits for its steps (:mod:`.wavefront`). With
+two directions (planner: "Directions") the reverse grid's loop step t is the sequence's step
+T - 1 - t (with lengths, each sample's length - 1 - t): its rows of x are read, and its xp
+written, at that step, where the cell reads them. The macros take the projection's buffers as ``io``
 (:func:`rnncc.schedules.persistent.buffers.projection`).
 """
 
@@ -145,6 +147,15 @@ def _each_x_slot(spec, body, step, tx):
             body(e * p.threads + tx)
 
 
+def _sequence_step(spec, io, t, t_len, row, bx):
+    """The sequence step of the block's loop step t for batch row ``row`` (of all groups): t,
+    or in the reverse direction T - 1 - t, with lengths the sample's length - 1 - t
+    (:meth:`~.spec.KernelSpec.step`: the step the cell reads the projection of)."""
+    if spec.directions == 1:
+        return t
+    return spec.step(bx, t, t_len, io.lengths[row] if spec.lengths else None)
+
+
 def _x_value(spec, io, t, row, col, bx):
     """x[t, row, col] as float32: the layer's input, or with layers, layer l - 1's output for
     layer l > 0 (read past L1: other blocks wrote it during the launch)."""
@@ -160,10 +171,11 @@ def _x_value(spec, io, t, row, col, bx):
 def _stage_x_item(spec, io, m0, sl, t_len, bx, e):
     n_, step, xstride = T.meta_var((spec.local_batch, _x_step(spec), geometry(spec).xstride))
     r, k, col, m = T.meta_var(_x_slot(spec, e, step, m0, sl))
+    row = T.meta_var(spec.batch_row(bx, m % n_))
     if col < spec.input_size and m < t_len * n_:
         for v in T.vectorized(step):
             io.x_staged[r * xstride + k + v] = _x_value(
-                spec, io, m // n_, spec.batch_row(bx, m % n_), col + v, bx)
+                spec, io, _sequence_step(spec, io, m // n_, t_len, row, bx), row, col + v, bx)
     else:
         for v in T.vectorized(step):
             io.x_staged[r * xstride + k + v] = T.float32(0)
@@ -175,7 +187,8 @@ def _copy_x_item(spec, io, m0, sl, t_len, bx, e):
     r, k, col, m = T.meta_var(_x_slot(spec, e, vec, m0, sl))
     last = T.meta_var(T.min(m, t_len * n_ - 1))
     to = T.meta_var(T.address_of(io.xsl[r * geometry(spec).xstride + k]))
-    t, row, first = T.meta_var((last // n_, spec.batch_row(bx, last % n_), T.min(col, c - vec)))
+    row, first = T.meta_var((spec.batch_row(bx, last % n_), T.min(col, c - vec)))
+    t = T.meta_var(_sequence_step(spec, io, last // n_, t_len, row, bx))
     size = T.meta_var(T.if_then_else(col < c and m < t_len * n_, 16, 0))
     if spec.layers == 1:
         device.copy_async(to, T.address_of(io.x[t, row, first]), size)
@@ -278,13 +291,11 @@ def products(spec, io, sl, warp, lane):
                 _chunk_products(spec, io, sl, lane, chunk)
 
 
-def _output_start(spec, io, mm, out, accumulate, bx):
-    n_ = spec.local_batch
+def _output_start(spec, io, at, row, out, accumulate):
     start = T.Cast("float32", io.b_ih[out])
     if accumulate is None:
         return start
-    return T.if_then_else(tirx.EQ(accumulate, 0), start,
-                          io.xp[mm // n_, spec.batch_row(bx, mm % n_), out])
+    return T.if_then_else(tirx.EQ(accumulate, 0), start, io.xp[at, row, out])
 
 
 @T.macro
@@ -296,10 +307,12 @@ def _write_output(spec, io, m0, accumulate, t_len, bx, o):
     mm = T.meta_var(m0 * p.input_rows + n)
     j = T.meta_var(spec.place(bx) * p.units + row % p.units)
     out = T.meta_var(spec.gate_column(bx, row // p.units, j))
-    io.xs[0] = _output_start(spec, io, mm, out, accumulate, bx)
+    b_row = T.meta_var(spec.batch_row(bx, mm % n_))
+    at = T.meta_var(_sequence_step(spec, io, mm // n_, t_len, b_row, bx))
+    io.xs[0] = _output_start(spec, io, at, b_row, out, accumulate)
     for w in T.unroll(p.warps):
         io.xs[0] = io.xs[0] + io.hs[(w * p.input_rows + n) * geo.sum_stride + row]
-    io.xp[mm // n_, spec.batch_row(bx, mm % n_), out] = io.xs[0]
+    io.xp[at, b_row, out] = io.xs[0]
 
 
 @T.macro
