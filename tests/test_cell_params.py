@@ -150,6 +150,7 @@ def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, device, modul
             name)
 
 
+@pytest.mark.slow
 def test_half_parameters_train(peephole, module_cache):
     """A bfloat16 network of peephole LSTMs (bidirectional, unequal lengths) on the CPU: its
     parameters, converted to float32 before the steps forward and backward, give every

@@ -44,7 +44,7 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
                if name not in persistent)
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("cell", ["lstm", pytest.param("gru", marks=pytest.mark.slow)])
 def test_batch_one_past_on_chip_capacity_builds(cell):
     """H 4096 at batch 1 (the recurrent product streamed by cuda.small_batch_gemv) builds, and
     says why it is not persistent."""

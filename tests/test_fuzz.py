@@ -169,6 +169,7 @@ def trained_layers(draw):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 def test_random_layers_train_as_central_differences(target):
     """A layer's training step (``train_forward``, ``backward``) of drawn cells, built-in and
@@ -318,6 +319,7 @@ def test_random_networks_match_torch_in_float64(target, tmp_path, monkeypatch):
     check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 def test_random_networks_train_as_torch_in_float64(target, tmp_path, monkeypatch):
     """rnncc.nn's gradients against torch's own module in float64 on the CPU, the same

@@ -149,6 +149,7 @@ def test_cuda_masked_step_computes_the_gates_once_for_all_outputs():
     assert "condval" not in step and step.count("? taken") == 4 and "h_copy" in step
 
 
+@pytest.mark.slow
 def test_cuda_masked_steps_of_training_compute_the_gates_outside_branches():
     """With lengths, the persistent kernels (inference, the training forward and backward)
     and the per-step cell derivative (the module's sequence entries) bind the cell's values

@@ -235,7 +235,7 @@ def test_rnncc_nn_gradients_match_torch(layers, bidirectional, device, module_ca
 
 
 @pytest.mark.parametrize("cell", [c for c in cells.names() if _projects(cells.get(c))])
-@pytest.mark.parametrize("lengths", [False, True])
+@pytest.mark.parametrize("lengths", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_layer_gradients_of_every_projecting_cell(cell, lengths, rng):
     """Module.train_forward / backward with a projection against float64 autograd of the
     layer written out in torch from the cell's NumPy reference's equations: the reference's

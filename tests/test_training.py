@@ -162,7 +162,7 @@ def test_layer_gradients_match_torch_float64(cell, c, h, n, steps, rng):
         assert _err(grads[name], param.grad.numpy()) < TOL, name
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kind", ["LSTM", pytest.param("GRU", marks=pytest.mark.slow)])
 def test_network_gradients_match_torch(kind, rng):
     """rnncc.nn, 2 layers bidirectional, a PackedSequence of unequal lengths (unsorted),
     initial states that require grad: every gradient against torch's in float64."""
@@ -521,7 +521,7 @@ def test_autocast_to_another_dtype_runs_float32_and_says_so(monkeypatch):
     assert y.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kind", ["LSTM", pytest.param("GRU", marks=pytest.mark.slow)])
 def test_a_training_run_follows_torch(kind):
     """Adam on a 2-layer network with a linear head, 15 steps from the same weights and
     batches: the loss curves of rnncc.nn and torch.nn agree to float32 noise."""
