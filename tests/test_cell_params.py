@@ -108,7 +108,8 @@ def _torch_peephole(torch, x, w, layers, lengths):
     return x
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_rnncc_nn_creates_runs_and_trains_the_parameters(peephole, device, module_cache):
     """``rnncc.nn.Recurrent("peephole", ...)``: the parameters ``<name>_l{k}[_reverse]`` [H]
     next to torch's; 2 layers, bidirectional, unequal lengths: outputs under no_grad against

@@ -294,7 +294,8 @@ class TestPersistentBuild:
         assert (plan["threads"], plan["reg_margin"]) == (512, 24)  # the first plan, kept
         assert not any("spilled" in note for note in module.metadata["schedule"]["notes"])
 
-    @pytest.mark.parametrize("sync", ["tagged", "barrier", "grid"])
+    @pytest.mark.parametrize("sync", ["tagged", "barrier",
+                                      pytest.param("grid", marks=pytest.mark.slow)])
     def test_kernel_builds_without_spills(self, sync, tmp_path):
         from rnncc.compiler.cuda_binary import cooperative_kernels, kernel_bodies
 
@@ -463,7 +464,7 @@ class TestPersistentBuild:
         report = module.metadata["ptxas"][name]
         assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0
 
-    @pytest.mark.parametrize("sync", ["tagged", "barrier"])
+    @pytest.mark.parametrize("sync", [pytest.param("tagged", marks=pytest.mark.slow), "barrier"])
     def test_float16_kernel_builds_without_spills(self, sync):
         from rnncc.compiler.cuda_binary import cooperative_kernels
 

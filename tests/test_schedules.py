@@ -206,8 +206,8 @@ def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng
 
 @pytest.mark.parametrize("steps, batch, depth, outputs, weights, wave", [
     pytest.param(5, 33, 128, 260, "rows", 4, marks=pytest.mark.slow),
-    pytest.param(7, 40, 136, 256, "cols", 4, marks=pytest.mark.slow), (3, 40, 136, 256, "rows", 4),
-    (7, 16, 128, 132, "rows", 2)])
+    pytest.param(7, 40, 136, 256, "cols", 4, marks=pytest.mark.slow),
+    pytest.param(3, 40, 136, 256, "rows", 4, marks=pytest.mark.slow), (7, 16, 128, 132, "rows", 2)])
 def test_sgemm_of_all_steps_splits_the_tail_past_whole_waves_on_the_simulator(
         steps, batch, depth, outputs, weights, wave, rng, monkeypatch):
     """All steps' tiles past the last whole wave of blocks (ALL_STEPS_SPLIT_BLOCKS, made

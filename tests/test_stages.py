@@ -189,7 +189,8 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
         assert max(errors) < tol, f"T={t}: relative errors {errors}"
 
 
-@pytest.mark.parametrize("variant", ["one direction", "fused input", "two directions"])
+@pytest.mark.parametrize("variant", ["one direction", "fused input", "two directions",
+                                     "two directions, overlapped"])
 def test_kernel_of_a_projection_folds_w_hr_and_adds_the_initial_h_first(variant, rng):
     """LSTMP as its persistent entry runs it (rnncc.lowering.sequence, ``_folded``): the kernel
     holds W_hh W_hr (pack_persistent's fold), runs the cell on h' from zero, and adds W_hh h0 to
@@ -200,6 +201,8 @@ def test_kernel_of_a_projection_folds_w_hr_and_adds_the_initial_h_first(variant,
     p = {"one direction": lambda: planner.plan(4, h, n, "float32", H100, 2),
          "fused input": lambda: _fused(crafted(4, h, n, "float32", 5, 2), 4, c, n, 8),
          "two directions": lambda: planner.plan(4, h, n, "float32", H100, 2, directions=2),
+         "two directions, overlapped": lambda: _overlapped(
+             crafted(4, h, n, "float32", 5, 2, directions=2), 4, c, n, 4),
          }[variant]()
     dirs, suffixes = p.directions, ("", "_reverse")[:p.directions]
     for steps in (1, 6):
@@ -317,6 +320,7 @@ def _slow(*names):
 
 
 @pytest.mark.parametrize("name", _slow("overlapped, grid",
+                                        "bidirectional, overlapped, staged x, batch groups",
                                         "bidirectional, tensor cores, h in 3 slices",
                                         "bidirectional, barrier, batch groups, K in three places",
                                         "overlapped, staged x, barrier", "fused, batch groups",
