@@ -21,7 +21,7 @@ from rnncc.cells import Cell, ops
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
-EXAMPLES = int(os.environ.get("RNNCC_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("RNNCC_FUZZ_EXAMPLES", "6"))
 SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, database=None,
                                suppress_health_check=list(hypothesis.HealthCheck),
                                print_blob=True)

@@ -107,6 +107,7 @@ def test_cuda_module_with_lengths_builds(cell, input_size, hidden, batch):
     assert report["spill_stores"] == report["stack"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_cuda_input_gemm_leaves_out_the_rows_past_the_lengths():
     """In IEEE float32 at batch 32 and more, both entries (persistent and not, both

@@ -284,6 +284,7 @@ class TestPersistentBuild:
         (name,) = cooperative_kernels(module.source("cuda"))
         assert module.metadata["ptxas"][name]["spill_stores"] == 0
 
+    @pytest.mark.slow
     def test_small_plan_keeps_its_registers(self):
         """512 threads, few weights a thread: without a minimum of one block a multiprocessor
         in the launch bounds ptxas kept 40 registers and spilled (the driver then moved to a

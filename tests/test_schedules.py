@@ -319,9 +319,10 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
         assert total.count("slices_ptr[") == splits and "b_ptr" in total
 
 
-@pytest.mark.parametrize("lead, pairs, weights", [(("T", 64), "64", "rows"), ((64,), "8", "rows"),
-                                                  (("T", 64), "64", "cols")],
-                         ids=["all_steps", "step", "all_steps_cols"])
+@pytest.mark.parametrize("lead, pairs, weights", [
+    pytest.param(("T", 64), "64", "rows", id="all_steps"),
+    pytest.param((64,), "8", "rows", id="step"),
+    pytest.param(("T", 64), "64", "cols", id="all_steps_cols", marks=pytest.mark.slow)])
 def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights):
     """Two shared tiles an operand (k-major, rows padded), 16-byte loads, one barrier a chunk
     (TVM's barrier insertion adds none of its own), and registers for two blocks of 256

@@ -6,7 +6,8 @@ same device, cell, dtype and batch gives its persistent knobs only (a starting p
 planner re-checks them for this size; component records are per shape and never carry over),
 less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, and how, is
 the planner's to decide at each size. A bidirectional layer takes its one direction's log
-the same way: each direction runs that plan, and its input projections are one GEMM. A
+the same way: each direction runs that plan, its input projections as the planner decides
+for two directions. A
 module that allows TF32 takes a TF32 log (:func:`.log.precision`), else the float32 one's
 knobs as a float32 module would (its component records schedule IEEE components, which a TF32
 module's are not). A GPU kind with no log of its own for a configuration takes its sibling's
