@@ -307,8 +307,7 @@ KERNELS = {
         4, 768, 17, "bfloat16", 16, 8, (2, 1, 0), mma=True, sync="barrier"), 3)),
     "bidirectional, tensor cores, h in 3 slices": lambda: ("gru", 3, 700, 18, "float16",
                                                            in_slices(crafted(
-        3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2)),
-        1),
+        3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2), 3)),
 }
 
 
