@@ -251,8 +251,8 @@ ONE_ROW_SMEM_CHUNKS, ONE_ROW_MIN_BLOCKS = 2, 16
 def one_row_groups(request: _Request, found: Plan) -> Plan:
     """``found``, or the plan of one batch row a group where :data:`ONE_ROW_SMEM_CHUNKS` says
     (unless the knobs set batch_groups, ``found`` fuses the input projection, or one
-    direction's is fused by default); one layer, inference, float32 on the CUDA cores, weights not
-    streamed."""
+    direction's is fused by default); one layer, inference, float32 on the CUDA cores, weights
+    not streamed."""
     problem = request.problem
     if ("batch_groups" in request.knobs or problem.layers > 1 or problem.training
             or problem.dtype != "float32" or found.global_chunks

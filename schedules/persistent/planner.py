@@ -471,10 +471,11 @@ def wavefront_steps(batch: int) -> list[int]:
     return sorted(fits, key=lambda s: s * batch > WAVEFRONT_ROWS)  # S = 4 always fits
 
 
-def overlap_steps(batch: int, rows: int = OVERLAP_ROWS) -> int:
+def overlap_steps(batch: int) -> int:
     """S for a group of the batch's ``batch`` rows: SN = S*N a multiple of the lanes' x
-    groups, the largest not over ``rows``, else the smallest over it."""
-    fits = [s for s in range(1, rows + 1) if s * batch % X_GROUPS == 0 and s * batch <= rows]
+    groups, the largest not over :data:`OVERLAP_ROWS`, else the smallest over it."""
+    fits = [s for s in range(1, OVERLAP_ROWS + 1) if s * batch % X_GROUPS == 0
+            and s * batch <= OVERLAP_ROWS]
     return max(fits) if fits else X_GROUPS // math.gcd(batch, X_GROUPS)
 
 

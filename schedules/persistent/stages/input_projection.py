@@ -21,8 +21,8 @@ last slab it writes the group's xp. With layers (planner: "Layers as a wavefront
 l > 0's x is layer l - 1's y, and each group waits for its steps (:mod:`.wavefront`). With
 two directions (planner: "Directions") the reverse grid's loop step t is the sequence's step
 T - 1 - t (with lengths, each sample's length - 1 - t): its rows of x are read, and its xp
-written, at that step, where the cell reads them. The macros take the projection's buffers as ``io``
-(:func:`rnncc.schedules.persistent.buffers.projection`).
+written, at that step, where the cell reads them. The macros take the projection's buffers as
+``io`` (:func:`rnncc.schedules.persistent.buffers.projection`).
 """
 
 from __future__ import annotations
