@@ -108,6 +108,27 @@ def test_packed_weights_reused(lstm, inputs):
         other(x[:, :1], packed)
 
 
+def test_states_not_given_are_read_from_zeros_made_once(lstm, inputs, rng):
+    """Initial states not given are zeros that the module only reads: made once for a device,
+    shape and dtype (not a fill a call), never written by a call, and the results are those
+    of zeros given."""
+    from rnncc.runtime import arrays
+
+    x, w = inputs
+    h0 = rng.standard_normal((1, 3, 7)).astype("float32")
+    first = lstm(x, w)
+    made = dict(arrays._ZEROS)
+    lstm(x, w, h0=h0, c0=h0)  # other calls between
+    again = lstm(x, w)
+    assert dict(arrays._ZEROS) == made and made
+    for zeros, _ in made.values():
+        assert not np.asarray(zeros.numpy()).any()
+    given = lstm(x, w, h0=np.zeros_like(h0), c0=np.zeros_like(h0))
+    for a, b, c in zip([first[0], *first[1]], [again[0], *again[1]], [given[0], *given[1]]):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
 def test_state_dict_and_module_accepted(rng):
     torch = pytest.importorskip("torch")
     ref = torch.nn.GRU(5, 7)

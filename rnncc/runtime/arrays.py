@@ -58,6 +58,10 @@ def _dlpack_device(value) -> tuple[str, int]:
     return _DL_DEVICE.get(int(dev_type), f"dlpack device type {int(dev_type)}"), int(index)
 
 
+#: :meth:`Family.zeros_to_read`'s tensors, by family, device, shape and dtype.
+_ZEROS: dict = {}
+
+
 @dataclass
 class Family:
     """Where a call runs and how its results are made: the kind of array ``x`` was."""
@@ -112,6 +116,28 @@ class Family:
 
         tensor = tvm.runtime.tensor(np.zeros(tuple(shape), dtype), self.device)
         return tensor, tensor
+
+    def zeros_to_read(self, shape, dtype: str):
+        """A tensor of zeros that the module only reads (an initial state not given): one a
+        family, shape and dtype, made once (a fill a call was two of the ten small kernels of
+        an LSTM 512 x2 call at batch 4, H200). Made during a CUDA graph capture, whose fill
+        runs only at replay, it is not kept; made on a CUDA stream, that stream finishes the
+        fill before other streams may read it."""
+        key = (self.name, self.device_kind, self.device_index, tuple(shape), dtype)
+        found = _ZEROS.get(key)
+        if found is not None:
+            return found[1]
+        made = self.zeros(shape, dtype)
+        if self.device_kind == "cuda":
+            if self.name != "torch":
+                return made[1]
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                return made[1]
+            torch.cuda.current_stream().synchronize()
+        _ZEROS[key] = made
+        return made[1]
 
     def copy(self, tensor):
         """A new array of this family holding a copy of the TVM tensor ``tensor``, made on the

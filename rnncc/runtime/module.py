@@ -447,7 +447,9 @@ class Module:
                 args.append(packed.tensors[name])
             elif kind in ("input", "inout"):  # a state, a kept state or a gradient
                 value = given.get(name)
-                if value is None:
+                if value is None and kind == "input" and "T" not in p["shape"]:
+                    args.append(family.zeros_to_read(shape, p["dtype"]))
+                elif value is None:
                     args.append(family.zeros(shape, p["dtype"])[1])
                 else:
                     args.append(to_tensor(name, value, shape, p["dtype"], family))
