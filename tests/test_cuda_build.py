@@ -108,6 +108,21 @@ def test_half_training_products_on_tensor_cores(dtype):
         assert not report.get("wgmma_serialized"), report
 
 
+@pytest.mark.parametrize("options, launches", [
+    ({"layers": 2}, 3),  # the buffers readied, the progress counters zeroed, the kernel
+    ({"proj_size": 4, "directions": 2, "lengths": True}, None)])
+def test_persistent_entries_ready_every_grid_at_once(options, launches):
+    """A persistent entry readies the states' workspaces and the tagged words of all its
+    grids in one kernel, and its kernel writes y and the final states (with a projection,
+    whose h' starts at zero, the final h comes from a GEMM after it): a wavefront of two
+    layers launches three kernels."""
+    module = compiled("lstm", 9, 9, 4, "cuda", **options)
+    assert module.metadata["schedule"]["kind"] == "persistent"
+    kernels = {name for name in kernel_bodies(module.source("cuda"))
+               if name.startswith("persistent_forward")}
+    assert launches is None or len(kernels) == launches, sorted(kernels)
+
+
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)

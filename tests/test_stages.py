@@ -123,27 +123,31 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
             "weight_ih_l0" + d].astype(dtype).astype(np.float32).T + weights[
             "bias_ih_l0" + d].astype(dtype).astype(np.float32) for d in suffixes], axis=2)
         args["xp"] = xp.astype(np.float32)
-    for k, name in enumerate(cell.states):
-        s = np.full((2, dirs * n, h), np.nan, np.float32)
-        s[0] = 0.0 if folded and k == 0 else initial[name].reshape(dirs * n, h).astype(dtype)
-        args[f"s{k}"] = s
     if folded:  # [N, D*G*H]
         args["first"] = np.concatenate([initial["h"][k].astype(dtype).astype(
             np.float32) @ weights["weight_hh_l0" + d].astype(dtype).astype(np.float32).T
             for k, d in enumerate(suffixes)], axis=1)
+    graph = autodiff.trace(cell)  # the values a step reduces, exchanged as h is
+    values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
+    # the states' workspaces and the tagged words, as the entry's first kernel makes them
+    count, words = len(cell.states), (1 + values if p.sync == "tagged" else 0)
+    made = _llvm(comp.init_persistent(count, dirs, n, h, dtype, "float32", words, EMPTY_TAG,
+                                      zero_h=bool(folded)),
+                 *[initial[s].astype(dtype) for s in cell.states[bool(folded):]],
+                 *[np.full((2, dirs * n, h), np.nan, np.float32) for _ in range(count)],
+                 *[np.zeros((2, dirs * n, h), np.uint64) for _ in range(words)])[-count - words:]
+    args.update({f"s{k}": made[k] for k in range(count)})
     if p.sync == "tagged":
-        h0 = args["s0"][0].copy()
-        args["hw"] = _llvm(comp.init_tagged(dirs * n, h, "float32", EMPTY_TAG), h0,
-                           np.zeros((2, dirs * n, h), np.uint64))[1]
+        args.update({"hw": made[count], **{f"aw{r}": made[count + 1 + r] for r in range(values)}})
     else:
         args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
+        args.update({f"aw{r}": np.full((2, dirs * n, h), np.nan, np.float32)
+                     for r in range(values)})
+    if not folded:  # the kernel writes the final states
+        args.update({f"s{k}_n": np.full((dirs, n, h), np.nan, dtype) for k in range(count)})
     if buffers.published_h(p, n, dtype):  # NaN: the kernel zeroes what none publishes
         shape, hx_dtype = buffers.published_h(p, n, dtype)
         args["hx"] = np.full(shape, np.nan, hx_dtype)
-    graph = autodiff.trace(cell)  # the values a step reduces, exchanged as h is
-    for r in range(sum(node.op == "mean" for node in graph.order) or len(graph.products)):
-        args[f"aw{r}"] = (args["hw"].copy() if p.sync == "tagged"
-                          else np.full((2, dirs * n, h), np.nan, np.float32))
     if lengths is not None:
         args["lengths"] = np.asarray(lengths, np.int32)
     for k in range(len(cell.states)) if kept else ():
@@ -152,9 +156,10 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
         args["pre"] = (args["xp"] if not p.fused and sums_in_place(kept)
                        else np.full((steps, n, len(kept) * h), np.nan, np.float32))
     func = kernel(cell, h, n, p, dtype=dtype, input_size=c if p.fused else 0,
-                  lengths=lengths is not None, kept=kept, first=bool(folded))
+                  lengths=lengths is not None, kept=kept, first=bool(folded), finals=not folded)
     Simulator(func, args).run()
-    finals = {s: args[f"s{k}"][steps % 2].reshape(dirs, n, h) for k, s in enumerate(cell.states)}
+    finals = {s: args[f"s{k}"][steps % 2].reshape(dirs, n, h) if folded else args[f"s{k}_n"]
+              for k, s in enumerate(cell.states)}
     if kept:
         return args["y"], finals, [args[f"s{k}_steps"] for k in range(len(cell.states))], \
             args["pre"]
@@ -482,6 +487,8 @@ def kernel_args(spec, steps):
         args["xp"] = np.full((steps, n, gh), np.nan, np.float32)
     for k in range(spec.states):
         args[f"s{k}"] = np.full((2, n, h), np.nan, np.float32)
+        if spec.finals:
+            args[f"s{k}_n"] = np.full((1, n, h), np.nan, spec.dtype)
     if spec.tagged:
         args["hw"] = np.zeros((2, n, h), np.uint64)
     else:
@@ -747,10 +754,12 @@ def test_exchange_publishes_h_and_counts_arrivals(sync):
 def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
     """The cell stage on one step: constants, per-unit parameters and initial states in, the
     step's input projections prefetched, the gate sums preset where the products leave them;
-    y, h_1 published and the final states, against the cell's float64 reference."""
+    y, h_1 published and the final states (written by the kernel), against the cell's
+    float64 reference."""
     g, s_count = cell.gates, len(cell.states)
     p = crafted(g, hidden, batch, dtype, 5, 2)
-    spec = KernelSpec(p, g, s_count, hidden, batch, dtype, params=len(cell.params))
+    spec = KernelSpec(p, g, s_count, hidden, batch, dtype, params=len(cell.params),
+                      finals=True)
     args = kernel_args(spec, 1)
     xp = rng.standard_normal((batch, g * hidden)).astype(np.float32)
     b_hh = rng.standard_normal(g * hidden).astype(dtype)
@@ -775,7 +784,7 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
         cell_stage.apply(spec, cell, gl.y, b.hs, b.gi, b.bh, b.st, b.ln,
                          partial(exchange.publish, spec, gl.s[0], gl.hw, 0), 0, 1, bx, tx,
                          pv=b.pv)
-        cell_stage.store_final_states(spec, gl.s, b.st, 1, bx, tx)
+        cell_stage.store_final_states(spec, gl.s, gl.finals, b.st, 1, bx, tx)
 
     run_stage(spec, body, args, preset={"hs": sums})
     parts = [slice(i * hidden, (i + 1) * hidden) for i in range(g)]
@@ -787,7 +796,7 @@ def _cell_stage_run(cell, rng, batch=5, hidden=33, dtype="float32"):
     tol = TOL[dtype]
     assert reference.relative_error(args["y"][0], expect[0]) < tol
     for k, value in enumerate(expect):
-        assert reference.relative_error(args[f"s{k}"][1], value) < tol
+        assert reference.relative_error(args[f"s{k}_n"][0], value) < tol
     word = args["hw"][1]
     assert (word >> np.uint64(32) == 1).all()  # h_1 published as the word of step 1
     np.testing.assert_array_equal((word & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(
@@ -961,8 +970,9 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
             args[f"d{k}_n"] = d_final[k]
             args[f"d{k}_0"] = np.full((1, n, h), np.nan, dtype)
         if p.sync == "tagged":
-            args["hw"] = _llvm(comp.init_tagged(n, g * h, "float32", EMPTY_TAG),
-                               np.zeros((n, g * h), np.float32),
+            args["hw"] = _llvm(comp.init_persistent(1, 1, n, g * h, "float32", "float32", 1,
+                                                    EMPTY_TAG, zero_h=True),
+                               np.zeros((2, n, g * h), np.float32),
                                np.zeros((2, n, g * h), np.uint64))[1]
         else:
             args["cnt"] = np.zeros(p.batch_groups, np.uint32)

@@ -599,16 +599,17 @@ class _Builder:
             Stage("projected_state", select, [hr, h_prev, *active, y, h_next], 2)]
 
     def persistent_entry(self, plan, history: bool = False):
-        """The persistent entry: the input GEMM of all steps (both directions' at once), then
-        the kernel. With two directions the states and the tagged h are [2, D*N, H] (direction
-        d's sample n at row d*N + n) and the kernel runs the reverse direction backwards. With
-        L layers (a wavefront) the same with L for D, every layer's y in a workspace [T, N,
-        L*H] whose last H columns are copied to y at the end. ``history`` (one direction, one
-        layer): ``persistent_train_forward``, the training forward on the kernel: it takes
-        ``train_forward``'s packed weights (W_hh packed for the kernel each call; the input
-        GEMM before the kernel, whatever the plan says) and has its outputs. With a projection
-        (LSTMP, inference) the kernel runs on the cell's h' with W_hh W_hr folded
-        (:meth:`_folded`)."""
+        """The persistent entry: one kernel that readies the states' workspaces and the tagged
+        words, the input GEMM of all steps (both directions' at once), then the kernel, which
+        writes y and the final states. With two directions the states' workspaces and the
+        tagged h are [2, D*N, H] (direction d's sample n at row d*N + n) and the kernel runs
+        the reverse direction backwards. With L layers (a wavefront) the same with L for D, the
+        y of the layers below the last in a workspace [T, N, (L-1)*H]. ``history`` (one
+        direction, one layer): ``persistent_train_forward``, the training forward on the
+        kernel: it takes ``train_forward``'s packed weights (W_hh packed for the kernel each
+        call; the input GEMM before the kernel, whatever the plan says) and has its outputs.
+        With a projection (LSTMP, inference) the kernel runs on the cell's h' with W_hh W_hr
+        folded (:meth:`_folded`)."""
         from ..schedules.persistent import buffers, kernel
         from ..schedules.persistent.stages.exchange import EMPTY_TAG
 
@@ -652,46 +653,36 @@ class _Builder:
         rows = dirs * n
         sw = [self.param(sig, f"{s}_ws", (2, rows, h), "workspace", acc) for s in p.cell.states]
 
-        def of(d):  # grid d's rows of the states
-            return slice(d * n, (d + 1) * n) if dirs > 1 else ALL
-
         folded = self._folded(sig, t_len, w_hr, s0, sw) if proj else None
 
         more_sync = []
         graph = autodiff.trace(p.cell)  # values of a step exchanged before h: its reductions'
         values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
-        if plan.sync == "tagged":
+        if plan.sync == "tagged":  # h, and each value, tagged as h before step 0
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
-            # h before step 0: h0, or with a projection h' (zero, in its workspace)
-            start = [Region(sw[0], (0, of(d), ALL)) if proj else Region(s0[0], (d, ALL, ALL))
-                     for d in range(dirs)]
-            init = self.scheduled("init_tagged", comp.init_tagged(
-                n, h, start[0].buffer.dtype, EMPTY_TAG), "elementwise")
-            sync_stages = [Stage(f"init_tagged_{tags[d]}", init, [
-                start[d], Region(sync, (ALL, of(d), ALL))], 1) for d in range(dirs)]
-            for k in range(values):  # tagged as h
-                values = self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
-                                    "uint64")
-                sync_stages += [Stage(f"init_value{k}_tagged_{tags[d]}", init, [
-                    start[d], Region(values, (ALL, of(d), ALL))], 1) for d in range(dirs)]
-                more_sync.append(values)
+            more_sync = [self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
+                                    "uint64") for k in range(values)]
+            sync_stages = []
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
-            more_sync = []
             published = buffers.published_h(plan, n, p.dtype)  # h for the next staging
             if published:
                 shape, dtype = published
                 more_sync.append(self.param(sig, "h_published", shape, "workspace", dtype))
             more_sync += [self.param(sig, f"value{k}_exchanged", (2, rows, h), "workspace",
                                      "float32") for k in range(values)]  # the counter orders
-        prologue = folded.prologue if proj else [
-            stage for d in range(dirs) for stage in self.states_copy(
-                "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
-                [Region(s, (0, of(d), ALL)) for s in sw], f"init_states_{tags[d]}")]
+        # the states' workspaces (a projection's h': zero) and the tagged words, every grid's
+        words = [sync, *more_sync] if plan.sync == "tagged" else []
+        init = self.scheduled("init_persistent", comp.init_persistent(
+            len(sw), dirs, n, h, p.dtype, acc, len(words), EMPTY_TAG, zero_h=bool(proj)),
+            "elementwise")
+        prologue = (folded.prologue if proj else []) + [Stage("init_persistent", init, [
+            Region(s, (ALL,) * 3) for s in s0[bool(proj):]] + [
+            Region(b, (ALL,) * 3) for b in (*sw, *words)], len(sw) + len(words))]
         if history:
             func = self.scheduled("persistent_pack_w_hh_train",
                                   comp.pack_persistent(g, h, plan, p.dtype), "elementwise")
@@ -719,40 +710,33 @@ class _Builder:
             inputs.append(Region(lengths, (ALL,)))
         prologue += sync_stages
         k_func = kernel.kernel(p.cell, h, n, plan, dtype=p.dtype, input_size=c,
-                               lengths=lengths is not None, kept=parts, first=bool(proj))
+                               lengths=lengths is not None, kept=parts, first=bool(proj),
+                               finals=not proj)
         self.lowered.rules[name.removesuffix("_forward")] = f"persistent.{plan.sync}" + (
             "+input" if plan.fused else "") + ("+wavefront" if layers > 1 else "")
-        stacked, more = (folded.h_cell if proj else y), []
-        if layers > 1:  # every layer's y, and the layers' progress counters
-            stacked = self.param(sig, "y_layers", (t_len, n, layers * h), "workspace")
+        below, more = [], []
+        if layers > 1:  # the y of the layers below the last (their next one's x), and the
+            # layers' progress counters
+            below = [self.param(sig, "y_below", (t_len, n, (layers - 1) * h), "workspace")]
             progress = self.param(sig, "progress", (layers * plan.batch_groups,), "workspace",
                                   "uint32")
             zero = self.scheduled("zero_progress", comp.zeros((layers * plan.batch_groups,),
                                                               "uint32"), "elementwise")
             prologue.append(Stage("zero_progress", zero, [Region(progress, (ALL,))], 1))
             more = [progress]
-        outputs = [Region(stacked, (ALL, ALL, ALL))] + [Region(s, (ALL, ALL, ALL)) for s in sw]
-        outputs += [Region(b, (ALL,) * 3) for b in kept]
+        outputs = [Region(b, (ALL,) * 3) for b in (
+            folded.h_cell if proj else y, *below, *sw, *([] if proj else sn), *kept)]
         outputs += [Region(b, (ALL,) * len(b.shape)) for b in (sync, *more_sync, *more)]
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
-        final = tirx.floormod(t_len, i64(2))
-        epilogue = folded.epilogue(final, y, sn) if proj else [
-            stage for d in range(dirs) for stage in self.states_copy(
-                "final_states", [Region(s, (final, of(d), ALL)) for s in sw],
-                [Region(s, (d, ALL, ALL)) for s in sn], f"final_states_{tags[d]}")]
-        if layers > 1:
-            func = self.scheduled("last_layer", comp.copy_steps(n, h, p.dtype, t_len),
-                                  "elementwise")
-            epilogue.append(Stage("last_layer", func, [
-                Region(stacked, (ALL, ALL, slice((layers - 1) * h, layers * h))),
-                Region(y, (ALL,) * 3)], 1))
+        # the kernel writes the final states (with a projection, h'_T: W_hr h'_T after it)
+        epilogue = folded.epilogue(tirx.floormod(t_len, i64(2)), y, sn) if proj else []
         given = [lengths] if lengths is not None else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
                   *given, y, *sn, *kept, *([packed] if history else []),
                   *([] if in_place else [xp]), *sw, *(folded.params if proj else []), sync,
                   *more_sync, *(skipping or ())[1:],
-                  *([stacked] if layers > 1 else []), *more]
+                  *below, *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)
 
@@ -764,8 +748,8 @@ class _Builder:
         stages ``initial``, one a direction), which the kernel adds to the first step's input
         projections; the kernel writes every step's h' to ``h_cell`` [T, N, D*H] (zero past a
         sample's length), and after it y = W_hr h' (one GEMM of all steps a direction) and the
-        final h = W_hr h'_T (``epilogue(final, y, sn)``). Returns also ``prologue`` (the
-        states before step 0) and ``params`` (its buffers, in ``sig``'s order)."""
+        final h = W_hr h'_T (``epilogue(final, y, sn)``). Returns also ``prologue`` (a bias
+        of zeros for those GEMMs) and ``params`` (its buffers, in ``sig``'s order)."""
         p, layout = self.p, self.layout
         n, h, g, proj, dirs = p.batch, p.hidden_size, p.gates, p.proj_size, p.directions
         acc = accum_dtype(p.dtype)
@@ -783,16 +767,8 @@ class _Builder:
         def of(d):  # direction d's rows of the kernel's states
             return slice(d * n, (d + 1) * n)
 
-        prologue = [
-            Stage("zero_bias", self.scheduled("zero_gates_bias", comp.zeros(
-                (g * h,), p.dtype), "elementwise"), [Region(zero, (ALL,))], 1),
-            Stage("zero_h_cell", self.scheduled("zero_state", comp.zeros((dirs * n, h), acc),
-                                                "elementwise"), [Region(sw[0], (0, ALL, ALL))],
-                  1)]
-        for d in range(dirs):
-            prologue += self.states_copy(
-                "init_states", [Region(s, (d, ALL, ALL)) for s in s0[1:]],
-                [Region(s, (0, of(d), ALL)) for s in sw[1:]], f"init_states{_SUFFIX[d]}")
+        prologue = [Stage("zero_bias", self.scheduled("zero_gates_bias", comp.zeros(
+            (g * h,), p.dtype), "elementwise"), [Region(zero, (ALL,))], 1)]
         product = self.scheduled("initial_gemm", comp.gemm(
             (n,), proj, g * h, layout.weights, p.dtype), "gemm")
         initial = [Stage(f"initial_gemm{_SUFFIX[d]}", product, [

@@ -463,14 +463,14 @@ class _Backward:
         name, (shape, dtype) = (("dgh_published", published) if published
                                 else ("dgh_exchanged", ((2, n, gh), "float32")))
         xch = b.param(sig, name, shape, "workspace", dtype)
-        prologue.append(self.elementwise("zero_exchanged", comp.zeros(shape, dtype),
-                                         [Region(xch, (ALL,) * len(shape))]))
-        if plan.sync == "tagged":
+        if plan.sync == "tagged":  # zeros, and tagged as step 0 (the tagged never publish)
             sync = b.param(sig, "dgh_tagged", (2, n, gh), "workspace", "uint64")
-            prologue.append(self.elementwise(
-                "init_tagged_backward", comp.init_tagged(n, gh, "float32", EMPTY_TAG),
-                [Region(xch, (0, ALL, ALL)), Region(sync, (ALL,) * 3)]))
+            prologue.append(self.elementwise("init_tagged_backward", comp.init_persistent(
+                1, 1, n, gh, "float32", "float32", 1, EMPTY_TAG, zero_h=True),
+                [Region(xch, (ALL,) * 3), Region(sync, (ALL,) * 3)], 2))
         else:
+            prologue.append(self.elementwise("zero_exchanged", comp.zeros(shape, dtype),
+                                             [Region(xch, (ALL,) * len(shape))]))
             sync = b.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
             prologue.append(self.elementwise("zero_counter_backward", comp.zeros(
                 (plan.batch_groups,), "uint32"), [Region(sync, (ALL,))]))

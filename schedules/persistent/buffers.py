@@ -51,7 +51,8 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     written), W_hh packed [B/NG, Wn, KI, RW, 32, VEC], b_hh [G*H], (the cell's per-unit
     parameters p0 ... [H] each, where it has them), (``spec.first``: the addition to the first
     step's projections [N,G*H] float32), (with lengths: the samples' lengths [N] int32), y
-    [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h first), (a training forward's,
+    [T,N,H], one [2,N,H] float32 ping-pong buffer a state (h first), (``spec.finals``: the
+    final states [1,N,H] each, in the kernel's dtype), (a training forward's,
     ``spec.kept``: the states of every step [T+1,N,H] each and the kept parts ``pre`` [T,N,P*H],
     float32), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
     group, (h as published for the next step's staging ``hx``, where the planner says so:
@@ -60,10 +61,11 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
-    the counters [D*NG] (with a fused input projection W_ih [D*B/(D*NG), ...], b_ih
-    [D*G*H]). With L layers (planner: "Layers as a wavefront") the same with L for D
-    (W_ih and b_ih too; y holds every layer's outputs, and layer l > 0 reads layer l - 1's as
-    its x), and last the layers' progress counters ``prog`` [L*NG] uint32."""
+    the final states [D,N,H], the counters [D*NG] (with a fused input projection W_ih
+    [D*B/(D*NG), ...], b_ih [D*G*H]). With L layers (planner: "Layers as a wavefront") the
+    same with L for D (W_ih and b_ih too), but y: the last layer's [T,N,H], then the others'
+    ``ys`` [T,N,(L-1)*H] (layer l > 0 reads layer l - 1's as its x); and last the layers'
+    progress counters ``prog`` [L*NG] uint32."""
     p, dt, n = spec.plan, spec.dtype, spec.batch
     d, gh, rows = spec.grids, spec.grids * spec.gate_rows, spec.state_rows
     per_unit = [f"p{k}" for k in range(spec.params)]
@@ -71,7 +73,9 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names = (["x", "wi", "bi", "w", "b", *per_unit, *first, "xp"] if p.fused
              else ["xp", "w", "b", *per_unit, *first])
     names += ["len"] if spec.lengths else []
-    names += ["y"] + [f"s{k}" for k in range(spec.states)]
+    names += ["y"] + (["ys"] if spec.layers > 1 else [])
+    names += [f"s{k}" for k in range(spec.states)]
+    names += [f"n{k}" for k in range(spec.states)] if spec.finals else []
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
     names += ["hw"] if spec.tagged else ["cnt"]
     published = published_h(p, n, dt)
@@ -83,7 +87,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     t_len = tirx.Var("T_len", "int64")
     out = SimpleNamespace(T_len=t_len, x=None, wi=None, b_ih=None, lengths=None, hw=None,
                           cnt=None, hx=None, prog=None, steps=None, pre=None, first=None,
-                          aw=None)
+                          aw=None, ys=None, finals=None)
 
     def match(name: str, handle: str, shape, dtype: str):
         buffer = T.match_buffer(handles[handle], shape, dtype)
@@ -103,9 +107,16 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("first", "first", (n, gh), "float32")
     if spec.lengths:
         match("lengths", "len", (n,), "int32")
-    match("y", "y", (t_len, n, d * spec.hidden), dt)
+    if spec.layers > 1:
+        match("y", "y", (t_len, n, spec.hidden), dt)
+        match("ys", "ys", (t_len, n, (d - 1) * spec.hidden), dt)
+    else:
+        match("y", "y", (t_len, n, d * spec.hidden), dt)
     out.s = [match(f"s{k}", f"s{k}", (2, rows, spec.hidden), "float32")
              for k in range(spec.states)]
+    if spec.finals:
+        out.finals = [match(f"s{k}_n", f"n{k}", (d, n, spec.hidden), dt)
+                      for k in range(spec.states)]
     if spec.kept:
         out.steps = [match(f"s{k}_steps", f"steps{k}", (t_len + 1, n, spec.hidden), "float32")
                      for k in range(spec.states)]
@@ -283,13 +294,13 @@ def _fused(spec: KernelSpec, alloc) -> int:
 
 
 def projection(params: SimpleNamespace, chips: SimpleNamespace) -> SimpleNamespace:
-    """The fused input projection's buffers: x (with layers, y and the progress counters:
-    layer l > 0 reads layer l - 1's outputs; with lengths, the samples': the reverse
+    """The fused input projection's buffers: x (with layers, ``below`` and the progress
+    counters: layer l > 0 reads layer l - 1's outputs; with lengths, the samples': the reverse
     direction's rows run back from each one's last step), W_ih (``wi``, packed; ``w_ih`` its
     rows in shared memory: ``wis``, or ``wsm`` in slabs), b_ih, xp; x's staged rows (``x_staged``:
     ``xsl`` overlapped, else ``hs``), the warps' sums (``hs``) and its registers."""
     return SimpleNamespace(
-        x=params.x, y=params.y, prog=params.prog, lengths=params.lengths, wi=params.wi,
+        x=params.x, below=params.ys, prog=params.prog, lengths=params.lengths, wi=params.wi,
         b_ih=params.b_ih, xp=params.xp, hs=chips.hs,
         w_ih=chips.wis if chips.wis is not None else chips.wsm, xsl=chips.xsl,
         x_staged=chips.xsl if chips.xsl is not None else chips.hs, pacc=chips.pacc,

@@ -122,14 +122,16 @@ def sliced_gate_sums(spec, b, start, warp, lane):
 
 
 def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
-           input_size: int = 0, lengths: bool = False, kept: tuple = (), first: bool = False):
+           input_size: int = 0, lengths: bool = False, kept: tuple = (), first: bool = False,
+           finals: bool = False):
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
     PrimFunc named "persistent" whose parameters :func:`.buffers.parameters` lists. ``dtype``:
     the storage dtype of the weights, the biases and y; ``input_size`` C: for a fused input
     projection; ``batch``: N, all batch groups together; ``lengths``: the samples' lengths are
     a parameter; ``kept``: a training forward's, which keeps every step's states and these
     parts of its projections (:mod:`.stages.history`); ``first``: the first step's input
-    projections take an addition (a projection's W_hh h0)."""
+    projections take an addition (a projection's W_hh h0); ``finals``: it writes the final
+    states (:class:`~.spec.KernelSpec`)."""
     taken = product_gates(trace(cell))
     if len(taken) > 1:
         raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
@@ -138,7 +140,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
         raise ValueError(f"cell {cell.name!r} exchanges values of its step before h; h in "
                          "slices of K takes a step of one product, of h")
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, input_size,
-                      lengths, kept=kept, params=len(cell.params), first=first,
+                      lengths, kept=kept, params=len(cell.params), first=first, finals=finals,
                       product=taken[0] if taken else -1,
                       levels=tuple(tuple(level) for level in mean_levels(cell)))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
@@ -196,7 +198,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
                             exchange.publish, spec, g.s[0], g.hw, t, published=published), t,
                             g.T_len, bx, tx, history.keeper(spec, g.pre, g.steps), b.pv, b.gs,
-                            b.mv)
+                            b.mv, g.ys)
                         if p.input_steps > 0:
                             input_projection.wait_copies(spec)
                             exchange.arrive(spec, g.cnt, bx, tx)
@@ -205,6 +207,6 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                             exchange.wait(spec, g.cnt, t, bx, tx)
                         else:
                             exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
-                    cell_stage.store_final_states(spec, g.s, b.st, g.T_len, bx, tx)
+                    cell_stage.store_final_states(spec, g.s, g.finals, b.st, g.T_len, bx, tx)
 
     return persistent

@@ -42,7 +42,9 @@ class KernelSpec:
     in a second round of the step (:mod:`.stages.cell`); ``levels``: the row means the cell's
     step takes (``ops.mean``, numbered in the order it takes them) in levels, a round of the
     step each: their arguments exchanged and summed over the row (:mod:`.stages.means`,
-    :func:`rnncc.cells.autodiff.mean_levels`)."""
+    :func:`rnncc.cells.autodiff.mean_levels`); ``finals``: the kernel writes the final states
+    [grids, N, H] in ``dtype`` (else they are where the last step left them, in the states'
+    float32 workspaces)."""
 
     plan: Plan
     gates: int
@@ -58,6 +60,7 @@ class KernelSpec:
     first: bool = False
     product: int = -1
     levels: tuple = ()
+    finals: bool = False
 
     def __post_init__(self):
         p = self.plan

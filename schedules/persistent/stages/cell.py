@@ -160,7 +160,7 @@ def evaluate(spec, cell, gi, sums, st, pv, it):
 
 
 def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=None, pv=None,
-          gs=None, mv=None):
+          gs=None, mv=None, below=None):
     """``cell`` (an :class:`rnncc.cells.Cell`) on the pairs: the new states from the gate sums
     in ``hs`` ([Wn*RW, N/NG], row g*U + u), b_hh and the input projections; h_t to y[t] and to
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
@@ -170,7 +170,8 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
     ``pv``: the pairs' per-unit parameters of the cell (:func:`load_constants`). ``gs``: the
     second round of a step that takes a recurrent product of a value (:func:`argument`): the
     sums of h are there, ``hs`` holds those of the value (the product: its gate's, b_hh
-    added). ``mv``: the step's row means (:mod:`.means`)."""
+    added). ``mv``: the step's row means (:mod:`.means`). With layers (a wavefront), y is the
+    last layer's [T, N, H] and ``below`` [T, N, (L-1)*H] the others' (the next one's x)."""
     from .means import reader
 
     g_count, states, units = spec.gates, spec.states, spec.plan.units
@@ -201,8 +202,8 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
         new = [T.Bind(v) if keep is not None or any(
             _reads(v, st, it * states + j) for j in range(k)) else v for k, v in enumerate(new)]
         out = new[0] if live is None else T.if_then_else(live, values[0], T.float32(0))
-        store(y, T.Cast(spec.dtype, out), spec.step(bx, t, t_len, _length(spec, ln, it)),
-               spec.batch_row(bx, n), spec.output_column(bx, j))
+        _store_y(spec, y, below, T.Cast(spec.dtype, out),
+                 spec.step(bx, t, t_len, _length(spec, ln, it)), spec.batch_row(bx, n), bx, j)
         publish(new[0], spec.state_row(bx, n), j)
         if keep is not None:
             keep(gates_i, gates_h, new, spec.step(bx, t, t_len, _length(spec, ln, it)),
@@ -212,12 +213,32 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
     each_pair(spec, bx, tx, body)
 
 
-def store_final_states(spec, s, st, t_len, bx, tx):
-    """The final states other than h (h_T is where the last step published it)."""
-    if spec.states == 1:
+def _store_y(spec, y, below, value, step, row, bx, j):
+    """y[step, row] of unit j: in a wavefront the last layer's into ``y``, the others' into
+    ``below`` (a branch uniform over the block)."""
+    if spec.layers == 1:
+        store(y, value, step, row, spec.output_column(bx, j))
+        return
+    with T.If(spec.layer(bx) == spec.layers - 1):
+        with T.Then():
+            store(y, value, step, row, j)
+        with T.Else():
+            store(below, value, step, row, spec.output_column(bx, j))
+
+
+def store_final_states(spec, s, finals, st, t_len, bx, tx):
+    """The final states: with ``finals`` (``spec.finals``: [grids, N, H] each), all of them,
+    in the kernel's dtype; else those other than h into their workspaces ``s``, slot T % 2
+    (h_T is where the last step published it)."""
+    if finals is None and spec.states == 1:
         return
 
     def body(it, n, j):
-        for k in range(1, spec.states):
-            store(s[k], st[it * spec.states + k], t_len % 2, spec.state_row(bx, n), j)
+        for k in range(0 if finals is not None else 1, spec.states):
+            value = st[it * spec.states + k]
+            if finals is not None:
+                store(finals[k], T.Cast(spec.dtype, value), spec.grid(bx),
+                      spec.batch_row(bx, n), j)
+            else:
+                store(s[k], value, t_len % 2, spec.state_row(bx, n), j)
     each_pair(spec, bx, tx, body)

@@ -163,7 +163,7 @@ def _x_value(spec, io, t, row, col, bx):
     if spec.layers == 1:
         return given
     below = device.load_past_l1(T.address_of(
-        io.y[t, row, (spec.layer(bx) - 1) * spec.hidden + col]))
+        io.below[t, row, (spec.layer(bx) - 1) * spec.hidden + col]))
     return T.if_then_else(spec.layer(bx) == 0, given, below)
 
 
@@ -197,7 +197,7 @@ def _copy_x_item(spec, io, m0, sl, t_len, bx, e):
             device.copy_async(to, T.address_of(io.x[t, row, first]), size)
         else:
             device.copy_async(to, T.address_of(
-                io.y[t, row, (spec.layer(bx) - 1) * spec.hidden + first]), size)
+                io.below[t, row, (spec.layer(bx) - 1) * spec.hidden + first]), size)
 
 
 @T.macro
