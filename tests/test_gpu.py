@@ -897,17 +897,21 @@ def test_batch_one_past_on_chip_capacity(cell, rng):
 
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tune_measures_half_precision_candidates(dtype, tmp_path):
+@pytest.mark.parametrize("dtype, directions", [("float16", 1), ("bfloat16", 1),
+                                               ("float32", 2)])
+def test_tune_measures_candidates_in_half_types_and_both_directions(dtype, directions,
+                                                                    tmp_path):
     """rnncc tune's knob search checks each candidate against float64 and times it in the
-    module's dtype (bfloat16 outputs had no NumPy type: every candidate was refused)."""
+    module's dtype (bfloat16 outputs had no NumPy type: every candidate was refused), and
+    those of a bidirectional layer against both directions' reference."""
     import json
 
     from rnncc.tuning import tuner
 
     summary = tuner.tune("lstm", 16, 64, 2, dtype=dtype, trials=0, time_budget=120, steps=5,
                          log_dir=str(tmp_path / "logs"), work_dir=str(tmp_path / "work"),
-                         progress=lambda line: None)
+                         directions=directions, progress=lambda line: None)
+    assert summary["log"].endswith("_bidirectional") == (directions == 2)
     with open(tmp_path / "work" / "persistent" / "results.jsonl") as f:
         results = [json.loads(line) for line in f]
     assert len([r for r in results if r["ms"] is not None]) >= 2, results

@@ -3,6 +3,7 @@ logs, and a MetaSchedule tune on llvm measured through an RPC tracker with two s
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,6 +50,26 @@ def test_nearby_configuration_gives_its_knobs(root):
     assert module.metadata["tuning"]["match"] == "nearby"
     assert module.metadata["tuning"]["applied"]["knobs"] == {"sync": "grid"}
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
+
+
+def test_bidirectional_layers_take_their_own_log_else_one_directions(root):
+    """A bidirectional layer's log (rnncc tune --bidirectional) is its own: a bidirectional
+    module takes it and a one-direction module does not; without it, a bidirectional module
+    takes its one direction's knobs as a nearby log's, and refuses that log given by path."""
+    both = _write(root, logs.LogKey("h200", "lstm", 16, 16, 2, "float32", 2),
+                  {"sync": "barrier"})
+    one = _write(root, knobs={"sync": "grid"})
+    assert both.endswith("_bidirectional") and logs.read(both).key.directions == 2
+    for directions, path, sync in ((2, both, "barrier"), (1, one, "grid")):
+        meta = rnncc.compile("lstm", 16, 16, 2, gpu="h200", directions=directions).metadata
+        assert (meta["tuning"]["log"], meta["tuning"]["match"]) == (path, "exact")
+        assert meta["schedule"]["persistent"]["plan"]["sync"] == sync
+    shutil.rmtree(both)
+    meta = rnncc.compile("lstm", 16, 16, 2, gpu="h200", directions=2).metadata
+    assert (meta["tuning"]["log"], meta["tuning"]["match"]) == (one, "nearby")
+    assert meta["schedule"]["persistent"]["plan"]["sync"] == "grid"
+    with pytest.raises(ConfigError, match="not lstm C=16 H=16 N=2 float32 bidirectional"):
+        rnncc.compile("lstm", 16, 16, 2, gpu="h200", directions=2, tuning=one)
 
 
 def test_tf32_modules_take_tf32_logs_else_float32_knobs(root):
@@ -193,6 +214,30 @@ def test_a_tf32_tune_has_its_own_key(tmp_path):
     with pytest.raises(ConfigError, match="allow_tf32=True applies to float32"):
         tuner._session("gru", 8, 8, 2, "float16", "llvm", None, None, str(tmp_path), 5, 0.0,
                        print, allow_tf32=True)
+
+
+def test_a_bidirectional_tune_has_its_own_key(tmp_path):
+    """rnncc tune --bidirectional tunes the bidirectional layer, under a key of its own."""
+    from rnncc.tuning import tuner
+
+    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
+                             0.0, print, directions=2)
+    assert session.problem.directions == 2 and session.key.directions == 2
+    assert session.key.name == "gru_c8_h8_n2_float32_bidirectional"
+    assert session.compiled(tuning="off").directions == 2
+
+
+def test_knob_search_builds_the_bidirectional_layer(tmp_path):
+    """A bidirectional tune's knob search builds its candidates as bidirectional modules."""
+    from rnncc.tuning import knob_search
+
+    spec = {**logs.LogKey("h200", "lstm", 16, 16, 2, "float32", 2).config(), "arch": "sm_90",
+            "sms": 132}
+    path, why = knob_search._build((spec, {"sync": "barrier"}, str(tmp_path / "cand.so")))
+    assert why is None
+    module = rnncc.load(path)
+    assert module.directions == 2
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "barrier"
 
 
 def _free_port():

@@ -5,13 +5,14 @@ records of the components it tuned. Without one, the log of the nearest hidden s
 same device, cell, dtype and batch gives its persistent knobs only (a starting point: the
 planner re-checks them for this size; component records are per shape and never carry over),
 less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, and how, is
-the planner's to decide at each size. A bidirectional layer takes its one direction's log
-the same way: each direction runs that plan, its input projections as the planner decides
-for two directions. A
-module that allows TF32 takes a TF32 log (:func:`.log.precision`), else the float32 one's
-knobs as a float32 module would (its component records schedule IEEE components, which a TF32
-module's are not). A GPU kind with no log of its own for a configuration takes its sibling's
-(:data:`SIBLINGS`: the same architecture and size).
+the planner's to decide at each size. A bidirectional layer takes its own log (``rnncc tune
+--bidirectional``); without one, the nearest of its other sizes' and of its one direction's
+logs the same way (each direction then runs that plan, its input projections as the planner
+decides for two directions). A module that allows TF32 takes a TF32 log
+(:func:`.log.precision`), else the float32 one's knobs as a float32 module would (its
+component records schedule IEEE components, which a TF32 module's are not). A GPU kind with
+no log of its own for a configuration takes its sibling's (:data:`SIBLINGS`: the same
+architecture and size).
 """
 
 from __future__ import annotations
@@ -105,8 +106,6 @@ def _lookup(problem, key: logs.LogKey, records: bool = True) -> Applied:
     exact log's component records too (its MetaSchedule database, read only then)."""
     device = key.device
     exact, others = logs.find(key)
-    if exact is not None and problem.directions > 1:
-        others, exact = [(key, exact), *others], None
     refused = {}
     if exact is not None:
         try:
@@ -146,8 +145,12 @@ def _exact(found: logs.TuningLog, records: bool = True) -> Applied:
 
 def _key(problem, tspec, device: str, precision: str | None = None) -> logs.LogKey:
     return logs.LogKey(device, problem.cell.name, problem.input_size, problem.hidden_size,
-                       problem.batch, precision or logs.precision(problem, tspec.kind))
+                       problem.batch, precision or logs.precision(problem, tspec.kind),
+                       problem.directions)
 
 
 def _distance(a: logs.LogKey, b: logs.LogKey) -> tuple:
-    return (abs(a.hidden_size - b.hidden_size), abs(a.input_size - b.input_size))
+    """The sizes first: a bidirectional layer's one direction at its size comes before its
+    own log of another size."""
+    return (abs(a.hidden_size - b.hidden_size), abs(a.input_size - b.input_size),
+            a.directions != b.directions)

@@ -80,7 +80,8 @@ def _build(args):
                                spec["batch"], dtype=spec["dtype"], target="cuda",
                                arch=spec["arch"], sms=spec["sms"], knobs=knobs,
                                persistent="on", tuning="off",
-                               allow_tf32=spec.get("allow_tf32", False))
+                               allow_tf32=spec.get("allow_tf32", False),
+                               directions=spec.get("directions", 1))
         module.export(path)
         return path, None
     except RnnccError as err:
@@ -107,8 +108,9 @@ def _measure(args):
     y, _ = module(x, packed)
     torch.cuda.synchronize()
     if cell is not None:
-        ref, _ = reference.run(cell, x.double().cpu().numpy(),  # the inputs as rounded
-                               {k: v.double().cpu().numpy() for k, v in weights.items()})
+        run = reference.run if module.directions == 1 else reference.run_bidirectional
+        ref, _ = run(cell, x.double().cpu().numpy(),  # the inputs as rounded
+                     {k: v.double().cpu().numpy() for k, v in weights.items()})
         error = reference.relative_error(y.double().cpu().numpy(), ref)  # NumPy has no bf16
         if not error < tol:
             return None, f"wrong result: relative error {error:.2e} (limit {tol:.0e})"

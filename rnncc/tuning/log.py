@@ -1,12 +1,13 @@
 """Tuning logs: one directory a (device, configuration).
 
-    <root>/<device>/<cell>_c<C>_h<H>_n<N>_<precision>/
+    <root>/<device>/<cell>_c<C>_h<H>_n<N>_<precision>[_bidirectional]/
         rnncc.json                    rnncc's record (below)
         database_workload.json        MetaSchedule's JSON database, best record a workload
         database_tuning_record.json   (only when a tuned component beat its default schedule)
 
 ``rnncc.json``: {"format", "rnncc_version", "tvm_version", "device", "device_name", "config":
-{cell, input_size, hidden_size, batch, dtype, target}, "knobs" (the persistent kernel's, {} for
+{cell, input_size, hidden_size, batch, dtype, target, and "directions": 2 for a
+bidirectional layer}, "knobs" (the persistent kernel's, {} for
 its defaults), "components" (the components the database schedules), "measured" (milliseconds
 a call at "steps": default, tuned, cudnn), "search" (what was tried), "created"}.
 
@@ -50,7 +51,8 @@ def precision(problem, target_kind: str) -> str:
 
 @dataclass(frozen=True)
 class LogKey:
-    """What a log is for: a device and one configuration (``dtype``: :func:`precision`)."""
+    """What a log is for: a device and one configuration (``dtype``: :func:`precision`;
+    ``directions`` 2: a bidirectional layer)."""
 
     device: str
     cell: str
@@ -58,15 +60,17 @@ class LogKey:
     hidden_size: int
     batch: int
     dtype: str
+    directions: int = 1
 
     @property
     def name(self) -> str:
         return (f"{self.cell}_c{self.input_size}_h{self.hidden_size}_n{self.batch}"
-                f"_{self.dtype}")
+                f"_{self.dtype}" + ("_bidirectional" if self.directions == 2 else ""))
 
     def config(self) -> dict:
         return {"cell": self.cell, "input_size": self.input_size,
-                "hidden_size": self.hidden_size, "batch": self.batch, "dtype": self.dtype}
+                "hidden_size": self.hidden_size, "batch": self.batch, "dtype": self.dtype,
+                **({"directions": 2} if self.directions == 2 else {})}
 
 
 @dataclass
@@ -189,8 +193,12 @@ def read(path: str, expect: LogKey | None = None) -> TuningLog:
         check_knobs(knobs)
     except ConfigError as err:
         raise LogError(f"tuning log {path}: {err}") from err
+    directions = config.get("directions", 1)
+    if directions not in (1, 2) or isinstance(directions, bool):
+        raise LogError(f"tuning log {path}: config's directions must be 1 or 2, got "
+                       f"{directions!r}")
     key = LogKey(device, config["cell"], config["input_size"], config["hidden_size"],
-                 config["batch"], config["dtype"])
+                 config["batch"], config["dtype"], directions)
     if expect is not None and key != expect:
         raise LogError(f"tuning log {path} is for {describe(key)}, not {describe(expect)}")
     has_db = _check_database(path)
@@ -201,8 +209,9 @@ def read(path: str, expect: LogKey | None = None) -> TuningLog:
 
 
 def describe(key: LogKey) -> str:
-    return (f"{key.cell} C={key.input_size} H={key.hidden_size} N={key.batch} {key.dtype} "
-            f"on {key.device}")
+    both = " bidirectional" if key.directions == 2 else ""
+    return (f"{key.cell} C={key.input_size} H={key.hidden_size} N={key.batch} {key.dtype}"
+            f"{both} on {key.device}")
 
 
 def write(root: str, key: LogKey, record: dict, database_dir: str | None = None) -> str:
@@ -243,8 +252,9 @@ def write(root: str, key: LogKey, record: dict, database_dir: str | None = None)
 
 
 def find(key: LogKey, extra_roots=()):
-    """(path of the exact log for ``key``, or None; logs of the same device, cell, dtype and
-    batch for other sizes, as (key, path) pairs) over the roots in lookup order."""
+    """(path of the exact log for ``key``, or None; logs of the same device, cell, dtype,
+    batch and directions for other sizes, and for a bidirectional key also the one-direction
+    logs of every size, as (key, path) pairs) over the roots in lookup order."""
     exact, others = None, []
     for root in roots(extra_roots):
         base = os.path.join(root, key.device)
@@ -253,14 +263,17 @@ def find(key: LogKey, extra_roots=()):
         if exact is None and os.path.isfile(os.path.join(base, key.name, RECORD)):
             exact = os.path.join(base, key.name)
         prefix = f"{key.cell}_c"
-        suffix = f"_n{key.batch}_{key.dtype}"
+        suffixes = {directions: f"_n{key.batch}_{key.dtype}" + (
+            "_bidirectional" if directions == 2 else "") for directions in (1, key.directions)}
         for name in sorted(os.listdir(base)):
-            if name == key.name or not (name.startswith(prefix) and name.endswith(suffix)):
-                continue
-            try:
-                c, h = name[len(prefix):-len(suffix)].split("_h")
-                other = LogKey(key.device, key.cell, int(c), int(h), key.batch, key.dtype)
-            except ValueError:
-                continue
-            others.append((other, os.path.join(base, name)))
+            for directions, suffix in suffixes.items():
+                if name == key.name or not (name.startswith(prefix) and name.endswith(suffix)):
+                    continue
+                try:
+                    c, h = name[len(prefix):-len(suffix)].split("_h")
+                    other = LogKey(key.device, key.cell, int(c), int(h), key.batch, key.dtype,
+                                   directions)
+                except ValueError:
+                    continue
+                others.append((other, os.path.join(base, name)))
     return exact, others
