@@ -133,9 +133,10 @@ class Family:
                 return made[1]
             import torch
 
-            if torch.cuda.is_current_stream_capturing():
-                return made[1]
-            torch.cuda.current_stream().synchronize()
+            with torch.cuda.device(self.device_index):  # its stream, where it was filled
+                if torch.cuda.is_current_stream_capturing():
+                    return made[1]
+                torch.cuda.current_stream().synchronize()
         _ZEROS[key] = made
         return made[1]
 
