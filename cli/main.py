@@ -127,6 +127,8 @@ def _parser():
                    help="tune the float32 module that allows TF32 (its own log)")
     p.add_argument("--bidirectional", action="store_true",
                    help="tune the bidirectional layer (its own log)")
+    p.add_argument("--layers", "-L", type=int, default=1,
+                   help="tune the wavefront of this many layers of input size H (its own log)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY",
                    help="measure MetaSchedule candidates on the servers of a TVM RPC tracker")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
@@ -359,7 +361,7 @@ def _cmd_tune(args) -> int:
                    target=args.target, arch=args.arch, cpu=args.cpu, trials=args.trials,
                    time_budget=args.time_budget, log_dir=args.log_dir, work_dir=args.work_dir,
                    steps=args.steps, rpc=args.rpc, allow_tf32=args.allow_tf32,
-                   directions=2 if args.bidirectional else 1,
+                   directions=2 if args.bidirectional else 1, layers=args.layers,
                    progress=lambda line: print(f"[tune] {line}", flush=True))
     if args.json:
         print(json.dumps(summary, sort_keys=True))

@@ -93,3 +93,21 @@ def run_bidirectional(cell: Cell, x, weights: dict, initial: dict | None = None,
         finals.append(states)
     return np.concatenate(ys, axis=2), {s: np.concatenate([f[s] for f in finals])
                                         for s in cell.states}
+
+
+def run_layers(cell: Cell, x, weights: dict, layers: int, initial: dict | None = None,
+               lengths=None):
+    """``layers`` L stacked one-direction layers in float64, as torch's ``num_layers``, each
+    taking the y of the one below: ``weights`` as for :func:`run` for each layer k (``_l{k}``
+    for ``_l0``); ``initial`` maps state names to [L, N, H]. Returns ``(y [T, N, H], {state:
+    [L, N, H]})``."""
+    initial = initial or {}
+    finals = {s: [] for s in cell.states}
+    for k in range(layers):
+        own = {name.replace(f"_l{k}", "_l0"): w for name, w in weights.items()
+               if name.endswith(f"_l{k}")}
+        x, states = run(cell, x, own, {s: np.asarray(v)[k:k + 1] for s, v in initial.items()},
+                        lengths)
+        for s in cell.states:
+            finals[s].append(states[s])
+    return x, {s: np.concatenate(v) for s, v in finals.items()}

@@ -61,7 +61,8 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
         ln = rng.integers(1, steps + 1, n)
         ln[0], ln[-1] = 1, steps
     if module.layers > 1:
-        ref_y, ref_states = _run_layers(cell, module.layers, x, weights, initial, ln)
+        ref_y, ref_states = reference.run_layers(cell, x, weights, module.layers, initial,
+                                                 ln)
     else:
         run = reference.run if module.directions == 1 else reference.run_bidirectional
         ref_y, ref_states = run(cell, x, weights, initial, ln)
@@ -124,19 +125,6 @@ def _random_weights(module, rng) -> dict:
     return {k.replace("_l0", tag): v.astype(module.dtype) for tag in tags
             for k, v in random_weights(rng, cell.gates, module.input_size, module.hidden_size,
                                        params=cell.params).items()}
-
-
-def _run_layers(cell, layers, x, weights, initial, lengths):
-    """The float64 reference of ``layers`` stacked layers: each takes the one below's y."""
-    finals = {s: [] for s in cell.states}
-    for k in range(layers):
-        own = {name: w for name, w in weights.items() if name.endswith(f"_l{k}")}
-        x, states = reference.run(cell, x, {n.replace(f"_l{k}", "_l0"): w
-                                            for n, w in own.items()},
-                                  {s: v[k:k + 1] for s, v in initial.items()}, lengths)
-        for s in cell.states:
-            finals[s].append(states[s])
-    return x, {s: np.concatenate(v) for s, v in finals.items()}
 
 
 def _host(a):

@@ -897,21 +897,24 @@ def test_batch_one_past_on_chip_capacity(cell, rng):
 
 
 
-@pytest.mark.parametrize("dtype, directions", [("float16", 1), ("bfloat16", 1),
-                                               ("float32", 2)])
-def test_tune_measures_candidates_in_half_types_and_both_directions(dtype, directions,
-                                                                    tmp_path):
+@pytest.mark.parametrize("dtype, directions, layers", [
+    ("float16", 1, 1), ("bfloat16", 1, 1), ("float32", 2, 1), ("float32", 1, 2)])
+def test_tune_measures_candidates_in_half_types_both_directions_and_wavefronts(
+        dtype, directions, layers, tmp_path):
     """rnncc tune's knob search checks each candidate against float64 and times it in the
-    module's dtype (bfloat16 outputs had no NumPy type: every candidate was refused), and
-    those of a bidirectional layer against both directions' reference."""
+    module's dtype (bfloat16 outputs had no NumPy type: every candidate was refused); those
+    of a bidirectional layer against both directions' reference, a wavefront's against its
+    layers'."""
     import json
 
     from rnncc.tuning import tuner
 
-    summary = tuner.tune("lstm", 16, 64, 2, dtype=dtype, trials=0, time_budget=120, steps=5,
-                         log_dir=str(tmp_path / "logs"), work_dir=str(tmp_path / "work"),
-                         directions=directions, progress=lambda line: None)
-    assert summary["log"].endswith("_bidirectional") == (directions == 2)
+    summary = tuner.tune("lstm", 64 if layers > 1 else 16, 64, 2, dtype=dtype, trials=0,
+                         time_budget=120, steps=5, log_dir=str(tmp_path / "logs"),
+                         work_dir=str(tmp_path / "work"), directions=directions, layers=layers,
+                         progress=lambda line: None)
+    assert summary["log"].endswith(f"_{dtype}" + ("_bidirectional" if directions == 2 else "")
+                                   + (f"_l{layers}" if layers > 1 else ""))
     with open(tmp_path / "work" / "persistent" / "results.jsonl") as f:
         results = [json.loads(line) for line in f]
     assert len([r for r in results if r["ms"] is not None]) >= 2, results

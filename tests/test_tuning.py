@@ -72,6 +72,22 @@ def test_bidirectional_layers_take_their_own_log_else_one_directions(root):
         rnncc.compile("lstm", 16, 16, 2, gpu="h200", directions=2, tuning=one)
 
 
+def test_wavefronts_take_logs_of_as_many_layers(root):
+    """A wavefront's log (rnncc tune --layers L) is for L layers: a wavefront of L layers
+    takes it (exact, or another size's knobs), one layer or another count of layers does
+    not."""
+    two = _write(root, logs.LogKey("h200", "lstm", 16, 16, 2, "float32", layers=2),
+                 {"sync": "barrier"})
+    assert two.endswith("_l2") and logs.read(two).key.layers == 2
+    for size, match in ((16, "exact"), (24, "nearby")):
+        meta = rnncc.compile("lstm", size, size, 2, gpu="h200", layers=2).metadata
+        assert (meta["tuning"]["log"], meta["tuning"]["match"]) == (two, match)
+        assert meta["schedule"]["persistent"]["plan"]["sync"] == "barrier"
+    for layers in (1, 3):
+        info = rnncc.compile("lstm", 16, 16, 2, gpu="h200", layers=layers).metadata["tuning"]
+        assert info["log"] is None, layers
+
+
 def test_tf32_modules_take_tf32_logs_else_float32_knobs(root):
     """A module that allows TF32 takes its own ("tf32") log; without one, the float32 log's
     knobs (not its component records, which schedule IEEE components); a float32 module never
@@ -216,8 +232,9 @@ def test_a_tf32_tune_has_its_own_key(tmp_path):
                        print, allow_tf32=True)
 
 
-def test_a_bidirectional_tune_has_its_own_key(tmp_path):
-    """rnncc tune --bidirectional tunes the bidirectional layer, under a key of its own."""
+def test_bidirectional_and_wavefront_tunes_have_their_own_keys(tmp_path):
+    """rnncc tune --bidirectional tunes the bidirectional layer, --layers L the wavefront of
+    L layers, each under a key of its own."""
     from rnncc.tuning import tuner
 
     session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
@@ -225,18 +242,25 @@ def test_a_bidirectional_tune_has_its_own_key(tmp_path):
     assert session.problem.directions == 2 and session.key.directions == 2
     assert session.key.name == "gru_c8_h8_n2_float32_bidirectional"
     assert session.compiled(tuning="off").directions == 2
+    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
+                             0.0, print, layers=3)
+    assert session.problem.layers == 3 and session.key.name == "gru_c8_h8_n2_float32_l3"
+    with pytest.raises(ConfigError, match="input size is their hidden size"):
+        tuner._session("gru", 4, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5, 0.0,
+                       print, layers=3)
 
 
-def test_knob_search_builds_the_bidirectional_layer(tmp_path):
-    """A bidirectional tune's knob search builds its candidates as bidirectional modules."""
+@pytest.mark.parametrize("directions, layers", [(2, 1), (1, 2)])
+def test_knob_search_builds_the_tuned_module(directions, layers, tmp_path):
+    """A bidirectional or a wavefront tune's knob search builds its candidates as such."""
     from rnncc.tuning import knob_search
 
-    spec = {**logs.LogKey("h200", "lstm", 16, 16, 2, "float32", 2).config(), "arch": "sm_90",
-            "sms": 132}
+    key = logs.LogKey("h200", "lstm", 16, 16, 2, "float32", directions, layers)
+    spec = {**key.config(), "arch": "sm_90", "sms": 132}
     path, why = knob_search._build((spec, {"sync": "barrier"}, str(tmp_path / "cand.so")))
     assert why is None
     module = rnncc.load(path)
-    assert module.directions == 2
+    assert (module.directions, module.layers) == (directions, layers)
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "barrier"
 
 

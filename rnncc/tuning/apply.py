@@ -8,7 +8,9 @@ less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, 
 the planner's to decide at each size. A bidirectional layer takes its own log (``rnncc tune
 --bidirectional``); without one, the nearest of its other sizes' and of its one direction's
 logs the same way (each direction then runs that plan, its input projections as the planner
-decides for two directions). A module that allows TF32 takes a TF32 log
+decides for two directions). A wavefront of layers takes only logs of as many layers
+(``rnncc tune --layers``): a layer's log tunes a layer alone, on all the multiprocessors. A
+module that allows TF32 takes a TF32 log
 (:func:`.log.precision`), else the float32 one's knobs as a float32 module would (its
 component records schedule IEEE components, which a TF32 module's are not). A GPU kind with
 no log of its own for a configuration takes its sibling's (:data:`SIBLINGS`: the same
@@ -61,8 +63,6 @@ def for_compile(problem, tspec, gpu: str | None, tuning) -> Applied:
     (refused with a ConfigError when it does not fit the configuration)."""
     if tuning == "off":
         return Applied(info={"log": None, "reason": "tuning logs off"})
-    if problem.layers > 1:  # a layer's log tunes a layer alone, on all the multiprocessors
-        return Applied(info={"log": None, "reason": "no tuning logs for a wavefront of layers"})
     if problem.proj_size:
         return Applied(info={"log": None, "reason": "no tuning logs for projections yet"})
     device, how = device_for(tspec, gpu)
@@ -146,7 +146,7 @@ def _exact(found: logs.TuningLog, records: bool = True) -> Applied:
 def _key(problem, tspec, device: str, precision: str | None = None) -> logs.LogKey:
     return logs.LogKey(device, problem.cell.name, problem.input_size, problem.hidden_size,
                        problem.batch, precision or logs.precision(problem, tspec.kind),
-                       problem.directions)
+                       problem.directions, problem.layers)
 
 
 def _distance(a: logs.LogKey, b: logs.LogKey) -> tuple:

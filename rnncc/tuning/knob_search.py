@@ -81,7 +81,8 @@ def _build(args):
                                arch=spec["arch"], sms=spec["sms"], knobs=knobs,
                                persistent="on", tuning="off",
                                allow_tf32=spec.get("allow_tf32", False),
-                               directions=spec.get("directions", 1))
+                               directions=spec.get("directions", 1),
+                               layers=spec.get("layers", 1))
         module.export(path)
         return path, None
     except RnnccError as err:
@@ -108,9 +109,13 @@ def _measure(args):
     y, _ = module(x, packed)
     torch.cuda.synchronize()
     if cell is not None:
-        run = reference.run if module.directions == 1 else reference.run_bidirectional
-        ref, _ = run(cell, x.double().cpu().numpy(),  # the inputs as rounded
-                     {k: v.double().cpu().numpy() for k, v in weights.items()})
+        given = (x.double().cpu().numpy(),  # the inputs as rounded
+                 {k: v.double().cpu().numpy() for k, v in weights.items()})
+        if module.layers > 1:
+            ref, _ = reference.run_layers(cell, *given, module.layers)
+        else:
+            run = reference.run if module.directions == 1 else reference.run_bidirectional
+            ref, _ = run(cell, *given)
         error = reference.relative_error(y.double().cpu().numpy(), ref)  # NumPy has no bf16
         if not error < tol:
             return None, f"wrong result: relative error {error:.2e} (limit {tol:.0e})"

@@ -1,15 +1,16 @@
 """Tuning logs: one directory a (device, configuration).
 
-    <root>/<device>/<cell>_c<C>_h<H>_n<N>_<precision>[_bidirectional]/
+    <root>/<device>/<cell>_c<C>_h<H>_n<N>_<precision>[_bidirectional][_l<L>]/
         rnncc.json                    rnncc's record (below)
         database_workload.json        MetaSchedule's JSON database, best record a workload
         database_tuning_record.json   (only when a tuned component beat its default schedule)
 
 ``rnncc.json``: {"format", "rnncc_version", "tvm_version", "device", "device_name", "config":
 {cell, input_size, hidden_size, batch, dtype, target, and "directions": 2 for a
-bidirectional layer}, "knobs" (the persistent kernel's, {} for
-its defaults), "components" (the components the database schedules), "measured" (milliseconds
-a call at "steps": default, tuned, cudnn), "search" (what was tried), "created"}.
+bidirectional layer, "layers": L for a wavefront of L layers}, "knobs" (the persistent
+kernel's, {} for its defaults), "components" (the components the database schedules),
+"measured" (milliseconds a call at "steps": default, tuned, cudnn), "search" (what was
+tried), "created"}.
 
 A log is refused (:class:`LogError`) when a file does not parse, a field is missing or wrong,
 it was written by another TVM (MetaSchedule traces are not portable across versions), or it is
@@ -52,7 +53,8 @@ def precision(problem, target_kind: str) -> str:
 @dataclass(frozen=True)
 class LogKey:
     """What a log is for: a device and one configuration (``dtype``: :func:`precision`;
-    ``directions`` 2: a bidirectional layer)."""
+    ``directions`` 2: a bidirectional layer; ``layers`` L > 1: a wavefront of L layers of
+    input size H, one module)."""
 
     device: str
     cell: str
@@ -61,16 +63,23 @@ class LogKey:
     batch: int
     dtype: str
     directions: int = 1
+    layers: int = 1
 
     @property
     def name(self) -> str:
         return (f"{self.cell}_c{self.input_size}_h{self.hidden_size}_n{self.batch}"
-                f"_{self.dtype}" + ("_bidirectional" if self.directions == 2 else ""))
+                f"_{self.dtype}" + _variant(self.directions, self.layers))
 
     def config(self) -> dict:
         return {"cell": self.cell, "input_size": self.input_size,
                 "hidden_size": self.hidden_size, "batch": self.batch, "dtype": self.dtype,
-                **({"directions": 2} if self.directions == 2 else {})}
+                **({"directions": 2} if self.directions == 2 else {}),
+                **({"layers": self.layers} if self.layers > 1 else {})}
+
+
+def _variant(directions: int, layers: int) -> str:
+    """The end of a log's name past its precision."""
+    return ("_bidirectional" if directions == 2 else "") + (f"_l{layers}" if layers > 1 else "")
 
 
 @dataclass
@@ -193,12 +202,15 @@ def read(path: str, expect: LogKey | None = None) -> TuningLog:
         check_knobs(knobs)
     except ConfigError as err:
         raise LogError(f"tuning log {path}: {err}") from err
-    directions = config.get("directions", 1)
+    directions, layers = config.get("directions", 1), config.get("layers", 1)
     if directions not in (1, 2) or isinstance(directions, bool):
         raise LogError(f"tuning log {path}: config's directions must be 1 or 2, got "
                        f"{directions!r}")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise LogError(f"tuning log {path}: config's layers must be an integer >= 1, got "
+                       f"{layers!r}")
     key = LogKey(device, config["cell"], config["input_size"], config["hidden_size"],
-                 config["batch"], config["dtype"], directions)
+                 config["batch"], config["dtype"], directions, layers)
     if expect is not None and key != expect:
         raise LogError(f"tuning log {path} is for {describe(key)}, not {describe(expect)}")
     has_db = _check_database(path)
@@ -210,8 +222,9 @@ def read(path: str, expect: LogKey | None = None) -> TuningLog:
 
 def describe(key: LogKey) -> str:
     both = " bidirectional" if key.directions == 2 else ""
+    stacked = f" {key.layers} layers" if key.layers > 1 else ""
     return (f"{key.cell} C={key.input_size} H={key.hidden_size} N={key.batch} {key.dtype}"
-            f"{both} on {key.device}")
+            f"{both}{stacked} on {key.device}")
 
 
 def write(root: str, key: LogKey, record: dict, database_dir: str | None = None) -> str:
@@ -253,8 +266,8 @@ def write(root: str, key: LogKey, record: dict, database_dir: str | None = None)
 
 def find(key: LogKey, extra_roots=()):
     """(path of the exact log for ``key``, or None; logs of the same device, cell, dtype,
-    batch and directions for other sizes, and for a bidirectional key also the one-direction
-    logs of every size, as (key, path) pairs) over the roots in lookup order."""
+    batch, directions and layers for other sizes, and for a bidirectional key also the
+    one-direction logs of every size, as (key, path) pairs) over the roots in lookup order."""
     exact, others = None, []
     for root in roots(extra_roots):
         base = os.path.join(root, key.device)
@@ -263,8 +276,8 @@ def find(key: LogKey, extra_roots=()):
         if exact is None and os.path.isfile(os.path.join(base, key.name, RECORD)):
             exact = os.path.join(base, key.name)
         prefix = f"{key.cell}_c"
-        suffixes = {directions: f"_n{key.batch}_{key.dtype}" + (
-            "_bidirectional" if directions == 2 else "") for directions in (1, key.directions)}
+        suffixes = {directions: f"_n{key.batch}_{key.dtype}" + _variant(directions, key.layers)
+                    for directions in (1, key.directions)}
         for name in sorted(os.listdir(base)):
             for directions, suffix in suffixes.items():
                 if name == key.name or not (name.startswith(prefix) and name.endswith(suffix)):
@@ -272,7 +285,7 @@ def find(key: LogKey, extra_roots=()):
                 try:
                     c, h = name[len(prefix):-len(suffix)].split("_h")
                     other = LogKey(key.device, key.cell, int(c), int(h), key.batch, key.dtype,
-                                   directions)
+                                   directions, key.layers)
                 except ValueError:
                     continue
                 others.append((other, os.path.join(base, name)))

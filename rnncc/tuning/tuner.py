@@ -42,14 +42,16 @@ class _Session:
         p, t = self.problem, self.tspec
         return compile_module(p.cell, p.input_size, p.hidden_size, p.batch, dtype=p.dtype,
                               target=t.kind, arch=t.arch, cpu=t.cpu, sms=self.sms,
-                              allow_tf32=p.allow_tf32, directions=p.directions, **kw)
+                              allow_tf32=p.allow_tf32, directions=p.directions,
+                              layers=p.layers, **kw)
 
 
 def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "float32",
          target: str = "cuda", arch: str | None = None, cpu: str | None = None,
          trials: int = DEFAULT_TRIALS, time_budget: float = 300.0, log_dir: str = "tuning_logs",
          work_dir: str | None = None, steps: int = 100, rpc: str | None = None,
-         allow_tf32: bool = False, directions: int = 1, progress=print) -> dict:
+         allow_tf32: bool = False, directions: int = 1, layers: int = 1,
+         progress=print) -> dict:
     """Tune one layer configuration here (CUDA: on this machine's GPU 0) within
     ``time_budget`` seconds, write its log under ``log_dir`` and return the summary.
 
@@ -60,14 +62,17 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
     tuned module is kept only where it beats the default: a log never makes a module slower
     than its untuned schedule, as measured here. ``allow_tf32``: tune the module that allows
     TF32 (its own log, "tf32" in place of the dtype). ``directions`` 2: tune the bidirectional
-    layer (its own log, which bidirectional modules and networks' layers then take).
+    layer (its own log, which bidirectional modules and networks' layers then take);
+    ``layers`` L > 1: the wavefront of L layers of input size H (its own log, which such
+    wavefront modules and the networks that run on them take).
     """
     start = time.monotonic()
     if trials < 0 or time_budget <= 0 or steps < 1:
         raise ConfigError("trials must be >= 0, time budget > 0 and steps >= 1")
     _check_before_measuring(log_dir, rpc)
     session = _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu,
-                       work_dir, steps, start + time_budget, progress, allow_tf32, directions)
+                       work_dir, steps, start + time_budget, progress, allow_tf32, directions,
+                       layers)
     progress(f"tuning {logs.describe(session.key)} ({session.device_name}); budget "
              f"{time_budget:.0f} s, work directory {session.work_dir}")
     default = session.compiled(tuning="off")
@@ -108,14 +113,14 @@ def _check_before_measuring(log_dir: str, rpc: str | None) -> None:
 
 
 def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, work_dir, steps,
-             deadline, progress, allow_tf32=False, directions=1) -> _Session:
+             deadline, progress, allow_tf32=False, directions=1, layers=1) -> _Session:
     """The problem and the device it is tuned on (CUDA: this machine's GPU, or an error)."""
     from ..compiler.driver import resolve_cell
     from ..spec import Problem
     from ..target import TargetSpec
 
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype,
-                      directions=directions, allow_tf32=allow_tf32)
+                      directions=directions, layers=layers, allow_tf32=allow_tf32)
     tspec = TargetSpec(target, arch, cpu)
     if tspec.kind == "cuda":
         here = local_gpu()
@@ -126,7 +131,7 @@ def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, wor
     else:
         device, device_name, sms = cpu_key(tspec.cpu), cpu_key(tspec.cpu), None
     key = logs.LogKey(device, problem.cell.name, input_size, hidden_size, batch,
-                      logs.precision(problem, tspec.kind), directions)
+                      logs.precision(problem, tspec.kind), directions, layers)
     work_dir = work_dir or default_work_dir(key)
     os.makedirs(work_dir, exist_ok=True)
     return _Session(problem, tspec, key, device_name, sms, work_dir, steps, deadline, progress)
