@@ -10,11 +10,10 @@ the planner's to decide at each size. A bidirectional layer takes its own log (`
 logs the same way (each direction then runs that plan, its input projections as the planner
 decides for two directions). A wavefront of layers takes only logs of as many layers
 (``rnncc tune --layers``): a layer's log tunes a layer alone, on all the multiprocessors. A
-module that allows TF32 takes a TF32 log
-(:func:`.log.precision`), else the float32 one's knobs as a float32 module would (its
-component records schedule IEEE components, which a TF32 module's are not). A GPU kind with
-no log of its own for a configuration takes its sibling's (:data:`SIBLINGS`: the same
-architecture and size).
+module that allows TF32 takes a TF32 log (:func:`.log.precision`), else the float32 one's
+knobs as a float32 module would (its component records schedule IEEE components, which a
+TF32 module's are not). A GPU kind with no log of its own for a configuration takes its
+sibling's (:data:`SIBLINGS`: the same architecture and size).
 """
 
 from __future__ import annotations
