@@ -121,7 +121,8 @@ def _parser():
                    help="seconds for the whole tune (300)")
     p.add_argument("--log-dir", default="tuning_logs", help="where the log goes (tuning_logs)")
     p.add_argument("--work-dir", default=None,
-                   help="measurements kept for resuming (~/.cache/rnncc/tune/...)")
+                   help="measurements kept for resuming, one configuration's a "
+                   "directory (~/.cache/rnncc/tune/<device>/<config>)")
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length timed (100)")
     p.add_argument("--allow-tf32", action="store_true",
                    help="tune the float32 module that allows TF32 (its own log)")

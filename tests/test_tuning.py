@@ -237,17 +237,35 @@ def test_bidirectional_and_wavefront_tunes_have_their_own_keys(tmp_path):
     L layers, each under a key of its own."""
     from rnncc.tuning import tuner
 
-    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
-                             0.0, print, directions=2)
+    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None,
+                             str(tmp_path / "bi"), 5, 0.0, print, directions=2)
     assert session.problem.directions == 2 and session.key.directions == 2
     assert session.key.name == "gru_c8_h8_n2_float32_bidirectional"
     assert session.compiled(tuning="off").directions == 2
-    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5,
-                             0.0, print, layers=3)
+    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None,
+                             str(tmp_path / "l3"), 5, 0.0, print, layers=3)
     assert session.problem.layers == 3 and session.key.name == "gru_c8_h8_n2_float32_l3"
     with pytest.raises(ConfigError, match="input size is their hidden size"):
         tuner._session("gru", 4, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5, 0.0,
                        print, layers=3)
+
+
+def test_a_work_directory_keeps_one_configurations_measurements(tmp_path, monkeypatch):
+    """A tune resumes from its work directory's measurements: another configuration's there
+    would pass for its own, so a work directory stamped with one is refused to the others."""
+    from rnncc.tuning import tuner
+
+    def session(batch, work_dir=str(tmp_path)):
+        return tuner._session("gru", 8, 8, batch, "float32", "llvm", None, None, work_dir, 5,
+                              0.0, print)
+
+    assert session(2).work_dir == str(tmp_path)
+    assert session(2).work_dir == str(tmp_path)  # the same configuration resumes
+    with pytest.raises(ConfigError, match=r"keeps the measurements of gru_c8_h8_n2_float32 "
+                                          r"on .*, not of gru_c8_h8_n3_float32"):
+        session(3)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert session(3, work_dir=None).work_dir != session(2, work_dir=None).work_dir
 
 
 @pytest.mark.parametrize("directions, layers", [(2, 1), (1, 2)])

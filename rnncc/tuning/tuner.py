@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -58,13 +59,13 @@ def tune(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str = "f
     Persistent configurations search the kernel's knobs; the others tune their static
     components with MetaSchedule (``trials`` in all, measured here or through ``rpc``,
     "host:port:key" of a TVM RPC tracker). What was measured stays in ``work_dir`` (default
-    ~/.cache/rnncc/tune/<device>/<config>), so running the same command again resumes. The
-    tuned module is kept only where it beats the default: a log never makes a module slower
-    than its untuned schedule, as measured here. ``allow_tf32``: tune the module that allows
-    TF32 (its own log, "tf32" in place of the dtype). ``directions`` 2: tune the bidirectional
-    layer (its own log, which bidirectional modules and networks' layers then take);
-    ``layers`` L > 1: the wavefront of L layers of input size H (its own log, which such
-    wavefront modules and the networks that run on them take).
+    ~/.cache/rnncc/tune/<device>/<config>; one configuration's only), so running the same
+    command again resumes. The tuned module is kept only where it beats the default: a log
+    never makes a module slower than its untuned schedule, as measured here. ``allow_tf32``:
+    tune the module that allows TF32 (its own log, "tf32" in place of the dtype).
+    ``directions`` 2: tune the bidirectional layer (its own log, which bidirectional modules
+    and networks' layers then take); ``layers`` L > 1: the wavefront of L layers of input size
+    H (its own log, which such wavefront modules and the networks that run on them take).
     """
     start = time.monotonic()
     if trials < 0 or time_budget <= 0 or steps < 1:
@@ -132,9 +133,35 @@ def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, wor
         device, device_name, sms = cpu_key(tspec.cpu), cpu_key(tspec.cpu), None
     key = logs.LogKey(device, problem.cell.name, input_size, hidden_size, batch,
                       logs.precision(problem, tspec.kind), directions, layers)
-    work_dir = work_dir or default_work_dir(key)
-    os.makedirs(work_dir, exist_ok=True)
+    work_dir = _claim(work_dir or default_work_dir(key), key)
     return _Session(problem, tspec, key, device_name, sms, work_dir, steps, deadline, progress)
+
+
+def _claim(work_dir: str, key: logs.LogKey) -> str:
+    """``work_dir``, made and stamped (``config.json``) with the configuration whose
+    measurements it keeps; a ConfigError where it keeps another's (a resumed tune would take
+    them for its own)."""
+    os.makedirs(work_dir, exist_ok=True)
+    stamp = os.path.join(work_dir, "config.json")
+    mine = {"device": key.device, "config": key.name}
+    try:
+        with open(stamp) as f:
+            theirs = json.load(f)
+    except FileNotFoundError:
+        tmp = f"{stamp}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(mine, f)
+        os.replace(tmp, stamp)
+        return work_dir
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read {stamp!r} ({err}); give another work directory") from err
+    if theirs != mine:
+        raise ConfigError(
+            f"work directory {work_dir!r} keeps the measurements of {theirs.get('config')} on "
+            f"{theirs.get('device')}, not of {key.name} on {key.device}: give another work "
+            "directory (by default each configuration has its own, under "
+            f"{os.path.dirname(os.path.dirname(default_work_dir(key)))})")
+    return work_dir
 
 
 @dataclass
