@@ -791,6 +791,8 @@ def test_knob_candidates_follow_the_driver():
     assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
     half = candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4, "float16"), H100)
     assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
+    stacked = candidates(Problem(rnncc.cells.get("lstm"), 512, 512, 4, layers=2), H100)
+    assert {"sync": "barrier"} in stacked and {"sync": "grid"} not in stacked  # no grid sync
 
 
 @pytest.mark.parametrize("cell", persistent_cells())

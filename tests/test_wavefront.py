@@ -57,6 +57,11 @@ def test_what_does_not_fit_or_is_not_a_stack_is_refused():
         rnncc.compile("lstm", 1024, 1024, 1, arch="sm_90", layers=2, tuning="off")
     with pytest.raises(planner.Unfit, match="one direction"):
         planner.plan(4, 64, 1, "float32", H200, directions=2, layers=2)
+    problem = Problem(rnncc.cells.get("lstm"), 64, 64, 1, layers=2)
+    with pytest.raises(planner.Unfit, match="wavefront's layers run steps apart"):
+        knobs.plan_for(problem, H200, {"sync": "grid"}, planner.REG_MARGIN)
+    with pytest.raises(ConfigError, match="wavefront's layers run steps apart"):
+        rnncc.compile("lstm", 64, 64, 1, arch="sm_90", layers=2, knobs={"sync": "grid"})
 
 
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc")

@@ -311,6 +311,9 @@ def _wavefront(request: _Request, found: Plan, rows, steps) -> Plan:
     if rows:
         raise Unfit(f"input_rows={rows}: the layers of a wavefront compute their input "
                     "projections overlapped with the time loop (give input_steps, or neither)")
+    if request.knobs.get("sync") == "grid":
+        raise Unfit("sync='grid' holds every block of the grid at the same step, and a "
+                    "wavefront's layers run steps apart (give 'tagged' or 'barrier')")
     local = request.problem.batch // found.batch_groups
     for tried in [steps] if steps else planner.wavefront_steps(local):
         overlapped = _overlapped(request, found, tried)
