@@ -886,6 +886,30 @@ def test_both_directions_overlap_their_input_projections_where_the_rule_says(
     assert not knobs.plan_for(half, H100, {}, 24).fused
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, groups", [
+    ("lstm", 512, 512, 2), ("gru", 576, 576, 2), ("rnn_tanh", 384, 1216, 1)])
+def test_both_directions_overlap_in_more_batch_groups_where_few_chunks_move(
+        cell, input_size, hidden, groups):
+    """Batch 8 of both directions overlaps no input projection in one batch group (S*N of
+    BIDIR_OVERLAP_ROWS gives S < MIN_STEPS): in two it does, where those keep at most
+    BIDIR_GROUPS_SMEM_CHUNKS chunks of W_hh in shared memory (RNN 1216's would move 4: one
+    group and the GEMM); batch_groups given by the knobs are kept."""
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    problem = Problem(rnncc.cells.get(cell), input_size, hidden, 8, directions=2)
+    found = knobs.plan_for(problem, H100, {}, 24)
+    assert found.batch_groups == groups and bool(found.input_steps) == (groups > 1)
+    if groups > 1:
+        assert found.sync == "tagged" and found.input_rows == found.input_steps * 8 // groups
+        assert found.smem_chunks <= knobs.BIDIR_GROUPS_SMEM_CHUNKS
+    else:
+        more = knobs.plan_for(problem, H100, {"batch_groups": 2}, 24)
+        assert more.smem_chunks > knobs.BIDIR_GROUPS_SMEM_CHUNKS
+    one = knobs.plan_for(problem, H100, {"batch_groups": 1}, 24)
+    assert one.batch_groups == 1 and not one.input_steps
+
+
 @pytest.mark.parametrize("gates, hidden, batch, dtype, parts, groups", [
     (4, 1024, 32, "bfloat16", 4, 2), (3, 1024, 32, "bfloat16", 4, 2),
     (4, 512, 64, "float16", 2, 8)])

@@ -291,10 +291,7 @@ def input_projection(request: _Request, found: Plan) -> Plan:
     if rows == 0 or (rows is None and not fuses_input(problem)):
         return found
     if problem.directions > 1 and rows is None:  # overlapped (unless input_steps=0), or the GEMM
-        overlapped = (_overlapped(request, found, rows=BIDIR_OVERLAP_ROWS) if steps is None
-                      else None)
-        tagged = overlapped and planner.exchange(overlapped, problem.batch) == "tagged"
-        return overlapped if tagged else found
+        return _overlapped_in_groups(request, found) if steps is None else found
     fused = _overlapped(request, found) if rows is None and steps is None else None
     if fused is None:
         fused = planner.fuse_input(found, problem.gates, problem.input_size, problem.batch,
@@ -303,6 +300,37 @@ def input_projection(request: _Request, found: Plan) -> Plan:
                 and problem.batch > FUSE_SLAB_MAX_BATCH):
             fused = None
     return fused or found
+
+
+#: Where both directions' input projections cannot be overlapped in the planner's batch groups,
+#: they are in more groups (fewer rows a group, so S*N makes S >= MIN_STEPS) where those keep
+#: at most BIDIR_GROUPS_SMEM_CHUNKS chunks of W_hh in shared memory. H200, us a step, 2 groups
+#: overlapped / 1 group and the separate GEMM: LSTM 512 batch 8 2.78 / 3.40 (1 chunk / 0),
+#: GRU 640 batch 4 2.16 / 2.91 (1 / 0), RNN 1088 (C 1024) batch 4 3.04 / 3.92 (2 / 3); with
+#: 4 chunks it lost, RNN 1216 (C 384) batch 8 5.37 / 4.28 (4 / 1).
+BIDIR_GROUPS_SMEM_CHUNKS = 2
+
+
+def _overlapped_in_groups(request: _Request, found: Plan) -> Plan:
+    """Both directions' input projections overlapped (:data:`BIDIR_OVERLAP_ROWS`), their
+    blocks exchanging tagged words: in ``found``'s batch groups, else (unless the knobs set
+    them) in the fewest more where :data:`BIDIR_GROUPS_SMEM_CHUNKS` says, else ``found``
+    (the separate GEMM)."""
+    batch = request.problem.batch
+    more = [] if "batch_groups" in request.knobs else [
+        g for g in range(found.batch_groups + 1, batch + 1) if batch % g == 0]
+    for groups in [found.batch_groups, *more]:
+        try:
+            base = found if groups == found.batch_groups else request.weights(
+                found.reg_margin, groups=groups)
+        except Unfit:
+            continue
+        overlapped = _overlapped(request, base, rows=BIDIR_OVERLAP_ROWS)
+        if (overlapped and planner.exchange(overlapped, batch) == "tagged"
+                and (groups == found.batch_groups
+                     or overlapped.smem_chunks <= BIDIR_GROUPS_SMEM_CHUNKS)):
+            return overlapped
+    return found
 
 
 def _wavefront(request: _Request, found: Plan, rows, steps) -> Plan:
