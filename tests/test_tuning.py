@@ -232,9 +232,10 @@ def test_a_tf32_tune_has_its_own_key(tmp_path):
                        print, allow_tf32=True)
 
 
-def test_bidirectional_and_wavefront_tunes_have_their_own_keys(tmp_path):
+def test_bidirectional_and_wavefront_tunes_have_their_own_keys(tmp_path, monkeypatch):
     """rnncc tune --bidirectional tunes the bidirectional layer, --layers L the wavefront of
-    L layers, each under a key of its own."""
+    L layers (on CUDA only: refused elsewhere before anything is measured), each under a key
+    of its own."""
     from rnncc.tuning import tuner
 
     session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None,
@@ -242,11 +243,16 @@ def test_bidirectional_and_wavefront_tunes_have_their_own_keys(tmp_path):
     assert session.problem.directions == 2 and session.key.directions == 2
     assert session.key.name == "gru_c8_h8_n2_float32_bidirectional"
     assert session.compiled(tuning="off").directions == 2
-    session = tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None,
+    with pytest.raises(ConfigError, match="wavefront of 3 layers runs only on the cuda"):
+        tuner._session("gru", 8, 8, 2, "float32", "llvm", None, None, str(tmp_path / "l3"), 5,
+                       0.0, print, layers=3)
+    assert not (tmp_path / "l3").exists()
+    monkeypatch.setattr(tuner, "local_gpu", lambda: ("h200", "NVIDIA H200", 132))
+    session = tuner._session("gru", 8, 8, 2, "float32", "cuda", None, None,
                              str(tmp_path / "l3"), 5, 0.0, print, layers=3)
     assert session.problem.layers == 3 and session.key.name == "gru_c8_h8_n2_float32_l3"
     with pytest.raises(ConfigError, match="input size is their hidden size"):
-        tuner._session("gru", 4, 8, 2, "float32", "llvm", None, None, str(tmp_path), 5, 0.0,
+        tuner._session("gru", 4, 8, 2, "float32", "cuda", None, None, str(tmp_path), 5, 0.0,
                        print, layers=3)
 
 

@@ -123,6 +123,9 @@ def _session(cell, input_size, hidden_size, batch, dtype, target, arch, cpu, wor
     problem = Problem(resolve_cell(cell), input_size, hidden_size, batch, dtype,
                       directions=directions, layers=layers, allow_tf32=allow_tf32)
     tspec = TargetSpec(target, arch, cpu)
+    if layers > 1 and tspec.kind != "cuda":
+        raise ConfigError(f"a wavefront of {layers} layers runs only on the cuda target (one "
+                          f"persistent kernel); got {tspec.kind}: tune it on the GPU machine")
     if tspec.kind == "cuda":
         here = local_gpu()
         if here is None:
