@@ -1,5 +1,6 @@
 """CPU modules (the llvm target): rnncc.nn against torch.nn on this machine's CPU, T = 100,
-C = H, float32, torch on as many threads as the machine has cores; microseconds a time step
+C = H, float32, torch on as many threads as the machine has CPUs and rnncc on as many as it
+has cores (TVM_NUM_THREADS overrides); microseconds a time step
 (the best of ``--loops`` loops of ``--calls`` calls), and rnncc's relative error against torch
 in float64 first. Run from the repository root on any machine:
 
@@ -72,9 +73,11 @@ def main():
     torch.set_num_threads(os.cpu_count() or 1)
     rows = [_row(torch, kind, hidden, batch, args.calls, args.loops)
             for kind, hidden, batch in LAYERS]
-    name = _cpu_name()
+    import tvm
+
+    name, threads = _cpu_name(), tvm.get_global_func("runtime.NumThreads")()
     print(f"{name}, {os.cpu_count()} cores, {datetime.date.today()}, T={STEPS}, C=H, float32, "
-          "us per time step\n")
+          f"rnncc on {threads} threads, torch on {torch.get_num_threads()}, us per time step\n")
     print("| network | H | N | rnncc | torch | speed-up | rnncc's error |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -82,7 +85,8 @@ def main():
               f"{r['torch_us']:.1f} | {r['torch_us'] / r['rnncc_us']:.2f}x | "
               f"{r['error']:.1e} |")
     if args.json:
-        write_json(args.json, {"device": name, "cores": os.cpu_count(), "rows": rows})
+        write_json(args.json, {"device": name, "cores": os.cpu_count(), "rnncc_threads": threads,
+                               "torch_threads": torch.get_num_threads(), "rows": rows})
 
 
 if __name__ == "__main__":

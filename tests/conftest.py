@@ -2,8 +2,15 @@
 device: ``python -m pytest tests --gpu -m gpu``; long tests (marked ``slow``: a MetaSchedule
 tune through RPC, large CUDA builds) only with ``--slow``."""
 
+import os
+
 import numpy as np
 import pytest
+
+# A test worker a core (pytest -n): CPU modules run on one thread of TVM's pool each, unless
+# TVM_NUM_THREADS says otherwise (rnncc would otherwise give every worker all the cores).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TVM_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser):

@@ -9,6 +9,7 @@ which is what the loader does) before it loads a CUDA module.
 from __future__ import annotations
 
 from ..errors import ModuleFileError
+from . import threads
 
 _CUDA_READY = False
 
@@ -63,6 +64,8 @@ def load_library(path: str, kind: str, shown: str | None = None):
             raise ModuleFileError(
                 f"{shown!r} is a CUDA module and this machine has no usable CUDA device; "
                 "load it on a GPU machine (rnncc inspect reads it anywhere)")
+    else:
+        threads.configure()  # before the module's first parallel work
     try:
         return tvm.runtime.load_module(path)
     except Exception as err:  # noqa: BLE001 - surfaced as a module-file error
