@@ -791,6 +791,9 @@ def test_knob_candidates_follow_the_driver():
     assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
     half = candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4, "float16"), H100)
     assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
+    assert not any("reg_margin" in k and "batch_groups" in k for k in small)
+    both = candidates(Problem(rnncc.cells.get("gru"), 384, 640, 6, directions=2), H100)
+    assert {"batch_groups": 2, "reg_margin": 48} in both  # room for the overlap (spills: 24)
     stacked = candidates(Problem(rnncc.cells.get("lstm"), 512, 512, 4, layers=2), H100)
     assert {"sync": "barrier"} in stacked and {"sync": "grid"} not in stacked  # no grid sync
 

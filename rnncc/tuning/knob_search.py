@@ -2,14 +2,16 @@
 
 Candidates are the planner's default, a starting point (a nearby configuration's tuned knobs),
 each synchronisation variant, each number of batch groups, smaller grids, other block sizes,
-more weights in shared memory, the input projection fused or not, and the products on tensor
-cores or not (float16, bfloat16, TF32); knobs that give the same
-plan are measured once. Candidates build in parallel (one process each, the machine's cores);
-each is then run in a separate measuring process on fresh random inputs, its output checked
-against the float64 reference (a wrong result is rejected with its error) and only then timed
-(CUDA-graph captured, median). A candidate that fails to build, crashes or hangs (killed after
-a timeout) is skipped with the reason. Each result is appended to ``results.jsonl`` in the work
-directory, and a resumed search skips what it has.
+more weights in shared memory, the input projection fused or not, the products on tensor
+cores or not (float16, bfloat16, TF32), and, where the kernel computes its input projections
+by default, each number of batch groups with more of W_hh in shared memory (room for the
+overlapped projection, where the planner's estimate or ptxas found none); knobs that give the
+same plan are measured once. Candidates build in parallel (one process each, the machine's
+cores); each is then run in a separate measuring process on fresh random inputs, its output
+checked against the float64 reference (a wrong result is rejected with its error) and only
+then timed (CUDA-graph captured, median). A candidate that fails to build, crashes or hangs
+(killed after a timeout) is skipped with the reason. Each result is appended to
+``results.jsonl`` in the work directory, and a resumed search skips what it has.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MEASURE_TIMEOUT = 40.0
 def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     """Knob sets to try, the default ({}) first and ``start`` second, one a distinct plan."""
     from ..schedules import persistent
-    from ..schedules.persistent.knobs import SYNCS, WARPS, plan_for
+    from ..schedules.persistent.knobs import OVERLAP_ROOM, SYNCS, WARPS, fuses_input, plan_for
     from ..schedules.persistent.planner import REG_MARGIN
 
     def plan_of(knobs):
@@ -48,7 +50,8 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
         return []
     tries = [{}, dict(start or {})]
     tries += [{"sync": s} for s in SYNCS]
-    tries += [{"batch_groups": d} for d in range(1, problem.batch + 1) if problem.batch % d == 0]
+    groups = [d for d in range(1, problem.batch + 1) if problem.batch % d == 0]
+    tries += [{"batch_groups": d} for d in groups]
     for frac in (0.75, 0.5, 0.375, 0.25):
         blocks = max(1, int(base.blocks * frac))
         tries += [{"max_blocks": blocks, "sync": s} for s in ("tagged", "barrier")]
@@ -56,6 +59,9 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
     tries += [{"input_steps": 0}, {"input_steps": 4}, {"input_steps": 8}]
     tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
+    if fuses_input(problem):  # W_hh's chunks moved to make room for the overlap, by groups
+        tries += [{"batch_groups": d, "reg_margin": REG_MARGIN + room} for d in groups
+                  for room in OVERLAP_ROOM[1:]]
     if base.smem_chunks > 1:
         tries += [{"unroll": base.smem_chunks}]
     out, seen = [], set()
