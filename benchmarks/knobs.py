@@ -63,13 +63,8 @@ def _error(module) -> float:
     x = torch.tensor(x64, dtype=torch.float32, device="cuda")
     weights = {k: torch.tensor(v, dtype=torch.float32, device="cuda") for k, v in w64.items()}
     y, _ = module(x, module.pack(weights, entry="persistent"))
-    cell = rnncc.cells.get(module.cell)
-    if module.layers > 1:
-        ref, _ = reference.run_layers(cell, x64, w64, module.layers)
-    elif module.directions == 2:
-        ref, _ = reference.run_bidirectional(cell, x64, w64)
-    else:
-        ref, _ = reference.run(cell, x64, w64)
+    ref, _ = reference.run_module(rnncc.cells.get(module.cell), x64, w64, module.directions,
+                                  module.layers)
     return reference.relative_error(y.double().cpu().numpy(), ref)
 
 

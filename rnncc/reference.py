@@ -111,3 +111,15 @@ def run_layers(cell: Cell, x, weights: dict, layers: int, initial: dict | None =
         for s in cell.states:
             finals[s].append(states[s])
     return x, {s: np.concatenate(v) for s, v in finals.items()}
+
+
+def run_module(cell: Cell, x, weights: dict, directions: int = 1, layers: int = 1,
+               initial: dict | None = None, lengths=None):
+    """The float64 reference of a module of ``directions`` (a bidirectional layer:
+    :func:`run_bidirectional`) or ``layers`` (a wavefront: :func:`run_layers`), else
+    :func:`run`; the same arguments and results as those."""
+    if layers > 1:
+        return run_layers(cell, x, weights, layers, initial, lengths)
+    if directions == 2:
+        return run_bidirectional(cell, x, weights, initial, lengths)
+    return run(cell, x, weights, initial, lengths)

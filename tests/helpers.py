@@ -60,12 +60,8 @@ def check_against_reference(module, rng, steps, with_initial, to_array=np.asarra
     if lengths:
         ln = rng.integers(1, steps + 1, n)
         ln[0], ln[-1] = 1, steps
-    if module.layers > 1:
-        ref_y, ref_states = reference.run_layers(cell, x, weights, module.layers, initial,
-                                                 ln)
-    else:
-        run = reference.run if module.directions == 1 else reference.run_bidirectional
-        ref_y, ref_states = run(cell, x, weights, initial, ln)
+    ref_y, ref_states = reference.run_module(cell, x, weights, module.directions,
+                                             module.layers, initial, ln)
     extra = {} if ln is None else {"lengths": to_array(ln)}
     y, finals = module(to_array(x.astype(dt)), {k: to_array(v.astype(dt)) for k, v in
                                                  weights.items()},

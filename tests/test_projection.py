@@ -47,8 +47,7 @@ def check_projection(module, rng, steps, initial=True, lengths=False, entry=None
     if lengths:
         ln = rng.integers(1, steps + 1, n)
         ln[0], ln[-1] = 1, steps
-    run = reference.run if d == 1 else reference.run_bidirectional
-    ref_y, ref_states = run(cell, x, w, given, ln)
+    ref_y, ref_states = reference.run_module(cell, x, w, d, 1, given, ln)
     y, finals = module(x, module.pack(w, entry=entry) if entry else w,
                        **{f"{s}0": v for s, v in given.items()},
                        **({"lengths": ln} if lengths else {}))

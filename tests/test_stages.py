@@ -186,8 +186,7 @@ def check_kernel(cell_name, p, input_size, hidden, batch, dtype, rng, steps=(1, 
             ln = rng.integers(1, t + 1, batch)
             ln[0], ln[-1] = 1, t
         y, finals = simulate(cell, p, x, weights, initial, dtype, ln)
-        run = reference.run if dirs == 1 else reference.run_bidirectional
-        ref_y, ref_states = run(cell, x, weights, initial, ln)
+        ref_y, ref_states = reference.run_module(cell, x, weights, dirs, 1, initial, ln)
         errors = [reference.relative_error(y, ref_y)] + [
             reference.relative_error(finals[s], ref_states[s]) for s in cell.states]
         tol = TOL_TF32 if p.mma and dtype == "float32" else TOL[dtype]
@@ -222,8 +221,7 @@ def test_kernel_of_a_projection_folds_w_hr_and_adds_the_initial_h_first(variant,
                    "c": rng.standard_normal((dirs, n, h)).astype("float32")}
         ln = np.array([steps, 1, max(1, steps - 2)])
         y_cell, finals = simulate(cell, p, x, weights, initial, "float32", lengths=ln)
-        run = reference.run if dirs == 1 else reference.run_bidirectional
-        ref_y, ref = run(cell, x, weights, initial, ln)
+        ref_y, ref = reference.run_module(cell, x, weights, dirs, 1, initial, ln)
         w_hr = [weights["weight_hr_l0" + d].astype(np.float64) for d in suffixes]
         y = np.concatenate([y_cell[:, :, k * h:(k + 1) * h].astype(np.float64) @ w.T
                             for k, w in enumerate(w_hr)], axis=2)

@@ -270,6 +270,10 @@ def test_a_work_directory_keeps_one_configurations_measurements(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"keeps the measurements of gru_c8_h8_n2_float32 "
                                           r"on .*, not of gru_c8_h8_n3_float32"):
         session(3)
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="not a work directory's stamp"):
+        session(2, work_dir=str(tmp_path / "odd"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert session(3, work_dir=None).work_dir != session(2, work_dir=None).work_dir
 

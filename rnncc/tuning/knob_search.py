@@ -117,11 +117,7 @@ def _measure(args):
     if cell is not None:
         given = (x.double().cpu().numpy(),  # the inputs as rounded
                  {k: v.double().cpu().numpy() for k, v in weights.items()})
-        if module.layers > 1:
-            ref, _ = reference.run_layers(cell, *given, module.layers)
-        else:
-            run = reference.run if module.directions == 1 else reference.run_bidirectional
-            ref, _ = run(cell, *given)
+        ref, _ = reference.run_module(cell, *given, module.directions, module.layers)
         error = reference.relative_error(y.double().cpu().numpy(), ref)  # NumPy has no bf16
         if not error < tol:
             return None, f"wrong result: relative error {error:.2e} (limit {tol:.0e})"

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..runtime.files import write_json
 from . import log as logs
 from . import meta
 from .apply import for_compile
@@ -151,13 +152,13 @@ def _claim(work_dir: str, key: logs.LogKey) -> str:
         with open(stamp) as f:
             theirs = json.load(f)
     except FileNotFoundError:
-        tmp = f"{stamp}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(mine, f)
-        os.replace(tmp, stamp)
+        write_json(stamp, mine)
         return work_dir
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot read {stamp!r} ({err}); give another work directory") from err
+    if not isinstance(theirs, dict):
+        raise ConfigError(f"{stamp!r} is not a work directory's stamp; give another work "
+                          "directory")
     if theirs != mine:
         raise ConfigError(
             f"work directory {work_dir!r} keeps the measurements of {theirs.get('config')} on "
