@@ -709,6 +709,30 @@ def test_overlapped_plan_that_spills_is_built_before_the_loop(monkeypatch):
     assert any("overlapped (8 steps a group) spilled" in n for n in module.notes)
 
 
+def test_overlapped_plan_that_spills_is_planned_with_more_registers_free(monkeypatch):
+    """Both directions' input projections overlapped in 2 batch groups spill at the default
+    margin: the driver plans the overlap again with 24 registers more kept free (a chunk more
+    in shared memory) before it moves the projection before the loop."""
+    from rnncc.compiler import driver
+
+    def shape(built):
+        return [(p.input_steps, p.reg_margin, p.smem_chunks, p.batch_groups) for p in built]
+
+    built = _fake_builds(monkeypatch, lambda plan: plan.input_steps and plan.reg_margin < 48)
+    module = driver.compile_module("gru", 384, 640, 6, directions=2, target="cuda",
+                                   tuning="off")
+    assert shape(built) == [(4, 24, 1, 2), (4, 48, 2, 2)] and module.plan is built[-1]
+    assert any("reg_margin 24 spilled" in n and "with reg_margin 48" in n for n in module.notes)
+    built = _fake_builds(monkeypatch, lambda plan: plan.input_steps)  # every overlap spills
+    module = driver.compile_module("gru", 384, 640, 6, directions=2, target="cuda",
+                                   tuning="off")
+    assert shape(built) == [(4, 24, 1, 2), (4, 48, 2, 2), (0, 24, 0, 1)]
+    built = _fake_builds(monkeypatch, lambda plan: plan.input_steps)  # a margin asked for
+    driver.compile_module("gru", 384, 640, 6, directions=2, target="cuda", tuning="off",
+                          knobs={"reg_margin": 24})
+    assert shape(built) == [(4, 24, 1, 2), (0, 24, 0, 1)]
+
+
 @pytest.mark.parametrize("gates, hidden, batch, groups", [
     (4, 256, 4, 4), (4, 512, 4, 4), (3, 512, 4, 4), (1, 33, 6, 6), (4, 257, 16, 8),
     (4, 1024, 4, 1), (3, 1024, 4, 1), (4, 256, 1, 1)])
