@@ -533,11 +533,13 @@ def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, ba
 @pytest.mark.parametrize("cell, input_size, hidden, batch, rows_per_warp", [
     ("lstm", 64, 2048, 4, 4), ("lstm", 32, 1024, 16, 4), ("gru", 96, 1024, 3, 2),
     ("lstm", 16, 2048, 8, 8), ("gru", 64, 2048, 24, 2), ("rnn_tanh", 32, 512, 7, 1),
-    ("gru", 16, 256, 2, 1), ("lstm", 64, 2048, 1, 1), ("gru", 33, 96, 1, 1)])
+    ("gru", 16, 256, 2, 1), ("lstm", 64, 2048, 1, 1), ("gru", 33, 96, 1, 1),
+    ("rnn_tanh", 16, 2049, 17, 1), ("gru", 48, 1100, 31, 1)])
 def test_small_batch_gemv_matches_reference(cell, input_size, hidden, batch, rows_per_warp,
                                             rng):
     """Each step's recurrent projection at batch 1-31, RW rows a warp (1, 2, 4 and 8: the
-    grid's size decides), odd batches included."""
+    grid's size decides), odd batches included; h staged in shared memory a chunk of K at a
+    time where it is over 128 KiB (K 2049: the last chunk part past K, one warp a block)."""
     from rnncc.schedules import cuda_small_batch_gemv
 
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off")

@@ -151,6 +151,17 @@ def test_small_batch_gemv_rows_a_warp():
     assert {key: rows_per_warp(*key) for key in expected} == expected
 
 
+def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
+    from rnncc.schedules import cuda_small_batch_gemv
+
+    for batch, depth, outputs, staged in ((16, 4096, 16384, True), (16, 2048, 8192, False),
+                                          (17, 2049, 1028, True), (31, 1058, 64, True),
+                                          (31, 1057, 64, False), (4, 1024, 4096, False)):
+        script = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
+                                                       "float32"), CUDA).mod.script()
+        assert ('scope="shared"' in script) == staged, (batch, depth, outputs)
+
+
 def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
     from rnncc.schedules import cuda_sgemm
 
