@@ -90,12 +90,14 @@ def apply(func, target, rw: int | None = None):
     sch.compute_at(h_local, n_rf)  # a chunk of one batch row of h, serving RW rows
     if h_shared is not None:  # the block's chunk of h: all N rows, loaded by all its threads
         sch.compute_at(h_shared, ko_rf)
-        fused = sch.fuse(*sch.get_loops(h_shared)[-2:])
-        _, warp, thread, v_s = sch.split(fused, [None, warps, 32, vec])
-        sch.bind(warp, "threadIdx.y")
-        sch.bind(thread, "threadIdx.x")
-        if vec > 1:
-            sch.vectorize(v_s)
+        copy = sch.get_loops(h_shared)[4:]  # under o_b, o_t, lane_rf and ko_rf
+        if copy:  # (none where the chunk is one value)
+            _, warp, thread, v_s = sch.split(sch.fuse(*copy) if len(copy) > 1 else copy[0],
+                                             [None, warps, 32, vec])
+            sch.bind(warp, "threadIdx.y")
+            sch.bind(thread, "threadIdx.x")
+            if vec > 1:
+                sch.vectorize(v_s)
     if vec > 1:
         sch.vectorize(sch.get_loops(w_local)[-1])
         sch.vectorize(sch.get_loops(h_local)[-1])

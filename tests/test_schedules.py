@@ -162,6 +162,34 @@ def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
         assert ('scope="shared"' in script) == staged, (batch, depth, outputs)
 
 
+@pytest.mark.parametrize("batch, depth, outputs, staged", [
+    (4, 64, 4096, False), (2, 36, 2048, False), (8, 128, 8192, False), (3, 40, 96, False),
+    (1, 1, 4, False),
+    (19, 257, 1028, True), (17, 36, 64, True), (4, 200, 64, True), (1, 5, 8, True)])
+def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, staged, rng,
+                                                         monkeypatch):
+    """Each step's product at small batch on the NumPy interpreter of TIR against float64: RW
+    rows a warp from 1 to 8, one warp a block where O is not a multiple of 8, K not a
+    multiple of 4 (scalar loads) or of 128 (the last chunk part past K), and h staged in
+    shared memory (the threshold lowered to 0 for these small sizes); the output poisoned."""
+    from rnncc.schedules import cuda_small_batch_gemv
+    from tir_sim import Simulator, lowered
+
+    if staged:
+        monkeypatch.setattr(cuda_small_batch_gemv, "SHARED_H_MIN_BYTES", 0)
+    sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "float32"),
+                                      CUDA)
+    assert ('scope="shared"' in sch.mod.script()) == staged
+    kernel = lowered(sch.mod)
+    a = rng.standard_normal((batch, depth)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full((batch, outputs), np.nan, np.float32)
+    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
+    want = a.astype(np.float64) @ w.astype(np.float64).T + b
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+
+
 def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
     from rnncc.schedules import cuda_sgemm
 

@@ -12,17 +12,33 @@ and m16n8k8 (tf32 x tf32 + f32), Hopper's ``wgmma.mma_async`` (both operands in 
 through matrix descriptors, done at once) and the GPU's fast exponential and division. Block
 barriers and fences are no-ops: in lockstep every store is seen at once, so this checks the
 arithmetic and the layouts, not the synchronisation.
+
+A kernel made by schedule primitives (blocks, a reduction across a warp's lanes) runs once
+:func:`lowered` has taken its blocks out: threads launched by ``thread_extent`` attributes,
+``threadIdx.x``, ``.y`` and ``.z``, and ``tvm_thread_allreduce`` (a sum) across threads.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import s_tir, tirx
 
 from helpers import round_tf32
 
 _INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
+
+
+def lowered(mod):
+    """PrimFunc "main" of IRModule ``mod`` (a scheduled component) with its blocks lowered
+    (TVM's passes that precede the device code: cross-thread reductions, blocks' inits and
+    allocations), the form :class:`Simulator` runs."""
+    passes = s_tir.transform
+    return tvm.transform.Sequential([
+        passes.LowerCrossThreadReduction(), passes.LowerInitBlock(),
+        passes.PlanAndUpdateBufferAllocationLocation(), passes.ConvertBlocksToOpaque(),
+        passes.CompactBufferAllocation(), passes.LowerOpaqueBlock()])(mod)["main"]
 
 
 class Deadlock(AssertionError):
@@ -40,6 +56,16 @@ def _dtype(node) -> str:
 
 def _np_dtype(dtype) -> np.dtype:
     return np.dtype("bool" if str(dtype) == "bool" else str(dtype))
+
+
+def _thread_tag(node) -> str:
+    """The thread tag of a binding: a loop's or a ``thread_extent`` attribute's."""
+    binding = node.thread_binding if isinstance(node, tirx.For) else node.node
+    return str(binding.thread_tag)
+
+
+def _thread_extent(node):
+    return node.extent if isinstance(node, tirx.For) else node.value
 
 
 def _scope(buffer) -> str:
@@ -80,25 +106,27 @@ class Simulator:
     # -- the grid and the buffers ------------------------------------------------------------
 
     def _grid(self, body):
-        """(grid, threads): the extents of blockIdx.x, .y and .z, and of threadIdx.x (of
-        run-time sizes too, bound from the arguments' shapes), the most of any kernel's. A
-        function of several kernels of different grids runs each on its own
-        (:attr:`kernels`: a kernel's outermost binding, its grid and threads), the lanes past
-        them masked off."""
+        """(grid, threads): the extents of blockIdx.x, .y and .z, and the threads of a block
+        (:attr:`block_dims`: threadIdx.x, .y and .z; of run-time sizes too, bound from the
+        arguments' shapes), the most of any kernel's. A function of several kernels of
+        different grids runs each on its own (:attr:`kernels`: a kernel's outermost binding,
+        its grid and block), the lanes past them masked off."""
         def bindings(node):
             found = []
             tvm_ffi.structural_walk(node, (tirx.For, lambda inner: found.append(inner) if (
                 inner.thread_binding is not None) else None))
+            tvm_ffi.structural_walk(node, (tirx.AttrStmt, lambda inner: found.append(inner) if (
+                inner.attr_key == "thread_extent") else None))
             return found
 
         def extents(kernel, nested):
             found = {}
             for node in [kernel, *nested]:
-                tag, extent = str(node.thread_binding.thread_tag), int(self._expr(node.extent))
+                tag, extent = _thread_tag(node), int(self._expr(_thread_extent(node)))
                 if found.setdefault(tag, extent) != extent:
                     raise NotImplementedError(f"a kernel of two extents of {tag}")
             return (tuple(found.get(f"blockIdx.{axis}", 1) for axis in "xyz"),
-                    found.get("threadIdx.x", 1))
+                    tuple(found.get(f"threadIdx.{axis}", 1) for axis in "xyz"))
 
         inner, self.kernels = set(), {}
         for node in bindings(body):  # each kernel's subtree walked once, where it is found
@@ -107,9 +135,15 @@ class Simulator:
                 inner.update(nested)
                 self.kernels[node] = extents(node, nested)
         self.kernels = {k: v for k, v in self.kernels.items() if k not in inner}
-        grids = list(self.kernels.values()) or [((1, 1, 1), 1)]
+        grids = list(self.kernels.values()) or [((1, 1, 1), (1, 1, 1))]
         grid = tuple(max(g[axis] for g, _ in grids) for axis in range(3))
-        return grid, max(threads for _, threads in grids)
+        self.block_dims = tuple(max(t[axis] for _, t in grids) for axis in range(3))
+        return grid, int(np.prod(self.block_dims))
+
+    def _thread_index(self, axis: int):
+        """Each lane's threadIdx along ``axis`` (0, 1, 2: x, y, z)."""
+        below = int(np.prod(self.block_dims[:axis]))
+        return self.lane % self.threads // below % self.block_dims[axis]
 
     def _allocate(self, buffer):
         size = int(np.prod([int(d) for d in buffer.ty.shape]))
@@ -194,28 +228,36 @@ class Simulator:
                 self._call(node.value, mask)
         elif kind == "AllocBuffer":
             self._allocate(node.buffer)
-        elif kind == "AttrStmt":  # launch bounds and the like
+        elif kind == "AttrStmt" and node.attr_key == "thread_extent":
+            self._launch(node, node.node.var, mask)
+        elif kind == "AttrStmt":  # launch bounds, a reduction's scope and the like
             self._stmt(node.body, mask)
         else:
             raise NotImplementedError(f"statement {kind}")
 
+    def _launch(self, node, var, mask):
+        """A thread binding (a loop's or a ``thread_extent`` attribute's): ``var`` each
+        lane's index, the body run for the lanes of the kernel."""
+        outer = mask
+        if node in self.kernels:  # a kernel's grid: its lanes, the others masked off
+            self.kernel, block = self.kernels[node]
+            mask = mask & (self.lane // self.threads < int(np.prod(self.kernel)))
+            for axis, extent in enumerate(block):
+                mask = mask & (self._thread_index(axis) < extent)
+        tag = _thread_tag(node)
+        axis = "xyz".index(tag[-1])
+        if tag.startswith("blockIdx."):  # x fastest, then y, then z
+            below = int(np.prod(self.kernel[:axis]))
+            value = self.lane // self.threads // below % self.kernel[axis]
+        else:
+            value = self._thread_index(axis)
+        self.env[var] = value
+        self._stmt(node.body, mask)
+        self.mask = outer
+
     def _for(self, node, mask):
         if node.thread_binding is not None:
-            outer = mask
-            if node in self.kernels:  # a kernel's grid: its lanes, the others masked off
-                self.kernel, threads = self.kernels[node]
-                mask = mask & (self.lane // self.threads < int(np.prod(self.kernel))) & (
-                    self.lane % self.threads < threads)
-            tag = str(node.thread_binding.thread_tag)
-            if tag.startswith("blockIdx."):  # x fastest, then y, then z
-                axis = "xyz".index(tag[-1])
-                below = int(np.prod(self.kernel[:axis]))
-                value = self.lane // self.threads // below % self.kernel[axis]
-            else:
-                value = self.lane % self.threads
-            self.env[node.loop_var] = value
-            self._stmt(node.body, mask)
-            self.mask = outer
+            self._launch(node, node.loop_var, mask)
             return
         start, extent = (self._bound(self._expr(e), mask) for e in (node.min, node.extent))
         for i in range(int(start), int(start) + int(extent)):
@@ -273,6 +315,8 @@ class Simulator:
         args = node.args
         if op in ("tirx.tvm_storage_sync", "tirx.cuda.grid_sync"):
             return None
+        if op == "tirx.tvm_thread_allreduce":
+            return self._allreduce(args, mask)
         if op == "prim.if_then_else" or op == "tirx.if_then_else":
             return self._select(args)
         if op == "tirx.bitwise_and":
@@ -333,6 +377,27 @@ class Simulator:
         if yes is None or no is None:
             return no if yes is None else yes
         return np.where(cond, yes, no)
+
+    def _allreduce(self, args, mask):
+        """``tvm_thread_allreduce(1, value, cond, out, *thread vars)``: the sum of ``value``
+        over the threads that differ only in the given threads' indices, into ``out`` (each
+        thread's register) for every one of them."""
+        count, value, cond, out, *over = args
+        assert int(count.value) == 1, "one value a reduction"
+        value = np.broadcast_to(np.where(self._expr(cond), self._expr(value), 0), (self.lanes,))
+        axes = set()
+        for var in over:
+            ids = np.broadcast_to(self.env[var], (self.lanes,))
+            axes |= {a for a in range(3) if (ids == self._thread_index(a)).all()
+                     and self.block_dims[a] > 1}
+        shape = (self.blocks, *reversed(self.block_dims))  # [block][z][y][x]
+        picked = tuple(3 - a for a in axes)
+        total = np.where(mask, value, 0).reshape(shape).sum(axis=picked, keepdims=True)
+        total = np.broadcast_to(total, shape).reshape(-1)
+        self._write(out.source, self._flat_index(out.source, [self._expr(i)
+                                                             for i in out.indices]),
+                    total, mask)
+        return None
 
     @staticmethod
     def _extern(name, values):
