@@ -190,6 +190,38 @@ def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, 
     assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
+@pytest.mark.parametrize("rule", ["cuda.small_batch_gemv", "cuda.sgemm", "cuda.tiled_gemm",
+                                  "cuda.matmul", "cuda.gemm_simple"])
+def test_float32_gemm_rules_match_numpy_on_the_simulator(rule, rng):
+    """Each IEEE float32 gemm rule, on every product here that it takes (one step's at batch
+    3, 33 and 64, all steps' at T = 5), on the NumPy interpreter of TIR against float64, the
+    output poisoned; each rule takes at least one."""
+    from tir_sim import Simulator, lowered
+
+    (found,) = [r for r in schedules.RULES[("cuda", "gemm")] if r.name == rule]
+    t_len = tirx.Var("T", "int64")
+    taken = 0
+    for lead, depth, outputs, weights in [((3,), 40, 96, "rows"), ((33,), 36, 132, "rows"),
+                                          ((64,), 64, 256, "rows"), ((t_len, 3), 20, 132, "rows"),
+                                          ((t_len, 64), 64, 256, "rows"),
+                                          ((33,), 44, 128, "cols")]:
+        sch = found.apply(comp.gemm(lead, depth, outputs, weights, "float32"), CUDA)
+        if sch is None:
+            continue
+        taken += 1
+        shape = tuple(5 if isinstance(d, tirx.Var) else d for d in lead)
+        kernel = lowered(sch.mod)
+        a = rng.standard_normal(shape + (depth,)).astype(np.float32)
+        w = rng.standard_normal((outputs, depth) if weights == "rows" else (depth, outputs))
+        b = rng.standard_normal(outputs).astype(np.float32)
+        out = np.full(shape + (outputs,), np.nan, np.float32)
+        w = w.astype(np.float32)
+        Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
+        want = a.astype(np.float64) @ (w.T if weights == "rows" else w).astype(np.float64) + b
+        assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32, (lead, depth, outputs)
+    assert taken
+
+
 def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
     from rnncc.schedules import cuda_sgemm
 
