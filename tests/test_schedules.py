@@ -55,6 +55,66 @@ def test_cuda_cell_step_is_one_coalesced_kernel(cell):
     assert script.count('thread="blockIdx.x"') == 1
 
 
+def _written(func) -> set:
+    """The names of the buffers ``func`` stores to."""
+    found = set()
+    tvm_ffi.structural_walk(func.body, (tirx.BufferStore, lambda s: found.add(s.buffer.name)))
+    return found
+
+
+def _simulated_against_cpu_build(func, role, rng) -> str:
+    """Component ``func`` as the CUDA rules of ``role`` schedule it, on the NumPy interpreter
+    of TIR, against the same component built for the CPU (whose modules the float64 suite
+    checks), on random inputs, its outputs poisoned; the rule that scheduled it."""
+    from tir_sim import Simulator, lowered
+
+    args = []
+    for param in func.params:
+        shape, dtype = [int(d) for d in param.ty.shape], str(param.ty.dtype)
+        args.append((rng.standard_normal(shape) if "float" in dtype
+                     else rng.integers(0, 2, shape)).astype(dtype))
+    outputs = [i for i, p in enumerate(func.params) if p.name in _written(func)]
+    for i in outputs:
+        args[i][...] = np.nan
+    cpu = [tvm.runtime.tensor(a, tvm.cpu()) for a in args]
+    tvm.compile(func, target="llvm")(*cpu)
+    scheduled = schedules.schedule(func, CUDA, role)
+    kernel = lowered(tvm.IRModule({"main": scheduled.func}))  # (a rule may rename them)
+    Simulator(kernel, dict(zip((p.name for p in kernel.params), args))).run()
+    for i in outputs:
+        got, want = args[i], cpu[i].numpy()
+        assert not np.isnan(got).any(), func.params[i].name
+        scale = max(1.0, np.abs(want).max())
+        assert np.abs(got - want).max() <= 1e-6 * scale, (scheduled.rule, func.params[i].name)
+    return scheduled.rule
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_cuda_cell_steps_match_the_cpu_build_on_the_simulator(cell, rng):
+    """A cell's step and its derivative (training's, of the kept projections), unmasked and
+    masked by lengths, as the CUDA elementwise rules schedule them."""
+    found = rnncc.cells.get(cell)
+    for func in [comp.cell_step(found, 3, 33, "float32", "combined", fused=True),
+                 comp.cell_step(found, 3, 33, "float32", "combined", fused=True, masked=True,
+                                selects=True),
+                 comp.cell_step_backward(found, 3, 33, "float32", kept_parts(found),
+                                         selects=True),
+                 comp.cell_step_backward(found, 3, 33, "float32", kept_parts(found),
+                                         masked=True, selects=True)]:
+        _simulated_against_cpu_build(func, "elementwise", rng)
+
+
+def test_cuda_gradient_sums_match_the_cpu_build_on_the_simulator(rng):
+    """Training's sums over all steps' rows: the biases' (a column sum) and a float32 weight
+    gradient, over whole tiles of rows and part of one."""
+    rules = {_simulated_against_cpu_build(func, "reduction", rng) for func in (
+        comp.column_sum(comp.i64(300), 132, "float32"), comp.column_sum(comp.i64(33), 20,
+                                                                         "float32"),
+        comp.weight_gradient(comp.i64(300), 132, 40, "float32", "float32"),
+        comp.weight_gradient(comp.i64(64), 128, 64, "float32", "float32"))}
+    assert rules == {"cuda.column_sum", "cuda.matmul"}
+
+
 def test_unfused_step_is_several_kernels():
     step = comp.cell_step(rnncc.cells.get("lstm"), 3, 33, "float32", "combined", fused=False)
     result = schedules.schedule(step, CUDA, "elementwise")

@@ -308,6 +308,9 @@ class Simulator:
                             self._expr(node.false_value))
         if kind == "Call":
             return self._call(node, None)
+        if kind == "Let":
+            self.env[node.var] = self._expr(node.value)
+            return self._expr(node.body)
         raise NotImplementedError(f"expression {kind}: {node}")
 
     def _call(self, node, mask):
