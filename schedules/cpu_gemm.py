@@ -6,15 +6,21 @@ contiguous), in one of two forms by the rows it multiplies:
 - One row (one step's product at batch 1, a GEMV): a task takes a block of up to
   :data:`ROW_BLOCK` outputs and goes down K, adding x[k] * W^T[k, block] to the block's sums
   (in L1), so that it reads W^T in long runs along its rows.
-- Several rows: a task takes a block of a vector's width of outputs (16) and tiles the rows
-  by a divisor of N (up to 4); for each tile the k loop accumulates a [rows, 16] block in
-  registers and the bias epilogue runs on the tile while it is hot. Where the product has
-  :data:`MANY_ROWS` rows or more (the products of all steps, T*N rows, or one step's at a large
-  batch), the task first copies its column block of W^T, [K, 16], into contiguous memory, which
-  its tiles then read: the strided block is read once a task, not once a tile. There, where N
-  holds fewer than :data:`TILE_ROWS` rows, the block is that many times wider ([1, 64] tiles
-  at batch 1, [2, 32] at batch 2; the products of all steps at batch 1, [100, 1] x 256 x 1024
-  on one thread of this machine, 2.1-2.3 ms -> 1.2 ms, torch.addmm 0.7-0.8 ms).
+- Several rows: a task takes a block of a vector's width of outputs (16) times W and tiles the
+  rows by 4 (fewer where N holds fewer; a tile past N's last row is cut short): for each tile
+  the k loop accumulates a [rows, 16 W] block in registers and the bias epilogue runs on the
+  tile while it is hot. W gives the tile as many sums as :func:`accumulators` allows (half the
+  vector registers). Where the product has :data:`MANY_ROWS` rows or more (the products of
+  all steps, T*N rows, or one step's at a large batch), the task first copies its column
+  block of W^T, [K, 16 W], into contiguous memory, which its tiles then read: the strided block
+  is read once a task, not once a tile.
+
+On this repository's CPU machine (AMD EPYC, Zen 4, AVX-512, 2 threads), one step's product,
+us, before (tiles of a divisor of N rows, one vector wide where the rows were few) -> now,
+the two alternated: 4 x 256 x 1024 25.3 -> 10.1, 2 x 256 x 1024 24.2 -> 5.9, 7 x 512 x 2048
+631.9 -> 106.5, 31 x 256 x 1024 712.3 -> 88.1, 8 x 512 x 2048 173.5 -> 79.8, 16 x 512 x 2048
+348.6 -> 159.0; 16 x 256 x 768 and 64 x 128 x 512 unchanged (torch.addmm, 4 x 256 x 1024:
+about 70).
 
 Before, every product took the second form without the copy. On this repository's CPU machine
 (AMD EPYC, Zen 3, 2 cores), us a product: 400 x 256 x 1024 (LSTM 256's input projection of 100
@@ -35,10 +41,19 @@ from ._rule import Rule
 ROW_BLOCK = (256, 128, 64, 32, 16, 8, 4)
 #: Rows from which a task copies its column block of W^T first.
 MANY_ROWS = 32
-#: Rows a register tile of the copied form aims at: where N (a divisor of it) holds fewer, the
-#: tile takes TILE_ROWS // rows vectors of columns instead of one (its sums' chains of FMAs
-#: are independent: one row by one vector left the FMAs' latency exposed).
+#: Rows a register tile takes (fewer where N holds fewer); the copied form's tile takes
+#: TILE_ROWS // rows vectors of columns (its sums' chains of FMAs are independent: one row by
+#: one vector left the FMAs' latency exposed).
 TILE_ROWS = 4
+
+
+def accumulators(target) -> int:
+    """Vectors of 16 float32 sums a register tile of one step's product keeps: half the
+    vector registers, 16 with AVX-512 (32 registers of 16 floats), else 4 (AVX2's 16 of 8,
+    NEON's 32 of 4)."""
+    from tvm.target import codegen
+
+    return 16 if codegen.target_has_features("avx512f", target) else 4
 
 
 def apply(func, target):
@@ -57,11 +72,15 @@ def apply(func, target):
     if rows == 1 and not outer:
         return _one_row(sch, gemm, bias, o, k)
     many = bool(outer) or rows >= MANY_ROWS
-    per_tile = divisor(rows, (4, 3, 2))
+    # a tile holds one step's rows: across two steps the epilogue's region of a tile is no
+    # rectangle of [T, N] (it takes in rows the tile has not computed), and tiles of T*N rows
+    # need a bound on each row where T is known at run time only (2-4x slower, T*1 x 256 x 1024)
+    per_tile = min(rows, TILE_ROWS)
     n_o, n_i = sch.split(n, [None, per_tile])
     vec = divisor(static_extent(sch, o), (16, 8, 4))
-    # a tile of fewer rows takes more vectors of columns (TILE_ROWS // rows of them)
-    wide = divisor(static_extent(sch, o) // vec, (TILE_ROWS // per_tile, 2)) if many else 1
+    # a tile of fewer rows takes more vectors of columns
+    wide = divisor(static_extent(sch, o) // vec, (TILE_ROWS // per_tile, 2) if many else [
+        d for d in (16, 8, 4, 2, 1) if d * per_tile <= accumulators(target)])
     o_o, o_u, o_i = sch.split(o, [None, wide, vec])
     if many:  # a column block a task, its slab of W^T copied first, then every row tile
         sch.reorder(o_o, *outer, n_o, k, n_i, o_u, o_i)
@@ -74,8 +93,8 @@ def apply(func, target):
             sch.vectorize(lanes)
         epilogue_at = n_o
     else:
-        sch.reorder(*outer, n_o, o_o, k, n_i, o_i)
-        tile = sch.fuse(*outer, n_o, o_o)
+        sch.reorder(n_o, o_o, k, o_u, n_i, o_i)
+        tile = sch.fuse(n_o, o_o)
         epilogue_at = tile
     sch.parallel(tile)
     sch.unroll(n_i)

@@ -1194,10 +1194,13 @@ def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
 
 @pytest.mark.parametrize("lead, k, o, slab", [
     ((1,), 64, 128, False), ((3,), 64, 128, False), ((1,), 5, 12, False), ((40,), 16, 48, True),
-    (("T", 3), 7, 132, True), (("T", 1), 64, 128, True), (("T", 2), 16, 96, True)])
+    (("T", 3), 7, 132, True), (("T", 1), 64, 128, True), (("T", 2), 16, 96, True),
+    ((6, 3), 7, 132, True), ((5, 5), 16, 32, True), ((7, 2), 16, 32, True), ((37,), 16, 64, True),
+    ((5,), 7, 132, False), ((2,), 16, 256, False)])
 def test_cpu_gemm_forms_match_numpy(lead, k, o, slab, rng):
-    """Each form of cpu.gemm (one row; row tiles; row tiles on a copied column block of W^T
-    where the rows are many) is parallel and vectorised, and gives x W^T + b."""
+    """Each form of cpu.gemm (one row; row tiles, cut short past N; row tiles on a copied
+    column block of W^T where the rows are many) is parallel and vectorised, and gives x W^T +
+    b."""
     t_len = tirx.Var("T", "int64")
     shape = tuple(5 if d == "T" else d for d in lead)
     result = schedules.schedule(comp.gemm(tuple(t_len if d == "T" else d for d in lead), k, o,
