@@ -69,13 +69,14 @@ def _simulated_against_cpu_build(func, role, rng) -> str:
     from tir_sim import Simulator, lowered
 
     args = []
-    for param in func.params:
-        shape, dtype = [int(d) for d in param.ty.shape], str(param.ty.dtype)
+    for param in func.params:  # (run-time sizes 5: T)
+        shape = [5 if isinstance(d, tirx.Var) else int(d) for d in param.ty.shape]
+        dtype = str(param.ty.dtype)
         args.append((rng.standard_normal(shape) if "float" in dtype
                      else rng.integers(0, 2, shape)).astype(dtype))
     outputs = [i for i, p in enumerate(func.params) if p.name in _written(func)]
     for i in outputs:
-        args[i][...] = np.nan
+        args[i][...] = np.nan if "float" in str(args[i].dtype) else -7
     cpu = [tvm.runtime.tensor(a, tvm.cpu()) for a in args]
     tvm.compile(func, target="llvm")(*cpu)
     scheduled = schedules.schedule(func, CUDA, role)
@@ -102,6 +103,19 @@ def test_cuda_cell_steps_match_the_cpu_build_on_the_simulator(cell, rng):
                  comp.cell_step_backward(found, 3, 33, "float32", kept_parts(found),
                                          masked=True, selects=True)]:
         _simulated_against_cpu_build(func, "elementwise", rng)
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, rng):
+    """Every component of the non-persistent CUDA schedule (packing, the products, the cell
+    step, the states' copies; both directions' reversals; training's kept parts, backward
+    step, transposes and gradients), as the CUDA rules schedule it, against its CPU build."""
+    found = rnncc.cells.get(cell)
+    for problem in (Problem(found, 20, 33, 3), Problem(found, 20, 33, 3, directions=2),
+                    Problem(found, 20, 33, 3, training=True)):
+        lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+        for key, (func, role) in lowered.components.items():
+            assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
 
 
 def test_cuda_gradient_sums_match_the_cpu_build_on_the_simulator(rng):
