@@ -65,15 +65,25 @@ def _written(func) -> set:
 def _simulated_against_cpu_build(func, role, rng) -> str:
     """Component ``func`` as the CUDA rules of ``role`` schedule it, on the NumPy interpreter
     of TIR, against the same component built for the CPU (whose modules the float64 suite
-    checks), on random inputs, its outputs poisoned; the rule that scheduled it."""
+    checks), on random inputs (run-time sizes 5: T; ``lengths`` 1 to T, ``ends`` their sums,
+    other integers 0 or 1), its outputs poisoned; the rule that scheduled it. A product that
+    takes the lengths may leave the rows past them unwritten: those are not compared."""
     from tir_sim import Simulator, lowered
 
-    args = []
-    for param in func.params:  # (run-time sizes 5: T)
+    args, named = [], {}
+    for param in func.params:
         shape = [5 if isinstance(d, tirx.Var) else int(d) for d in param.ty.shape]
         dtype = str(param.ty.dtype)
-        args.append((rng.standard_normal(shape) if "float" in dtype
-                     else rng.integers(0, 2, shape)).astype(dtype))
+        if "float" in dtype:
+            value = rng.standard_normal(shape)
+        elif param.name == "lengths":
+            value = rng.integers(1, 6, shape)
+        elif param.name == "ends":
+            value = np.cumsum(named["lengths"])
+        else:
+            value = rng.integers(0, 2, shape)
+        args.append(value.astype(dtype))
+        named[param.name] = args[-1]
     outputs = [i for i, p in enumerate(func.params) if p.name in _written(func)]
     for i in outputs:
         args[i][...] = np.nan if "float" in str(args[i].dtype) else -7
@@ -84,6 +94,9 @@ def _simulated_against_cpu_build(func, role, rng) -> str:
     Simulator(kernel, dict(zip((p.name for p in kernel.params), args))).run()
     for i in outputs:
         got, want = args[i], cpu[i].numpy()
+        if role == "gemm" and "lengths" in named:  # [T, N, O]: the rows within the lengths
+            within = np.arange(got.shape[0])[:, None] < named["lengths"][None, :]
+            got, want = got[within], want[within]
         assert not np.isnan(got).any(), func.params[i].name
         scale = max(1.0, np.abs(want).max())
         assert np.abs(got - want).max() <= 1e-6 * scale, (scheduled.rule, func.params[i].name)
@@ -108,11 +121,13 @@ def test_cuda_cell_steps_match_the_cpu_build_on_the_simulator(cell, rng):
 @pytest.mark.parametrize("cell", rnncc.cells.names())
 def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, rng):
     """Every component of the non-persistent CUDA schedule (packing, the products, the cell
-    step, the states' copies; both directions' reversals; training's kept parts, backward
-    step, transposes and gradients), as the CUDA rules schedule it, against its CPU build."""
+    step, the states' copies; both directions' reversals, by the samples' lengths too, and
+    the products of the rows within them; training's kept parts, backward step, transposes
+    and gradients), as the CUDA rules schedule it, against its CPU build."""
     found = rnncc.cells.get(cell)
     for problem in (Problem(found, 20, 33, 3), Problem(found, 20, 33, 3, directions=2),
-                    Problem(found, 20, 33, 3, training=True)):
+                    Problem(found, 20, 33, 3, training=True),
+                    Problem(found, 20, 33, 3, lengths=True, directions=2)):
         lowered = sequence.build(problem, Options(persistent="off"), CUDA)
         for key, (func, role) in lowered.components.items():
             assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
