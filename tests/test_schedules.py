@@ -62,12 +62,13 @@ def _written(func) -> set:
     return found
 
 
-def _simulated_against_cpu_build(func, role, rng) -> str:
+def _simulated_against_cpu_build(func, role, rng, tol=1e-6) -> str:
     """Component ``func`` as the CUDA rules of ``role`` schedule it, on the NumPy interpreter
     of TIR, against the same component built for the CPU (whose modules the float64 suite
     checks), on random inputs (run-time sizes 5: T; ``lengths`` 1 to T, ``ends`` their sums,
-    other integers 0 or 1), its outputs poisoned; the rule that scheduled it. A product that
-    takes the lengths may leave the rows past them unwritten: those are not compared."""
+    other integers 0 or 1), its outputs poisoned, within ``tol`` of the largest value; the
+    rule that scheduled it. A product that takes the lengths may leave the rows past them
+    unwritten: those are not compared."""
     from tir_sim import Simulator, lowered
 
     args, named = [], {}
@@ -99,7 +100,7 @@ def _simulated_against_cpu_build(func, role, rng) -> str:
             got, want = got[within], want[within]
         assert not np.isnan(got).any(), func.params[i].name
         scale = max(1.0, np.abs(want).max())
-        assert np.abs(got - want).max() <= 1e-6 * scale, (scheduled.rule, func.params[i].name)
+        assert np.abs(got - want).max() <= tol * scale, (scheduled.rule, func.params[i].name)
     return scheduled.rule
 
 
@@ -131,6 +132,23 @@ def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, rng
         lowered = sequence.build(problem, Options(persistent="off"), CUDA)
         for key, (func, role) in lowered.components.items():
             assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_cuda_tensor_core_components_match_the_cpu_build_on_the_simulator(cell, dtype, rng):
+    """The same in 16 bits and in TF32: at batch 3 (CUDA cores), 16 and 40 (tensor cores:
+    each step's product by mma.sync, all steps' by Hopper's warpgroup MMA). The products round
+    their operands (h to the weights' type, as cuDNN does; both to TF32), which the CPU build
+    does not, hence the bound."""
+    for size, batch in ((24, 3), (64, 16), (64, 40)):
+        problem = Problem(rnncc.cells.get(cell), size, size, batch,
+                          "float32" if dtype == "tf32" else dtype, allow_tf32=dtype == "tf32")
+        lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+        for key, (func, role) in lowered.components.items():
+            rule = _simulated_against_cpu_build(func, role, rng,
+                                                tol=TOL_TF32 if dtype == "tf32" else TOL[dtype])
+            assert rule == lowered.rules[key], key
 
 
 def test_cuda_gradient_sums_match_the_cpu_build_on_the_simulator(rng):
