@@ -13,7 +13,7 @@ kernel alone), where dlight's GEMV, the rule it replaced there, took 89.4 and cu
 need not be a multiple of 128 (the last chunk's lanes past K masked; 16-byte vectors where K
 is a multiple of 4): LSTM 1500 at batch 4, 10.4 us where dlight's Matmul took 94.4.
 
-Where h is larger than L1 keeps beside the weights streaming through it (N*K*4 bytes over
+Where h is larger than L1 keeps beside the weights streaming through it (N*K values over
 :data:`SHARED_H_MIN_BYTES`), the block stages each chunk of K of h in shared memory (N * 128
 values, loaded once by all its warps) and the lanes read h from there; through L1 their N loads
 of h a chunk missed. H200, IEEE float32, us a step at T = 100, through L1 -> staged: LSTM 4096
@@ -22,6 +22,7 @@ LSTM 2048 43.3 -> 43.1, GRU 2048 35.7 -> 38.3. The kernel alone (N K O, us): 24 
 76.9 -> 58.7; 12 2048 8192 24.0 -> 24.7.
 """
 
+import tvm
 from tvm import s_tir
 
 from ._common import gemm_blocks, static_extent
@@ -82,7 +83,8 @@ def apply(func, target, rw: int | None = None):
     sch.bind(o_b, "blockIdx.x")
     sch.bind(o_t, "threadIdx.y")
     sch.bind(lane_rf, "threadIdx.x")
-    staged = batch * depth * 4 > SHARED_H_MIN_BYTES
+    h_bytes = batch * depth * tvm.DataType(str(func.params[0].ty.dtype)).bits // 8
+    staged = h_bytes > SHARED_H_MIN_BYTES
     h_shared = sch.cache_read(rf, 0, "shared") if staged else None
     w_local = sch.cache_read(rf, 1, "local")
     h_local = sch.cache_read(rf, 0, "local")
