@@ -258,12 +258,13 @@ def test_reference_helper_sanity(rng):
     assert check_against_reference(compiled("rnn_tanh", 2, 3, 1), rng, 3, True) < TOL_F32
 
 
-@pytest.mark.parametrize("cell, batch", [("lstm", 1), ("gru", 2), ("rnn_tanh", 1)])
-def test_cpu_input_projection_in_tiles_of_whole_steps(cell, batch, rng):
-    """A CPU module at batch 1 or 2 computes the input projections of all steps in register
-    tiles of whole steps and then the last T mod (4 / N) steps on their own: every T from 1
-    (no whole tile) to 9 matches float64."""
-    module = rnncc.compile(cell, 20, 33, batch, target="llvm")
+@pytest.mark.parametrize("cell, batch, directions", [
+    ("lstm", 1, 1), ("gru", 2, 1), ("rnn_tanh", 1, 1), ("lstm", 1, 2), ("gru", 2, 2)])
+def test_cpu_input_projection_in_tiles_of_whole_steps(cell, batch, directions, rng):
+    """A CPU module at batch 1 or 2 computes the input projections of all steps (of each
+    direction) in register tiles of whole steps and then the last T mod (4 / N) steps on
+    their own: every T from 1 (no whole tile) to 9 matches float64."""
+    module = rnncc.compile(cell, 20, 33, batch, directions=directions, target="llvm")
     rules = module.metadata["schedule"]["rules"]
     assert rules["input_gemm_tiles"] == rules["input_gemm_rest"] == "cpu.gemm"
     for steps in range(1, 10):

@@ -340,13 +340,12 @@ class _Builder:
 
     def tiles_steps(self, history: bool, lengths) -> bool:
         """Whether the input GEMM of all steps goes in tiles of whole steps
-        (:meth:`step_tiles`): CPU inference of one direction at batch 1 or 2, gates combined,
-        no lengths."""
+        (:meth:`step_tiles`): CPU inference at batch 1 or 2, gates combined, no lengths."""
         p = self.p
         rows = schedules.cpu_gemm.TILE_ROWS
         return (self.target.kind.name == "llvm" and not history and lengths is None
-                and p.directions == 1 and self.layout.gates == "combined"
-                and p.batch < rows and rows % p.batch == 0)
+                and self.layout.gates == "combined" and p.batch < rows
+                and rows % p.batch == 0)
 
     def input_operands(self, x, xp, flat=True):
         """(x's region, the GEMM's lead, xp's region, views to declare) for the input GEMM of
@@ -360,25 +359,29 @@ class _Builder:
         return (Region(x_rows, (ALL,) * 2), (tirx.Var("M", "int64"),),
                 Region(xp_rows, (ALL,) * 2), [(x_rows, x), (xp_rows, xp)])
 
-    def step_tiles(self, x, xp):
-        """CPU modules at batch N of 1 or 2: the input GEMM of all steps in two parts, the
-        first T - T mod S steps as [T/S, R, C] and [T/S, R, G*H] views of x and xp (R =
-        :data:`cpu_gemm.TILE_ROWS` rows, S = R / N steps: register tiles of whole steps, with
-        no bound on each row), then the last T mod S steps as they are: ((x's region, lead,
-        xp's region) of each part, the views to declare). The products of all steps at
-        batch 1 otherwise take tiles of one row (one step) or bound each row by the run-time
-        T, which kept a tile's sums in memory (docs/benchmarks.md, fifty-fifth session)."""
-        t_len, n = x.shape[0], self.p.batch
-        rows = schedules.cpu_gemm.TILE_ROWS
-        whole = tirx.floordiv(t_len, i64(rows // n)) * i64(rows // n)
-        x_tiles, xp_tiles = (tirx.decl_buffer((tirx.floordiv(t_len, i64(rows // n)), i64(rows),
-                                               b.shape[-1]), b.dtype, f"{b.name}_tiles")
-                             for b in (x, xp))
+    def step_tiles(self, x, xp, d: int):
+        """CPU modules at batch N of 1 or 2: direction ``d``'s input GEMM of all steps in two
+        parts, the first T - T mod S steps as [T/S, R, C] and [T/S, R, G*H] views of x and of
+        xp's direction d (R = :data:`cpu_gemm.TILE_ROWS` rows, S = R / N steps: register tiles
+        of whole steps, with no bound on each row), then the last T mod S steps as they are:
+        ((x's region, lead, xp's region, component) of each part, the views to declare). The
+        products of all steps at batch 1 otherwise take tiles of one row (one step) or bound
+        each row by the run-time T, which kept a tile's sums in memory (docs/benchmarks.md,
+        fifty-fifth session)."""
+        t_len, n, dirs = x.shape[0], self.p.batch, self.p.directions
+        rows, width = schedules.cpu_gemm.TILE_ROWS, xp.shape[-1]
+        steps = i64(rows // n)
+        whole = tirx.floordiv(t_len, steps) * steps
+        x_tiles = tirx.decl_buffer((tirx.floordiv(t_len, steps), i64(rows), x.shape[-1]),
+                                   x.dtype, f"{x.name}_tiles")
+        xp_tiles = tirx.decl_buffer((tirx.floordiv(t_len, steps), i64(rows), width), xp.dtype,
+                                    f"{xp.name}_tiles{_SUFFIX[d]}",
+                                    elem_offset=i64(d) * t_len * i64(n) * width)
         rest = (slice(whole, None), slice(None), slice(None))
         return ([(Region(x_tiles, (ALL,) * 3), (tirx.Var("S", "int64"), rows),
                   Region(xp_tiles, (ALL,) * 3), "input_gemm_tiles"),
-                 (Region(x, rest), (tirx.Var("R", "int64"), n), Region(xp, rest),
-                  "input_gemm_rest")],
+                 (Region(x, rest), (tirx.Var("R", "int64"), n),
+                  Region(xp, rest if dirs == 1 else (d, *rest)), "input_gemm_rest")],
                 [(x_tiles, x), (xp_tiles, xp)])
 
     def sequence_entry(self, name: str = "forward", history: bool = False):
@@ -502,12 +505,12 @@ class _Builder:
         for d in range(dirs):
             xs, suffix = (x, "") if d == 0 else (x_rev, _SUFFIX[d])
             if options.input_gemm and self.tiles_steps(history, skipping):
-                parts, more = self.step_tiles(xs, xp)
+                parts, more = self.step_tiles(xs, xp, d)
                 views += more
                 for x_region, lead, xp_region, key in parts:
-                    prologue += self.projections(key, x_region, lead, c, w_ih, b_ih, None,
-                                                 xp_region)
-                gi = [Region(xp, (t, ALL, ALL))]
+                    prologue += _named(self.projections(key, x_region, lead, c, w_ih, b_ih,
+                                                        None, xp_region, d), suffix)
+                gi = [Region(xp, at(d, (t, ALL, ALL)))]
             elif options.input_gemm:
                 x_region, lead, xp_region, more = self.input_operands(xs, xp, flat=dirs == 1)
                 views += more
