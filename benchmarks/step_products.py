@@ -3,8 +3,8 @@ sum_k h[n, k] W[o, k] + b[o], h [N, K], W [O, K] (the products the non-persisten
 runs once a step). Built where the compiler is (no GPU needed: nvcc, as deployed modules),
 into one small archive; timed where the GPU is (each kernel checked against float64 first,
 then ``time_evaluator``, the best of its repeats; cuBLAS's ``torch.addmm`` on the same
-inputs). The GPU machine's time is what this saves: a rule's kernels for a dozen shapes are
-about 40 KB compressed and take seconds there.
+inputs, CUDA-graph captured, the median). The GPU machine's time is what this saves: a
+rule's kernels for a dozen shapes are about 40 KB compressed and take seconds there.
 
     python3 benchmarks/step_products.py build kernels.tar.xz 16,2048,8192 4,1024,4096,tf32 \\
         [--rules cuda.small_batch_gemv cuda.mma_gemm]
@@ -80,6 +80,7 @@ def run(archive: str, json_path: str | None) -> None:
     import torch
     import tvm
 
+    from rnncc.bench import _graph_ms
     from rnncc.runtime.files import write_json
 
     folder = tempfile.mkdtemp(prefix="rnncc_products_")
@@ -106,18 +107,11 @@ def run(archive: str, json_path: str | None) -> None:
         timer = lib.time_evaluator("main", dev, number=50, repeat=5)
         us = min(timer(*args).results) * 1e6
         key = (n, k, o, kind)
-        if key not in cublas:
+        if key not in cublas:  # CUDA-graph captured: no launch overhead, as time_evaluator's
             torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
             a, wc, bc = torch.tensor(h).cuda().to(w.dtype), w.cuda(), b.cuda()
-            for _ in range(3):
-                torch.addmm(bc, a, wc.T)
-            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-            start.record()
-            for _ in range(200):
-                torch.addmm(bc, a, wc.T)
-            end.record()
-            end.synchronize()
-            cublas[key] = start.elapsed_time(end) / 200 * 1e3
+            cublas[key] = _graph_ms(torch, lambda a=a, wc=wc, bc=bc: torch.addmm(bc, a, wc.T),
+                                    200) * 1e3
         rows.append({**{x: entry[x] for x in ("n", "k", "o", "kind", "rule")}, "us": us,
                      "error": error, "cublas_us": cublas[key],
                      "tb_per_s": o * k * w.element_size() / us / 1e6})

@@ -74,7 +74,9 @@ def apply(func, target):
     many = bool(outer) or rows >= MANY_ROWS
     # a tile holds one step's rows: across two steps the epilogue's region of a tile is no
     # rectangle of [T, N] (it takes in rows the tile has not computed), and tiles of T*N rows
-    # need a bound on each row where T is known at run time only (2-4x slower, T*1 x 256 x 1024)
+    # need a bound on each row where T is known at run time only (2-4x slower, T*1 x 256 x 1024;
+    # at batch 1 and 2 the lowering gives this rule [T/S, 4] views of whole steps instead:
+    # rnncc.lowering.sequence's step_tiles)
     per_tile = min(rows, TILE_ROWS)
     n_o, n_i = sch.split(n, [None, per_tile])
     vec = divisor(static_extent(sch, o), (16, 8, 4))
