@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from . import _mma
+from . import _mma, cuda_small_batch_gemv
 from ._common import (
     LAUNCH_BOUNDS,
     block_named,
@@ -225,6 +225,9 @@ def product_of(func, target) -> Product | None:
         if None not in a_shape and (a_shape[0] < fewest or not rows):
             return None  # one step's product: pipelined only
         count = 1 if sliced is None else specs[2][1][0]
+        if op.tf32 and None not in a_shape and cuda_small_batch_gemv.takes_tf32(
+                a_shape[0], depth * count, outputs):
+            return None
         if not fits(outputs, depth * count, op) or depth % chunk_k(op):
             return None
         form = "projection" if sliced is None else "slices"

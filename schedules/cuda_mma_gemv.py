@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from . import _mma
+from . import _mma, cuda_small_batch_gemv
 from ._common import gemm_blocks, has_mma, static_extent, weights_are_rows
 from ._rule import Rule
 
@@ -274,6 +274,8 @@ def apply(func, target):
         return None
     batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
     if None in (batch, outputs, depth):
+        return None
+    if op.tf32 and cuda_small_batch_gemv.takes_tf32(batch, depth, outputs):
         return None
     found = plan(batch, depth, outputs, a_dtype, op.dtype)
     return None if found is None else s_tir.Schedule(kernel(found))

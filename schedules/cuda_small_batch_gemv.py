@@ -24,6 +24,7 @@ LSTM 2048 43.3 -> 43.1, GRU 2048 35.7 -> 38.3. The kernel alone (N K O, us): 24 
 
 import tvm
 from tvm import s_tir
+from tvm.script import tirx as T
 
 from ._common import gemm_blocks, static_extent
 from ._rule import Rule
@@ -39,6 +40,73 @@ MAX_ROWS_PER_WARP, MAX_SUMS = 8, 64
 TARGET_BLOCKS = 128
 #: Bytes of h past which a block stages its chunks in shared memory (module docstring).
 SHARED_H_MIN_BYTES = 128 * 1024
+
+#: Each lane's 16 bytes of the weights loaded past L1 (``ld.global.nc.L1::no_allocate``) where
+#: h is at least STREAM_MIN_H_BYTES and W at least STREAM_MIN_W_BYTES (K a multiple of 128):
+#: W is read once a step, and through L1 it evicted h, which every warp reads. H200, IEEE
+#: float32, kernel alone, us, through L1 -> past it (N K O): 16 2048 8192 35.3 -> 25.3; 16 2048
+#: 6144 29.6 -> 24.1; 8 2048 8192 27.2 -> 25.2; 24 2048 8192 58.5 -> 55.2. In the layer (T =
+#: 100, us a step, old and new modules alternated in one process) LSTM 2048 at batch 16 44.4 ->
+#: 41.0 and at 12 36.0 -> 35.2, GRU 2048 at 16 35.5 both; but LSTM 2048 at batch 8 37.1 -> 38.9
+#: and LSTM 1536 at 16 28.0 -> 29.6, hence the thresholds.
+STREAM_MIN_H_BYTES, STREAM_MIN_W_BYTES = 96 * 1024, 48 << 20
+#: TF32 products at batch 9-16 whose weights are at least TF32_MIN_W_BYTES (K a multiple of
+#: 128) are this rule's, in IEEE float32 (the tensor-core rules decline them,
+#: :func:`takes_tf32`): it streams W faster than they do. H200, kernel alone, us, TF32
+#: (cuda.mma_gemv) against this rule (N K O): 16 2048 8192 39.1 against 25.3; 16 2048 6144 29.3
+#: against 24.0; but 16 1024 4096 7.8 against 12.6, 24 2048 8192 53.9 against 55.2 (W of
+#: 16-48 MiB not measured: left to the tensor cores).
+TF32_MIN_W_BYTES, TF32_MAX_BATCH = 48 << 20, 16
+#: The tensor intrinsic that loads a lane's 4 values of W past L1, and its device function.
+STREAM_LOAD = "rnncc_small_batch_gemv_stream4"
+STREAM_SOURCE = """
+__device__ __forceinline__ void rnncc_ld_stream4(float* dst, const float* src) {
+  float4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
+  dst[0] = v.x;
+  dst[1] = v.y;
+  dst[2] = v.z;
+  dst[3] = v.w;
+}
+"""
+
+
+@T.prim_func(s_tir=True)
+def _stream_desc(a: T.handle, b: T.handle):
+    src = T.match_buffer(a, (4,), "float32", offset_factor=1)
+    dst = T.match_buffer(b, (4,), "float32", scope="local", offset_factor=1)
+    with T.sblock("root"):
+        T.reads(src[0:4])
+        T.writes(dst[0:4])
+        for i in T.serial(4):
+            with T.sblock("load"):
+                v = T.axis.remap("S", [i])
+                dst[v] = src[v]
+
+
+@T.prim_func(s_tir=True)
+def _stream_impl(a: T.handle, b: T.handle):
+    src = T.match_buffer(a, (4,), "float32", offset_factor=1)
+    dst = T.match_buffer(b, (4,), "float32", scope="local", offset_factor=1)
+    with T.sblock("root"):
+        T.reads(src[0:4])
+        T.writes(dst[0:4])
+        T.evaluate(T.cuda.func_call("rnncc_ld_stream4", dst.access_ptr("w"),
+                                    src.access_ptr("r"), source_code=STREAM_SOURCE))
+
+
+s_tir.TensorIntrin.register(STREAM_LOAD, _stream_desc, _stream_impl, override=True)
+
+
+def takes_tf32(batch: int, depth: int, rows: int) -> bool:
+    """Whether this rule, not the tensor cores, computes a TF32 product h [N, K] x W [O, K]
+    (N ``batch``, K ``depth``, O ``rows``): see :data:`TF32_MIN_W_BYTES`. H200, TF32 layers,
+    T = 100, us a step, tensor-core products -> this rule (cuDNN in TF32): LSTM 2048 at batch
+    16 48.1 -> 30.4 (33.3), at batch 12 52.4 -> 27.1 (33.2); LSTM 2048 with C = 1024 at batch
+    9 73.0 -> 31.5 (32.1); GRU 2560 at 16 44.7 -> 38.0 (30.2); GRU 2048 at 16 27.6 both."""
+    return (batch <= TF32_MAX_BATCH and depth % 128 == 0
+            and rows * depth * 4 >= TF32_MIN_W_BYTES)
 
 
 def rows_per_warp(batch: int, rows: int) -> int:
@@ -83,6 +151,7 @@ def apply(func, target, rw: int | None = None):
     sch.bind(o_b, "blockIdx.x")
     sch.bind(o_t, "threadIdx.y")
     sch.bind(lane_rf, "threadIdx.x")
+    weights_dtype = str(func.params[1].ty.dtype)
     h_bytes = batch * depth * tvm.DataType(str(func.params[0].ty.dtype)).bits // 8
     staged = h_bytes > SHARED_H_MIN_BYTES
     h_shared = sch.cache_read(rf, 0, "shared") if staged else None
@@ -100,8 +169,12 @@ def apply(func, target, rw: int | None = None):
             sch.bind(thread, "threadIdx.x")
             if vec > 1:
                 sch.vectorize(v_s)
+    # (tensorize takes no block under a mask: where K is not a multiple of 128, plain loads)
+    streamed = (vec > 1 and weights_dtype == "float32" and depth % (32 * vec) == 0
+                and h_bytes >= STREAM_MIN_H_BYTES and rows * depth * 4 >= STREAM_MIN_W_BYTES)
     if vec > 1:
-        sch.vectorize(sch.get_loops(w_local)[-1])
+        if not streamed:
+            sch.vectorize(sch.get_loops(w_local)[-1])
         sch.vectorize(sch.get_loops(h_local)[-1])
     for loop in (n_rf, *o_r, v_rf):
         sch.unroll(loop)
@@ -117,6 +190,8 @@ def apply(func, target, rw: int | None = None):
     bias_loops = sch.get_loops(bias)
     for loop in bias_loops[len(bias_loops) - len(inner) + 1:]:  # [batch rows][, unit rows]
         sch.unroll(loop)
+    if streamed:
+        sch.tensorize(sch.get_loops(w_local)[-1], STREAM_LOAD)
     return sch
 
 

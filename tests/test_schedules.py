@@ -269,24 +269,54 @@ def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
         assert ('scope="shared"' in script) == staged, (batch, depth, outputs)
 
 
+def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_products():
+    """W loaded past L1 where h is at least 96 KiB and W at least 48 MiB (K a multiple of
+    128); TF32 products at batch 9-16 with W of 48 MiB or more are this IEEE rule's (the
+    tensor-core rules decline them, whole or in slices), smaller ones the tensor cores'."""
+    from rnncc.schedules import cuda_small_batch_gemv
+
+    for batch, depth, outputs, streamed in ((16, 2048, 8192, True), (12, 2048, 8192, True),
+                                            (16, 2048, 6144, True), (8, 2048, 8192, False),
+                                            (16, 1536, 6144, False), (16, 2000, 8000, False)):
+        sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
+                                                    "float32"), CUDA)
+        assert (cuda_small_batch_gemv.STREAM_LOAD in str(sch.trace)) == streamed, (batch, depth)
+    for batch, depth, outputs, rule in ((16, 2048, 8192, "cuda.small_batch_gemv"),
+                                        (9, 2048, 8192, "cuda.small_batch_gemv"),
+                                        (16, 2560, 7680, "cuda.small_batch_gemv"),
+                                        (16, 1024, 4096, "cuda.mma_gemv"),
+                                        (16, 1536, 6144, "cuda.mma_gemv"),
+                                        (24, 2048, 8192, "cuda.mma_gemv")):
+        func = comp.gemm((batch,), depth, outputs, "rows", "float32").with_attr(
+            schedules.TF32_ATTR, True)
+        assert schedules.schedule(func, CUDA, "gemm").rule == rule, (batch, depth, outputs)
+        if rule == "cuda.small_batch_gemv":  # not in slices either
+            assert schedules.product_parts(func, CUDA) == 1, (batch, depth, outputs)
+
+
 @pytest.mark.parametrize("batch, depth, outputs, staged", [
     (4, 64, 4096, False), (2, 36, 2048, False), (8, 128, 8192, False), (3, 40, 96, False),
     (1, 1, 4, False),
-    (19, 257, 1028, True), (17, 36, 64, True), (4, 200, 64, True), (1, 5, 8, True)])
+    (19, 257, 1028, True), (17, 36, 64, True), (4, 200, 64, True), (1, 5, 8, True),
+    (5, 256, 64, True)])
 def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, staged, rng,
                                                          monkeypatch):
     """Each step's product at small batch on the NumPy interpreter of TIR against float64: RW
     rows a warp from 1 to 8, one warp a block where O is not a multiple of 8, K not a
-    multiple of 4 (scalar loads) or of 128 (the last chunk part past K), and h staged in
-    shared memory (the threshold lowered to 0 for these small sizes); the output poisoned."""
+    multiple of 4 (scalar loads) or of 128 (the last chunk part past K), W loaded past L1
+    where K is a multiple of 128, and h staged in shared memory (the thresholds lowered to 0
+    for these small sizes); the output poisoned."""
     from rnncc.schedules import cuda_small_batch_gemv
     from tir_sim import Simulator, lowered
 
     if staged:
         monkeypatch.setattr(cuda_small_batch_gemv, "SHARED_H_MIN_BYTES", 0)
+    monkeypatch.setattr(cuda_small_batch_gemv, "STREAM_MIN_H_BYTES", 0)
+    monkeypatch.setattr(cuda_small_batch_gemv, "STREAM_MIN_W_BYTES", 0)
     sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "float32"),
                                       CUDA)
     assert ('scope="shared"' in sch.mod.script()) == staged
+    assert (cuda_small_batch_gemv.STREAM_LOAD in str(sch.trace)) == (depth % 128 == 0)
     kernel = lowered(sch.mod)
     a = rng.standard_normal((batch, depth)).astype(np.float32)
     w = rng.standard_normal((outputs, depth)).astype(np.float32)
@@ -749,7 +779,8 @@ def test_mma_gemm_takes_the_half_products_of_all_steps_and_the_weight_gradients(
     (64, 1024, 4096, "float16", 8), (256, 2048, 8192, "float16", 2), (256, 512, 2048, "tf32", 4),
     (64, 512, 1536, "tf32", 1), (63, 1024, 4096, "float16", 8), (256, 1024, 16384, "bfloat16", 1),
     (256, 1024, 4096, "float32", 1), (32, 2048, 8192, "bfloat16", 4),
-    (31, 2048, 8192, "float16", 1), (16, 2048, 8192, "tf32", 4), (15, 2048, 8192, "tf32", 1),
+    (31, 2048, 8192, "float16", 1), (16, 1024, 4096, "tf32", 8), (24, 2048, 8192, "tf32", 4),
+    (16, 2048, 8192, "tf32", 1), (15, 2048, 8192, "tf32", 1),
     (64, 4096, 1024, "bfloat16", 16), (64, 3072, 1024, "float16", 16),
     (64, 8192, 1024, "bfloat16", 16)])
 def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, parts):
@@ -758,7 +789,8 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
     backward pass's dGH W_hh, O = H), each at least 128 deep; none where the
     tiles alone give them (the whole product is then this rule's), or where even the slices
     give under 64 blocks, or under those rows (cuda.mma_gemv's); IEEE float32 is not this
-    rule's; slices of another count (a reader's choice for another rule) are not taken."""
+    rule's, nor TF32 at batch 16 with 48 MiB of weights (cuda.small_batch_gemv's); slices of
+    another count (a reader's choice for another rule) are not taken."""
     from rnncc.schedules import _mma, cuda_mma_gemm
 
     tf32 = dtype == "tf32"

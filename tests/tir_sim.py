@@ -38,7 +38,8 @@ def lowered(mod):
     return tvm.transform.Sequential([
         passes.LowerCrossThreadReduction(), passes.LowerInitBlock(),
         passes.PlanAndUpdateBufferAllocationLocation(), passes.ConvertBlocksToOpaque(),
-        passes.CompactBufferAllocation(), passes.LowerOpaqueBlock()])(mod)["main"]
+        passes.CompactBufferAllocation(), passes.LowerMatchBuffer(),
+        passes.LowerOpaqueBlock()])(mod)["main"]
 
 
 class Deadlock(AssertionError):
@@ -339,6 +340,8 @@ class Simulator:
             load = args[0]
             return _Pointer(load.source, self._flat_index(
                 load.source, [self._expr(i) for i in load.indices]))
+        if op == "tirx.tvm_access_ptr":  # (type, data, offset, extent, rw)
+            return _Pointer(args[1].args[0], self._expr(args[2]))  # data: a call on the buffer
         if op == "tirx.tanh":
             return np.tanh(self._expr(args[0]))
         if op == "tirx.exp":
@@ -450,6 +453,12 @@ class Simulator:
             for v in range(16 // np.dtype(_np_dtype(src.buffer.ty.dtype)).itemsize):  # 16 bytes
                 value = np.where(np.asarray(size) > 0, self._load(src.buffer, flat + v), 0)
                 self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
+            return None
+        if name == "rnncc_ld_stream4":  # 4 float32 loaded past L1
+            dst, src = values
+            for v in range(4):
+                self._write(dst.buffer, np.asarray(dst.flat) + v,
+                            self._load(src.buffer, np.asarray(src.flat) + v), mask)
             return None
         if name == "rnncc_cp_async_wait":
             return None
