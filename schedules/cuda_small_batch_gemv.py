@@ -33,6 +33,14 @@ from ._rule import Rule
 #: all, LSTM 2048 at batch 24: 163.9 with dlight's Matmul, which took 17-31 before).
 MAX_BATCH = 31
 WARPS = 8
+#: Warps a block at batch 16 and more where h is not staged (no chunk to share): 64 sums a
+#: lane leave room for two blocks of 8 warps a multiprocessor, so a grid of 1.5 such waves
+#: loads some twice; 4-warp blocks spread evenly. H200, kernel alone, us, 8 -> 4 warps (N K
+#: O): 16 2048 6144 24.0 -> 21.9, 16 1536 6144 17.9 -> 16.1, 16 2048 8192 and 16 2560 7680
+#: the same; layers (T = 100, us a step): GRU 2048 at batch 16 35.5 -> 34.0 (TF32 27.6 ->
+#: 26.1), LSTM 1536 28.0 -> 25.9, GRU 1536 25.3 -> 23.4, LSTM 2048 41.1 both. At batch 8-12
+#: it lost (12 2048 6144 20.7 -> 22.2, 8 1536 6144 12.1 -> 13.2, 8 1024 4096 8.0 -> 8.8).
+UNSTAGED_WARPS, UNSTAGED_WARPS_MIN_BATCH = 4, 16
 #: Most rows a warp, and most partial sums (RW*N) a lane holds in registers.
 MAX_ROWS_PER_WARP, MAX_SUMS = 8, 64
 #: Fewest blocks the grid should have (about one a multiprocessor of an H100/H200, which
@@ -140,7 +148,11 @@ def apply(func, target, rw: int | None = None):
         return None
     vec = 4 if depth % 4 == 0 else 1  # K not a multiple of 32 * vec: the last chunk masked
     rw = rw or rows_per_warp(batch, rows)
-    warps = WARPS if rows % (WARPS * rw) == 0 else 1
+    h_bytes = batch * depth * tvm.DataType(str(func.params[0].ty.dtype)).bits // 8
+    staged = h_bytes > SHARED_H_MIN_BYTES
+    small = not staged and batch >= UNSTAGED_WARPS_MIN_BATCH
+    warps = next((w for w in ((UNSTAGED_WARPS, WARPS) if small else (WARPS,))
+                  if rows % (w * rw) == 0), 1)
     if rows % (warps * rw):
         return None
     k_outer, lane, v = sch.split(k, [None, 32, vec])
@@ -152,8 +164,6 @@ def apply(func, target, rw: int | None = None):
     sch.bind(o_t, "threadIdx.y")
     sch.bind(lane_rf, "threadIdx.x")
     weights_dtype = str(func.params[1].ty.dtype)
-    h_bytes = batch * depth * tvm.DataType(str(func.params[0].ty.dtype)).bits // 8
-    staged = h_bytes > SHARED_H_MIN_BYTES
     h_shared = sch.cache_read(rf, 0, "shared") if staged else None
     w_local = sch.cache_read(rf, 1, "local")
     h_local = sch.cache_read(rf, 0, "local")

@@ -271,8 +271,9 @@ def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
 
 def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_products():
     """W loaded past L1 where h is at least 96 KiB and W at least 48 MiB (K a multiple of
-    128); TF32 products at batch 9-16 with W of 48 MiB or more are this IEEE rule's (the
-    tensor-core rules decline them, whole or in slices), smaller ones the tensor cores'."""
+    128); blocks of 4 warps from batch 16 where h is not staged; TF32 products at batch 9-16
+    with W of 48 MiB or more are this IEEE rule's (the tensor-core rules decline them, whole
+    or in slices), smaller ones the tensor cores'."""
     from rnncc.schedules import cuda_small_batch_gemv
 
     for batch, depth, outputs, streamed in ((16, 2048, 8192, True), (12, 2048, 8192, True),
@@ -281,6 +282,13 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
         sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
                                                     "float32"), CUDA)
         assert (cuda_small_batch_gemv.STREAM_LOAD in str(sch.trace)) == streamed, (batch, depth)
+    # 4-warp blocks from batch 16 where h is not staged, else 8
+    for batch, depth, outputs, warps in ((16, 2048, 6144, 4), (16, 1536, 6144, 4),
+                                         (12, 2048, 6144, 8), (24, 2048, 8192, 8),
+                                         (4, 2048, 8192, 8)):
+        script = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
+                                                       "float32"), CUDA).mod.script()
+        assert f'T.int64({warps}), thread="threadIdx.y"' in script, (batch, depth, outputs)
     for batch, depth, outputs, rule in ((16, 2048, 8192, "cuda.small_batch_gemv"),
                                         (9, 2048, 8192, "cuda.small_batch_gemv"),
                                         (16, 2560, 7680, "cuda.small_batch_gemv"),
@@ -298,7 +306,7 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
     (4, 64, 4096, False), (2, 36, 2048, False), (8, 128, 8192, False), (3, 40, 96, False),
     (1, 1, 4, False),
     (19, 257, 1028, True), (17, 36, 64, True), (4, 200, 64, True), (1, 5, 8, True),
-    (5, 256, 64, True)])
+    (5, 256, 64, True), (16, 128, 64, False)])
 def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, staged, rng,
                                                          monkeypatch):
     """Each step's product at small batch on the NumPy interpreter of TIR against float64: RW
