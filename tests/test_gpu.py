@@ -443,12 +443,13 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
     ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.wgmma_gemm"),
     ("gru", 96, 128, 64, "cuda.sgemm"),  # 48 blocks of 8 rows at most: IEEE
-    ("lstm", 64, 1024, 16, "cuda.mma_gemm")])
+    ("lstm", 64, 1024, 16, "cuda.mma_gemm"), ("lstm", 64, 2048, 12, "cuda.small_batch_gemv")])
 def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rule, rng):
     """allow_tf32=True: the products of all steps (cuda.wgmma_gemm on sm_90) and each step's
     (cuda.mma_gemv where its grid is large enough, slices of K from batch 16 where they fill
-    the GPU: 8 slices of 64-row tiles, 48 rows empty) in TF32,
-    within TF32's bound of float64 and past float32's (the operands are rounded: TF32 ran), a
+    the GPU: 8 slices of 64-row tiles, 48 rows empty) in TF32, but for large weights at batch
+    9-16 (IEEE: cuda.small_batch_gemv), within TF32's bound of float64 and past float32's (the
+    operands of the products of all steps are rounded: TF32 ran), a
     partial last tile of batch rows; the same module without allow_tf32 stays within
     float32's."""
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off",
@@ -534,12 +535,13 @@ def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, ba
     ("lstm", 64, 2048, 4, 4), ("lstm", 32, 1024, 16, 4), ("gru", 96, 1024, 3, 2),
     ("lstm", 16, 2048, 8, 8), ("gru", 64, 2048, 24, 2), ("rnn_tanh", 32, 512, 7, 1),
     ("gru", 16, 256, 2, 1), ("lstm", 64, 2048, 1, 1), ("gru", 33, 96, 1, 1),
-    ("rnn_tanh", 16, 2049, 17, 1), ("gru", 48, 1100, 31, 1)])
+    ("rnn_tanh", 16, 2049, 17, 1), ("gru", 48, 1100, 31, 1), ("lstm", 64, 2048, 16, 4)])
 def test_small_batch_gemv_matches_reference(cell, input_size, hidden, batch, rows_per_warp,
                                             rng):
     """Each step's recurrent projection at batch 1-31, RW rows a warp (1, 2, 4 and 8: the
     grid's size decides), odd batches included; h staged in shared memory a chunk of K at a
-    time where it is over 128 KiB (K 2049: the last chunk part past K, one warp a block)."""
+    time where it is over 128 KiB (K 2049: the last chunk part past K, one warp a block); W
+    loaded past L1 in 4-warp blocks (LSTM 2048 at batch 16)."""
     from rnncc.schedules import cuda_small_batch_gemv
 
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off")
