@@ -29,10 +29,15 @@ def float32_parameters(shapes: dict) -> list:
     return buffer_parameters({name: (shape, "float32") for name, shape in shapes.items()})
 
 
+def sm_at_least(target, version: int) -> bool:
+    """Whether ``target`` is CUDA of SM architecture ``version`` (70: sm_70) or later."""
+    arch = str(target.attrs.get("arch", ""))
+    return arch.startswith("sm_") and int(arch[3:].rstrip("a")) >= version
+
+
 def has_mma(target) -> bool:
     """Whether ``target`` has ``mma.sync`` m16n8k16 with float32 sums (sm_80 and later)."""
-    arch = str(target.attrs.get("arch", ""))
-    return arch.startswith("sm_") and int(arch[3:].rstrip("a")) >= 80
+    return sm_at_least(target, 80)
 
 
 def has_wgmma(target) -> bool:

@@ -26,7 +26,7 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from ._common import gemm_blocks, static_extent
+from ._common import gemm_blocks, sm_at_least, static_extent
 from ._rule import Rule
 
 #: Largest batch: from 32 on, :mod:`.cuda_sgemm` tiles one step's product (H200, us a step in
@@ -179,9 +179,11 @@ def apply(func, target, rw: int | None = None):
             sch.bind(thread, "threadIdx.x")
             if vec > 1:
                 sch.vectorize(v_s)
-    # (tensorize takes no block under a mask: where K is not a multiple of 128, plain loads)
+    # (tensorize takes no block under a mask: where K is not a multiple of 128, plain loads;
+    # the load's L1 eviction hint is sm_70's)
     streamed = (vec > 1 and weights_dtype == "float32" and depth % (32 * vec) == 0
-                and h_bytes >= STREAM_MIN_H_BYTES and rows * depth * 4 >= STREAM_MIN_W_BYTES)
+                and h_bytes >= STREAM_MIN_H_BYTES and rows * depth * 4 >= STREAM_MIN_W_BYTES
+                and sm_at_least(target, 70))
     if vec > 1:
         if not streamed:
             sch.vectorize(sch.get_loops(w_local)[-1])

@@ -282,6 +282,10 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
         sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
                                                     "float32"), CUDA)
         assert (cuda_small_batch_gemv.STREAM_LOAD in str(sch.trace)) == streamed, (batch, depth)
+    before_volta = TargetSpec("cuda", arch="sm_61").tvm_target()  # no L1 eviction hints
+    sch = cuda_small_batch_gemv.apply(comp.gemm((16,), 2048, 8192, "rows", "float32"),
+                                      before_volta)
+    assert cuda_small_batch_gemv.STREAM_LOAD not in str(sch.trace)
     # 4-warp blocks from batch 16 where h is not staged, else 8
     for batch, depth, outputs, warps in ((16, 2048, 6144, 4), (16, 1536, 6144, 4),
                                          (12, 2048, 6144, 8), (24, 2048, 8192, 8),
