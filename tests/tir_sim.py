@@ -411,6 +411,8 @@ class Simulator:
             return np.exp(values[0]).astype(np.float32)
         if name == "__fdividef":
             return (values[0] / values[1]).astype(np.float32)
+        if name == "__float_as_uint":
+            return np.asarray(values[0], np.float32).view(np.uint32)
         raise NotImplementedError(f"extern {name}")
 
     # -- device functions ----------------------------------------------------------------------

@@ -34,10 +34,11 @@ _MEANS = itertools.count()
 class Traced:
     """A value of a traced step: an input, a constant or one operation on others."""
 
-    __slots__ = ("op", "args", "value")
+    __slots__ = ("op", "args", "value", "of")
 
-    def __init__(self, op: str, args: tuple = (), value=None):
+    def __init__(self, op: str, args: tuple = (), value=None, of=None):
         self.op, self.args, self.value = op, args, value
+        self.of = of  # a mean that is a layer norm's variance: the mean it centres on
 
     @staticmethod
     def _of(other) -> Traced:
@@ -83,7 +84,9 @@ class Traced:
         return Traced(name, (self,))
 
     def __rnncc_mean__(self) -> Traced:
-        return Traced("mean", (self,), value=next(_MEANS))
+        of = ops.variance_of()
+        return Traced("mean", (self,), value=next(_MEANS),
+                      of=of if isinstance(of, Traced) else None)
 
 
 @dataclass
@@ -144,6 +147,41 @@ def mean_levels(cell: Cell) -> list[list[int]]:
         levels += [[] for _ in range(at + 1 - len(levels))]
         levels[at].append(k)
     return levels
+
+
+def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, int]]:
+    """:func:`mean_levels`, but each layer norm's variance (:func:`rnncc.cells.ops.layer_norm`)
+    in its mean's level, and {the variance's k: its mean's k}: a lowering that has every unit's
+    argument of the mean x_j, and that of the variance about x_j itself, v_j (the mean's
+    values less x_j, squared), has the variance about the mean m as mean_j(v_j + (x_j - m)^2),
+    in the round of m (Chan et al.'s pairwise variance; the persistent kernel)."""
+    means = sorted((node for node in trace(cell).order if node.op == "mean"),
+                   key=lambda node: node.value)
+    index = {id(node): k for k, node in enumerate(means)}
+    level: dict = {}
+
+    def about(node, mean, memo):  # node's level with ``mean`` a level lower (as its argument)
+        if node is mean:
+            return level[id(mean)] - 1
+        if id(node) not in memo:
+            memo[id(node)] = (level[id(node)] if node.op == "mean" or not node.args
+                              else max(about(a, mean, memo) for a in node.args))
+        return memo[id(node)]
+
+    for node in trace_order(means):
+        below = [level[id(a)] for a in node.args if id(a) in level]
+        if node.op == "mean" and node.of is not None:
+            level[id(node)] = about(node.args[0], node.of, {}) + 1
+        else:
+            level[id(node)] = max(below, default=-1) + (1 if node.op == "mean" else 0)
+    levels: list = []
+    for node in means:
+        k, at = index[id(node)], level[id(node)]
+        levels += [[] for _ in range(at + 1 - len(levels))]
+        levels[at].append(k)
+    pairs = {index[id(node)]: index[id(node.of)] for node in means
+             if node.of is not None and level[id(node)] == level[id(node.of)]}
+    return levels, pairs
 
 
 def trace_order(roots) -> list:

@@ -26,6 +26,10 @@ _MEANS: list = []
 #: that gate (a GEMM of x's values, the caller's).
 _PRODUCTS: list = []
 
+#: While :func:`layer_norm` takes its variance: the mean (as :func:`mean` returned it) of the
+#: values that variance centres on, innermost last (:func:`variance_of`).
+_VARIANCES: list = []
+
 #: Implementations a schedule puts in place of TVM's for the expressions it builds (see
 #: :func:`lowered_with`): name -> f(PrimExpr) -> PrimExpr, or None to keep TVM's.
 _OVERRIDES: dict = {}
@@ -188,5 +192,17 @@ def layer_norm(values, eps: float = 1e-5):
     mu = mean(sum(values[1:], start=values[0]) / k)
     centred = [v - mu for v in values]
     squares = [v * v for v in centred]
-    scale = rsqrt(mean(sum(squares[1:], start=squares[0]) / k) + eps)
+    _VARIANCES.append(mu)
+    try:
+        variance = mean(sum(squares[1:], start=squares[0]) / k)
+    finally:
+        _VARIANCES.pop()
+    scale = rsqrt(variance + eps)
     return [v * scale for v in centred]
+
+
+def variance_of():
+    """Within :func:`layer_norm`'s :func:`mean` of its squares, the mean its values are
+    centred on (what :func:`mean` returned for it): a lowering may compute that variance from
+    the same values as the mean (the persistent kernel: in the same round); else None."""
+    return _VARIANCES[-1] if _VARIANCES else None

@@ -11,6 +11,7 @@ with an error, never as a hang.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 #: Names of the device functions that wait on other blocks (or publish for them) start so.
@@ -189,6 +190,12 @@ def wait_tagged(address, word, step, order):
 def store_tagged(address, word):
     """Store the tagged word ``word`` at ``address`` (one 8-byte store: data and tag)."""
     return T.cuda.func_call(GRID_STORE, address, word, source_code=GRID_STORE_SOURCE)
+
+
+def float_bits(value):
+    """The bits of float32 ``value`` as a uint32 (``__float_as_uint``: TVM's reinterpret of a
+    constant, e.g. a value the simplifier folded to 0, took the constant's address in CUDA)."""
+    return tirx.call_pure_extern("uint32", "__float_as_uint", value)
 
 
 def load_past_l1(address):

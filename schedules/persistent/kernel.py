@@ -42,7 +42,7 @@ from functools import partial
 
 from tvm.script import tirx as T
 
-from rnncc.cells.autodiff import mean_levels, product_gates, trace
+from rnncc.cells.autodiff import mean_levels, one_round_levels, product_gates, trace
 
 from . import buffers, device
 from .planner import Plan
@@ -139,10 +139,12 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
     if plan.k_slices > 1 and (taken or mean_levels(cell)):
         raise ValueError(f"cell {cell.name!r} exchanges values of its step before h; h in "
                          "slices of K takes a step of one product, of h")
+    levels, variances = one_round_levels(cell)
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, input_size,
                       lengths, kept=kept, params=len(cell.params), first=first, finals=finals,
                       product=taken[0] if taken else -1,
-                      levels=tuple(tuple(level) for level in mean_levels(cell)))
+                      levels=tuple(tuple(level) for level in levels),
+                      variances=tuple(sorted(variances.items())))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)

@@ -42,9 +42,10 @@ class KernelSpec:
     in a second round of the step (:mod:`.stages.cell`); ``levels``: the row means the cell's
     step takes (``ops.mean``, numbered in the order it takes them) in levels, a round of the
     step each: their arguments exchanged and summed over the row (:mod:`.stages.means`,
-    :func:`rnncc.cells.autodiff.mean_levels`); ``finals``: the kernel writes the final states
-    [grids, N, H] in ``dtype`` (else they are where the last step left them, in the states'
-    float32 workspaces)."""
+    :func:`rnncc.cells.autodiff.one_round_levels`); ``variances``: (k, m) pairs, mean k the
+    variance about mean m, of m's round (taken from m's values as well); ``finals``: the
+    kernel writes the final states [grids, N, H] in ``dtype`` (else they are where the last
+    step left them, in the states' float32 workspaces)."""
 
     plan: Plan
     gates: int
@@ -61,6 +62,7 @@ class KernelSpec:
     product: int = -1
     levels: tuple = ()
     finals: bool = False
+    variances: tuple = ()
 
     def __post_init__(self):
         p = self.plan

@@ -243,7 +243,7 @@ def publish_tagged(hw, t, value, row, j):
     """``value`` of unit j, batch row ``row``, as the tagged word of step t + 1."""
     device.store_tagged(T.address_of(hw[(t + 1) % 2, row, j]), T.bitwise_or(
         T.shift_left(T.Cast("uint64", t + 1), T.uint64(32)),
-        T.Cast("uint64", T.reinterpret("uint32", value))))
+        T.Cast("uint64", device.float_bits(value))))
 
 
 @T.macro

@@ -9,6 +9,14 @@ as it publishes h (:func:`.exchange.publish_value`); after the round's barrier e
 loads the whole row's values of each (tagged words, or plain behind the counter barrier), each
 thread summing the ones it loads a batch row, then the warps' sums (shuffles) and the block's
 (shared memory) give the row's sum: ``mv[k*N + n]`` is mean k.
+
+A layer norm's variance (``spec.variances``: mean k the variance about mean m) is taken in
+m's round, not the next: in that round the step is evaluated with m as each unit's own
+argument x_j, so that k's argument is v_j, the unit's values' squares about x_j; after the
+barrier, the block sums v_j, then loads the x_j again (no new exchange) and adds (x_j - m)^2:
+var = mean_j(v_j + (x_j - m)^2), the variance about m (Chan et al.'s pairwise form, as
+stable as the two rounds it replaces). LN-LSTM's step takes 2 rounds so, LN-GRU's 1 (4 and 2
+before).
 """
 
 from __future__ import annotations
@@ -50,6 +58,16 @@ def _row_sums(spec, racc, red, mv, r, warp, lane, tx):
 
 
 @T.macro
+def _accumulate_squares(spec, racc, mv, m, e, value):
+    """Add (value - mean m)^2 for a unit of the row (not the exchange's padding)."""
+    n = T.meta_var(e // spec.width)
+    racc[n] = racc[n] + T.if_then_else(
+        e % spec.width < spec.hidden,
+        (value - mv[m * spec.local_batch + n]) * (value - mv[m * spec.local_batch + n]),
+        T.float32(0))
+
+
+@T.macro
 def _sum_value(spec, aw, tv, racc, red, mv, r, t, bx, tx, warp, lane):
     for n in T.unroll(spec.local_batch):
         racc[n] = T.float32(0)
@@ -57,10 +75,24 @@ def _sum_value(spec, aw, tv, racc, red, mv, r, t, bx, tx, warp, lane):
     _row_sums(spec, racc, red, mv, r, warp, lane, tx)
 
 
+@T.macro
+def _sum_variance(spec, aw, aw_mean, tv, racc, red, mv, r, m, t, bx, tx, warp, lane):
+    """``mv[r*N + n]``: the variance about mean m (in ``mv`` already) from the units' squares
+    about their own arguments (``aw``) and those arguments again (``aw_mean``)."""
+    for n in T.unroll(spec.local_batch):
+        racc[n] = T.float32(0)
+    exchange.stage_value(spec, aw, tv, partial(_accumulate, spec, racc), t, bx, tx)
+    exchange.stage_value(spec, aw_mean, tv, partial(_accumulate_squares, spec, racc, mv, m), t,
+                         bx, tx)
+    _row_sums(spec, racc, red, mv, r, warp, lane, tx)
+
+
 def _arguments(spec, cell, b, level, publish, bx, tx):
     """Round ``level``: the pairs' step evaluated up to the means of that level (the means
-    before it from ``mv``), each mean's argument handed to ``publish[k](value, row, j)``."""
+    before it from ``mv``; a mean whose variance is of this level: the unit's own argument),
+    each mean's argument handed to ``publish[k](value, row, j)``."""
     done = [k for lower in spec.levels[:spec.levels.index(level)] for k in lower]
+    centres = {m for k, m in spec.variances if k in level}
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
@@ -72,6 +104,8 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
                 return b.mv[k * spec.local_batch + n]
             if k in level:
                 found[k] = x
+                if k in centres:  # its variance's argument about x itself
+                    return x
             return T.float32(0)  # a later round's: what follows is not this round's
 
         sums = [cell_stage._sum(spec, b.hs, b.bh, it, n, u, g) for g in range(spec.gates)]
@@ -87,12 +121,18 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
 def rounds(spec, cell, g, b, t, bx, tx, warp, lane):
     """Step t's means, a round a level of them (``spec.levels``; builds TIR: a Python loop
     over the rounds)."""
+    about = dict(spec.variances)
     for r, level in enumerate(spec.levels):
         _arguments(spec, cell, b, level, {k: partial(exchange.publish_value, spec, g.aw[k], t)
                                           for k in level}, bx, tx)
         exchange.value_barrier(spec, g.cnt, t, r, bx, tx)
+        for k in level:  # the means first: the variances take theirs
+            if k not in about:
+                _sum_value(spec, g.aw[k], b.tv, b.racc, b.red, b.mv, k, t, bx, tx, warp, lane)
         for k in level:
-            _sum_value(spec, g.aw[k], b.tv, b.racc, b.red, b.mv, k, t, bx, tx, warp, lane)
+            if k in about:
+                _sum_variance(spec, g.aw[k], g.aw[about[k]], b.tv, b.racc, b.red, b.mv, k,
+                              about[k], t, bx, tx, warp, lane)
 
 
 def reader(spec, mv, n):
