@@ -103,6 +103,30 @@ def test_persistent_kernel_takes_means_in_inference_only_and_says_why():
         rnncc.compile("ln_lstm", 8, 16, 2, target="cuda", persistent="on", training=True)
 
 
+def test_a_layer_norms_variance_is_taken_in_its_means_round():
+    """The persistent kernel's rounds (:func:`one_round_levels`): a layer norm's variance in
+    its mean's level, flagged where a unit normalises one value (LN-LSTM's c); a variance
+    written out by hand (a mean of squares about a mean) is a level of its own."""
+    from rnncc.cells._base import Cell
+    from rnncc.cells.autodiff import mean_levels, one_round_levels
+
+    assert one_round_levels(rnncc.cells.get("ln_lstm")) == (
+        [[0, 1, 2, 3], [4, 5]], {1: (0, False), 3: (2, False), 5: (4, True)})
+    assert mean_levels(rnncc.cells.get("ln_lstm")) == [[0, 2], [1, 3], [4], [5]]
+    assert one_round_levels(rnncc.cells.get("ln_gru")) == (
+        [[0, 1, 2, 3]], {1: (0, False), 3: (2, False)})
+    assert one_round_levels(rnncc.cells.get("lstm")) == ([], {})
+
+    def step(gi, gh, state):
+        v = gi[0] + gh[0]
+        mu = ops.mean(v)
+        return (v - mu) * ops.rsqrt(ops.mean((v - mu) * (v - mu)) + 1e-5),
+
+    by_hand = Cell(name="by_hand", gates=1, states=("h",), step=step,
+                   reference=lambda *a: None, params=())
+    assert one_round_levels(by_hand) == ([[0], [1]], {})
+
+
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_layers_of_a_step_that_reduces_run_one_after_another():
     """No wavefront of layers that take means: a persistent kernel a layer."""
@@ -119,10 +143,11 @@ def test_layers_of_a_step_that_reduces_run_one_after_another():
     (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"})])
 def test_persistent_kernel_takes_means_and_repeats_exactly(cell, input_size, hidden, batch,
                                                            knobs, rng):
-    """On the GPU: the persistent kernel of the layer-normalised cells (each mean a round:
-    its argument exchanged tagged, or plain behind a round of the counter barrier or the grid
-    sync, and summed over the row by every block), against float64 with lengths, T = 1, 37
-    and 100, the same outputs run after run."""
+    """On the GPU: the persistent kernel of the layer-normalised cells (a level of means a
+    round, a layer norm's variance in its mean's: the arguments exchanged tagged, or plain
+    behind a round of the counter barrier or the grid sync, and summed over the row by every
+    block), against float64 with lengths, T = 1, 37 and 100, the same outputs run after
+    run."""
     knobs = dict(knobs or {})
     dtype = knobs.pop("dtype", "float32")
     if knobs.get("mma") and cell == "ln_gru":

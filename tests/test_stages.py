@@ -419,8 +419,9 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
     "barrier, batch groups", "tensor cores", "tensor cores, more batch rows than threads",
     "bidirectional")])
 def test_kernel_of_a_step_that_takes_means(cell, name, rng):
-    """The layer-normalised cells: each of a step's means a round (its argument exchanged as h
-    is, summed over the row by every block), lengths included (T = 1 and 5)."""
+    """The layer-normalised cells: a level of a step's means a round, a layer norm's variance
+    in its mean's (their arguments exchanged as h is, summed over the row by every block; the
+    mean's again for the variance), lengths included (T = 1 and 5)."""
     gates = rnncc.cells.get(cell).gates
     states = len(rnncc.cells.get(cell).states)
     input_size, hidden, batch, dtype, p = {

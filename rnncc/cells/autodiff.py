@@ -38,7 +38,7 @@ class Traced:
 
     def __init__(self, op: str, args: tuple = (), value=None, of=None):
         self.op, self.args, self.value = op, args, value
-        self.of = of  # a mean that is a layer norm's variance: the mean it centres on
+        self.of = of  # a layer norm's variance: (the mean it centres on, values a unit)
 
     @staticmethod
     def _of(other) -> Traced:
@@ -86,7 +86,7 @@ class Traced:
     def __rnncc_mean__(self) -> Traced:
         of = ops.variance_of()
         return Traced("mean", (self,), value=next(_MEANS),
-                      of=of if isinstance(of, Traced) else None)
+                      of=of if of is not None and isinstance(of[0], Traced) else None)
 
 
 @dataclass
@@ -149,12 +149,13 @@ def mean_levels(cell: Cell) -> list[list[int]]:
     return levels
 
 
-def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, int]]:
+def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, tuple[int, bool]]]:
     """:func:`mean_levels`, but each layer norm's variance (:func:`rnncc.cells.ops.layer_norm`)
-    in its mean's level, and {the variance's k: its mean's k}: a lowering that has every unit's
-    argument of the mean x_j, and that of the variance about x_j itself, v_j (the mean's
-    values less x_j, squared), has the variance about the mean m as mean_j(v_j + (x_j - m)^2),
-    in the round of m (Chan et al.'s pairwise variance; the persistent kernel)."""
+    in its mean's level, and {the variance's k: (its mean's k, whether a unit has one value)}:
+    a lowering that has every unit's argument of the mean x_j, and that of the variance about
+    x_j itself, v_j (the unit's values less x_j, squared; 0 where it has one value), has the
+    variance about the mean m as mean_j(v_j + (x_j - m)^2), in the round of m (Chan et al.'s
+    pairwise variance; the persistent kernel)."""
     means = sorted((node for node in trace(cell).order if node.op == "mean"),
                    key=lambda node: node.value)
     index = {id(node): k for k, node in enumerate(means)}
@@ -171,7 +172,7 @@ def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, int]]:
     for node in trace_order(means):
         below = [level[id(a)] for a in node.args if id(a) in level]
         if node.op == "mean" and node.of is not None:
-            level[id(node)] = about(node.args[0], node.of, {}) + 1
+            level[id(node)] = about(node.args[0], node.of[0], {}) + 1
         else:
             level[id(node)] = max(below, default=-1) + (1 if node.op == "mean" else 0)
     levels: list = []
@@ -179,8 +180,8 @@ def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, int]]:
         k, at = index[id(node)], level[id(node)]
         levels += [[] for _ in range(at + 1 - len(levels))]
         levels[at].append(k)
-    pairs = {index[id(node)]: index[id(node.of)] for node in means
-             if node.of is not None and level[id(node)] == level[id(node.of)]}
+    pairs = {index[id(node)]: (index[id(node.of[0])], node.of[1] == 1) for node in means
+             if node.of is not None and level[id(node)] == level[id(node.of[0])]}
     return levels, pairs
 
 

@@ -26,8 +26,9 @@ _MEANS: list = []
 #: that gate (a GEMM of x's values, the caller's).
 _PRODUCTS: list = []
 
-#: While :func:`layer_norm` takes its variance: the mean (as :func:`mean` returned it) of the
-#: values that variance centres on, innermost last (:func:`variance_of`).
+#: While :func:`layer_norm` takes its variance: (the mean, as :func:`mean` returned it, that
+#: the variance centres on, how many values a unit it normalises), innermost last
+#: (:func:`variance_of`).
 _VARIANCES: list = []
 
 #: Implementations a schedule puts in place of TVM's for the expressions it builds (see
@@ -192,7 +193,7 @@ def layer_norm(values, eps: float = 1e-5):
     mu = mean(sum(values[1:], start=values[0]) / k)
     centred = [v - mu for v in values]
     squares = [v * v for v in centred]
-    _VARIANCES.append(mu)
+    _VARIANCES.append((mu, len(values)))
     try:
         variance = mean(sum(squares[1:], start=squares[0]) / k)
     finally:
@@ -202,7 +203,8 @@ def layer_norm(values, eps: float = 1e-5):
 
 
 def variance_of():
-    """Within :func:`layer_norm`'s :func:`mean` of its squares, the mean its values are
-    centred on (what :func:`mean` returned for it): a lowering may compute that variance from
-    the same values as the mean (the persistent kernel: in the same round); else None."""
+    """Within :func:`layer_norm`'s :func:`mean` of its squares, (the mean its values are
+    centred on, what :func:`mean` returned for it; how many values a unit): a lowering may
+    compute that variance from the same values as the mean (the persistent kernel: in the same
+    round); else None."""
     return _VARIANCES[-1] if _VARIANCES else None

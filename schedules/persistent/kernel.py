@@ -144,7 +144,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                       lengths, kept=kept, params=len(cell.params), first=first, finals=finals,
                       product=taken[0] if taken else -1,
                       levels=tuple(tuple(level) for level in levels),
-                      variances=tuple(sorted(variances.items())))
+                      variances=tuple((k, m, alone) for k, (m, alone) in
+                                      sorted(variances.items())))
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)

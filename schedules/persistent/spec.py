@@ -42,8 +42,9 @@ class KernelSpec:
     in a second round of the step (:mod:`.stages.cell`); ``levels``: the row means the cell's
     step takes (``ops.mean``, numbered in the order it takes them) in levels, a round of the
     step each: their arguments exchanged and summed over the row (:mod:`.stages.means`,
-    :func:`rnncc.cells.autodiff.one_round_levels`); ``variances``: (k, m) pairs, mean k the
-    variance about mean m, of m's round (taken from m's values as well); ``finals``: the
+    :func:`rnncc.cells.autodiff.one_round_levels`); ``variances``: (k, m, alone), mean k the
+    variance about mean m, of m's round (taken from m's values as well; ``alone``: a unit has
+    one value, so k's own argument is 0, not exchanged); ``finals``: the
     kernel writes the final states [grids, N, H] in ``dtype`` (else they are where the last
     step left them, in the states' float32 workspaces)."""
 

@@ -15,7 +15,8 @@ m's round, not the next: in that round the step is evaluated with m as each unit
 argument x_j, so that k's argument is v_j, the unit's values' squares about x_j; after the
 barrier, the block sums v_j, then loads the x_j again (no new exchange) and adds (x_j - m)^2:
 var = mean_j(v_j + (x_j - m)^2), the variance about m (Chan et al.'s pairwise form, as
-stable as the two rounds it replaces). LN-LSTM's step takes 2 rounds so, LN-GRU's 1 (4 and 2
+stable as the two rounds it replaces). A layer norm of one value a unit (LN-LSTM's of c) has
+v_j = 0, neither exchanged nor summed. LN-LSTM's step takes 2 rounds so, LN-GRU's 1 (4 and 2
 before).
 """
 
@@ -78,10 +79,12 @@ def _sum_value(spec, aw, tv, racc, red, mv, r, t, bx, tx, warp, lane):
 @T.macro
 def _sum_variance(spec, aw, aw_mean, tv, racc, red, mv, r, m, t, bx, tx, warp, lane):
     """``mv[r*N + n]``: the variance about mean m (in ``mv`` already) from the units' squares
-    about their own arguments (``aw``) and those arguments again (``aw_mean``)."""
+    about their own arguments (``aw``; None: they are 0) and those arguments again
+    (``aw_mean``)."""
     for n in T.unroll(spec.local_batch):
         racc[n] = T.float32(0)
-    exchange.stage_value(spec, aw, tv, partial(_accumulate, spec, racc), t, bx, tx)
+    if aw is not None:
+        exchange.stage_value(spec, aw, tv, partial(_accumulate, spec, racc), t, bx, tx)
     exchange.stage_value(spec, aw_mean, tv, partial(_accumulate_squares, spec, racc, mv, m), t,
                          bx, tx)
     _row_sums(spec, racc, red, mv, r, warp, lane, tx)
@@ -92,7 +95,7 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
     before it from ``mv``; a mean whose variance is of this level: the unit's own argument),
     each mean's argument handed to ``publish[k](value, row, j)``."""
     done = [k for lower in spec.levels[:spec.levels.index(level)] for k in lower]
-    centres = {m for k, m in spec.variances if k in level}
+    centres = {m for k, m, _ in spec.variances if k in level}
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
@@ -113,7 +116,7 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
             cell_stage.evaluate(spec, cell, b.gi, sums, b.st, b.pv, it)
         if sorted(found) != sorted(level):
             raise ValueError(f"cell {cell.name!r} took means {sorted(found)} of round {level}")
-        for k in level:
+        for k in publish:
             publish[k](found[k], spec.state_row(bx, n), j)
     cell_stage.each_pair(spec, bx, tx, body)
 
@@ -121,18 +124,19 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
 def rounds(spec, cell, g, b, t, bx, tx, warp, lane):
     """Step t's means, a round a level of them (``spec.levels``; builds TIR: a Python loop
     over the rounds)."""
-    about = dict(spec.variances)
+    about = {k: m for k, m, _ in spec.variances}
+    zero = {k for k, _, alone in spec.variances if alone}  # a unit's own squares: 0
     for r, level in enumerate(spec.levels):
         _arguments(spec, cell, b, level, {k: partial(exchange.publish_value, spec, g.aw[k], t)
-                                          for k in level}, bx, tx)
+                                          for k in level if k not in zero}, bx, tx)
         exchange.value_barrier(spec, g.cnt, t, r, bx, tx)
         for k in level:  # the means first: the variances take theirs
             if k not in about:
                 _sum_value(spec, g.aw[k], b.tv, b.racc, b.red, b.mv, k, t, bx, tx, warp, lane)
         for k in level:
             if k in about:
-                _sum_variance(spec, g.aw[k], g.aw[about[k]], b.tv, b.racc, b.red, b.mv, k,
-                              about[k], t, bx, tx, warp, lane)
+                _sum_variance(spec, None if k in zero else g.aw[k], g.aw[about[k]], b.tv,
+                              b.racc, b.red, b.mv, k, about[k], t, bx, tx, warp, lane)
 
 
 def reader(spec, mv, n):
