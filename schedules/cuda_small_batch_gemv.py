@@ -59,7 +59,8 @@ SHARED_H_MIN_BYTES = 128 * 1024
 #: and LSTM 1536 at 16 28.0 -> 29.6, hence the thresholds.
 STREAM_MIN_H_BYTES, STREAM_MIN_W_BYTES = 96 * 1024, 48 << 20
 #: TF32 products at batch 9-16 whose weights are at least TF32_MIN_W_BYTES (K a multiple of
-#: 128) are this rule's, in IEEE float32 (the tensor-core rules decline them,
+#: 128, O at least K: the forward's; the backward's dh, O = H < K = G*H, is not measured) are
+#: this rule's, in IEEE float32 (the tensor-core rules decline them,
 #: :func:`takes_tf32`): it streams W faster than they do. H200, kernel alone, us, TF32
 #: (cuda.mma_gemv) against this rule (N K O): 16 2048 8192 39.1 against 25.3; 16 2048 6144 29.3
 #: against 24.0; but 16 1024 4096 7.8 against 12.6, 24 2048 8192 53.9 against 55.2 (W of
@@ -113,7 +114,7 @@ def takes_tf32(batch: int, depth: int, rows: int) -> bool:
     T = 100, us a step, tensor-core products -> this rule (cuDNN in TF32): LSTM 2048 at batch
     16 48.1 -> 30.4 (33.3), at batch 12 52.4 -> 27.1 (33.2); LSTM 2048 with C = 1024 at batch
     9 73.0 -> 31.5 (32.1); GRU 2560 at 16 44.7 -> 38.0 (30.2); GRU 2048 at 16 27.6 both."""
-    return (batch <= TF32_MAX_BATCH and depth % 128 == 0
+    return (batch <= TF32_MAX_BATCH and depth % 128 == 0 and rows >= depth
             and rows * depth * 4 >= TF32_MIN_W_BYTES)
 
 

@@ -272,8 +272,8 @@ def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
 def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_products():
     """W loaded past L1 where h is at least 96 KiB and W at least 48 MiB (K a multiple of
     128); blocks of 4 warps from batch 16 where h is not staged; TF32 products at batch 9-16
-    with W of 48 MiB or more are this IEEE rule's (the tensor-core rules decline them, whole
-    or in slices), smaller ones the tensor cores'."""
+    with W of 48 MiB or more and O >= K are this IEEE rule's (the tensor-core rules decline
+    them, whole or in slices), others the tensor cores' (the backward's dh: O < K)."""
     from rnncc.schedules import cuda_small_batch_gemv
 
     for batch, depth, outputs, streamed in ((16, 2048, 8192, True), (12, 2048, 8192, True),
@@ -298,6 +298,7 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
                                         (16, 2560, 7680, "cuda.small_batch_gemv"),
                                         (16, 1024, 4096, "cuda.mma_gemv"),
                                         (16, 1536, 6144, "cuda.mma_gemv"),
+                                        (16, 8192, 2048, "cuda.mma_gemv"),
                                         (24, 2048, 8192, "cuda.mma_gemv")):
         func = comp.gemm((batch,), depth, outputs, "rows", "float32").with_attr(
             schedules.TF32_ATTR, True)
