@@ -134,19 +134,7 @@ def mean_levels(cell: Cell) -> list[list[int]]:
     past the highest of the means its argument depends on, so the means of a level can be
     computed together (a layer norm's mean, then its variance; two layer norms side by
     side)."""
-    means = sorted((node for node in trace(cell).order if node.op == "mean"),
-                   key=lambda node: node.value)
-    index = {id(node): k for k, node in enumerate(means)}
-    level: dict = {}
-    for node in trace_order(means):
-        below = [level[id(a)] for a in node.args if id(a) in level]
-        level[id(node)] = max(below, default=-1) + (1 if node.op == "mean" else 0)
-    levels: list = []
-    for node in means:
-        k, at = index[id(node)], level[id(node)]
-        levels += [[] for _ in range(at + 1 - len(levels))]
-        levels[at].append(k)
-    return levels
+    return _levels(cell, variances=False)[0]
 
 
 def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, tuple[int, bool]]]:
@@ -156,24 +144,32 @@ def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, tuple[int, 
     x_j itself, v_j (the unit's values less x_j, squared; 0 where it has one value), has the
     variance about the mean m as mean_j(v_j + (x_j - m)^2), in the round of m (Chan et al.'s
     pairwise variance; the persistent kernel)."""
+    return _levels(cell, variances=True)
+
+
+def _levels(cell: Cell, variances: bool) -> tuple[list[list[int]], dict]:
     means = sorted((node for node in trace(cell).order if node.op == "mean"),
                    key=lambda node: node.value)
     index = {id(node): k for k, node in enumerate(means)}
     level: dict = {}
 
-    def about(node, mean, memo):  # node's level with ``mean`` a level lower (as its argument)
-        if node is mean:
-            return level[id(mean)] - 1
-        if id(node) not in memo:
-            memo[id(node)] = (level[id(node)] if node.op == "mean" or not node.args
-                              else max(about(a, mean, memo) for a in node.args))
-        return memo[id(node)]
+    def about(root, mean) -> int:
+        """``root``'s level with ``mean`` taken a level lower (as its own argument)."""
+        found: dict = {}
+        for node in trace_order([root]):
+            if node is mean:
+                found[id(node)] = level[id(mean)] - 1
+            elif node.op == "mean" or not node.args:
+                found[id(node)] = level[id(node)]
+            else:
+                found[id(node)] = max(found[id(a)] for a in node.args)
+        return found[id(root)]
 
     for node in trace_order(means):
-        below = [level[id(a)] for a in node.args if id(a) in level]
-        if node.op == "mean" and node.of is not None:
-            level[id(node)] = about(node.args[0], node.of[0], {}) + 1
+        if variances and node.op == "mean" and node.of is not None:
+            level[id(node)] = about(node.args[0], node.of[0]) + 1
         else:
+            below = [level[id(a)] for a in node.args if id(a) in level]
             level[id(node)] = max(below, default=-1) + (1 if node.op == "mean" else 0)
     levels: list = []
     for node in means:
@@ -181,7 +177,7 @@ def one_round_levels(cell: Cell) -> tuple[list[list[int]], dict[int, tuple[int, 
         levels += [[] for _ in range(at + 1 - len(levels))]
         levels[at].append(k)
     pairs = {index[id(node)]: (index[id(node.of[0])], node.of[1] == 1) for node in means
-             if node.of is not None and level[id(node)] == level[id(node.of[0])]}
+             if variances and node.of is not None and level[id(node)] == level[id(node.of[0])]}
     return levels, pairs
 
 
