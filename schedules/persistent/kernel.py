@@ -42,7 +42,7 @@ from functools import partial
 
 from tvm.script import tirx as T
 
-from rnncc.cells.autodiff import mean_levels, one_round_levels, product_gates, trace
+from rnncc.cells.autodiff import one_round_levels, product_gates, trace
 
 from . import buffers, device
 from .planner import Plan
@@ -136,10 +136,10 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
     if len(taken) > 1:
         raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
                          "values; the persistent kernel takes one")
-    if plan.k_slices > 1 and (taken or mean_levels(cell)):
+    levels, variances = one_round_levels(cell)
+    if plan.k_slices > 1 and (taken or levels):
         raise ValueError(f"cell {cell.name!r} exchanges values of its step before h; h in "
                          "slices of K takes a step of one product, of h")
-    levels, variances = one_round_levels(cell)
     spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, input_size,
                       lengths, kept=kept, params=len(cell.params), first=first, finals=finals,
                       product=taken[0] if taken else -1,
