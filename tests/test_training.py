@@ -566,6 +566,39 @@ def test_training_packs_the_weights_without_a_copy_on_cuda():
         assert copied.tensors[packed].data_ptr() != weights[given].data_ptr()
 
 
+FIRST_STEP = """
+import gc, sys
+import torch
+import rnncc.nn
+gc.disable()
+net = rnncc.nn.GRU(4, 6)
+x = torch.randn(3, 2, 4, requires_grad=True)
+y = net(x * 2)[0]  # x * 2: the caller's frame holds a tensor of the graph
+y.sum().backward()
+del y
+gc.set_debug(gc.DEBUG_SAVEALL)
+gc.collect()
+print(sum(isinstance(o, torch.Tensor) for o in gc.garbage))
+"""
+
+
+def test_a_first_training_step_leaves_no_autograd_graph_in_reference_cycles(tmp_path):
+    """The first training step of a process, which compiles its modules and, in a second
+    process, loads them from the disk cache: what runs the first time (imports, TVMScript's
+    parser) keeps the caller's frames in reference cycles; rnncc collects them, or the step's
+    autograd graph lives on to Python's next collection (its AccumulateGrad nodes, of the
+    default stream, make a CUDA graph capture of the next step fail)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RNNCC_CACHE_DIR": str(tmp_path)}
+    for run in ("compiled", "loaded"):
+        out = subprocess.run([sys.executable, "-c", FIRST_STEP], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["0"], (run, out.stdout)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_training_step_runs_in_a_cuda_graph(exchange, monkeypatch, empty_compile_cache,

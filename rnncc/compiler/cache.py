@@ -18,6 +18,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import importlib.util
 import inspect
 import json
 import os
@@ -61,12 +62,15 @@ def _cell_identity(cell) -> str | None:
 @functools.cache
 def _code_identity() -> str:
     """A hash of the source of rnncc and its schedules (the code that makes a module), so that
-    a module compiled by other code of the same version (a working tree) is not reused."""
-    from .. import schedules
-
+    a module compiled by other code of the same version (a working tree) is not reused.
+    The schedules are found, not imported: the first call of an rnncc.nn module in training
+    reaches here with its autograd graph on the stack, and TVMScript's parser, run by the
+    import, keeps the frames it was called from in reference cycles (the graph's AccumulateGrad
+    nodes alive until a collection, which a CUDA graph capture of the next step then refuses)."""
+    schedules = importlib.util.find_spec(f"{__package__.rsplit('.', 1)[0]}.schedules")
     digest = hashlib.sha256()
     for root in (os.path.dirname(os.path.dirname(__file__)),
-                 os.path.dirname(schedules.__file__)):
+                 *schedules.submodule_search_locations):
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for name in sorted(f for f in files if f.endswith(".py")):
@@ -91,9 +95,8 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     """The :class:`rnncc.Module` for this configuration: from this process's memory, the disk
     cache, or compiled now (and then cached). ``options`` go to
     :func:`rnncc.compiler.compile_module`."""
-    from ..runtime.module import load_module
     from ..tuning.device import local_gpu
-    from .driver import Spilled, compile_module, resolve_cell
+    from .driver import resolve_cell
 
     cell = resolve_cell(cell)
     gpu = local_gpu() if target == "cuda" else None
@@ -112,38 +115,46 @@ def compiled(cell, input_size: int, hidden_size: int, batch: int, *, dtype: str 
     refused = None if path is None else path[:-len(".so")] + ".refused.json"
     if refused is not None and os.path.isfile(refused):
         _raise_refusal(refused)
-    module = None
+    try:
+        module = _load_or_compile(cell, config, path, refused)
+    finally:
+        # What runs here the first time in a process (TVMScript's parser in a compile, which
+        # keeps ``inspect.stack()``; imports) leaves the caller's frames in reference
+        # cycles: collected now, not at Python's next full collection, so that
+        # what those frames hold is freed when they return (a torch training step whose
+        # forward came here: its autograd graph, whose AccumulateGrad nodes a CUDA graph
+        # capture of the next steps must not meet). About 0.1 s, once a configuration.
+        gc.collect()
+    _loaded[memo] = module
+    return module
+
+
+def _load_or_compile(cell, config: dict, path: str | None, refused: str | None):
+    """The module from ``path`` in the disk cache, or compiled now and kept there."""
+    from ..runtime.module import load_module
+    from .driver import Spilled, compile_module
+
     if path is not None and os.path.isfile(path):
         try:
-            module = load_module(path)
+            return load_module(path)
         except (ModuleFileError, OSError):
-            module = None  # damaged or foreign: compiled again below
-    if module is None:
-        start = time.monotonic()
-        try:
-            module = compile_module(cell, input_size, hidden_size, batch, dtype=dtype,
-                                    target=target, arch=arch, lengths=lengths,
-                                    directions=directions, layers=layers,
-                                    training=training, **options)
-        except Spilled as err:
-            if refused is not None:
-                _store_refusal(err, refused)
-            raise
-        finally:
-            # TVMScript's parser keeps ``inspect.stack()`` (the caller's frames) in a
-            # reference cycle: collected now, not at Python's next full collection, so that
-            # what the caller's frames hold is freed when they return (a torch training step
-            # whose forward compiled: its autograd graph, whose AccumulateGrad nodes a CUDA
-            # graph capture of the next steps must not meet). About 0.1 s, once a compile.
-            gc.collect()
-        seconds = time.monotonic() - start
-        if path is not None:
-            _store(module, path)
-        if seconds > SLOW_SECONDS:
-            _tell("slow", f"rnncc: compiled {module.metadata['cell']} C={input_size} "
-                  f"H={hidden_size} N={batch} {dtype} for {target} in {seconds:.0f} s (first "
-                  f"use of these sizes; kept in {cache_dir()} for later runs)")
-    _loaded[memo] = module
+            pass  # damaged or foreign: compiled again below
+    start = time.monotonic()
+    options = {k: v for k, v in config.items() if k not in ("gpu", "options")}
+    try:
+        module = compile_module(cell, **options, **config["options"])
+    except Spilled as err:
+        if refused is not None:
+            _store_refusal(err, refused)
+        raise
+    seconds = time.monotonic() - start
+    if path is not None:
+        _store(module, path)
+    if seconds > SLOW_SECONDS:
+        _tell("slow", f"rnncc: compiled {module.metadata['cell']} C={config['input_size']} "
+              f"H={config['hidden_size']} N={config['batch']} {config['dtype']} for "
+              f"{config['target']} in {seconds:.0f} s (first use of these sizes; kept in "
+              f"{cache_dir()} for later runs)")
     return module
 
 

@@ -16,6 +16,7 @@ tensor changed in place).
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 from torch.autograd.graph import increment_version
@@ -112,8 +113,13 @@ def run(recurrent, network, x, states, lengths, weights: dict):
 def _eager():
     """:func:`_run` kept out of torch.compile's graphs, made on first use: ``torch.compiler.
     disable`` imports torch._dynamo, which took most of ``import rnncc.nn`` (4.0 of 4.1 s,
-    -X importtime on 2 busy cores)."""
-    return torch.compiler.disable(_run)
+    -X importtime on 2 busy cores). That import leaves the caller's frames in reference
+    cycles, so what they hold (the autograd graph of the step that called: AccumulateGrad
+    nodes that a CUDA graph capture of the next steps must not meet) would live until Python's
+    next full collection: collected now, once."""
+    eager = torch.compiler.disable(_run)
+    gc.collect()
+    return eager
 
 
 def _run(recurrent, network, x, states, lengths, weights: dict):
