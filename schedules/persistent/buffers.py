@@ -219,7 +219,7 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
       are :func:`backward_pairs`); ``pv``: their units' per-unit parameters of the cell;
       ``ln``: their samples' lengths; ``tv``: tagged words in flight; ``gs``: the pairs'
       recurrent gate sums of h, kept while a step's product of a value is taken; ``mv``: the
-      step's row means (``red``, ``racc``: their sums in the making);
+      step's row means (``red``, ``racc``: their sums in the making, about ``shift``);
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -256,13 +256,15 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc(name, p.items * per, "float32")
     if pairs and spec.params:
         alloc("pv", p.items * spec.params, "float32")
-    out.gs = out.mv = out.red = out.racc = None
+    out.gs = out.mv = out.red = out.racc = out.shift = None
     if pairs and spec.product >= 0:
         alloc("gs", p.items * g, "float32")
     if pairs and spec.means:
+        widest = max(map(len, spec.levels))  # a sum a mean or variance of a round
         alloc("mv", spec.means * n, "float32", "shared")
-        alloc("red", p.warps * n, "float32", "shared")
-        alloc("racc", n, "float32")
+        alloc("shift", spec.means * n, "float32", "shared")
+        alloc("red", p.warps * widest * n, "float32", "shared")
+        alloc("racc", widest * n, "float32")
     if spec.lengths:
         alloc("ln", p.items, "int32")
     if spec.tagged:

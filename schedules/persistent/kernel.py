@@ -172,6 +172,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                                               bx, tx, g.params, b.pv)
                     if len(spec.kept) > 0:
                         history.keep_initial(spec, g.steps, b.st, bx, tx)
+                    if spec.means > 0:
+                        means.clear(spec, b.shift, tx)
                     for t in range(g.T_len):
                         cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx,
                                             g.first)
@@ -193,8 +195,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                                                 partial(exchange.publish_value, spec, g.aw[0],
                                                         t), bx, tx)
                             exchange.value_barrier(spec, g.cnt, t, 0, bx, tx)
-                            exchange.stage_value(spec, g.aw[0], b.tv, partial(
-                                products.store_h, spec, staged, 0), t, bx, tx)
+                            exchange.stage_values(spec, [g.aw[0]], b.tv, [partial(
+                                products.store_h, spec, staged, 0)], t, bx, tx)
                             T.tvm_storage_sync("shared.dyn")
                             gate_sums(spec, b, g.w, blk, warp, lane)
                         means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)

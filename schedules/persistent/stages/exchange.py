@@ -76,32 +76,69 @@ def _behind(tv, count: int, step):
     return functools.reduce(tirx.Or, tags)
 
 
+def _tagged_batches(spec, arrays: int) -> tuple[int, int]:
+    """(words of each of ``arrays`` arrays a thread loads in a batch, batches): at most
+    :data:`WAIT_BATCH` words of all of them in flight."""
+    per_thread = -(-spec.local_batch * spec.width // spec.plan.threads)
+    count = max(1, min(per_thread, WAIT_BATCH // arrays))
+    return count, -(-per_thread // count)
+
+
 @T.macro
-def _stage_tagged(spec, hw, tv, store, t, bx, tx):
-    """h_{t-1} from the tagged words: loads first; then, where a tag is behind in any lane of
-    the warp, the warp waits as one (every lane calls the wait: no lane waits in a branch of
-    its own)."""
-    h, kp, n_, threads = T.meta_var((spec.exchange_width, spec.width, spec.local_batch,
-                                     spec.plan.threads))
-    total = T.meta_var(n_ * kp)
-    count = T.meta_var(_words_a_batch(total, threads))
-    for bi in range(_wait_batches(total, threads)):
-        for i in T.unroll(count):
-            e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
-            tv[i] = T.if_then_else(
-                e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e),
-                                                           spec.plan.tagged_loads),
-                T.shift_left(T.Cast("uint64", t), T.uint64(32)))
-        if device.any_in_warp(T.Cast("int32", _behind(tv, count, t))) != 0:
-            for i in T.unroll(count):
-                e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
-                tv[i] = device.wait_tagged(_tagged_word(spec, hw, t, bx, e), tv[i],
-                                           T.Cast("uint64", t), spec.plan.tagged_loads)
-        for i in T.unroll(count):
-            e = T.meta_var((bi * WAIT_BATCH + i) * threads + tx)
-            if e < total:
-                store(e, T.reinterpret("float32", T.Cast("uint32", T.bitwise_and(
-                    tv[i], T.uint64(0xFFFFFFFF)))))
+def _load_words(spec, hw, tv, offset, count, bi, t, bx, tx):
+    h, kp, total, threads = T.meta_var((spec.exchange_width, spec.width,
+                                        spec.local_batch * spec.width, spec.plan.threads))
+    for i in T.unroll(count):
+        e = T.meta_var((bi * count + i) * threads + tx)
+        tv[offset + i] = T.if_then_else(
+            e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e),
+                                                       spec.plan.tagged_loads),
+            T.shift_left(T.Cast("uint64", t), T.uint64(32)))
+
+
+@T.macro
+def _wait_words(spec, hw, tv, offset, count, bi, t, bx, tx):
+    threads = T.meta_var(spec.plan.threads)
+    for i in T.unroll(count):
+        e = T.meta_var((bi * count + i) * threads + tx)
+        tv[offset + i] = device.wait_tagged(_tagged_word(spec, hw, t, bx, e), tv[offset + i],
+                                            T.Cast("uint64", t), spec.plan.tagged_loads)
+
+
+@T.macro
+def _store_words(spec, tv, offset, count, store, bi, tx):
+    total, threads = T.meta_var((spec.local_batch * spec.width, spec.plan.threads))
+    for i in T.unroll(count):
+        e = T.meta_var((bi * count + i) * threads + tx)
+        if e < total:
+            store(e, T.reinterpret("float32", T.Cast("uint32", T.bitwise_and(
+                tv[offset + i], T.uint64(0xFFFFFFFF)))))
+
+
+def _each_array(macro, spec, arrays, tv, count, *args):
+    """``macro`` on each of ``arrays``, with its words' place in ``tv``."""
+    for a, array in enumerate(arrays):
+        macro(spec, array, tv, a * count, count, *args)
+
+
+def _each_store(spec, tv, count, stores, bi, tx):
+    for a, store in enumerate(stores):
+        _store_words(spec, tv, a * count, count, store, bi, tx)
+
+
+@T.macro
+def _stage_tagged(spec, arrays, tv, stores, t, bx, tx):
+    """Step t-1's vectors of the tagged words ``arrays`` (h_{t-1}, or the values of a round),
+    ``stores[a](e, value)`` for element e of array a: a batch's loads of all of them first;
+    then, where a tag is behind in any lane of the warp, the warp waits as one (every lane
+    calls the wait: no lane waits in a branch of its own). A round's several vectors so take
+    one L2 round trip a batch, not one each."""
+    count, batches = T.meta_var(_tagged_batches(spec, len(arrays)))
+    for bi in range(batches):
+        _each_array(_load_words, spec, arrays, tv, count, bi, t, bx, tx)
+        if device.any_in_warp(T.Cast("int32", _behind(tv, count * len(arrays), t))) != 0:
+            _each_array(_wait_words, spec, arrays, tv, count, bi, t, bx, tx)
+        _each_store(spec, tv, count, stores, bi, tx)
 
 
 @T.macro
@@ -210,7 +247,7 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None):
     for element e = n*KP + k (zero past K); with the published h ``hx``, after step 0 a copy
     of it into ``staged``."""
     if spec.tagged:
-        _stage_tagged(spec, hw, tv, store, t, bx, tx)
+        _stage_tagged(spec, [hw], tv, [store], t, bx, tx)
     elif hx is None:
         _stage_plain(spec, s0, store, t, bx, tx)
     else:
@@ -328,10 +365,14 @@ def value_barrier(spec, cnt, t, r, bx, tx):
         T.tvm_storage_sync("shared.dyn")
 
 
-@T.macro
-def stage_value(spec, aw, tv, store, t, bx, tx):
-    """Stage the value of step t (:func:`publish_value`) as :func:`stage_h` stages h."""
+def stage_values(spec, arrays, tv, stores, t, bx, tx):
+    """Stage the values of step t of ``arrays`` (each :func:`publish_value`'s) as
+    :func:`stage_h` stages h, ``stores[a](e, value)`` for array a: tagged, a batch of loads of
+    all of them before any wait."""
     if spec.tagged:
-        _stage_tagged(spec, aw, tv, store, t + 1, bx, tx)
+        for first in range(0, len(arrays), WAIT_BATCH):  # a word of each in flight at least
+            _stage_tagged(spec, arrays[first:first + WAIT_BATCH], tv,
+                          stores[first:first + WAIT_BATCH], t + 1, bx, tx)
     else:
-        _stage_plain(spec, aw, store, t + 1, bx, tx)
+        for aw, store in zip(arrays, stores):
+            _stage_plain(spec, aw, store, t + 1, bx, tx)

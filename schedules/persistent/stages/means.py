@@ -2,22 +2,25 @@
 round of the step a level of them.
 
 A mean is over the H units of a batch row, which several blocks share. The step's means come
-in levels (:func:`rnncc.cells.autodiff.mean_levels`: a mean, then what depends on it, as a
-layer norm's variance on its mean); round r takes level r's: every thread evaluates the step
-of its pairs up to them (the means before read from ``mv``) and publishes each one's argument
-as it publishes h (:func:`.exchange.publish_value`); after the round's barrier each block
-loads the whole row's values of each (tagged words, or plain behind the counter barrier), each
+in levels (:func:`rnncc.cells.autodiff.one_round_levels`: a mean, then what depends on it);
+round r takes level r's: every thread evaluates the step of its pairs up to them (the means
+before read from ``mv``) and publishes each one's argument as it publishes h
+(:func:`.exchange.publish_value`); after the round's barrier each block loads the whole row's
+values of all of the level's means at once (:func:`.exchange.stage_values`: tagged words, a
+batch of loads of every array before any wait; or plain behind the counter barrier), each
 thread summing the ones it loads a batch row, then the warps' sums (shuffles) and the block's
-(shared memory) give the row's sum: ``mv[k*N + n]`` is mean k.
+(shared memory) give the row's sums: ``mv[k*N + n]`` is mean k.
 
-A layer norm's variance (``spec.variances``: mean k the variance about mean m) is taken in
-m's round, not the next: in that round the step is evaluated with m as each unit's own
-argument x_j, so that k's argument is v_j, the unit's values' squares about x_j; after the
-barrier, the block sums v_j, then loads the x_j again (no new exchange) and adds (x_j - m)^2:
-var = mean_j(v_j + (x_j - m)^2), the variance about m (Chan et al.'s pairwise form, as
-stable as the two rounds it replaces). A layer norm of one value a unit (LN-LSTM's of c) has
-v_j = 0, neither exchanged nor summed. LN-LSTM's step takes 2 rounds so, LN-GRU's 1 (4 and 2
-before).
+The sums are about a shift, a value of the row: the argument of the block's first unit
+(``shift``; 0, or the last step's, in a block without units). A layer norm's variance
+(``spec.variances``: mean k the variance about mean m) is taken in m's round, not the next:
+in that round the step is evaluated with m as each unit's own argument x_j, so that k's
+argument is v_j, the unit's values' squares about x_j; the block sums v_j and (x_j - c)^2
+beside x_j - c, and var = mean_j(v_j) + mean_j((x_j - c)^2) - (m - c)^2 (c near the values:
+as exact as a mean, then the squares about it; a mean of squares with c = 0 lost the
+variance of values far from 0). A layer norm of one value a unit (LN-LSTM's of c) has
+v_j = 0, neither exchanged nor summed. LN-LSTM's step takes 2 rounds so, LN-GRU's 1, each one
+L2 round trip of loads (2-6 before: a mean's, then a variance's, each).
 """
 
 from __future__ import annotations
@@ -35,59 +38,117 @@ from . import exchange
 
 
 @T.macro
-def _accumulate(spec, racc, e, value):
-    racc[e // spec.width] = racc[e // spec.width] + value
+def clear(spec, shift, tx):
+    """Once, before the steps: the shifts 0 (where a block has no unit to take one from,
+    :func:`_arguments`, its sums are about 0, or the last step's shift)."""
+    size, threads = T.meta_var((spec.means * spec.local_batch, spec.plan.threads))
+    for e in spec.spread(size):
+        if e * threads + tx < size:
+            shift[e * threads + tx] = T.float32(0)
+
+
+def _add(racc, index, value):
+    cell_stage.store(racc, racc[index] + value, index)
+
+
+def _accumulate(spec, racc, slot, e, value):
+    """``value`` of element e into sum ``slot`` of its batch row. The row is known once the
+    staging's loops unroll where the block's threads divide a row; elsewhere each row's sum
+    takes the value or 0 (an index the compiler cannot see would put ``racc`` on the
+    stack)."""
+    n_, width = spec.local_batch, spec.width
+    if n_ == 1 or width % spec.plan.threads == 0:
+        _add(racc, slot * n_ + (0 if n_ == 1 else e // width), value)
+        return
+    for n in range(n_):
+        _add(racc, slot * n_ + n, T.if_then_else(e // width == n, value, T.float32(0)))
+
+
+def _accumulate_shifted(spec, racc, shift, k, slot, squares, e, value):
+    """Mean k's argument ``value`` of element e about the row's ``shift``, into sum ``slot``,
+    its square into each of ``squares`` (the slots of k's variances); 0 past H."""
+    shifted = T.if_then_else(e % spec.width < spec.hidden,
+                             value - shift[k * spec.local_batch + e // spec.width], T.float32(0))
+    _accumulate(spec, racc, slot, e, shifted)
+    for other in squares:
+        _accumulate(spec, racc, other, e, shifted * shifted)
 
 
 @T.macro
-def _row_sums(spec, racc, red, mv, r, warp, lane, tx):
-    """``mv[r*N + n]``: the mean over H of what the block's threads summed in ``racc``."""
-    n_, warps, threads = T.meta_var((spec.local_batch, spec.plan.warps, spec.plan.threads))
-    for n in T.unroll(n_):
+def _warp_sums(spec, racc, red, slots, warp, lane):
+    """Each warp's sums (``slots`` of them a batch row) into ``red``."""
+    size = T.meta_var(slots * spec.local_batch)
+    for s in T.unroll(size):
         for m in T.unroll(5):
-            racc[n] = racc[n] + device.shfl_xor(racc[n], T.shift_left(1, 4 - m))
+            racc[s] = racc[s] + device.shfl_xor(racc[s], T.shift_left(1, 4 - m))
         if lane == 0:
-            red[warp * n_ + n] = racc[n]
+            red[warp * size + s] = racc[s]
     T.tvm_storage_sync("shared")
+
+
+@T.macro
+def _block_sum(spec, red, slots, slot, n, out):
+    """``out[0]``: the block's sum ``slot`` of batch row n (``red``: the warps')."""
+    out[0] = T.float32(0)
+    for w in range(spec.plan.warps):
+        out[0] = out[0] + red[(w * slots + slot) * spec.local_batch + n]
+
+
+@T.macro
+def _finish_mean(spec, red, mv, shift, racc, slots, slot, k, tx):
+    """Mean k of each batch row: its shift plus the mean of its arguments about it."""
+    n_, threads = T.meta_var((spec.local_batch, spec.plan.threads))
     for e in spec.spread(n_):
         if e * threads + tx < n_:
-            racc[0] = T.float32(0)
-            for w in range(warps):
-                racc[0] = racc[0] + red[w * n_ + e * threads + tx]
-            mv[r * n_ + e * threads + tx] = racc[0] * T.float32(1.0 / spec.hidden)
+            _block_sum(spec, red, slots, slot, e * threads + tx, racc)
+            mv[k * n_ + e * threads + tx] = shift[k * n_ + e * threads + tx] + racc[0] * (
+                T.float32(1.0 / spec.hidden))
+
+
+@T.macro
+def _finish_variance(spec, red, mv, racc, slots, slot, about, k, tx):
+    """Variance k of each batch row, about the mean of sum ``about``: the mean of the units'
+    squares about their own arguments and about the shift, less the square of the mean's
+    distance from the shift (0 at least)."""
+    n_, threads, h = T.meta_var((spec.local_batch, spec.plan.threads, spec.hidden))
+    for e in spec.spread(n_):
+        if e * threads + tx < n_:
+            _block_sum(spec, red, slots, about, e * threads + tx, racc)
+            racc[1] = racc[0] * T.float32(1.0 / h)
+            _block_sum(spec, red, slots, slot, e * threads + tx, racc)
+            mv[k * n_ + e * threads + tx] = T.max(
+                racc[0] * T.float32(1.0 / h) - racc[1] * racc[1], T.float32(0))
+
+
+def _sum_level(spec, g, b, level, t, bx, tx, warp, lane):
+    """Round ``level``'s means and variances from one staging of their arguments
+    (:func:`.exchange.stage_values`): each mean's about its shift, its variances' squares of
+    the same, and the units' own squares where a variance has them."""
+    about = {k: m for k, m, _ in spec.variances}
+    alone = {k for k, _, is_alone in spec.variances if is_alone}
+    slots = {k: s for s, k in enumerate(level)}
+    for s in range(len(level) * spec.local_batch):
+        cell_stage.store(b.racc, T.float32(0), s)
+    arrays, stores = [], []
+    for k in level:
+        if k not in about:
+            squares = [slots[v] for v in level if about.get(v) == k]
+            arrays.append(g.aw[k])
+            stores.append(partial(_accumulate_shifted, spec, b.racc, b.shift, k, slots[k],
+                                  squares))
+        elif k not in alone:
+            arrays.append(g.aw[k])
+            stores.append(partial(_accumulate, spec, b.racc, slots[k]))
+    exchange.stage_values(spec, arrays, b.tv, stores, t, bx, tx)
+    _warp_sums(spec, b.racc, b.red, len(level), warp, lane)
+    for k in level:
+        if k in about:
+            _finish_variance(spec, b.red, b.mv, b.racc, len(level), slots[k], slots[about[k]],
+                             k, tx)
+    for k in level:
+        if k not in about:
+            _finish_mean(spec, b.red, b.mv, b.shift, b.racc, len(level), slots[k], k, tx)
     T.tvm_storage_sync("shared")
-
-
-@T.macro
-def _accumulate_squares(spec, racc, mv, m, e, value):
-    """Add (value - mean m)^2 for a unit of the row (not the exchange's padding)."""
-    n = T.meta_var(e // spec.width)
-    racc[n] = racc[n] + T.if_then_else(
-        e % spec.width < spec.hidden,
-        (value - mv[m * spec.local_batch + n]) * (value - mv[m * spec.local_batch + n]),
-        T.float32(0))
-
-
-@T.macro
-def _sum_value(spec, aw, tv, racc, red, mv, r, t, bx, tx, warp, lane):
-    for n in T.unroll(spec.local_batch):
-        racc[n] = T.float32(0)
-    exchange.stage_value(spec, aw, tv, partial(_accumulate, spec, racc), t, bx, tx)
-    _row_sums(spec, racc, red, mv, r, warp, lane, tx)
-
-
-@T.macro
-def _sum_variance(spec, aw, aw_mean, tv, racc, red, mv, r, m, t, bx, tx, warp, lane):
-    """``mv[r*N + n]``: the variance about mean m (in ``mv`` already) from the units' squares
-    about their own arguments (``aw``; None: they are 0) and those arguments again
-    (``aw_mean``)."""
-    for n in T.unroll(spec.local_batch):
-        racc[n] = T.float32(0)
-    if aw is not None:
-        exchange.stage_value(spec, aw, tv, partial(_accumulate, spec, racc), t, bx, tx)
-    exchange.stage_value(spec, aw_mean, tv, partial(_accumulate_squares, spec, racc, mv, m), t,
-                         bx, tx)
-    _row_sums(spec, racc, red, mv, r, warp, lane, tx)
 
 
 def _arguments(spec, cell, b, level, publish, bx, tx):
@@ -96,6 +157,7 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
     each mean's argument handed to ``publish[k](value, row, j)``."""
     done = [k for lower in spec.levels[:spec.levels.index(level)] for k in lower]
     centres = {m for k, m, _ in spec.variances if k in level}
+    centred = {k for k, _, _ in spec.variances}  # variances: no shift
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
@@ -118,25 +180,23 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
             raise ValueError(f"cell {cell.name!r} took means {sorted(found)} of round {level}")
         for k in publish:
             publish[k](found[k], spec.state_row(bx, n), j)
+        with T.If(u == 0):  # the block's first unit's argument: the shift of its sums
+            with T.Then():
+                for k in level:
+                    if k not in centred:
+                        cell_stage.store(b.shift, found[k], k * spec.local_batch + n)
     cell_stage.each_pair(spec, bx, tx, body)
 
 
 def rounds(spec, cell, g, b, t, bx, tx, warp, lane):
     """Step t's means, a round a level of them (``spec.levels``; builds TIR: a Python loop
     over the rounds)."""
-    about = {k: m for k, m, _ in spec.variances}
     zero = {k for k, _, alone in spec.variances if alone}  # a unit's own squares: 0
     for r, level in enumerate(spec.levels):
         _arguments(spec, cell, b, level, {k: partial(exchange.publish_value, spec, g.aw[k], t)
                                           for k in level if k not in zero}, bx, tx)
         exchange.value_barrier(spec, g.cnt, t, r, bx, tx)
-        for k in level:  # the means first: the variances take theirs
-            if k not in about:
-                _sum_value(spec, g.aw[k], b.tv, b.racc, b.red, b.mv, k, t, bx, tx, warp, lane)
-        for k in level:
-            if k in about:
-                _sum_variance(spec, None if k in zero else g.aw[k], g.aw[about[k]], b.tv,
-                              b.racc, b.red, b.mv, k, about[k], t, bx, tx, warp, lane)
+        _sum_level(spec, g, b, level, t, bx, tx, warp, lane)
 
 
 def reader(spec, mv, n):
