@@ -148,18 +148,24 @@ def _stage_plain_element(spec, s0, store, t, bx, e):
         t % 2, spec.state_row(bx, e // kp), T.min(e % kp, h - 1)])), T.float32(0)))
 
 
+def _each_plain_element(spec, arrays, stores, t, bx, e):
+    for s0, store in zip(arrays, stores):
+        _stage_plain_element(spec, s0, store, t, bx, e)
+
+
 @T.macro
-def _stage_plain(spec, s0, store, t, bx, tx):
-    """h_{t-1} as the other blocks stored it before the barrier, read past L1: whole rounds
-    of the block's threads, then the rest under a guard (a guard in every round kept the
-    compiler from batching the loads: each waited on L2 in turn, 4.5x slower at 6 warps)."""
+def _stage_plain(spec, arrays, stores, t, bx, tx):
+    """h_{t-1} (or a round's vectors, ``arrays``) as the other blocks stored it before the
+    barrier, read past L1: whole rounds of the block's threads, each loading every array's
+    element, then the rest under a guard (a guard in every round kept the compiler from
+    batching the loads: each waited on L2 in turn, 4.5x slower at 6 warps)."""
     threads = T.meta_var(spec.plan.threads)
     full, rest = T.meta_var(divmod(spec.local_batch * spec.width, spec.plan.threads))
     for e in T.serial(0, full):
-        _stage_plain_element(spec, s0, store, t, bx, e * threads + tx)
+        _each_plain_element(spec, arrays, stores, t, bx, e * threads + tx)
     if rest > 0:
         if tx < rest:
-            _stage_plain_element(spec, s0, store, t, bx, full * threads + tx)
+            _each_plain_element(spec, arrays, stores, t, bx, full * threads + tx)
 
 
 def _per_copy(buffer) -> int:
@@ -249,10 +255,10 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None):
     if spec.tagged:
         _stage_tagged(spec, [hw], tv, [store], t, bx, tx)
     elif hx is None:
-        _stage_plain(spec, s0, store, t, bx, tx)
+        _stage_plain(spec, [s0], [store], t, bx, tx)
     else:
         if t == 0:
-            _stage_plain(spec, s0, store, t, bx, tx)
+            _stage_plain(spec, [s0], [store], t, bx, tx)
         else:
             stage_copied(spec, hx, staged, t, bx, tx)
 
@@ -367,12 +373,11 @@ def value_barrier(spec, cnt, t, r, bx, tx):
 
 def stage_values(spec, arrays, tv, stores, t, bx, tx):
     """Stage the values of step t of ``arrays`` (each :func:`publish_value`'s) as
-    :func:`stage_h` stages h, ``stores[a](e, value)`` for array a: tagged, a batch of loads of
-    all of them before any wait."""
+    :func:`stage_h` stages h, ``stores[a](e, value)`` for array a, in one pass: tagged, a batch
+    of loads of all of them before any wait; plain, each round of the threads loading all."""
     if spec.tagged:
         for first in range(0, len(arrays), WAIT_BATCH):  # a word of each in flight at least
             _stage_tagged(spec, arrays[first:first + WAIT_BATCH], tv,
                           stores[first:first + WAIT_BATCH], t + 1, bx, tx)
     else:
-        for aw, store in zip(arrays, stores):
-            _stage_plain(spec, aw, store, t + 1, bx, tx)
+        _stage_plain(spec, arrays, stores, t + 1, bx, tx)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from functools import partial
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from rnncc.cells import ops
@@ -57,6 +58,8 @@ def _accumulate(spec, racc, slot, e, value):
     takes the value or 0 (an index the compiler cannot see would put ``racc`` on the
     stack)."""
     n_, width = spec.local_batch, spec.width
+    if not isinstance(value, tirx.Var):  # loaded once (the barrier's exchange: a load a use)
+        value = T.bind(value)
     if n_ == 1 or width % spec.plan.threads == 0:
         _add(racc, slot * n_ + (0 if n_ == 1 else e // width), value)
         return
@@ -67,8 +70,9 @@ def _accumulate(spec, racc, slot, e, value):
 def _accumulate_shifted(spec, racc, shift, k, slot, squares, e, value):
     """Mean k's argument ``value`` of element e about the row's ``shift``, into sum ``slot``,
     its square into each of ``squares`` (the slots of k's variances); 0 past H."""
-    shifted = T.if_then_else(e % spec.width < spec.hidden,
-                             value - shift[k * spec.local_batch + e // spec.width], T.float32(0))
+    shifted = T.bind(T.if_then_else(e % spec.width < spec.hidden,
+                                    value - shift[k * spec.local_batch + e // spec.width],
+                                    T.float32(0)))
     _accumulate(spec, racc, slot, e, shifted)
     for other in squares:
         _accumulate(spec, racc, other, e, shifted * shifted)
