@@ -599,6 +599,42 @@ def test_a_first_training_step_leaves_no_autograd_graph_in_reference_cycles(tmp_
         assert out.stdout.split() == ["0"], (run, out.stdout)
 
 
+CAPTURED_STEP = """
+import torch
+import rnncc.nn
+net = rnncc.nn.LSTM(8, 16).cuda()
+x = torch.randn(5, 3, 8, device="cuda", requires_grad=True)
+net(x * 2)[0].sum().backward()  # compiles or loads the modules, on the default stream
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    net(x * 2)[0].sum().backward()
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    net(x * 2)[0].sum().backward()
+graph.replay()
+torch.cuda.synchronize()
+print("captured")
+"""
+
+
+@pytest.mark.gpu
+def test_a_training_step_is_captured_after_a_first_one_that_loaded_its_modules(tmp_path):
+    """On the GPU, in a process that compiles the modules and in one that loads them from the
+    disk cache: an eager training step, then one captured in a CUDA graph (the capture refused
+    a step while the first one's AccumulateGrad nodes, of the default stream, lived on in
+    reference cycles; H200, before 0b474e1, the second process)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RNNCC_CACHE_DIR": str(tmp_path)}
+    for run in ("compiled", "loaded"):
+        out = subprocess.run([sys.executable, "-c", CAPTURED_STEP], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0 and out.stdout.split() == ["captured"], (run, out.stderr)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_training_step_runs_in_a_cuda_graph(exchange, monkeypatch, empty_compile_cache,
