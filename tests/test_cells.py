@@ -61,6 +61,8 @@ def test_a_parameter_the_step_never_uses_is_refused():
     with pytest.raises(CellError, match="cell 'unused_param' declares parameter.s. b that its "
                                         "step never uses"):
         cells.register(cell)
+    with pytest.raises(CellError, match="cell 'unused_param' declares parameter.s. b"):
+        rnncc.compile(cell, 3, 4, 2, target="llvm")  # not registered: checked the same
     with pytest.raises(CellError, match="1 parameter values for its params"):
         cell.evaluate([1.0], [2.0], [0.0], [3.0])
 

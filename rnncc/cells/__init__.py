@@ -15,9 +15,10 @@ import sys
 
 from ..errors import CellError, ConfigError
 from . import ops
-from ._base import Cell, register, registry, unregister
+from ._base import Cell, check, register, registry, unregister
 
-__all__ = ["Cell", "ops", "register", "unregister", "registry", "get", "names", "load_file"]
+__all__ = ["Cell", "ops", "check", "register", "unregister", "registry", "get", "names",
+           "load_file"]
 
 
 def _import_builtins() -> None:

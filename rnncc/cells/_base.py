@@ -142,14 +142,15 @@ def register(cell: Cell, *, replace: bool = False) -> Cell:
             + (f" (from {old.source})" if old.source else "")
             + "; pick another name or pass replace=True"
         )
-    _check_step(cell)
+    check(cell)
     _REGISTRY[cell.name] = cell
     return cell
 
 
-def _check_step(cell: Cell) -> None:
+def check(cell: Cell) -> None:
     """A parameter the step never uses, or a recurrent product it cannot take, is a mistake in
-    the cell file: say which."""
+    the cell file: say which (:func:`register` checks; so does a compile of a cell that is
+    not registered)."""
     from .autodiff import check_products, trace, uses
 
     graph = trace(cell)

@@ -26,9 +26,12 @@ class Spilled(BuildError):
 
 
 def resolve_cell(cell) -> Cell:
-    """A Cell, a registered name, or the path of a cell file (which must register one cell,
-    or several of which one is named like the file)."""
+    """A Cell (checked as :func:`rnncc.cells.register` checks, where it is not registered), a
+    registered name, or the path of a cell file (which must register one cell, or several of
+    which one is named like the file)."""
     if isinstance(cell, Cell):
+        if cells.registry().get(cell.name) is not cell:  # made, not registered: its checks
+            cells.check(cell)
         return cell
     if not isinstance(cell, str):
         raise ConfigError(f"cell must be a name, a Cell or a file path, got {type(cell).__name__}")
