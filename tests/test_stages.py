@@ -16,7 +16,8 @@ import rnncc
 from conftest import random_weights
 from helpers import TOL, TOL_TF32, persistent_cells, round_tf32
 from rnncc import reference
-from rnncc.cells import autodiff
+from rnncc.cells import autodiff, ops
+from rnncc.cells.autodiff import one_round_levels
 from rnncc.dtypes import projection_grad_dtype
 from rnncc.lowering import components as comp
 from rnncc.lowering.sequence import sums_in_place
@@ -454,6 +455,50 @@ def test_kernel_takes_a_variance_exactly_far_from_zero(cell, name, rng):
          }[name]()
     check_kernel(cell, p, 6, 33, 4 if name == "barrier" else 3, "float32", rng, steps=(3,),
                  offset=300.0, tol=2e-4)
+
+
+def _many_norms_step(gi, gh, state):
+    """Five layer norms of two values a unit that need none of each other: one round of ten
+    exchanged vectors (more than a batch of tagged words holds)."""
+    pairs = [(gi[0], gi[1]), (gh[0], gh[1]), (gi[0] * gh[0], gi[1]), (gi[0] + gh[1], gh[0]),
+             (gi[1] * gi[1], gh[1])]
+    total = None
+    for a, b in pairs:
+        x, y = ops.layer_norm([a, b])
+        total = x - y if total is None else total + x * y
+    return (ops.tanh(total + state[0]),)
+
+
+def _many_norms_reference(gi, gh, state):
+    from rnncc.cells.ln_lstm import layer_norm
+
+    pairs = [(gi[0], gi[1]), (gh[0], gh[1]), (gi[0] * gh[0], gi[1]), (gi[0] + gh[1], gh[0]),
+             (gi[1] * gi[1], gh[1])]
+    total = None
+    for a, b in pairs:
+        x, y = np.split(layer_norm(np.concatenate([a, b], -1)), 2, -1)
+        total = x - y if total is None else total + x * y
+    return (np.tanh(total + state[0]),)
+
+
+@pytest.mark.parametrize("name", ["tagged", "barrier"])
+def test_kernel_takes_a_round_of_more_vectors_than_a_batch_of_words(name, rng):
+    """A step of five independent layer norms: one round of ten vectors, staged in groups of
+    :data:`exchange.WAIT_BATCH` (tagged) or in one loop (behind the barrier)."""
+    from rnncc.cells._base import Cell
+
+    cell = rnncc.cells.register(Cell(name="many_norms", gates=2, states=("h",),
+                                     step=_many_norms_step, reference=_many_norms_reference,
+                                     params=()), replace=True)
+    try:
+        levels, _ = one_round_levels(cell)
+        assert len(levels) == 1 and len(levels[0]) == 10
+        p = {"tagged": lambda: planner.plan(2, 33, 3, "float32", H100, 1, batch_groups=None),
+             "barrier": lambda: crafted(2, 33, 3, "float32", 8, 2, sync="barrier")}[name]()
+        assert p.sync == name
+        check_kernel("many_norms", p, 6, 33, 3, "float32", rng, steps=(3,))
+    finally:
+        rnncc.cells.unregister("many_norms")
 
 
 # -- one stage at a time --------------------------------------------------------------------
