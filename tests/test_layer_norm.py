@@ -140,7 +140,9 @@ def test_layers_of_a_step_that_reduces_run_one_after_another():
 @pytest.mark.parametrize("input_size, hidden, batch, knobs", [
     (33, 257, 6, None), (1024, 1024, 1, None), (1024, 1024, 4, None),
     (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}), (16, 64, 3, {"sync": "grid"}),
-    (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"})])
+    (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"}),
+    (1024, 1024, 1, {"mean_partials": True}), (33, 257, 6, {"mean_partials": True}),
+    (512, 512, 8, {"mean_partials": True})])
 def test_persistent_kernel_takes_means_and_repeats_exactly(cell, input_size, hidden, batch,
                                                            knobs, rng):
     """On the GPU: the persistent kernel of the layer-normalised cells (a level of means a

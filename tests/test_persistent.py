@@ -534,8 +534,9 @@ def test_mma_knob():
     from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
-    with pytest.raises(ConfigError, match="mma must be true or false, got 'yes'"):
-        knobs.check_knobs({"mma": "yes"})
+    for name in ("mma", "mean_partials"):
+        with pytest.raises(ConfigError, match=f"{name} must be true or false, got 'yes'"):
+            knobs.check_knobs({name: "yes"})
     lstm = Problem(cells.get("lstm"), 2048, 2048, 4, "float16")
     assert knobs.plan_for(lstm, H100, {}, 24).mma
     assert not knobs.plan_for(lstm, H100, {"mma": False}, 24).mma
@@ -820,6 +821,9 @@ def test_knob_candidates_follow_the_driver():
     assert {"batch_groups": 2, "reg_margin": 48} in both  # room for the overlap (spills: 24)
     stacked = candidates(Problem(rnncc.cells.get("lstm"), 512, 512, 4, layers=2), H100)
     assert {"sync": "barrier"} in stacked and {"sync": "grid"} not in stacked  # no grid sync
+    assert {"mean_partials": True} not in small
+    assert {"mean_partials": True} in candidates(Problem(rnncc.cells.get("ln_gru"), 256, 256,
+                                                         4), H100)
 
 
 @pytest.mark.parametrize("cell", persistent_cells())

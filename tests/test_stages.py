@@ -457,6 +457,29 @@ def test_kernel_takes_a_variance_exactly_far_from_zero(cell, name, rng):
                  offset=300.0, tol=2e-4)
 
 
+@pytest.mark.parametrize("cell, name", [
+    ("ln_gru", "tagged"), ("ln_lstm", "barrier, batch groups"),
+    pytest.param("ln_lstm", "tagged", marks=pytest.mark.slow),
+    pytest.param("ln_gru", "bidirectional", marks=pytest.mark.slow)])
+def test_kernel_takes_means_from_each_blocks_sums(cell, name, rng):
+    """``mean_partials``: a round exchanges each block's mean of its units' arguments and
+    their squares about it (one word a block, not a unit), weighted by the block's units
+    (the last block's fewer at H 33), summed about the block's own mean: against float64
+    with lengths, and with b_hh 300 as exact as the units' values."""
+    gates, states = rnncc.cells.get(cell).gates, len(rnncc.cells.get(cell).states)
+    p = {"tagged": lambda: planner.plan(gates, 33, 3, "float32", H100, states,
+                                        batch_groups=None),
+         "barrier, batch groups": lambda: crafted(gates, 33, 4, "float32", 8, 2, groups=2,
+                                                  sync="barrier"),
+         "bidirectional": lambda: planner.plan(gates, 33, 3, "float32", H100, states,
+                                               directions=2)}[name]()
+    p = dataclasses.replace(p, mean_partials=True)
+    assert p.group_blocks * p.units > 33  # a block of fewer units
+    batch = 4 if "batch groups" in name else 3
+    check_kernel(cell, p, 6, 33, batch, "float32", rng, lengths=True)
+    check_kernel(cell, p, 6, 33, batch, "float32", rng, steps=(3,), offset=300.0, tol=2e-4)
+
+
 def _many_norms_step(gi, gh, state):
     """Five layer norms of two values a unit that need none of each other: one round of ten
     exchanged vectors (more than a batch of tagged words holds)."""
@@ -497,6 +520,8 @@ def test_kernel_takes_a_round_of_more_vectors_than_a_batch_of_words(name, rng):
              "barrier": lambda: crafted(2, 33, 3, "float32", 8, 2, sync="barrier")}[name]()
         assert p.sync == name
         check_kernel("many_norms", p, 6, 33, 3, "float32", rng, steps=(3,))
+        check_kernel("many_norms", dataclasses.replace(p, mean_partials=True), 6, 33, 3,
+                     "float32", rng, steps=(3,))
     finally:
         rnncc.cells.unregister("many_norms")
 

@@ -35,6 +35,7 @@ MEASURE_TIMEOUT = 40.0
 
 def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     """Knob sets to try, the default ({}) first and ``start`` second, one a distinct plan."""
+    from ..cells.autodiff import mean_levels
     from ..schedules import persistent
     from ..schedules.persistent.knobs import OVERLAP_ROOM, SYNCS, WARPS, fuses_input, plan_for
     from ..schedules.persistent.planner import REG_MARGIN
@@ -59,6 +60,8 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
     tries += [{"input_steps": 0}, {"input_steps": 4}, {"input_steps": 8}]
     tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
+    if mean_levels(problem.cell):  # a step's means exchanged as each block's sums
+        tries += [{"mean_partials": True}]
     if fuses_input(problem):  # W_hh's chunks moved to make room for the overlap, by groups
         tries += [{"batch_groups": d, "reg_margin": REG_MARGIN + room} for d in groups
                   for room in OVERLAP_ROOM[1:]]

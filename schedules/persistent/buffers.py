@@ -256,13 +256,15 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc(name, p.items * per, "float32")
     if pairs and spec.params:
         alloc("pv", p.items * spec.params, "float32")
-    out.gs = out.mv = out.red = out.racc = out.shift = None
+    out.gs = out.mv = out.red = out.racc = out.shift = out.pw = None
     if pairs and spec.product >= 0:
         alloc("gs", p.items * g, "float32")
     if pairs and spec.means:
         widest = max(map(len, spec.levels))  # a sum a mean or variance of a round
         alloc("mv", spec.means * n, "float32", "shared")
         alloc("shift", spec.means * n, "float32", "shared")
+        if p.mean_partials:  # a round's arguments of the block's units, to sum
+            alloc("pw", widest * n * p.units, "float32", "shared")
         alloc("red", p.warps * widest * n, "float32", "shared")
         alloc("racc", widest * n, "float32")
     if spec.lengths:

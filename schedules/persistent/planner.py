@@ -183,6 +183,7 @@ class Plan:
     layers: int = 1  # L, one grid a layer side by side (see "Layers as a wavefront")
     k_parts: int = 1  # KQ, warps that split each row group's K (tensor cores; "K split")
     k_slices: int = 1  # KL, slices of K staged one after another ("Slices of K")
+    mean_partials: bool = False  # a step's means exchanged as a block's sums (stages.means)
 
     @property
     def warp_chunks(self) -> int:

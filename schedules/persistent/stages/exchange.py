@@ -62,10 +62,18 @@ def _words_a_batch(total: int, threads: int) -> int:
     return WAIT_BATCH if _wait_batches(total, threads) > 1 else -(-total // threads)
 
 
-def _tagged_word(spec, hw, t, bx, e):
+def _row(spec, row) -> tuple[int, int]:
+    """(KP, K) of an exchanged vector's batch row: h's (``spec.width`` words, K =
+    ``spec.exchange_width`` of them exchanged), or ``row`` words (a round's sums, one a
+    block: :mod:`.means`)."""
+    return (spec.width, spec.exchange_width) if row is None else (row, row)
+
+
+def _tagged_word(spec, hw, t, bx, e, row=None):
     """Address of element e = n*KP + k of the block's group's h_{t-1} in the tagged words
     (clamped into the group's words where e is past them)."""
-    h, kp, n_ = spec.exchange_width, spec.width, spec.local_batch
+    kp, h = _row(spec, row)
+    n_ = spec.local_batch
     return T.address_of(hw[t % 2, spec.state_row(bx, T.min(e // kp, n_ - 1)),
                            T.min(e % kp, h - 1)])
 
@@ -76,38 +84,39 @@ def _behind(tv, count: int, step):
     return functools.reduce(tirx.Or, tags)
 
 
-def _tagged_batches(spec, arrays: int) -> tuple[int, int]:
+def _tagged_batches(spec, arrays: int, row=None) -> tuple[int, int]:
     """(words of each of ``arrays`` arrays a thread loads in a batch, batches): at most
     :data:`WAIT_BATCH` words of all of them in flight."""
-    per_thread = -(-spec.local_batch * spec.width // spec.plan.threads)
+    per_thread = -(-spec.local_batch * _row(spec, row)[0] // spec.plan.threads)
     count = max(1, min(per_thread, WAIT_BATCH // arrays))
     return count, -(-per_thread // count)
 
 
 @T.macro
-def _load_words(spec, hw, tv, offset, count, bi, t, bx, tx):
-    h, kp, total, threads = T.meta_var((spec.exchange_width, spec.width,
-                                        spec.local_batch * spec.width, spec.plan.threads))
+def _load_words(spec, hw, tv, offset, count, bi, t, bx, tx, row=None):
+    kp, h = T.meta_var(_row(spec, row))
+    total, threads = T.meta_var((spec.local_batch * kp, spec.plan.threads))
     for i in T.unroll(count):
         e = T.meta_var((bi * count + i) * threads + tx)
         tv[offset + i] = T.if_then_else(
-            e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e),
+            e < total and e % kp < h, device.load_tagged(_tagged_word(spec, hw, t, bx, e, row),
                                                        spec.plan.tagged_loads),
             T.shift_left(T.Cast("uint64", t), T.uint64(32)))
 
 
 @T.macro
-def _wait_words(spec, hw, tv, offset, count, bi, t, bx, tx):
+def _wait_words(spec, hw, tv, offset, count, bi, t, bx, tx, row=None):
     threads = T.meta_var(spec.plan.threads)
     for i in T.unroll(count):
         e = T.meta_var((bi * count + i) * threads + tx)
-        tv[offset + i] = device.wait_tagged(_tagged_word(spec, hw, t, bx, e), tv[offset + i],
-                                            T.Cast("uint64", t), spec.plan.tagged_loads)
+        tv[offset + i] = device.wait_tagged(_tagged_word(spec, hw, t, bx, e, row),
+                                            tv[offset + i], T.Cast("uint64", t),
+                                            spec.plan.tagged_loads)
 
 
 @T.macro
-def _store_words(spec, tv, offset, count, store, bi, tx):
-    total, threads = T.meta_var((spec.local_batch * spec.width, spec.plan.threads))
+def _store_words(spec, tv, offset, count, store, bi, tx, row=None):
+    total, threads = T.meta_var((spec.local_batch * _row(spec, row)[0], spec.plan.threads))
     for i in T.unroll(count):
         e = T.meta_var((bi * count + i) * threads + tx)
         if e < total:
@@ -121,51 +130,51 @@ def _each_array(macro, spec, arrays, tv, count, *args):
         macro(spec, array, tv, a * count, count, *args)
 
 
-def _each_store(spec, tv, count, stores, bi, tx):
+def _each_store(spec, tv, count, stores, bi, tx, row):
     for a, store in enumerate(stores):
-        _store_words(spec, tv, a * count, count, store, bi, tx)
+        _store_words(spec, tv, a * count, count, store, bi, tx, row)
 
 
 @T.macro
-def _stage_tagged(spec, arrays, tv, stores, t, bx, tx):
+def _stage_tagged(spec, arrays, tv, stores, t, bx, tx, row=None):
     """Step t-1's vectors of the tagged words ``arrays`` (h_{t-1}, or the values of a round),
     ``stores[a](e, value)`` for element e of array a: a batch's loads of all of them first;
     then, where a tag is behind in any lane of the warp, the warp waits as one (every lane
     calls the wait: no lane waits in a branch of its own). A round's several vectors so take
     one L2 round trip a batch, not one each."""
-    count, batches = T.meta_var(_tagged_batches(spec, len(arrays)))
+    count, batches = T.meta_var(_tagged_batches(spec, len(arrays), row))
     for bi in range(batches):
-        _each_array(_load_words, spec, arrays, tv, count, bi, t, bx, tx)
+        _each_array(_load_words, spec, arrays, tv, count, bi, t, bx, tx, row)
         if device.any_in_warp(T.Cast("int32", _behind(tv, count * len(arrays), t))) != 0:
-            _each_array(_wait_words, spec, arrays, tv, count, bi, t, bx, tx)
-        _each_store(spec, tv, count, stores, bi, tx)
+            _each_array(_wait_words, spec, arrays, tv, count, bi, t, bx, tx, row)
+        _each_store(spec, tv, count, stores, bi, tx, row)
 
 
 @T.macro
-def _stage_plain_element(spec, s0, store, t, bx, e):
-    h, kp = T.meta_var((spec.exchange_width, spec.width))
+def _stage_plain_element(spec, s0, store, t, bx, e, row=None):
+    kp, h = T.meta_var(_row(spec, row))
     store(e, T.if_then_else(e % kp < h, device.load_past_l1(T.address_of(s0[
         t % 2, spec.state_row(bx, e // kp), T.min(e % kp, h - 1)])), T.float32(0)))
 
 
-def _each_plain_element(spec, arrays, stores, t, bx, e):
+def _each_plain_element(spec, arrays, stores, t, bx, e, row):
     for s0, store in zip(arrays, stores):
-        _stage_plain_element(spec, s0, store, t, bx, e)
+        _stage_plain_element(spec, s0, store, t, bx, e, row)
 
 
 @T.macro
-def _stage_plain(spec, arrays, stores, t, bx, tx):
+def _stage_plain(spec, arrays, stores, t, bx, tx, row=None):
     """h_{t-1} (or a round's vectors, ``arrays``) as the other blocks stored it before the
     barrier, read past L1: whole rounds of the block's threads, each loading every array's
     element, then the rest under a guard (a guard in every round kept the compiler from
     batching the loads: each waited on L2 in turn, 4.5x slower at 6 warps)."""
     threads = T.meta_var(spec.plan.threads)
-    full, rest = T.meta_var(divmod(spec.local_batch * spec.width, spec.plan.threads))
+    full, rest = T.meta_var(divmod(spec.local_batch * _row(spec, row)[0], spec.plan.threads))
     for e in T.serial(0, full):
-        _each_plain_element(spec, arrays, stores, t, bx, e * threads + tx)
+        _each_plain_element(spec, arrays, stores, t, bx, e * threads + tx, row)
     if rest > 0:
         if tx < rest:
-            _each_plain_element(spec, arrays, stores, t, bx, full * threads + tx)
+            _each_plain_element(spec, arrays, stores, t, bx, full * threads + tx, row)
 
 
 def _per_copy(buffer) -> int:
@@ -371,13 +380,13 @@ def value_barrier(spec, cnt, t, r, bx, tx):
         T.tvm_storage_sync("shared.dyn")
 
 
-def stage_values(spec, arrays, tv, stores, t, bx, tx):
+def stage_values(spec, arrays, tv, stores, t, bx, tx, row=None):
     """Stage the values of step t of ``arrays`` (each :func:`publish_value`'s) as
     :func:`stage_h` stages h, ``stores[a](e, value)`` for array a, in one pass: tagged, a batch
     of loads of all of them before any wait; plain, each round of the threads loading all."""
     if spec.tagged:
         for first in range(0, len(arrays), WAIT_BATCH):  # a word of each in flight at least
             _stage_tagged(spec, arrays[first:first + WAIT_BATCH], tv,
-                          stores[first:first + WAIT_BATCH], t + 1, bx, tx)
+                          stores[first:first + WAIT_BATCH], t + 1, bx, tx, row)
     else:
-        _stage_plain(spec, arrays, stores, t + 1, bx, tx)
+        _stage_plain(spec, arrays, stores, t + 1, bx, tx, row)

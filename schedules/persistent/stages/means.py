@@ -21,10 +21,17 @@ as exact as a mean, then the squares about it; a mean of squares with c = 0 lost
 variance of values far from 0). A layer norm of one value a unit (LN-LSTM's of c) has
 v_j = 0, neither exchanged nor summed. LN-LSTM's step takes 2 rounds so, LN-GRU's 1, each one
 L2 round trip of loads (2-6 before: a mean's, then a variance's, each).
+
+With the plan's ``mean_partials`` (a knob, off by default until timed; ``rnncc tune`` tries
+it), a block first sums its own units (``pw``): it publishes, at its place in the row, its
+units' mean of each mean's arguments and, for each variance about it, their squares about
+that block mean (their own squares added); every block then sums the row's B values a mean,
+weighted by each block's units, about its own block mean: H / U times fewer words a round.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from functools import partial
 
@@ -52,12 +59,12 @@ def _add(racc, index, value):
     cell_stage.store(racc, racc[index] + value, index)
 
 
-def _accumulate(spec, racc, slot, e, value):
-    """``value`` of element e into sum ``slot`` of its batch row. The row is known once the
-    staging's loops unroll where the block's threads divide a row; elsewhere each row's sum
-    takes the value or 0 (an index the compiler cannot see would put ``racc`` on the
-    stack)."""
-    n_, width = spec.local_batch, spec.width
+def _accumulate(spec, racc, slot, e, value, width=None):
+    """``value`` of element e into sum ``slot`` of its batch row (rows of ``width`` elements:
+    H's exchange width unless given). The row is known once the staging's loops unroll where
+    the block's threads divide a row; elsewhere each row's sum takes the value or 0 (an index
+    the compiler cannot see would put ``racc`` on the stack)."""
+    n_, width = spec.local_batch, width or spec.width
     if not isinstance(value, tirx.Var):  # loaded once (the barrier's exchange: a load a use)
         value = T.bind(value)
     if n_ == 1 or width % spec.plan.threads == 0:
@@ -76,6 +83,76 @@ def _accumulate_shifted(spec, racc, shift, k, slot, squares, e, value):
     _accumulate(spec, racc, slot, e, shifted)
     for other in squares:
         _accumulate(spec, racc, other, e, shifted * shifted)
+
+
+def _units_of(spec, b):
+    """The hidden units of block place ``b`` of a grid (0 past H)."""
+    units = spec.plan.units
+    return T.max(T.min(T.int32(units), T.int32(spec.hidden) - b * units), 0)
+
+
+def _accumulate_block(spec, racc, shift, k, slot, squares, e, value):
+    """Block b's mean ``value`` of mean k (element e = n*B + b of its row) about the row's
+    ``shift``, weighted by the block's units, into sum ``slot``; the weighted square into
+    each of ``squares`` (k's variances')."""
+    blocks = spec.plan.group_blocks
+    weight = T.Cast("float32", _units_of(spec, e % blocks))
+    # the word loaded once; not the difference: TVM 0.27's simplifier failed on its bind
+    # (IntImm of float32, LN-GRU H 257 at N 6)
+    if not isinstance(value, tirx.Var):
+        value = T.bind(value)
+    shifted = value - shift[k * spec.local_batch + e // blocks]
+    _accumulate(spec, racc, slot, e, weight * shifted, blocks)
+    for other in squares:
+        _accumulate(spec, racc, other, e, weight * shifted * shifted, blocks)
+
+
+def _publish_partials(spec, g, b, level, t, bx, tx):
+    """Round ``level`` with ``mean_partials``: each block's mean of its units' arguments of
+    each of the level's means and, for each variance about it, the sum of its units' squares
+    about that block mean (their own squares added), published as one value a block (place b
+    of the row) instead of one a unit; the block's mean is also the round's shift of its
+    sums (:func:`_sum_level`). From ``b.pw``, the arguments :func:`_arguments` stored."""
+    n_, threads = spec.local_batch, spec.plan.threads
+    about = {k: m for k, m, _ in spec.variances}
+    T.tvm_storage_sync("shared")
+    count = T.bind(_units_of(spec, spec.place(bx)))
+    for first in range(0, n_, threads):
+        n = T.bind(first + tx)
+        with T.If(n < n_):
+            with T.Then():
+                for k in level:
+                    if k not in about:
+                        _publish_block_sums(spec, g, b, level, k, [
+                            v for v in level if about.get(v) == k], n, count, t, bx)
+
+
+def _publish_block_sums(spec, g, b, level, k, variances, n, count, t, bx):
+    """Batch row n's block mean of mean k and the squares of ``variances`` about it."""
+    n_, units = spec.local_batch, spec.plan.units
+    slots = {q: s for s, q in enumerate(level)}
+    row, place = spec.state_row(bx, n), spec.place(bx)
+
+    def arg(q, u):
+        return b.pw[(slots[q] * n_ + n) * units + u]
+
+    def total(terms, first=0):
+        return functools.reduce(lambda a, x: a + x, [T.if_then_else(
+            u < count, terms(u), T.float32(0)) for u in range(first, units)])
+
+    c = T.bind(arg(k, 0))
+    if units == 1:  # the block mean is the one argument
+        shifted = mean = T.float32(0)
+    else:  # about c (unit 0's term is 0), then over the units
+        shifted = T.bind(total(lambda u: arg(k, u) - c, first=1))
+        mean = T.bind(shifted / T.Cast("float32", T.max(count, 1)))
+    published = T.bind(T.if_then_else(count > 0, c + mean, T.float32(0)))
+    cell_stage.store(b.shift, published, k * n_ + n)
+    exchange.publish_value(spec, g.aw[k], t, published, row, place)
+    for v in variances:
+        squares = total(lambda u, v=v: arg(v, u) + (arg(k, u) - c) * (arg(k, u) - c))
+        exchange.publish_value(spec, g.aw[v], t, T.max(squares - shifted * mean,
+                                                       T.float32(0)), row, place)
 
 
 @T.macro
@@ -134,16 +211,19 @@ def _sum_level(spec, g, b, level, t, bx, tx, warp, lane):
     for s in range(len(level) * spec.local_batch):
         cell_stage.store(b.racc, T.float32(0), s)
     arrays, stores = [], []
+    partials = spec.plan.mean_partials
     for k in level:
         if k not in about:
             squares = [slots[v] for v in level if about.get(v) == k]
             arrays.append(g.aw[k])
-            stores.append(partial(_accumulate_shifted, spec, b.racc, b.shift, k, slots[k],
-                                  squares))
-        elif k not in alone:
+            stores.append(partial(_accumulate_block if partials else _accumulate_shifted,
+                                  spec, b.racc, b.shift, k, slots[k], squares))
+        elif partials or k not in alone:
             arrays.append(g.aw[k])
-            stores.append(partial(_accumulate, spec, b.racc, slots[k]))
-    exchange.stage_values(spec, arrays, b.tv, stores, t, bx, tx)
+            stores.append(partial(_accumulate, spec, b.racc, slots[k],
+                                  width=spec.plan.group_blocks if partials else None))
+    exchange.stage_values(spec, arrays, b.tv, stores, t, bx, tx,
+                          spec.plan.group_blocks if partials else None)
     _warp_sums(spec, b.racc, b.red, len(level), warp, lane)
     for k in level:
         if k in about:
@@ -182,6 +262,11 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
             cell_stage.evaluate(spec, cell, b.gi, sums, b.st, b.pv, it)
         if sorted(found) != sorted(level):
             raise ValueError(f"cell {cell.name!r} took means {sorted(found)} of round {level}")
+        if spec.plan.mean_partials:  # summed over the block's units first
+            for s, k in enumerate(level):
+                cell_stage.store(b.pw, found[k], (s * spec.local_batch + n) * spec.plan.units
+                                 + u)
+            return
         for k in publish:
             publish[k](found[k], spec.state_row(bx, n), j)
         with T.If(u == 0):  # the block's first unit's argument: the shift of its sums
@@ -199,6 +284,8 @@ def rounds(spec, cell, g, b, t, bx, tx, warp, lane):
     for r, level in enumerate(spec.levels):
         _arguments(spec, cell, b, level, {k: partial(exchange.publish_value, spec, g.aw[k], t)
                                           for k in level if k not in zero}, bx, tx)
+        if spec.plan.mean_partials:
+            _publish_partials(spec, g, b, level, t, bx, tx)
         exchange.value_barrier(spec, g.cnt, t, r, bx, tx)
         _sum_level(spec, g, b, level, t, bx, tx, warp, lane)
 
