@@ -10,6 +10,10 @@ of each side's rounds. Run on a GPU machine from the repository root:
     RNNCC_CACHE_DIR=/tmp/cb python3 benchmarks/ab.py build /tmp/B lstm,2048,2048,16,float32 ...
     python3 benchmarks/ab.py time /tmp/A /tmp/B lstm,2048,2048,16,float32 ... [--json out.json]
 
+A knob of the persistent kernel against its default, in one tree: ``build /tmp/B ...
+--knobs '{"mean_partials": true}'`` (a configuration whose plan the knobs do not fit is a row
+that says so).
+
 A configuration is CELL,C,H,N,DTYPE (float32, tf32: float32 with allow_tf32, float16,
 bfloat16). Separate cache directories: the cache key does not see a code change. Prints a
 markdown table (GPU name, date): us a step (T = ``--steps``) of A, B and cuDNN, B's gain, and
@@ -18,6 +22,7 @@ both errors.
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -42,9 +47,11 @@ def _file(config) -> str:
 def _build(job) -> str:
     import rnncc
 
-    config, folder = job
+    config, folder, knobs = job
     cell, c, h, n, dtype = config
     precision = {"dtype": "float32", "allow_tf32": True} if dtype == "tf32" else {"dtype": dtype}
+    if knobs:
+        precision["knobs"] = knobs
     try:
         rnncc.compile(cell, c, h, n, target="cuda", **precision).export(
             os.path.join(folder, _file(config)))
@@ -104,6 +111,8 @@ def main():
     build.add_argument("folder")
     build.add_argument("configs", nargs="+", type=_config, help="CELL,C,H,N,DTYPE")
     build.add_argument("--jobs", type=int, default=os.cpu_count())
+    build.add_argument("--knobs", type=json.loads, default=None,
+                       help="the persistent kernel's knobs, JSON")
     timing = sub.add_parser("time", help="A's and B's modules, alternately")
     timing.add_argument("a")
     timing.add_argument("b")
@@ -116,7 +125,7 @@ def main():
         os.makedirs(args.folder, exist_ok=True)
         with ProcessPoolExecutor(max(1, args.jobs)) as pool:
             for config, result in zip(args.configs, pool.map(
-                    _build, [(c, args.folder) for c in args.configs])):
+                    _build, [(c, args.folder, args.knobs) for c in args.configs])):
                 print(",".join(map(str, config)), result)
         return
     device, rows = _time((args.a, args.b), args.configs, args.steps, args.rounds)
