@@ -153,6 +153,8 @@ template<int N> void shape(int K, int O){
   run("splitk S4 (+sum)",[&]{ sk(splitk<N,RW,4>,4,8,RW); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
   run("splitk S8 (+sum)",[&]{ sk(splitk<N,RW,8>,8,8,RW); sum_parts<8><<<(N*O+255)/256,256>>>(part,out,N*O);});
   run("splitk S4 4 warps (+sum)",[&]{ sk(splitk<N,RW,4>,4,4,RW); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
+  if (RW<=4) run("splitk S4 RW*2 (+sum)",[&]{ sk(splitk<N,(RW<=4?RW*2:RW),4>,4,8,(RW<=4?RW*2:RW)); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
+  run("splitk S8 4 warps (+sum)",[&]{ sk(splitk<N,RW,8>,8,4,RW); sum_parts<8><<<(N*O+255)/256,256>>>(part,out,N*O);});
   if (RW>1) run("splitk S4 RW/2 (+sum)",[&]{ sk(splitk<N,(RW>1?RW/2:1),4>,4,8,(RW>1?RW/2:1)); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
   run("sum of 4 parts alone",[&]{ sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
   run("pre D1",[&]{ pre<N,RW,1><<<O/(4*RW),dim3(32,4)>>>(h,w,b,out,K,O);});
