@@ -51,17 +51,6 @@ EMPTY_TAG = 0x7FFFFFFF
 WAIT_BATCH = 8
 
 
-def _wait_batches(total: int, threads: int) -> int:
-    """Batches of :data:`WAIT_BATCH` words a thread loads of ``total``."""
-    per_thread = -(-total // threads)
-    return -(-per_thread // WAIT_BATCH)
-
-
-def _words_a_batch(total: int, threads: int) -> int:
-    """Words a thread loads in a batch: :data:`WAIT_BATCH`, fewer where one batch holds all."""
-    return WAIT_BATCH if _wait_batches(total, threads) > 1 else -(-total // threads)
-
-
 def _row(spec, row) -> tuple[int, int]:
     """(KP, K) of an exchanged vector's batch row: h's (``spec.width`` words, K =
     ``spec.exchange_width`` of them exchanged), or ``row`` words (a round's sums, one a
