@@ -460,7 +460,8 @@ def test_kernel_takes_a_variance_exactly_far_from_zero(cell, name, rng):
 @pytest.mark.parametrize("cell, name", [
     ("ln_gru", "tagged"), ("ln_lstm", "barrier, batch groups"),
     pytest.param("ln_lstm", "tagged", marks=pytest.mark.slow),
-    pytest.param("ln_gru", "bidirectional", marks=pytest.mark.slow)])
+    pytest.param("ln_gru", "bidirectional", marks=pytest.mark.slow),
+    pytest.param("ln_lstm", "tensor cores", marks=pytest.mark.slow)])
 def test_kernel_takes_means_from_each_blocks_sums(cell, name, rng):
     """``mean_partials``: a round exchanges each block's mean of its units' arguments and
     their squares about it (one word a block, not a unit), weighted by the block's units
@@ -472,8 +473,12 @@ def test_kernel_takes_means_from_each_blocks_sums(cell, name, rng):
          "barrier, batch groups": lambda: crafted(gates, 33, 4, "float32", 8, 2, groups=2,
                                                   sync="barrier"),
          "bidirectional": lambda: planner.plan(gates, 33, 3, "float32", H100, states,
-                                               directions=2)}[name]()
+                                               directions=2),
+         "tensor cores": lambda: crafted(gates, 64, 3, "float16", 8, gates, mma=True)}[name]()
     p = dataclasses.replace(p, mean_partials=True)
+    if p.mma:  # float16 on tensor cores, H 64 in blocks of 8 units
+        check_kernel(cell, p, 6, 64, 3, "float16", rng, lengths=True)
+        return
     assert p.group_blocks * p.units > 33  # a block of fewer units
     batch = 4 if "batch groups" in name else 3
     check_kernel(cell, p, 6, 33, batch, "float32", rng, lengths=True)
