@@ -227,8 +227,8 @@ def _cmd_cells(args) -> int:
     for cell in cells.registry().values():
         notes = [f"{len(cell.params)} per-unit parameters"] if cell.params else []
         if takes_means(cell):
-            notes.append("means over the hidden units (ops.mean): persistent in inference, "
-                         "one layer a module")
+            notes.append("means over the hidden units (ops.mean): persistent in inference "
+                         "and a training forward, one layer a module")
         if trace(cell).products:
             notes.append("a recurrent product of a value of its step (ops.recurrent): "
                          "persistent in inference, one layer a module")

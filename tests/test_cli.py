@@ -26,7 +26,8 @@ def test_cells(capsys):
     assert {"lstm", "gru", "rnn_relu", "peephole", "ln_lstm"} <= set(lines)
     assert "3 per-unit parameters" in lines["peephole"] and "reduces" not in lines["peephole"]
     assert lines["ln_lstm"].endswith("14 per-unit parameters; means over the hidden units "
-                                     "(ops.mean): persistent in inference, one layer a module")
+                                     "(ops.mean): persistent in inference and a training "
+                                     "forward, one layer a module")
     assert lines["gru_reset_before"].endswith("a recurrent product of a value of its step "
                                               "(ops.recurrent): persistent in inference, one "
                                               "layer a module")

@@ -96,11 +96,23 @@ def test_initial_gains_one_and_biases_as_haste(cell):
             assert 0 < float(p.detach().abs().max()) <= 1 / np.sqrt(6), name
 
 
-def test_persistent_kernel_takes_means_in_inference_only_and_says_why():
-    with pytest.raises(ConfigError, match="persistent=on, but cell 'ln_lstm' takes means over "
-                                          "the hidden units .ops.mean.; the persistent kernel "
-                                          "takes them in inference, one layer a module"):
-        rnncc.compile("ln_lstm", 8, 16, 2, target="cuda", persistent="on", training=True)
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+def test_persistent_kernel_takes_means_in_the_training_forward_not_the_backward():
+    """A training module of a cell with means: the forward on the persistent kernel, the
+    backward on per-step kernels, and its metadata says why."""
+    module = rnncc.compile("ln_lstm", 8, 16, 2, target="cuda", persistent="on", training=True)
+    schedule = module.metadata["schedule"]
+    assert schedule["kind"] == "persistent"
+    assert "persistent_train_forward" in module.metadata["functions"]
+    assert "takes means over the hidden units (ops.mean): the persistent backward kernel " \
+           "does not take them" in schedule["persistent_backward"]["reason"]
+
+
+def test_persistent_kernel_takes_means_one_layer_a_module_and_says_why():
+    with pytest.raises(ConfigError, match="cell 'ln_lstm' takes means over the hidden units "
+                                          ".ops.mean.; the persistent kernel takes them one "
+                                          "layer a module; run its layers as modules of one"):
+        rnncc.compile("ln_lstm", 8, 8, 2, target="cuda", layers=2)
 
 
 def test_a_layer_norms_variance_is_taken_in_its_means_round():

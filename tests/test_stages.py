@@ -992,6 +992,49 @@ def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
                for k in range(len(states))) < TOL[dtype]
 
 
+@pytest.mark.parametrize("cell_name, name", [
+    ("ln_lstm", "tagged"), ("ln_gru", "barrier, batch groups"),
+    pytest.param("ln_gru", "tagged, block sums", marks=pytest.mark.slow)])
+def test_training_forward_of_a_step_that_takes_means_keeps_its_states_and_parts(
+        cell_name, name, rng):
+    """The layer-normalised cells' training forward on the persistent kernel (its rounds of
+    means as in inference): y, every step's states and the projections' parts the backward
+    pass takes, against float64 with random lengths."""
+    cell = rnncc.cells.get(cell_name)
+    gates, states = cell.gates, len(cell.states)
+    p = {"tagged": lambda: planner.plan(gates, 33, 4, "float32", H100, states,
+                                        batch_groups=None),
+         "barrier, batch groups": lambda: crafted(gates, 33, 4, "float32", 8, 2, groups=2,
+                                                  sync="barrier"),
+         "tagged, block sums": lambda: dataclasses.replace(planner.plan(
+             gates, 33, 4, "float32", H100, states, batch_groups=None), mean_partials=True),
+         }[name]()
+    kept, steps, batch, h = kept_parts(cell), 4, 4, 33
+    weights = {k: v.astype("float32") for k, v in
+               random_weights(rng, gates, 6, h, params=cell.params).items()}
+    x = rng.standard_normal((steps, batch, 6)).astype("float32")
+    initial = {s: rng.standard_normal((1, batch, h)).astype("float32") for s in cell.states}
+    ln = rng.integers(1, steps + 1, batch)
+    ln[0], ln[-1] = 1, steps
+    y, _, kept_states, pre = simulate(cell, p, x, weights, initial, "float32", ln, kept)
+    ref_y, _ = reference.run_module(cell, x, weights, 1, 1, initial, ln)
+    assert reference.relative_error(y, ref_y) < TOL["float32"]
+    f64 = {k: v.astype(np.float64) for k, v in weights.items()}
+    for t in range(steps + 1):
+        found = ({s: initial[s][0] for s in cell.states} if t == 0 else {
+            s: v[0] for s, v in reference.run_module(cell, x[:t], weights, 1, 1, initial,
+                                                     np.minimum(ln, t))[1].items()})
+        for k, s in enumerate(cell.states):
+            assert reference.relative_error(kept_states[k][t], found[s]) < TOL["float32"], t
+        if t == steps:
+            break
+        gi = x[t].astype(np.float64) @ f64["weight_ih_l0"].T + f64["bias_ih_l0"]
+        gh = found[cell.states[0]] @ f64["weight_hh_l0"].T + f64["bias_hh_l0"]
+        parts = {"sum": gi + gh, "gi": gi, "gh": gh}
+        want = np.concatenate([parts[part][:, g * h:(g + 1) * h] for g, part in kept], axis=1)
+        assert reference.relative_error(pre[t], want) < TOL["float32"], f"step {t}"
+
+
 # -- the backward kernel ----------------------------------------------------------------------
 
 def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths, params=()):

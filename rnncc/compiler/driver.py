@@ -107,6 +107,10 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
     why = _not_persistent(problem)
     if why:
         return None, why
+    if takes_means(problem.cell):
+        return None, (f"cell {problem.cell.name!r} takes means over the hidden units "
+                      "(ops.mean): the persistent backward kernel does not take them (the "
+                      "forward does)")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     why = ""
     # 16-bit weights: the products on tensor cores where they fit (K split among a row
@@ -128,9 +132,9 @@ def _not_persistent(problem: Problem) -> str:
         return (f"a projection (proj_size={problem.proj_size}) runs on the persistent kernel "
                 "in inference only; training runs on the non-persistent schedule")
     means, products = takes_means(problem.cell), trace(problem.cell).products
-    if means and (problem.training or problem.layers > 1):
+    if means and problem.layers > 1:
         return (f"cell {problem.cell.name!r} takes means over the hidden units (ops.mean); "
-                "the persistent kernel takes them in inference, one layer a module")
+                "the persistent kernel takes them one layer a module")
     if products and means:
         return (f"cell {problem.cell.name!r} takes means and a recurrent product of a value; "
                 "the persistent kernel takes one or the other")
