@@ -167,6 +167,16 @@ class KernelSpec:
         return sum(len(level) for level in self.levels)
 
     @property
+    def centres(self) -> dict:
+        """Each variance's mean: {k: m} of ``variances``."""
+        return {k: m for k, m, _ in self.variances}
+
+    @property
+    def alone(self) -> set:
+        """The variances of one value a unit (its own squares 0: nothing of theirs to sum)."""
+        return {k for k, _, alone in self.variances if alone}
+
+    @property
     def rounds(self) -> int:
         """R: the rounds of values of its step the blocks exchange each step before h (the
         means' arguments, a level of them a round, or the product's)."""

@@ -114,7 +114,7 @@ def _publish_partials(spec, g, b, level, t, bx, tx):
     of the row) instead of one a unit; the block's mean is also the round's shift of its
     sums (:func:`_sum_level`). From ``b.pw``, the arguments :func:`_arguments` stored."""
     n_, threads = spec.local_batch, spec.plan.threads
-    about = {k: m for k, m, _ in spec.variances}
+    about = spec.centres
     T.tvm_storage_sync("shared")
     count = T.bind(_units_of(spec, spec.place(bx)))
     for first in range(0, n_, threads):
@@ -205,8 +205,7 @@ def _sum_level(spec, g, b, level, t, bx, tx, warp, lane):
     """Round ``level``'s means and variances from one staging of their arguments
     (:func:`.exchange.stage_values`): each mean's about its shift, its variances' squares of
     the same, and the units' own squares where a variance has them."""
-    about = {k: m for k, m, _ in spec.variances}
-    alone = {k for k, _, is_alone in spec.variances if is_alone}
+    about, alone = spec.centres, spec.alone
     slots = {k: s for s, k in enumerate(level)}
     for s in range(len(level) * spec.local_batch):
         cell_stage.store(b.racc, T.float32(0), s)
@@ -240,8 +239,8 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
     before it from ``mv``; a mean whose variance is of this level: the unit's own argument),
     each mean's argument handed to ``publish[k](value, row, j)``."""
     done = [k for lower in spec.levels[:spec.levels.index(level)] for k in lower]
-    centres = {m for k, m, _ in spec.variances if k in level}
-    centred = {k for k, _, _ in spec.variances}  # variances: no shift
+    centres = {m for k, m in spec.centres.items() if k in level}
+    centred = spec.centres  # variances: no shift
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
@@ -280,10 +279,9 @@ def _arguments(spec, cell, b, level, publish, bx, tx):
 def rounds(spec, cell, g, b, t, bx, tx, warp, lane):
     """Step t's means, a round a level of them (``spec.levels``; builds TIR: a Python loop
     over the rounds)."""
-    zero = {k for k, _, alone in spec.variances if alone}  # a unit's own squares: 0
     for r, level in enumerate(spec.levels):
         _arguments(spec, cell, b, level, {k: partial(exchange.publish_value, spec, g.aw[k], t)
-                                          for k in level if k not in zero}, bx, tx)
+                                          for k in level if k not in spec.alone}, bx, tx)
         if spec.plan.mean_partials:
             _publish_partials(spec, g, b, level, t, bx, tx)
         exchange.value_barrier(spec, g.cnt, t, r, bx, tx)
