@@ -26,6 +26,15 @@ __device__ __forceinline__ float4 ldg_na(const float* p){
   float4 v; asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x),"=f"(v.y),"=f"(v.z),"=f"(v.w) : "l"(p)); return v; }
 
 template<int N, int RW>
+__device__ __forceinline__ void zero(float (&acc)[RW][N]){
+#pragma unroll
+  for(int r=0;r<RW;++r)
+#pragma unroll
+  for(int n=0;n<N;++n) acc[r][n]=0.f;
+}
+
+// out[n*O + row0 + r]: the warp's sums of acc[r][n], plus b[row0 + r] (none where b is null)
+template<int N, int RW>
 __device__ __forceinline__ void reduce_store(float (&acc)[RW][N], const float* b, float* out, int row0, int O){
   int lane = threadIdx.x;
 #pragma unroll
@@ -34,18 +43,14 @@ __device__ __forceinline__ void reduce_store(float (&acc)[RW][N], const float* b
   for (int n=0;n<N;++n){ float v=acc[r][n];
 #pragma unroll
     for(int off=16;off;off>>=1) v+=__shfl_xor_sync(0xffffffff,v,off);
-    if(lane==0) out[n*O+row0+r]=v+b[row0+r]; }
+    if(lane==0) out[n*O+row0+r]=v+(b?b[row0+r]:0.f); }
 }
 
 // W loaded past L1 (cuda.small_batch_gemv's STREAM_LOAD), h through L1
 template<int N, int RW>
 __global__ void __launch_bounds__(256) base(const float* __restrict__ h, const float* __restrict__ W, const float* __restrict__ b, float* out, int K, int O){
   int lane=threadIdx.x; int row0=(blockIdx.x*blockDim.y+threadIdx.y)*RW;
-  float acc[RW][N]; 
-#pragma unroll
-  for(int r=0;r<RW;++r)
-#pragma unroll
-  for(int n=0;n<N;++n) acc[r][n]=0.f;
+  float acc[RW][N]; zero<N,RW>(acc);
   for(int c=0;c<K/128;++c){ int k=(c*32+lane)*4; float4 w[RW];
 #pragma unroll
     for(int r=0;r<RW;++r) w[r]=ldg_na(W+(size_t)(row0+r)*K+k);
@@ -56,17 +61,11 @@ __global__ void __launch_bounds__(256) base(const float* __restrict__ h, const f
   reduce_store<N,RW>(acc,b,out,row0,O);
 }
 
-
-
 // W prefetched D chunks ahead into registers (ring of D+1 register sets), loaded past L1
 template<int N, int RW, int D>
 __global__ void __launch_bounds__(128) pre(const float* __restrict__ h, const float* __restrict__ W, const float* __restrict__ b, float* out, int K, int O){
   int lane=threadIdx.x; int row0=(blockIdx.x*blockDim.y+threadIdx.y)*RW;
-  float acc[RW][N];
-#pragma unroll
-  for(int r=0;r<RW;++r)
-#pragma unroll
-  for(int n=0;n<N;++n) acc[r][n]=0.f;
+  float acc[RW][N]; zero<N,RW>(acc);
   const float* wr = W+(size_t)row0*K + lane*4;
   int chunks=K/128;
   float4 w[D+1][RW];
@@ -103,11 +102,7 @@ __global__ void __launch_bounds__(256) splitk(const float* __restrict__ h, const
   int row0=(blockIdx.x*warps+warp)*RW;
   for(int i=warp*32+lane;i<N*KS/4;i+=warps*32){ int n=i/(KS/4), kk=i%(KS/4); hs[i]=__ldg((const float4*)(h+(size_t)n*K+s*KS)+kk); }
   __syncthreads();
-  float acc[RW][N];
-#pragma unroll
-  for(int r=0;r<RW;++r)
-#pragma unroll
-  for(int n=0;n<N;++n) acc[r][n]=0.f;
+  float acc[RW][N]; zero<N,RW>(acc);
   const float* wr=W+(size_t)row0*K+s*KS+lane*4;
   for(int c=0;c<KS/128;++c){ float4 w[RW];
 #pragma unroll
@@ -116,13 +111,7 @@ __global__ void __launch_bounds__(256) splitk(const float* __restrict__ h, const
     for(int n=0;n<N;++n){ float4 x=hs[(n*KS)/4+c*32+lane];
 #pragma unroll
       for(int r=0;r<RW;++r) acc[r][n]+=w[r].x*x.x+w[r].y*x.y+w[r].z*x.z+w[r].w*x.w; } }
-#pragma unroll
-  for(int r=0;r<RW;++r)
-#pragma unroll
-  for(int n=0;n<N;++n){ float v=acc[r][n];
-#pragma unroll
-    for(int off=16;off;off>>=1) v+=__shfl_xor_sync(0xffffffff,v,off);
-    if(lane==0) part[((size_t)s*N+n)*O+row0+r]=v+(s==0?b[row0+r]:0.f); }
+  reduce_store<N,RW>(acc,s==0?b:nullptr,part+(size_t)s*N*O,row0,O);
 }
 template<int S>
 __global__ void sum_parts(const float* part, float* out, int NO){
