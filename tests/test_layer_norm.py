@@ -139,6 +139,31 @@ def test_a_layer_norms_variance_is_taken_in_its_means_round():
     assert one_round_levels(by_hand) == ([[0], [1]], {})
 
 
+@pytest.mark.parametrize("cell, hidden, batch, knobs, partials", [
+    ("ln_gru", 512, 1, {}, True), ("ln_lstm", 320, 1, {}, True), ("ln_lstm", 1024, 1, {}, True),
+    ("ln_gru", 512, 4, {}, True),  # 4 batch groups of one row each, 512 words a round
+    ("ln_lstm", 256, 1, {}, False),  # 256 words: one load a thread of 8 warps
+    ("ln_gru", 256, 8, {}, False),  # 8 groups of one row
+    ("ln_gru", 1024, 8, {}, False),  # behind the counter barrier
+    ("ln_gru", 512, 1, {"mean_partials": False}, False), ("lstm", 1024, 1, {}, False),
+    ("ln_gru", 256, 1, {"mean_partials": True}, True)])
+def test_a_step_exchanges_its_means_as_block_sums_where_a_round_takes_many_loads(
+        cell, hidden, batch, knobs, partials):
+    """The planner's default for ``mean_partials`` (:func:`block_sums`): on with the tagged
+    exchange where a batch group's round is more words than the block's threads, off where it
+    is one load a thread, behind the barrier and for cells without means; a knob decides."""
+    from rnncc.schedules.persistent.knobs import plan_for
+    from rnncc.schedules.persistent.planner import REG_MARGIN, gpu_for_arch
+    from rnncc.spec import Problem
+
+    found = plan_for(Problem(rnncc.cells.get(cell), hidden, hidden, batch),
+                     gpu_for_arch("sm_90", 132), knobs, REG_MARGIN)
+    assert found.mean_partials is partials
+    words = batch // found.batch_groups * hidden
+    if not knobs and cell != "lstm":
+        assert partials is (found.sync == "tagged" and words > found.threads)
+
+
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_layers_of_a_step_that_reduces_run_one_after_another():
     """No wavefront of layers that take means: a persistent kernel a layer."""
@@ -153,7 +178,7 @@ def test_layers_of_a_step_that_reduces_run_one_after_another():
     (33, 257, 6, None), (1024, 1024, 1, None), (1024, 1024, 4, None),
     (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}), (16, 64, 3, {"sync": "grid"}),
     (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"}),
-    (1024, 1024, 1, {"mean_partials": True}), (33, 257, 6, {"mean_partials": True}),
+    (1024, 1024, 1, {"mean_partials": False}), (33, 257, 6, {"mean_partials": True}),
     (512, 512, 8, {"mean_partials": True})])
 def test_persistent_kernel_takes_means_and_repeats_exactly(cell, input_size, hidden, batch,
                                                            knobs, rng):

@@ -60,8 +60,8 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
     tries += [{"input_steps": 0}, {"input_steps": 4}, {"input_steps": 8}]
     tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
-    if mean_levels(problem.cell):  # a step's means exchanged as each block's sums
-        tries += [{"mean_partials": True}]
+    if mean_levels(problem.cell):  # a step's means as each block's sums, or as units' values
+        tries += [{"mean_partials": not base.mean_partials}]
     if fuses_input(problem):  # W_hh's chunks moved to make room for the overlap, by groups
         tries += [{"batch_groups": d, "reg_margin": REG_MARGIN + room} for d in groups
                   for room in OVERLAP_ROOM[1:]]

@@ -13,7 +13,9 @@ one named step after another:
    by default, fused before the time loop, or the separate GEMM;
 5. with the separate GEMM, the batch groups, one row each where :func:`one_row_groups` says;
 6. the exchange of h, unless the knobs set it (:func:`.planner.exchange`: where the input
-   projection is overlapped, the tagged exchange on larger grids too).
+   projection is overlapped, the tagged exchange on larger grids too);
+7. a step's row means exchanged as each block's sums, unless the knobs say
+   (:func:`block_sums`).
 
 Pure arithmetic on the planner's :class:`~.planner.Plan`; no TVM.
 """
@@ -171,9 +173,32 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
         return tensor
     found = one_row_groups(request, input_projection(request, weights_on_chip(
         request, reg_margin, tight)))
-    if "sync" in knobs:
+    if "sync" not in knobs:
+        found = dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
+    return block_sums(request, found)
+
+
+def block_sums(request: _Request, found: Plan) -> Plan:
+    """``found`` with a step's row means exchanged as each block's sums (``mean_partials``,
+    :mod:`.stages.means`) where the knobs leave it open and the cell takes means: on the CUDA
+    cores, with h exchanged as tagged words, where a round's words of a batch group (its rows
+    times H) are more than the block's threads load at once. There a block's sums cut the
+    tagged loads of a round to one a thread; at one load a thread they only add the block's
+    sums. H200, us a step, T 100, the units' values / the blocks' sums (benchmarks/ab.py):
+    LN-LSTM 1024 at batch 1 5.35 / 4.93, 512 at 1, 2, 4 (4 groups) 4.53 / 4.02, 4.55 / 4.16,
+    4.58 / 4.20, 384 at 1 4.24 / 3.92, 320 at 1 4.36 / 4.07; LN-GRU 1024 at 1 3.95 / 3.43, 512
+    at 1, 2, 4 3.34 / 3.02, 3.47 / 3.04, 3.51 / 3.12, 384 at 1 3.40 / 2.93, 320 at 2 3.23 /
+    2.84; float16 LN-GRU 512 3.44 / 2.99, bfloat16 LN-LSTM 512 at 4 4.55 / 4.15. At H 256 (one
+    load a thread) they lost: LN-LSTM at 1, 4, 16 3.12 / 3.64, 3.19 / 3.77, 3.16 / 3.72, LN-GRU
+    at 1 and 8 2.37 / 2.62, 2.56 / 2.91. Behind the counter barrier they moved both ways, so
+    stay off there: LN-GRU 1024 at 4 5.73 / 5.59 and at 16 20.77 / 14.58 but at 8 and 12 8.61
+    / 9.01, 10.64 / 11.76; LN-LSTM 1024 at 8 11.24 / 11.91, 768 at 1 4.85 / 5.21."""
+    problem = request.problem
+    if ("mean_partials" in request.knobs or found.mma or found.sync != "tagged"
+            or not mean_levels(problem.cell)):
         return found
-    return dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
+    words = problem.batch // found.batch_groups * problem.hidden_size
+    return dataclasses.replace(found, mean_partials=words > found.threads)
 
 
 def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None:

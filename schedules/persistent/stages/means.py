@@ -22,11 +22,12 @@ variance of values far from 0). A layer norm of one value a unit (LN-LSTM's of c
 v_j = 0, neither exchanged nor summed. LN-LSTM's step takes 2 rounds so, LN-GRU's 1, each one
 L2 round trip of loads (2-6 before: a mean's, then a variance's, each).
 
-With the plan's ``mean_partials`` (a knob, off by default until timed; ``rnncc tune`` tries
-it), a block first sums its own units (``pw``): it publishes, at its place in the row, its
-units' mean of each mean's arguments and, for each variance about it, their squares about
-that block mean (their own squares added); every block then sums the row's B values a mean,
-weighted by each block's units, about its own block mean: H / U times fewer words a round.
+With the plan's ``mean_partials`` (where the tagged exchange's round takes more than a load a
+thread, :func:`..knobs.block_sums`; a knob ``rnncc tune`` tries both ways), a block first sums
+its own units (``pw``): it publishes, at its place in the row, its units' mean of each mean's
+arguments and, for each variance about it, their squares about that block mean (their own
+squares added); every block then sums the row's B values a mean, weighted by each block's
+units, about its own block mean: H / U times fewer words a round.
 """
 
 from __future__ import annotations
