@@ -156,15 +156,37 @@ def _publish_block_sums(spec, g, b, level, k, variances, n, count, t, bx):
                                                        T.float32(0)), row, place)
 
 
-@T.macro
 def _warp_sums(spec, racc, red, slots, warp, lane):
-    """Each warp's sums (``slots`` of them a batch row) into ``red``."""
-    size = T.meta_var(slots * spec.local_batch)
-    for s in T.unroll(size):
-        for m in T.unroll(5):
-            racc[s] = racc[s] + device.shfl_xor(racc[s], T.shift_left(1, 4 - m))
-        if lane == 0:
-            red[warp * size + s] = racc[s]
+    """Each warp's sums (``slots`` of them a batch row, S in all) into ``red``, by halving
+    across the lanes: each of the 5 exchanges a lane keeps half of its values (the upper half
+    where its lane bit is set) and adds its partner's of that half, so that S sums take about
+    S exchanges (P - 1, S rounded up to a power of two P; at least 31) rather than 5 S. Lane
+    l ends with the totals of sums l * P / 32 + i (P >= 32), or of sum l * P / 32 (P < 32,
+    with its neighbours); one lane writes each."""
+    size = slots * spec.local_batch
+    padded = 1 << max(size - 1, 0).bit_length()
+    values = [racc[s] for s in range(size)] + [T.float32(0)] * (padded - size)
+    for m in range(5):
+        mask = 16 >> m
+        if len(values) == 1:
+            values = [T.bind(values[0] + device.shfl_xor(values[0], mask))]
+            continue
+        half = len(values) // 2
+        upper = T.bind(T.bitwise_and(lane, mask) != 0)
+        values = [T.bind(T.if_then_else(upper, values[i + half], values[i]) + device.shfl_xor(
+            T.if_then_else(upper, values[i], values[i + half]), mask)) for i in range(half)]
+    if padded >= 32:  # lane l: sums l * P / 32 + i
+        for i, value in enumerate(values):
+            index = lane * len(values) + i
+            with T.If(index < size):
+                with T.Then():
+                    cell_stage.store(red, value, warp * size + index)
+    else:  # lanes of a run of 32 / P: sum l * P / 32
+        run = 32 // padded
+        index = lane // run
+        with T.If(T.And(lane % run == 0, index < size)):
+            with T.Then():
+                cell_stage.store(red, values[0], warp * size + index)
     T.tvm_storage_sync("shared")
 
 
