@@ -164,6 +164,28 @@ def test_a_step_exchanges_its_means_as_block_sums_where_a_round_takes_many_loads
         assert partials is (found.sync == "tagged" and words > found.threads)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
+def test_a_plan_that_spills_with_its_units_means_is_built_with_the_blocks_sums():
+    """LN-GRU 1024 at batch 16 behind the counter barrier spills (ptxas) with the means
+    exchanged as its units' values; the driver builds it with them as each block's sums, no
+    spill, and says so; a knob that fixes them is kept (then the sequence schedule)."""
+    from rnncc.compiler.cuda_binary import cooperative_kernels
+
+    module = rnncc.compile("ln_gru", 1024, 1024, 16, target="cuda", arch="sm_90",
+                           tuning="off")
+    schedule = module.metadata["schedule"]
+    assert schedule["kind"] == "persistent"
+    assert schedule["persistent"]["plan"]["mean_partials"] is True
+    assert any("planned with them as each block's sums" in n for n in schedule["notes"])
+    ptxas = module.metadata["ptxas"]
+    kernels = cooperative_kernels(module.source("cuda"))
+    assert kernels and not any(ptxas[k]["stack"] or ptxas[k]["spill_stores"] for k in kernels)
+    kept = rnncc.compile("ln_gru", 1024, 1024, 16, target="cuda", arch="sm_90", tuning="off",
+                         knobs={"mean_partials": False})
+    assert kept.metadata["schedule"]["kind"] == "sequence"
+
+
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_layers_of_a_step_that_reduces_run_one_after_another():
     """No wavefront of layers that take means: a persistent kernel a layer."""
