@@ -14,7 +14,11 @@
 // 16 2048 8192 27.0 / 35.5 / 40.3; 8 2048 8192 24.6 / 23.3 / 27.8; 16 4096 16384 90.1 / 109.3 /
 // 167.1; 4 2048 8192 19.8 (3.4 TB/s) / 20.4 / 20.6. The bandwidth falls with N (3.4 TB/s at 4,
 // 2.1-2.5 at 16): at N 16 every warp reads all of h (128 KiB) through L1, 196 MB a step for RW 4
-// at O 6144, more than L1 keeps beside W; splitk (not yet run) reads h once a block.
+// at O 6144, more than L1 keeps beside W. splitk reads h once a block but loses everywhere
+// (H200, 2026-11-29, us, base 4 warps / S2 / S4 with the sums): 16 2048 6144 23.1 / 39.5 /
+// 48.6; 16 4096 16384 89.9 / 211.7 / 157.4; 8 2048 8192 23.1 / 38.9 / 46.4; 4 2048 8192 19.6
+// / 22.9 / 24.1 (a slice's blocks each stage N x K/S of h before their first product, and
+// the parts' sums cost 4-5 us alone). A slice must be a multiple of 128 of K.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -61,64 +65,66 @@ __global__ void __launch_bounds__(256) base(const float* __restrict__ h, const f
   reduce_store<N,RW>(acc,b,out,row0,O);
 }
 
-// W prefetched D chunks ahead into registers (ring of D+1 register sets), loaded past L1
-template<int N, int RW, int D>
-__global__ void __launch_bounds__(128) pre(const float* __restrict__ h, const float* __restrict__ W, const float* __restrict__ b, float* out, int K, int O){
-  int lane=threadIdx.x; int row0=(blockIdx.x*blockDim.y+threadIdx.y)*RW;
-  float acc[RW][N]; zero<N,RW>(acc);
-  const float* wr = W+(size_t)row0*K + lane*4;
-  int chunks=K/128;
-  float4 w[D+1][RW];
-#pragma unroll
-  for(int d=0;d<D;++d)
-#pragma unroll
-    for(int r=0;r<RW;++r) w[d][r] = ldg_na(wr+(size_t)r*K+d*128);
-  for(int c=0;c<chunks;c+=D+1){
-#pragma unroll
-    for(int s=0;s<=D;++s){
-      int cc=c+s; if(cc>=chunks) break;
-      int nxt=cc+D;
-      if(nxt<chunks){
-#pragma unroll
-        for(int r=0;r<RW;++r) w[(s+D)%(D+1)][r] = ldg_na(wr+(size_t)r*K+nxt*128);
-      }
-      int k=(cc*32+lane)*4;
-#pragma unroll
-      for(int n=0;n<N;++n){ float4 x=__ldg((const float4*)(h+n*K+k));
-#pragma unroll
-        for(int r=0;r<RW;++r) acc[r][n]+=w[s][r].x*x.x+w[s][r].y*x.y+w[s][r].z*x.z+w[s][r].w*x.w; }
-    }
-  }
-  reduce_store<N,RW>(acc,b,out,row0,O);
+__device__ __forceinline__ float4 ldg_stream(const float* p){  // as ldg_na, reorderable
+  float4 v; asm("ld.global.nc.L1::no_allocate.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x),"=f"(v.y),"=f"(v.z),"=f"(v.w) : "l"(p)); return v; }
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], float b0, float b1){
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3])
+      : "r"(__float_as_uint(a[0])),"r"(__float_as_uint(a[1])),"r"(__float_as_uint(a[2])),"r"(__float_as_uint(a[3])),
+        "r"(__float_as_uint(b0)),"r"(__float_as_uint(b1)));
 }
 
-// K in S slices: a block (a group of rows, slice s) stages its slice of h [N x K/S] in shared
-// memory once and its warps stream their rows of W past L1 over the slice; the S partial sums
-// part[s][n][o] (slice 0 with the bias) are added by the reader (rnncc's cell: gemm_parts)
-template<int N, int RW, int S>
-__global__ void __launch_bounds__(256) splitk(const float* __restrict__ h, const float* __restrict__ W, const float* __restrict__ b, float* part, int K, int O){
-  extern __shared__ float4 hs[];
-  int KS=K/S, s=blockIdx.y, lane=threadIdx.x, warp=threadIdx.y, warps=blockDim.y;
-  int row0=(blockIdx.x*warps+warp)*RW;
-  for(int i=warp*32+lane;i<N*KS/4;i+=warps*32){ int n=i/(KS/4), kk=i%(KS/4); hs[i]=__ldg((const float4*)(h+(size_t)n*K+s*KS)+kk); }
+// TF32 on tensor cores (mma m16n8k8: the batch M, 8 rows of W N): a block stages its slice of K
+// (blockIdx.y of KS) of h [N <= 16, K] in shared memory once (rows padded by 16 floats: a
+// phase's two rows fall on distinct banks), each warp NT tiles of 8 rows of W over the slice,
+// W read past L1 16 bytes a lane, U chunks of 16 k ahead. Lane (g, q) reads W[row g][16c + 4q
+// .. +3]: k permuted within the chunk, its 4 values two k-steps' B fragments, h's A fragments
+// permuted the same way. Sums added atomically where KS > 1 (out zeroed first).
+template<int N, int NT, int U>
+__global__ void __launch_bounds__(256) tf32mma(const float* __restrict__ h, const float* __restrict__ W, const float* __restrict__ b, float* out, int K, int O, int KS){
+  extern __shared__ float hs[];
+  int lane=threadIdx.x, warp=threadIdx.y, warps=blockDim.y, g=lane>>2, q=lane&3;
+  int kl=K/KS, k0=blockIdx.y*kl, ld=kl+16;
+  for(int i=warp*32+lane;i<16*kl/4;i+=warps*32){ int n=i/(kl/4), kk=(i%(kl/4))*4;
+    *(float4*)(hs+n*ld+kk) = n<N ? *(const float4*)(h+(size_t)n*K+k0+kk) : make_float4(0.f,0.f,0.f,0.f); }
   __syncthreads();
-  float acc[RW][N]; zero<N,RW>(acc);
-  const float* wr=W+(size_t)row0*K+s*KS+lane*4;
-  for(int c=0;c<KS/128;++c){ float4 w[RW];
+  int row0=(blockIdx.x*warps+warp)*8*NT;
+  float d[NT][4];
 #pragma unroll
-    for(int r=0;r<RW;++r) w[r]=ldg_na(wr+(size_t)r*K+c*128);
+  for(int t=0;t<NT;++t) d[t][0]=d[t][1]=d[t][2]=d[t][3]=0.f;
+  const float* wr=W+(size_t)(row0+g)*K+k0+4*q;
+  const float* ha=hs+g*ld+4*q; const float* hb=hs+(g+8)*ld+4*q;
+  float4 cur[U][NT], nxt[U][NT];
 #pragma unroll
-    for(int n=0;n<N;++n){ float4 x=hs[(n*KS)/4+c*32+lane];
+  for(int u=0;u<U;++u)
 #pragma unroll
-      for(int r=0;r<RW;++r) acc[r][n]+=w[r].x*x.x+w[r].y*x.y+w[r].z*x.z+w[r].w*x.w; } }
-  reduce_store<N,RW>(acc,s==0?b:nullptr,part+(size_t)s*N*O,row0,O);
+    for(int t=0;t<NT;++t) cur[u][t]=ldg_stream(wr+(size_t)t*8*K+16*u);
+  for(int kb=0;kb<kl;kb+=16*U){
+    if(kb+16*U<kl){
+#pragma unroll
+      for(int u=0;u<U;++u)
+#pragma unroll
+        for(int t=0;t<NT;++t) nxt[u][t]=ldg_stream(wr+(size_t)t*8*K+kb+16*(U+u));
+    }
+#pragma unroll
+    for(int u=0;u<U;++u){ float4 x=*(const float4*)(ha+kb+16*u), y=*(const float4*)(hb+kb+16*u);
+      float a0[4]={x.x,y.x,x.y,y.y}, a1[4]={x.z,y.z,x.w,y.w};
+#pragma unroll
+      for(int t=0;t<NT;++t){ mma_tf32(d[t],a0,cur[u][t].x,cur[u][t].y); mma_tf32(d[t],a1,cur[u][t].z,cur[u][t].w); } }
+#pragma unroll
+    for(int u=0;u<U;++u)
+#pragma unroll
+      for(int t=0;t<NT;++t) cur[u][t]=nxt[u][t];
+  }
+#pragma unroll
+  for(int t=0;t<NT;++t){ int o=row0+t*8+2*q; float b0=0.f, b1=0.f;
+    if(blockIdx.y==0){ b0=b[o]; b1=b[o+1]; }
+    float v[4]={d[t][0]+b0,d[t][1]+b1,d[t][2]+b0,d[t][3]+b1};
+    int rows[2]={g,g+8};
+#pragma unroll
+    for(int i=0;i<4;++i){ int n=rows[i>>1]; if(n<N){ float* p=out+(size_t)n*O+o+(i&1); if(KS>1) atomicAdd(p,v[i]); else *p=v[i]; } } }
 }
-template<int S>
-__global__ void sum_parts(const float* part, float* out, int NO){
-  int i=blockIdx.x*blockDim.x+threadIdx.x; if(i>=NO) return; float v=0.f;
-#pragma unroll
-  for(int s=0;s<S;++s) v+=part[(size_t)s*NO+i];
-  out[i]=v; }
 
 template<typename F> float timeit(F f){ cudaEvent_t a,b; cudaEventCreate(&a); cudaEventCreate(&b); std::vector<float> t;
   for(int i=0;i<5;++i) f();
@@ -129,31 +135,27 @@ template<int N> void shape(int K, int O){
   size_t nh=(size_t)N*K, nw=(size_t)O*K; std::vector<float> H(nh),Wt(nw),B(O),R((size_t)N*O),Out((size_t)N*O);
   srand(1); for(auto&x:H)x=rand()/(float)RAND_MAX-0.5f; for(auto&x:Wt)x=(rand()/(float)RAND_MAX-0.5f)*0.05f; for(auto&x:B)x=rand()/(float)RAND_MAX;
   for(int n=0;n<N;++n) for(int o=0;o<O;++o){ double s=B[o]; for(int k=0;k<K;++k) s+=(double)H[n*K+k]*Wt[(size_t)o*K+k]; R[n*O+o]=s; }
-  float *h,*w,*b,*out,*part; CK(cudaMalloc(&h,nh*4)); CK(cudaMalloc(&w,nw*4)); CK(cudaMalloc(&b,O*4)); CK(cudaMalloc(&out,(size_t)N*O*4)); CK(cudaMalloc(&part,(size_t)8*N*O*4));
+  float *h,*w,*b,*out; CK(cudaMalloc(&h,nh*4)); CK(cudaMalloc(&w,nw*4)); CK(cudaMalloc(&b,O*4)); CK(cudaMalloc(&out,(size_t)N*O*4));
   cudaMemcpy(h,H.data(),nh*4,cudaMemcpyHostToDevice); cudaMemcpy(w,Wt.data(),nw*4,cudaMemcpyHostToDevice); cudaMemcpy(b,B.data(),O*4,cudaMemcpyHostToDevice);
   auto check=[&](){ cudaMemcpy(Out.data(),out,(size_t)N*O*4,cudaMemcpyDeviceToHost); double e=0; for(size_t i=0;i<R.size();++i) e=std::max(e,(double)fabs(Out[i]-R[i])/(1+fabs(R[i]))); return e; };
   auto run=[&](const char* name, auto f){ cudaMemset(out,0xff,(size_t)N*O*4); f(); CK(cudaDeviceSynchronize()); double e=check(); float us=timeit(f); printf("N=%d K=%d O=%d %-28s %8.2f us  err %.1e  %.2f TB/s\n",N,K,O,name,us,e,nw*4/us/1e6); };
   constexpr int RW = N>16?2:(N>=16?4:(N>=8?8:N));
   run("noalloc 4 warps",[&]{ base<N,RW><<<O/(4*RW),dim3(32,4)>>>(h,w,b,out,K,O);});
   run("noalloc 8 warps",[&]{ base<N,RW><<<O/(8*RW),dim3(32,8)>>>(h,w,b,out,K,O);});
-  auto sk=[&](auto kern, int S, int warps, int rw){ int smem=N*(K/S)*4; cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    kern<<<dim3(O/(warps*rw),S),dim3(32,warps),smem>>>(h,w,b,part,K,O); };
-  run("splitk S2 (+sum)",[&]{ sk(splitk<N,RW,2>,2,8,RW); sum_parts<2><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  run("splitk S4 (+sum)",[&]{ sk(splitk<N,RW,4>,4,8,RW); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  run("splitk S8 (+sum)",[&]{ sk(splitk<N,RW,8>,8,8,RW); sum_parts<8><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  run("splitk S4 4 warps (+sum)",[&]{ sk(splitk<N,RW,4>,4,4,RW); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  if (RW<=4) run("splitk S4 RW*2 (+sum)",[&]{ sk(splitk<N,(RW<=4?RW*2:RW),4>,4,8,(RW<=4?RW*2:RW)); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  run("splitk S8 4 warps (+sum)",[&]{ sk(splitk<N,RW,8>,8,4,RW); sum_parts<8><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  if (RW>1) run("splitk S4 RW/2 (+sum)",[&]{ sk(splitk<N,(RW>1?RW/2:1),4>,4,8,(RW>1?RW/2:1)); sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  run("sum of 4 parts alone",[&]{ sum_parts<4><<<(N*O+255)/256,256>>>(part,out,N*O);});
-  run("pre D1",[&]{ pre<N,RW,1><<<O/(4*RW),dim3(32,4)>>>(h,w,b,out,K,O);});
-  run("pre D2",[&]{ pre<N,RW,2><<<O/(4*RW),dim3(32,4)>>>(h,w,b,out,K,O);});
-  run("pre D3",[&]{ pre<N,RW,3><<<O/(4*RW),dim3(32,4)>>>(h,w,b,out,K,O);});
-  if (RW>1) run("pre D2 RW/2",[&]{ pre<N,(RW>1?RW/2:1),2><<<O/(4*(RW>1?RW/2:1)),dim3(32,4)>>>(h,w,b,out,K,O);});
-  if (RW>1) run("pre D3 RW/2",[&]{ pre<N,(RW>1?RW/2:1),3><<<O/(4*(RW>1?RW/2:1)),dim3(32,4)>>>(h,w,b,out,K,O);});
-  cudaFree(h); cudaFree(w); cudaFree(b); cudaFree(out); cudaFree(part);
+  auto mma=[&](auto kern, int warps, int nt, int ks){ int smem=16*(K/ks+16)*4;
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if(ks>1) cudaMemsetAsync(out,0,(size_t)N*O*4);
+    kern<<<dim3(O/(8*nt*warps),ks),dim3(32,warps),smem>>>(h,w,b,out,K,O,ks); };
+  int ks=K>2048?2:1;  // h's slice in shared memory at most 2048 x 16 floats
+  run("tf32 8 warps NT1 U4",[&]{ mma(tf32mma<N,1,4>,8,1,ks);});
+  run("tf32 8 warps NT1 U8",[&]{ mma(tf32mma<N,1,8>,8,1,ks);});
+  run("tf32 4 warps NT2 U4",[&]{ mma(tf32mma<N,2,4>,4,2,ks);});
+  run("tf32 8 warps NT1 U4 KS2",[&]{ mma(tf32mma<N,1,4>,8,1,2*ks);});
+  run("tf32 4 warps NT1 U8",[&]{ mma(tf32mma<N,1,8>,4,1,ks);});
+  cudaFree(h); cudaFree(w); cudaFree(b); cudaFree(out);
 }
 
 int main(){
-  shape<16>(2048,6144); shape<16>(2048,8192); shape<12>(2048,8192); shape<8>(2048,8192); shape<16>(4096,16384); shape<16>(1536,6144); shape<4>(2048,8192);
+  shape<16>(2048,6144); shape<16>(2048,8192); shape<12>(2048,8192); shape<9>(2048,8192); shape<8>(2048,8192);
+  shape<16>(4096,16384); shape<16>(1536,6144); shape<16>(2560,7680); shape<4>(2048,8192);
 }
