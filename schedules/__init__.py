@@ -26,6 +26,7 @@ from . import (
     cuda_matmul,
     cuda_mma_gemm,
     cuda_mma_gemv,
+    cuda_mma_stream_gemv,
     cuda_row_means,
     cuda_sgemm,
     cuda_small_batch_gemv,
@@ -48,8 +49,8 @@ ROLES = ("gemm", "elementwise", "reduction")
 
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
-    ("cuda", "gemm"): [cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_mma_gemv.RULE,
-                       cuda_small_batch_gemv.RULE, cuda_sgemm.RULE,
+    ("cuda", "gemm"): [cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_mma_stream_gemv.RULE,
+                       cuda_mma_gemv.RULE, cuda_small_batch_gemv.RULE, cuda_sgemm.RULE,
                        cuda_tiled_gemm.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_row_means.RULE, cuda_fallback.RULE],
     ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE,

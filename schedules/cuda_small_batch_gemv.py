@@ -60,8 +60,9 @@ SHARED_H_MIN_BYTES = 128 * 1024
 STREAM_MIN_H_BYTES, STREAM_MIN_W_BYTES = 96 * 1024, 48 << 20
 #: TF32 products at batch 9-16 whose weights are at least TF32_MIN_W_BYTES (K a multiple of
 #: 128, O at least K: the forward's; the backward's dh, O = H < K = G*H, is not measured) are
-#: this rule's, in IEEE float32 (the tensor-core rules decline them,
-#: :func:`takes_tf32`): it streams W faster than they do. H200, kernel alone, us, TF32
+#: streamed: on tensor cores by cuda.mma_stream_gemv at batch 16 where h fits its shared
+#: memory (K up to 3584), else by this rule in IEEE float32 (cuda.mma_gemm and cuda.mma_gemv
+#: decline them, :func:`takes_tf32`): it streams W faster than they do. H200, kernel alone, us, TF32
 #: (cuda.mma_gemv) against this rule (N K O): 16 2048 8192 39.1 against 25.3; 16 2048 6144 29.3
 #: against 24.0; but 16 1024 4096 7.8 against 12.6, 24 2048 8192 53.9 against 55.2 (W of
 #: 16-48 MiB not measured: left to the tensor cores).
@@ -109,7 +110,8 @@ s_tir.TensorIntrin.register(STREAM_LOAD, _stream_desc, _stream_impl, override=Tr
 
 
 def takes_tf32(batch: int, depth: int, rows: int) -> bool:
-    """Whether this rule, not the tensor cores, computes a TF32 product h [N, K] x W [O, K]
+    """Whether a TF32 product h [N, K] x W [O, K] is streamed (cuda.mma_stream_gemv, else this
+    rule), not left to the tensor-core rules that stage h a chunk at a time
     (N ``batch``, K ``depth``, O ``rows``): see :data:`TF32_MIN_W_BYTES`. H200, TF32 layers,
     T = 100, us a step, tensor-core products -> this rule (cuDNN in TF32): LSTM 2048 at batch
     16 48.1 -> 30.4 (33.3), at batch 12 52.4 -> 27.1 (33.2); LSTM 2048 with C = 1024 at batch

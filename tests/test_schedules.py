@@ -249,6 +249,48 @@ def test_mma_gemv_splits_k_among_a_blocks_warps_on_the_simulator(batch, depth, o
     assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
+def test_large_tf32_step_products_at_batch_9_to_16_stream_on_tensor_cores():
+    """TF32 products at batch 16 whose weights stream (48 MiB and more, O >= K) are
+    cuda.mma_stream_gemv's where h [16, K] fits a block's shared memory, else IEEE
+    cuda.small_batch_gemv's, as at batch 9-15; IEEE products are not this rule's."""
+    from rnncc.schedules import _mma, cuda_mma_stream_gemv
+
+    def rule(batch, depth, outputs, tf32=True):
+        func = comp.gemm((batch,), depth, outputs, "rows", "float32")
+        return schedules.schedule(func.with_attr(_mma.TF32_ATTR, True) if tf32 else func,
+                                  CUDA, "gemm").rule
+
+    for batch, depth, outputs in ((16, 2048, 6144), (16, 2560, 7680), (16, 3584, 14336)):
+        assert rule(batch, depth, outputs) == "cuda.mma_stream_gemv", (batch, depth, outputs)
+    assert rule(16, 4096, 16384) == "cuda.small_batch_gemv"  # h past shared memory
+    assert rule(12, 2048, 8192) == "cuda.small_batch_gemv"
+    assert rule(16, 2048, 6144, tf32=False) == "cuda.small_batch_gemv"  # IEEE
+    assert rule(17, 2048, 8192) != "cuda.mma_stream_gemv"
+    assert rule(16, 1024, 4096) == "cuda.mma_gemv"  # 16 MiB: not streamed
+    assert cuda_mma_stream_gemv.plan(8, 2048, 8192) is None
+
+
+@pytest.mark.parametrize("batch, depth, outputs, rounded", [
+    (12, 256, 128, ""), (16, 128, 64, "ab"), (9, 384, 192, "b")])
+def test_mma_stream_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, rounded, rng):
+    """cuda.mma_stream_gemv's kernel (small sizes, planned by hand) on the NumPy interpreter
+    of TIR against NumPy's product of the operands rounded to TF32 (by the kernel, or before
+    where ``rounded`` says the callers did), rows past N padded, the output poisoned."""
+    from rnncc.schedules import cuda_mma_stream_gemv
+    from tir_sim import Simulator
+
+    kernel = cuda_mma_stream_gemv.kernel(cuda_mma_stream_gemv.Plan(batch, depth, outputs,
+                                                                   rounded))
+    a = rng.standard_normal((batch, depth)).astype(np.float32)
+    w, b = (rng.standard_normal(s).astype(np.float32) for s in ((outputs, depth), outputs))
+    a, w = (round_tf32(x) if name in rounded else x for name, x in (("a", a), ("b", w)))
+    out = np.full((batch, outputs), np.nan, np.float32)
+    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
+    want = (round_tf32(a).astype(np.float64) @ round_tf32(w).astype(np.float64).T
+            + b.astype(np.float64))
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+
+
 def test_small_batch_gemv_rows_a_warp():
     from rnncc.schedules.cuda_small_batch_gemv import rows_per_warp
 
@@ -272,8 +314,10 @@ def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
 def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_products():
     """W loaded past L1 where h is at least 96 KiB and W at least 48 MiB (K a multiple of
     128); blocks of 4 warps from batch 16 where h is not staged; TF32 products at batch 9-16
-    with W of 48 MiB or more and O >= K are this IEEE rule's (the tensor-core rules decline
-    them, whole or in slices), others the tensor cores' (the backward's dh: O < K)."""
+    with W of 48 MiB or more and O >= K are streamed, on tensor cores at batch 16 where h fits
+    a block's shared memory (cuda.mma_stream_gemv), else by this IEEE rule (the other
+    tensor-core rules decline them, whole or in slices), others the tensor cores' (the
+    backward's dh: O < K)."""
     from rnncc.schedules import cuda_small_batch_gemv
 
     for batch, depth, outputs, streamed in ((16, 2048, 8192, True), (12, 2048, 8192, True),
@@ -293,9 +337,10 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
         script = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
                                                        "float32"), CUDA).mod.script()
         assert f'T.int64({warps}), thread="threadIdx.y"' in script, (batch, depth, outputs)
-    for batch, depth, outputs, rule in ((16, 2048, 8192, "cuda.small_batch_gemv"),
+    for batch, depth, outputs, rule in ((16, 2048, 8192, "cuda.mma_stream_gemv"),
                                         (9, 2048, 8192, "cuda.small_batch_gemv"),
-                                        (16, 2560, 7680, "cuda.small_batch_gemv"),
+                                        (16, 2560, 7680, "cuda.mma_stream_gemv"),
+                                        (16, 4096, 16384, "cuda.small_batch_gemv"),
                                         (16, 1024, 4096, "cuda.mma_gemv"),
                                         (16, 1536, 6144, "cuda.mma_gemv"),
                                         (16, 8192, 2048, "cuda.mma_gemv"),
@@ -303,7 +348,7 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
         func = comp.gemm((batch,), depth, outputs, "rows", "float32").with_attr(
             schedules.TF32_ATTR, True)
         assert schedules.schedule(func, CUDA, "gemm").rule == rule, (batch, depth, outputs)
-        if rule == "cuda.small_batch_gemv":  # not in slices either
+        if rule != "cuda.mma_gemv":  # streamed: not in slices either
             assert schedules.product_parts(func, CUDA) == 1, (batch, depth, outputs)
 
 

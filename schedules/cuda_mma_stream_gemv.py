@@ -1,0 +1,181 @@
+"""CUDA: one step's recurrent projection in TF32 at batch 16 whose weights stream from
+memory every step (48 MiB and more): tensor cores, h staged once, W read well ahead past L1.
+
+out[n, o] = sum_k h[n, k] * W[o, k] + b[o], float32 storage, the products in TF32 (h and W
+rounded as they are read, unless the component's callers rounded them,
+:data:`._mma.TF32_ROUNDED_ATTR`), float32 sums. ``mma.sync`` m16n8k8: the batch is the
+instruction's M (one tile, rows past N zero), 8 output rows of W its N, 8 k a step, in
+:mod:`._mma`'s order of k (a lane's 16 bytes of a row, 4 values, feed two k-steps).
+
+A block of :data:`WARPS` warps stages all of h [16, K] in dynamic shared memory once (rows
+padded to 64 bytes past a multiple of 128: a phase's 16-byte reads of rows g and g + 1 hit the
+32 banks once); warp w owns 8 output rows and multiplies them by all of K, lane (g, q) reading
+16 bytes of row g a block of 16 k, past L1 (:data:`.cuda_small_batch_gemv.STREAM_SOURCE`),
+:data:`AHEAD` blocks ahead of its products. No barrier after the staging.
+
+Where cuda.mma_gemv stages h a chunk of K at a time between two barriers (its W one iteration
+ahead), and cuda.small_batch_gemv (IEEE) reads h through L1 for every few rows, this streams W
+at 2.8-3.4 TB/s whatever N. H200, kernel alone (``benchmarks/step_product_variants.cu``), us,
+this / cuda.small_batch_gemv, N K O: 16 2048 6144 21.6 / 23.4; 16 2048 8192 24.3 / 27.1; 12
+2048 8192 24.2 / 27.7; 9 2048 8192 24.1 / 29.9; 16 1536 6144 16.0 / 18.7; 16 2560 7680 27.3 /
+31.7 (cuda.mma_gemv: 16 2048 6144 29.3, 16 2048 8192 39.1; 4 warps a block, or two tiles of 8
+rows a warp, or 4 blocks ahead: 1.1-1.8x slower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from . import _mma, cuda_small_batch_gemv
+from ._common import gemm_blocks, has_mma, static_extent, weights_are_rows
+from ._rule import Rule
+
+#: Warps a block, each 8 output rows; blocks of 16 k a lane's W is loaded ahead.
+WARPS, AHEAD = 8, 8
+#: Output rows a block; k a block of two k-steps.
+ROWS, BLOCK_K = 8 * WARPS, 16
+#: Fewest and most batch rows (one tile of M): its time hardly depends on N, and below 16 the
+#: IEEE rule's was as short (H200, TF32 layers, T = 100, us a step, cuda.small_batch_gemv ->
+#: this: LSTM 2048 at batch 16 30.58 -> 28.41, GRU 2048 at 16 26.09 -> 25.01, GRU 2560 at 16
+#: 38.01 -> 34.02, LSTM 2048 with C = 1024 at 16 29.67 -> 27.48; LSTM 2048 at batch 12 27.05 ->
+#: 28.10). The deepest K whose h [16, K] fits in a block's shared memory (227 KiB on sm_90).
+MIN_BATCH, MAX_BATCH, MAX_DEPTH = 16, 16, 3584
+
+
+@dataclass(frozen=True)
+class Plan:
+    """N batch rows, K deep, O outputs; ``rounded``: the operands ("a", "b") rounded to TF32
+    already."""
+
+    batch: int
+    depth: int
+    outputs: int
+    rounded: str = ""
+
+    @property
+    def stride(self) -> int:
+        """Floats from one staged row of h to the next: 64 bytes past a multiple of 128."""
+        return self.depth + (16 - self.depth) % 32
+
+    @property
+    def smem_bytes(self) -> int:
+        return 16 * self.stride * 4
+
+
+def plan(batch: int, depth: int, outputs: int, rounded: str = "") -> Plan | None:
+    """The plan for a TF32 product h [N, K] x W [O, K], or None where this rule does not take
+    it: batch 16 with weights the IEEE rule would stream (:func:`.cuda_small_batch_gemv.
+    takes_tf32`: 48 MiB and more, K a multiple of 128, O at least K), K at most
+    :data:`MAX_DEPTH`, O a multiple of :data:`ROWS`."""
+    if not (MIN_BATCH <= batch <= MAX_BATCH and depth <= MAX_DEPTH and outputs % ROWS == 0
+            and depth % (BLOCK_K * AHEAD) == 0
+            and cuda_small_batch_gemv.takes_tf32(batch, depth, outputs)):
+        return None
+    return Plan(batch, depth, outputs, rounded)
+
+
+def kernel(p: Plan):
+    """The PrimFunc, with the gemm component's parameters (a, w, b, gemm_bias)."""
+    n_, k_, o_, stride = p.batch, p.depth, p.outputs, p.stride
+    threads, groups = WARPS * 32, p.depth // (BLOCK_K * AHEAD)
+    op = _mma.TF32
+
+    def rounded_a(value):
+        return value if "a" in p.rounded else op.round(value)
+
+    def rounded_w(value):
+        return value if "b" in p.rounded else op.round(value)
+
+    @T.macro
+    def stage(a, hs, tx):
+        """All of h into shared memory (TF32), rows N..15 zeros."""
+        for e in T.serial(-(-(16 * k_ // 4) // threads)):
+            if (e * threads + tx) * 4 < 16 * k_:
+                for v in T.vectorized(4):
+                    hs[(e * threads + tx) * 4 // k_ * stride + (e * threads + tx) * 4 % k_ + v] = (
+                        T.if_then_else((e * threads + tx) * 4 // k_ < n_, rounded_a(a[T.min(
+                            (e * threads + tx) * 4 // k_, n_ - 1), (e * threads + tx) * 4 % k_
+                            + v]), T.float32(0)))
+
+    @T.macro
+    def load_w(w, wf, group, row, q):
+        """The lane's 16 bytes of row ``row`` of each of the AHEAD blocks of ``group``."""
+        for d in T.unroll(AHEAD):
+            T.evaluate(T.cuda.func_call(
+                "rnncc_ld_stream4", T.address_of(wf[d * 4]),
+                T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]),
+                source_code=cuda_small_batch_gemv.STREAM_SOURCE))
+
+    @T.macro
+    def products(hs, acc, wf, hab, af, wb, group, g, q):
+        """The AHEAD blocks of ``group``: two k-steps each."""
+        for d in T.unroll(AHEAD):
+            for r in T.unroll(2):  # batch rows g, g + 8
+                for v in T.vectorized(4):
+                    hab[r * 4 + v] = hs[(r * 8 + g) * stride + (group * AHEAD + d) * BLOCK_K
+                                        + q * 4 + v]
+            for s in T.unroll(2):
+                _mma.a_fragment(op, af, hab, s)
+                for v in T.unroll(2):
+                    wb[v] = rounded_w(wf[d * 4 + s * 2 + v])
+                _mma.mma(op, af, wb, acc, 0)
+
+    @T.prim_func(s_tir=True)
+    def mma_stream_gemv(a: T.Buffer((n_, k_), "float32"), w: T.Buffer((o_, k_), "float32"),
+                        b: T.Buffer((o_,), "float32"),
+                        gemm_bias: T.Buffer((n_, o_), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        with T.sblock("root"):
+            hs = T.sblock_alloc_buffer((16 * stride,), "float32", scope="shared.dyn")
+            acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+            cur = T.sblock_alloc_buffer((AHEAD * 4,), "float32", scope="local")
+            nxt = T.sblock_alloc_buffer((AHEAD * 4,), "float32", scope="local")
+            hab = T.sblock_alloc_buffer((8,), "float32", scope="local")
+            af = T.sblock_alloc_buffer((4,), "float32", scope="local")
+            wb = T.sblock_alloc_buffer((2,), "float32", scope="local")
+            for bx in T.thread_binding(o_ // ROWS, thread="blockIdx.x"):
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    g, q = T.meta_var((tx % 32 // 4, tx % 4))
+                    col0 = T.meta_var(bx * ROWS + tx // 32 * 8)
+                    for i in T.unroll(4):
+                        acc[i] = T.float32(0)
+                    load_w(w, cur, 0, col0 + g, q)
+                    stage(a, hs, tx)
+                    T.tvm_storage_sync("shared")
+                    for group in T.serial(groups):
+                        if group + 1 < groups:
+                            load_w(w, nxt, group + 1, col0 + g, q)
+                        products(hs, acc, cur, hab, af, wb, group, g, q)
+                        for i in T.unroll(AHEAD * 4):
+                            cur[i] = nxt[i]
+                    for h in T.unroll(2):  # batch rows g, g + 8; output rows 2q + {0, 1}
+                        if h * 8 + g < n_:
+                            for v in T.unroll(2):
+                                gemm_bias[h * 8 + g, col0 + q * 2 + v] = (
+                                    acc[h * 2 + v] + b[col0 + q * 2 + v])
+
+    return mma_stream_gemv
+
+
+def apply(func, target):
+    sch = s_tir.Schedule(func)
+    blocks = gemm_blocks(sch)
+    if blocks is None or len(sch.get_loops(blocks[0])) != 3:
+        return None  # one step's product [N, K] x [O, K] only
+    a_dtype, w_dtype = (str(r.source.dtype) for r in sch.get(blocks[0]).reads[:2])
+    op = _mma.operand(w_dtype, func)
+    if op is None or not op.tf32 or a_dtype != "float32" or not has_mma(target):
+        return None
+    if not weights_are_rows(sch, blocks[0]):
+        return None
+    batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
+    if None in (batch, outputs, depth):
+        return None
+    found = plan(batch, depth, outputs, _mma.rounded(func))
+    return None if found is None else s_tir.Schedule(kernel(found))
+
+
+RULE = Rule("cuda.mma_stream_gemv", apply)
