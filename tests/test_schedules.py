@@ -268,6 +268,9 @@ def test_large_tf32_step_products_at_batch_9_to_16_stream_on_tensor_cores():
     assert rule(17, 2048, 8192) != "cuda.mma_stream_gemv"
     assert rule(16, 1024, 4096) == "cuda.mma_gemv"  # 16 MiB: not streamed
     assert cuda_mma_stream_gemv.plan(8, 2048, 8192) is None
+    ampere = TargetSpec("cuda", arch="sm_80").tvm_target()  # 163 KiB of shared memory a block
+    func = comp.gemm((16,), 2048, 8192, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
+    assert cuda_mma_stream_gemv.apply(func, ampere) is None
 
 
 @pytest.mark.parametrize("batch, depth, outputs, rounded", [
