@@ -201,14 +201,15 @@ def test_layers_of_a_step_that_reduces_run_one_after_another():
     (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}), (16, 64, 3, {"sync": "grid"}),
     (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"}),
     (1024, 1024, 1, {"mean_partials": False}), (33, 257, 6, {"mean_partials": True}),
-    (512, 512, 8, {"mean_partials": True})])
+    (512, 512, 8, {"mean_partials": True}), (1024, 1024, 4, {"tagged_rounds": True}),
+    (7, 33, 4, {"batch_groups": 2, "sync": "barrier", "tagged_rounds": True})])
 def test_persistent_kernel_takes_means_and_repeats_exactly(cell, input_size, hidden, batch,
                                                            knobs, rng):
     """On the GPU: the persistent kernel of the layer-normalised cells (a level of means a
     round, a layer norm's variance in its mean's: the arguments exchanged tagged, or plain
-    behind a round of the counter barrier or the grid sync, and summed over the row by every
-    block), against float64 with lengths, T = 1, 37 and 100, the same outputs run after
-    run."""
+    behind a round of the counter barrier or the grid sync, or tagged where h takes the
+    barrier, and summed over the row by every block), against float64 with lengths, T = 1,
+    37 and 100, the same outputs run after run."""
     knobs = dict(knobs or {})
     dtype = knobs.pop("dtype", "float32")
     if knobs.get("mma") and cell == "ln_gru":

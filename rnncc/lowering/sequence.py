@@ -714,10 +714,16 @@ class _Builder:
             if published:
                 shape, dtype = published
                 more_sync.append(self.param(sig, "h_published", shape, "workspace", dtype))
-            more_sync += [self.param(sig, f"value{k}_exchanged", (2, rows, h), "workspace",
-                                     "float32") for k in range(values)]  # the counter orders
+            if plan.tagged_rounds:  # the values tagged, h behind the counter
+                tagged = [self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
+                                     "uint64") for k in range(values)]
+            else:  # the counter orders them
+                tagged = []
+                more_sync += [self.param(sig, f"value{k}_exchanged", (2, rows, h),
+                                         "workspace", "float32") for k in range(values)]
+            more_sync += tagged
         # the states' workspaces (a projection's h': zero) and the tagged words, every grid's
-        words = [sync, *more_sync] if plan.sync == "tagged" else []
+        words = [sync, *more_sync] if plan.sync == "tagged" else tagged
         init = self.scheduled("init_persistent", comp.init_persistent(
             len(sw), dirs, n, h, p.dtype, acc, len(words), EMPTY_TAG, zero_h=bool(proj)),
             "elementwise")
