@@ -12,7 +12,8 @@ of each side's rounds. Run on a GPU machine from the repository root:
 
 A knob of the persistent kernel against its default, in one tree: ``build /tmp/B ...
 --knobs '{"mean_partials": true}'`` (a configuration whose plan the knobs do not fit is a row
-that says so).
+that says so). More sides in the same rounds: ``time /tmp/A /tmp/B --also /tmp/C ...`` (each
+against A).
 
 A configuration is CELL,C,H,N,DTYPE (float32, tf32: float32 with allow_tf32, float16,
 bfloat16). Separate cache directories: the cache key does not see a code change. Prints a
@@ -90,8 +91,8 @@ def _time(folders, configs, steps: int, rounds: int) -> tuple[str, list]:
             rows.append({"config": config, "missing": missing})
             continue
         modules = [rnncc.load(p) for p in paths]
-        row = {"config": config, "errors": [_error(m) for m in modules], "us": [None, None],
-               "cudnn_us": None}
+        row = {"config": config, "errors": [_error(m) for m in modules],
+               "us": [None] * len(modules), "cudnn_us": None}
         for _ in range(rounds):
             for side, module in enumerate(modules):
                 timed = time_gpu(module, steps, cudnn=row["cudnn_us"] is None)
@@ -116,6 +117,8 @@ def main():
     timing = sub.add_parser("time", help="A's and B's modules, alternately")
     timing.add_argument("a")
     timing.add_argument("b")
+    timing.add_argument("--also", action="append", default=[], metavar="FOLDER",
+                        help="more sides, each timed in the same rounds against A")
     timing.add_argument("configs", nargs="+", type=_config, help="CELL,C,H,N,DTYPE")
     timing.add_argument("--steps", type=int, default=100)
     timing.add_argument("--rounds", type=int, default=4)
@@ -128,23 +131,27 @@ def main():
                     _build, [(c, args.folder, args.knobs) for c in args.configs])):
                 print(",".join(map(str, config)), result)
         return
-    device, rows = _time((args.a, args.b), args.configs, args.steps, args.rounds)
+    sides = [args.a, args.b, *args.also]
+    device, rows = _time(sides, args.configs, args.steps, args.rounds)
+    names = "ABCDEFGH"[:len(sides)]
     print(f"{device}, {datetime.date.today()}, T = {args.steps}, us a step, best of "
-          f"{args.rounds} rounds; A: {args.a}, B: {args.b}\n")
-    print("| configuration | A | B | A / B | cuDNN | errors A, B |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"{args.rounds} rounds; " + ", ".join(f"{n}: {s}" for n, s in zip(names, sides)) + "\n")
+    heads = ["A"] + [c for n in names[1:] for c in (n, f"A / {n}")]
+    print("| configuration | " + " | ".join(heads) + f" | cuDNN | errors {', '.join(names)} |")
+    print("| --- " * (len(heads) + 3) + "|")
     for row in rows:
         name = ",".join(map(str, row["config"]))
         if "missing" in row:
-            print(f"| {name} | not built: {', '.join(row['missing'])} | | | | |")
+            print(f"| {name} | not built: {', '.join(row['missing'])} |" + " |" * (len(heads) + 1))
             continue
-        a, b = row["us"]
+        a, *others = row["us"]
+        cells = [f"{a:.2f}"] + [c for o in others for c in (f"{o:.2f}", f"{a / o:.2f}x")]
         cudnn = f"{row['cudnn_us']:.2f}" if row["cudnn_us"] is not None else "-"
-        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {cudnn} | "
-              f"{row['errors'][0]:.1e}, {row['errors'][1]:.1e} |")
+        errors = ", ".join(f"{e:.1e}" for e in row["errors"])
+        print(f"| {name} | " + " | ".join(cells) + f" | {cudnn} | {errors} |")
     if args.json:
         write_json(args.json, {"device": device, "date": str(datetime.date.today()),
-                               "a": args.a, "b": args.b, "rows": rows})
+                               "a": args.a, "b": args.b, "also": args.also, "rows": rows})
 
 
 if __name__ == "__main__":
