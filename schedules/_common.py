@@ -108,3 +108,19 @@ def weights_are_rows(sch: s_tir.Schedule, gemm) -> bool:
     o_var = block.iter_vars[-2].var
     first = block.reads[1].region[0].min
     return first.same_as(o_var)
+
+
+def step_product(func):
+    """(h's dtype, W's dtype, N, O, K) of a gemm component that is one step's product
+    h [N, K] x W [O, K] (W read as rows, every extent static), else None."""
+    sch = s_tir.Schedule(func)
+    blocks = gemm_blocks(sch)
+    if blocks is None or len(sch.get_loops(blocks[0])) != 3:
+        return None
+    if not weights_are_rows(sch, blocks[0]):
+        return None
+    extents = [static_extent(sch, x) for x in sch.get_loops(blocks[0])]
+    if None in extents:
+        return None
+    a_dtype, w_dtype = (str(r.source.dtype) for r in sch.get(blocks[0]).reads[:2])
+    return (a_dtype, w_dtype, *extents)

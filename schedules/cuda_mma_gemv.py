@@ -32,7 +32,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from . import _mma, cuda_small_batch_gemv
-from ._common import gemm_blocks, has_mma, static_extent, weights_are_rows
+from ._common import has_mma, step_product
 from ._rule import Rule
 
 #: Warps a block: 8, else 4 where no plan of 8 fits (few outputs and a shallow K).
@@ -260,20 +260,12 @@ def kernel(p: Plan):
 
 
 def apply(func, target):
-    sch = s_tir.Schedule(func)
-    blocks = gemm_blocks(sch)
-    if blocks is None or len(sch.get_loops(blocks[0])) != 3:
+    product = step_product(func)
+    if product is None or not has_mma(target):
         return None  # one step's product [N, K] x [O, K] only
-    a_dtype, w_dtype = (str(r.source.dtype) for r in sch.get(blocks[0]).reads[:2])
+    a_dtype, w_dtype, batch, outputs, depth = product
     op = _mma.operand(w_dtype, func)
     if op is None or a_dtype not in (w_dtype, "float32"):
-        return None
-    if not weights_are_rows(sch, blocks[0]):
-        return None
-    if not has_mma(target):
-        return None
-    batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
-    if None in (batch, outputs, depth):
         return None
     if op.tf32 and cuda_small_batch_gemv.takes_tf32(batch, depth, outputs):
         return None

@@ -30,7 +30,7 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from . import _mma, cuda_small_batch_gemv
-from ._common import gemm_blocks, has_wgmma, static_extent, weights_are_rows
+from ._common import has_wgmma, step_product
 from ._rule import Rule
 
 #: Warps a block, each 8 output rows; blocks of 16 k a lane's W is loaded ahead.
@@ -161,19 +161,13 @@ def kernel(p: Plan):
 
 
 def apply(func, target):
-    sch = s_tir.Schedule(func)
-    blocks = gemm_blocks(sch)
-    if blocks is None or len(sch.get_loops(blocks[0])) != 3:
+    product = step_product(func)
+    if product is None:
         return None  # one step's product [N, K] x [O, K] only
-    a_dtype, w_dtype = (str(r.source.dtype) for r in sch.get(blocks[0]).reads[:2])
+    a_dtype, w_dtype, batch, outputs, depth = product
     op = _mma.operand(w_dtype, func)
     if op is None or not op.tf32 or a_dtype != "float32" or not has_wgmma(target):
         return None  # TF32 only; Hopper's 227 KiB of shared memory a block (measured there)
-    if not weights_are_rows(sch, blocks[0]):
-        return None
-    batch, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(blocks[0]))
-    if None in (batch, outputs, depth):
-        return None
     found = plan(batch, depth, outputs, _mma.rounded(func))
     return None if found is None else s_tir.Schedule(kernel(found))
 

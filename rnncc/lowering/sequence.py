@@ -696,14 +696,19 @@ class _Builder:
 
         folded = self._folded(sig, t_len, w_hr, s0, sw) if proj else None
 
-        more_sync = []
         graph = autodiff.trace(p.cell)  # values of a step exchanged before h: its reductions'
         values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
+        tagged = plan.sync == "tagged" or plan.tagged_rounds  # the values as h's tagged words
+
+        def exchanged():  # tagged words (the tagged h or tagged_rounds), else counter-ordered
+            return [self.param(sig, f"value{k}_{'tagged' if tagged else 'exchanged'}",
+                               (2, rows, h), "workspace", "uint64" if tagged else "float32")
+                    for k in range(values)]
+
         if plan.sync == "tagged":  # h, and each value, tagged as h before step 0
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
-            more_sync = [self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
-                                    "uint64") for k in range(values)]
-            sync_stages = []
+            more_sync = exchanged()
+            sync_stages, words = [], [sync, *more_sync]
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
@@ -711,19 +716,14 @@ class _Builder:
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
             published = buffers.published_h(plan, n, p.dtype)  # h for the next staging
+            more_sync = []
             if published:
                 shape, dtype = published
                 more_sync.append(self.param(sig, "h_published", shape, "workspace", dtype))
-            if plan.tagged_rounds:  # the values tagged, h behind the counter
-                tagged = [self.param(sig, f"value{k}_tagged", (2, rows, h), "workspace",
-                                     "uint64") for k in range(values)]
-            else:  # the counter orders them
-                tagged = []
-                more_sync += [self.param(sig, f"value{k}_exchanged", (2, rows, h),
-                                         "workspace", "float32") for k in range(values)]
-            more_sync += tagged
+            values_made = exchanged()
+            more_sync += values_made
+            words = values_made if tagged else []
         # the states' workspaces (a projection's h': zero) and the tagged words, every grid's
-        words = [sync, *more_sync] if plan.sync == "tagged" else tagged
         init = self.scheduled("init_persistent", comp.init_persistent(
             len(sw), dirs, n, h, p.dtype, acc, len(words), EMPTY_TAG, zero_h=bool(proj)),
             "elementwise")
