@@ -100,11 +100,16 @@ def test_cuda_persistent_kernel_with_w_hh_w_hr_folded(directions):
 
 @pytest.mark.slow
 def test_cuda_build_of_a_product_in_slices():
-    """At batch 64 the recurrent product (K = P) is left in K slices for the cell to add."""
+    """At batch 64 the recurrent product (K = P) is left in K slices for the cell to add, and
+    the projection (K = H) in slices for the projected state to add (no sum kernel)."""
     if not has_nvcc():
         pytest.skip("the CUDA build needs nvcc")
     module = rnncc.compile("lstm", 512, 512, 64, target="cuda", proj_size=128)
-    assert module.metadata["schedule"]["rules"]["recurrent_gemm_parts"] == "cuda.sgemm"
+    rules = module.metadata["schedule"]["rules"]
+    assert rules["recurrent_gemm_parts"] == rules["projection_gemm_parts"] == "cuda.sgemm"
+    shapes = {a["name"]: a["shape"] for a in module.metadata["functions"]["forward"]}
+    assert shapes["h_projected"][1:] == [64, 128] and shapes["h_projected"][0] > 1
+    assert "zero_bias" not in shapes
 
 
 @pytest.mark.parametrize("target", TARGETS)

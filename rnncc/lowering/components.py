@@ -484,23 +484,25 @@ def copy(count: int, batch: int, hidden: int, dtype: str, out_dtype: str,
     return te.create_prim_func([*ins, *(outs if count > 1 else [outs])])
 
 
-def projected_state(batch: int, width: int, dtype: str, masked: bool) -> tirx.PrimFunc:
+def projected_state(batch: int, width: int, dtype: str, masked: bool,
+                    parts: int = 1) -> tirx.PrimFunc:
     """A step's output and new h from its projection (LSTMP): inputs ``hr`` [N, P] (W_hr h',
-    accumulation dtype), ``h_prev`` [N, P] (accumulation dtype) and, ``masked``, ``active``
-    [N] int32; outputs ``y`` [N, P] in ``dtype`` (zero where not active) and ``h_next`` [N, P]
-    (``h_prev`` where not active)."""
+    accumulation dtype; ``parts`` S > 1: its slices of K [S, N, P], added here), ``h_prev``
+    [N, P] (accumulation dtype) and, ``masked``, ``active`` [N] int32; outputs ``y`` [N, P] in
+    ``dtype`` (zero where not active) and ``h_next`` [N, P] (``h_prev`` where not active)."""
     acc = accum_dtype(dtype)
     shape = (i64(batch), i64(width))
-    hr = te.placeholder(shape, acc, "hr")
+    hr = te.placeholder(parts_shape(parts, shape), acc, "hr")
     h_prev = te.placeholder(shape, acc, "h_prev")
     active = te.placeholder((i64(batch),), "int32", "active") if masked else None
 
     def body(n, j):
+        value = parts_sum(hr, n, j)
         if active is None:
-            return [_cast(hr[n, j], dtype), hr[n, j]]
+            return [_cast(value, dtype), value]
         live = active[n] != 0
-        return [tvm.tirx.if_then_else(live, _cast(hr[n, j], dtype), tirx.const(0, dtype)),
-                tvm.tirx.if_then_else(live, hr[n, j], h_prev[n, j])]
+        return [tvm.tirx.if_then_else(live, _cast(value, dtype), tirx.const(0, dtype)),
+                tvm.tirx.if_then_else(live, value, h_prev[n, j])]
 
     y, h_next = te.compute(shape, body, name="projected_state")
     return te.create_prim_func([hr, h_prev, *([active] if masked else []), y, h_next])

@@ -467,12 +467,17 @@ class _Builder:
             y_rev = self.param(sig, "y_reversed", (t_len, n, r), "workspace")
         # with a projection: the cell's h' (its y; the training forward keeps every step's,
         # ``h_cell_steps`` [T, N, H]), then W_hr h'
+        # (left in slices where its product splits K: the projected state adds them)
         hf = hr = zero = None
+        proj_parts = 1
         if proj:
             hf = (self.param(sig, "h_cell_steps", (t_len, n, h), "output") if history
                   else self.param(sig, "h_cell", per_direction((n, h)), "workspace"))
-            hr = self.param(sig, "h_projected", per_direction((n, proj)), "workspace", acc)
-            zero = self.param(sig, "zero_bias", (proj,), "workspace")
+            proj_parts = self.product_parts("projection_gemm", self._projection_gemm())
+            hr = self.param(sig, "h_projected", per_direction(comp.parts_shape(
+                proj_parts, (n, proj))), "workspace", acc)
+            if proj_parts == 1:
+                zero = self.param(sig, "zero_bias", (proj,), "workspace")
 
         prologue = [stage for d in range(dirs) for stage in self.states_copy(
             "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
@@ -582,7 +587,8 @@ class _Builder:
                 + h_next + kept, 1 + len(own) + len(kept) + len(h_next)))
             if proj:
                 steps += _named(self.projection(
-                    h_cell, w_hr, d, zero, Region(hr, at(d, (ALL, ALL))),
+                    h_cell, w_hr, d, zero, proj_parts,
+                    Region(hr, at(d, (ALL,) * len(comp.parts_shape(proj_parts, (n, proj))))),
                     Region(sw[0], at(d, (slot, ALL, ALL))), [Region(a, (t, ALL)) for a in active],
                     out, Region(sw[0], at(d, (nxt, ALL, ALL)))), suffix)
         final = t_len if history else tirx.floormod(t_len, i64(2))
@@ -601,7 +607,8 @@ class _Builder:
                   *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
                   *vector_copies,
                   *reversed_,
-                  *([hf, hr, zero] if proj else []), *active, *(skipping or ())[1:]]
+                  *([hf, hr] if proj else []), *([zero] if zero is not None else []),
+                  *active, *(skipping or ())[1:]]
         self.add(name, sequence_function(name, params, prologue, t, t_len, steps, epilogue,
                                          views), sig)
 
@@ -624,20 +631,31 @@ class _Builder:
                     argument, Region(w_hh, layout.gate_block(d, gate, g, h)),
                     Region(b_hh, (slice(row * h, (row + 1) * h),)), out], 1)]
 
-    def projection(self, h_cell, w_hr, d, zero, hr, h_prev, active, y, h_next):
+    def _projection_gemm(self):
+        """The projection's product (LSTMP): h' [N, H] by W_hr [P, H] (rows) with a bias."""
+        p = self.p
+        return comp.gemm((p.batch,), p.hidden_size, p.proj_size, self.layout.weights, p.dtype,
+                         p.dtype)
+
+    def projection(self, h_cell, w_hr, d, zero, parts, hr, h_prev, active, y, h_next):
         """A step's projection (LSTMP): ``hr`` = ``h_cell`` [N, H] (the cell's h', zero past a
         sample's length) by direction ``d``'s rows of the stacked packed W_hr (``zero``: its
-        bias), then y [N, P] and the new h (the previous one past the sample's length)."""
+        bias), then y [N, P] and the new h (the previous one past the sample's length). With
+        ``parts`` S > 1 ``hr`` is the product's slices of K [S, N, P] (:func:`comp.gemm_parts`,
+        no bias), which the projected state adds."""
         p = self.p
-        gemm = self.scheduled("projection_gemm", comp.gemm(
-            (p.batch,), p.hidden_size, p.proj_size, self.layout.weights, p.dtype, p.dtype),
-            "gemm")
+        w = _part(w_hr, d, p.directions)
+        if parts > 1:
+            gemm = self.scheduled("projection_gemm_parts", comp.gemm_parts(
+                p.batch, p.hidden_size, p.proj_size, parts, self.layout.weights, p.dtype,
+                p.dtype), "gemm")
+            product = Stage("projection_gemm", gemm, [h_cell, w, hr], 1)
+        else:
+            gemm = self.scheduled("projection_gemm", self._projection_gemm(), "gemm")
+            product = Stage("projection_gemm", gemm, [h_cell, w, Region(zero, (ALL,)), hr], 1)
         select = self.scheduled("projected_state", comp.projected_state(
-            p.batch, p.proj_size, p.dtype, bool(active)), "elementwise")
-        return [Stage("projection_gemm", gemm, [
-            h_cell, _part(w_hr, d, p.directions),
-            Region(zero, (ALL,)), hr], 1),
-            Stage("projected_state", select, [hr, h_prev, *active, y, h_next], 2)]
+            p.batch, p.proj_size, p.dtype, bool(active), parts), "elementwise")
+        return [product, Stage("projected_state", select, [hr, h_prev, *active, y, h_next], 2)]
 
     def persistent_entry(self, plan, history: bool = False):
         """The persistent entry: one kernel that readies the states' workspaces and the tagged
