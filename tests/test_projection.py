@@ -281,6 +281,31 @@ def test_layer_gradients_of_every_projecting_cell(cell, lengths, rng):
         assert reference.relative_error(grads[name][picked], numeric[picked]) < 1e-4, name
 
 
+@pytest.mark.gpu
+def test_cuda_training_of_a_projected_layer_with_its_products_in_slices(rng):
+    """Batch 40 on CUDA: the training forward's projection left in slices of K for the
+    projected state to add (cuda.sgemm): y against float64, every gradient against the CPU
+    build's (itself checked against central differences above); outputs poisoned."""
+    c, h, p, n, steps = cells.get("lstm"), 256, 64, 40, 9
+    cuda = rnncc.compile("lstm", 48, h, n, target="cuda", proj_size=p, training=True)
+    assert cuda.metadata["schedule"]["rules"]["projection_gemm_parts"] == "cuda.sgemm"
+    cpu = rnncc.compile("lstm", 48, h, n, target="llvm", proj_size=p, training=True)
+    w = {k: v.astype(np.float64) for k, v in _weights(rng, c, 48, h, p, 1).items()}
+    x = rng.standard_normal((steps, n, 48))
+    initial = {"h": rng.standard_normal((1, n, p)), "c": rng.standard_normal((1, n, h))}
+    f32 = {k: v.astype(np.float32) for k, v in w.items()}
+    given = {f"{s}0": v.astype(np.float32) for s, v in initial.items()}
+    dy = rng.standard_normal((steps, n, p)).astype(np.float32)
+    d_final = tuple(rng.standard_normal(v.shape).astype(np.float32) for v in initial.values())
+    grads = []
+    for module in (cuda, cpu):
+        y, _, kept = module.train_forward(x.astype(np.float32), f32, **given)
+        assert reference.relative_error(y, reference.run(c, x, w, initial)[0]) < TOL_F32
+        grads.append(module.backward(x.astype(np.float32), f32, kept, dy, d_final))
+    for name, value in grads[1].items():
+        assert reference.relative_error(grads[0][name], value) < 1e-5, name
+
+
 def test_network_file_of_projected_layers(tmp_path, rng):
     """``compile_network(..., proj_size=P)``: 2 bidirectional layers (the second takes 2*P
     inputs) against the float64 reference layer by layer, written to a network file and
