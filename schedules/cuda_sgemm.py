@@ -94,6 +94,13 @@ TILE = 128
 STEP_TILE = 64
 #: K a chunk through shared memory (a multiple of 8: a thread stages whole 16-byte vectors).
 BK = 8
+#: Chunks of one step's product whose loads are in flight at once (:meth:`Tile.ahead`), at
+#: batch AHEAD_BATCH at most. H200, layers at batch 32 (T = 100, us a step): LSTM 1024 24.74
+#: -> 23.50, LSTM 1500 49.43 -> 44.50, GRU 1024 20.12 -> 19.08, GRU 2048 65.84 -> 59.06, LSTMP
+#: 1024/256 24.53 -> 20.97; at batch 33 1.02x; at 40 to 64 0.94-1.00x (LSTM 1024 at 64 0.96x,
+#: LSTM 1500 at 48 0.94x), so not there.
+AHEAD = 4
+AHEAD_BATCH = 33
 #: Threads along the rows of a warp's 8-row patch of the tile (the rest, 32 / WARP_ROWS, along its
 #: columns).
 WARP_ROWS = 4
@@ -432,6 +439,19 @@ class Tile:
         """K chunks a slice."""
         return self.splits(self.product.slice_chunks)
 
+    def ahead(self, chunks) -> int:
+        """Chunks whose loads are in flight at once over ``chunks`` chunks (a register set
+        each): 1 (the next), or :data:`AHEAD` (2 where that does not divide the even count)
+        for one step's product of at most half a tile of rows (:data:`AHEAD_BATCH`) in tiles
+        of 128 threads whose grid is at most :data:`SPLIT_BLOCKS` (four warps a block and a
+        few blocks a multiprocessor hide too little of a chunk's loads; the registers allow
+        three blocks)."""
+        p = self.product
+        if (p.all_steps or self.threads != 128 or not isinstance(chunks, int)
+                or p.batch > AHEAD_BATCH or p._tiles(self.m) * p.splits > SPLIT_BLOCKS):
+            return 1
+        return AHEAD if chunks % AHEAD == 0 else 2
+
 
 def _parameters(t: Tile):
     """The gemm component's parameters: a [.., N, K], w [O, K] (or [K, O]), b [O], out [.., N,
@@ -473,33 +493,35 @@ def _locate(t, m, where):
 
 
 @T.macro
-def _load(t, a, w, ar, wr, k0, by, bx, tx, src):
+def _load(t, a, w, ar, wr, k0, by, bx, tx, src, at):
     """A chunk's global reads, from K column ``k0`` on, into registers (16-byte vectors of
     both operands interleaved: with separate loops the all-steps kernel took 130 registers,
-    one block a multiprocessor instead of two); with lengths, a's row at ``src`` (t, n)."""
+    one block a multiprocessor instead of two), register set ``at`` of ``ar`` and ``wr``
+    (:meth:`Tile.ahead`); with lengths, a's row at ``src`` (t, n)."""
     for p in T.unroll(t.most):
         if p < t.vectors["a"]:
             if t.inside(p, k0, tx):
                 for v in T.vectorized(4):
-                    ar[p * 4 + v] = t.load(a, t.at(t.row("a", by, bx, tx), src),
-                                           k0 + t.col("a", p, tx) + v)
+                    ar[(at * t.vectors["a"] + p) * 4 + v] = t.load(
+                        a, t.at(t.row("a", by, bx, tx), src), k0 + t.col("a", p, tx) + v)
             else:
                 for v in T.vectorized(4):
-                    ar[p * 4 + v] = T.float32(0)
+                    ar[(at * t.vectors["a"] + p) * 4 + v] = T.float32(0)
         if p < t.vectors["w"]:
             for v in T.vectorized(4):
-                wr[p * 4 + v] = t.w_load(w, p, v, k0, bx, tx)
+                wr[(at * t.vectors["w"] + p) * 4 + v] = t.w_load(w, p, v, k0, bx, tx)
 
 
 @T.macro
-def _store(t, ar, wr, a_s, w_s, tx):
-    """The registers of a chunk to shared memory, k-major (transposed)."""
+def _store(t, ar, wr, a_s, w_s, tx, at):
+    """Register set ``at`` (a chunk) to shared memory, k-major (transposed)."""
     for p in T.unroll(t.most):
         for v in T.unroll(4):
             if p < t.vectors["a"]:
-                a_s[(t.col("a", p, tx) + v) * t.stride["a"] + tx // t.lanes["a"]] = ar[p * 4 + v]
+                a_s[(t.col("a", p, tx) + v) * t.stride["a"] + tx // t.lanes["a"]] = ar[
+                    (at * t.vectors["a"] + p) * 4 + v]
             if p < t.vectors["w"]:
-                w_s[t.w_slot(p, v, tx)] = wr[p * 4 + v]
+                w_s[t.w_slot(p, v, tx)] = wr[(at * t.vectors["w"] + p) * 4 + v]
 
 
 @T.macro
@@ -527,13 +549,72 @@ class Into:
 
 
 @T.macro
+def _chunks(t, a, w, ar, wr, shared, acc, af, wf, chunks, first, by, bx, tx, src):
+    """The products of ``chunks`` chunks of K from column ``first`` on, double-buffered in
+    shared memory (``shared``: a's and w's two buffers), chunk c's products from buffer c % 2,
+    chunk c + 1's loads issued before them and stored after (the last chunk again at the end,
+    stored where nothing reads it)."""
+    a_s0, a_s1, w_s0, w_s1 = T.meta_var(shared)
+    _load(t, a, w, ar, wr, first, by, bx, tx, src, 0)
+    _store(t, ar, wr, a_s0, w_s0, tx, 0)
+    T.tvm_storage_sync("shared")
+    for c in range(chunks // 2):
+        _load(t, a, w, ar, wr, first + T.min(c * 2 + 1, chunks - 1) * BK, by, bx, tx, src, 0)
+        products(t, a_s0, w_s0, af, wf, acc, tx)
+        _store(t, ar, wr, a_s1, w_s1, tx, 0)
+        T.tvm_storage_sync("shared")
+        _load(t, a, w, ar, wr, first + T.min(c * 2 + 2, chunks - 1) * BK, by, bx, tx, src, 0)
+        products(t, a_s1, w_s1, af, wf, acc, tx)
+        _store(t, ar, wr, a_s0, w_s0, tx, 0)
+        T.tvm_storage_sync("shared")
+
+
+@T.macro
+def _chunk_ahead(t, a, w, ar, wr, s_now, s_next, acc, af, wf, chunks, first, c, at, by, bx, tx,
+                 src):
+    """Chunk c of :func:`_chunks_ahead` (register set ``at``): its products from ``s_now``,
+    then chunk c + 1 stored from its set to ``s_next`` and chunk c + 1 + A loaded into it."""
+    ahead = T.meta_var(t.ahead(chunks))
+    a_now, w_now = T.meta_var(s_now)
+    a_next, w_next = T.meta_var(s_next)
+    products(t, a_now, w_now, af, wf, acc, tx)
+    if c + 1 < chunks:
+        _store(t, ar, wr, a_next, w_next, tx, (at + 1) % ahead)
+        if c + 1 + ahead < chunks:
+            _load(t, a, w, ar, wr, first + (c + 1 + ahead) * BK, by, bx, tx, src,
+                  (at + 1) % ahead)
+        T.tvm_storage_sync("shared")
+
+
+@T.macro
+def _chunks_ahead(t, a, w, ar, wr, shared, acc, af, wf, chunks, first, by, bx, tx, src):
+    """:func:`_chunks` with the loads of A = :meth:`Tile.ahead` chunks in flight: chunk k
+    staged from register set k % A, which then loads chunk k + A; a loop over groups of A
+    chunks (A even, dividing the count), each group unrolled (static sets and buffers)."""
+    a_s0, a_s1, w_s0, w_s1 = T.meta_var(shared)
+    ahead = T.meta_var(t.ahead(chunks))
+    for c in T.unroll(ahead):
+        _load(t, a, w, ar, wr, first + c * BK, by, bx, tx, src, c)
+    _store(t, ar, wr, a_s0, w_s0, tx, 0)
+    if ahead < chunks:
+        _load(t, a, w, ar, wr, first + ahead * BK, by, bx, tx, src, 0)
+    T.tvm_storage_sync("shared")
+    for g in range(chunks // ahead):
+        for j in T.unroll(ahead):
+            if j % 2 == 0:
+                _chunk_ahead(t, a, w, ar, wr, (a_s0, w_s0), (a_s1, w_s1), acc, af, wf, chunks,
+                             first, g * ahead + j, j, by, bx, tx, src)
+            else:
+                _chunk_ahead(t, a, w, ar, wr, (a_s1, w_s1), (a_s0, w_s0), acc, af, wf, chunks,
+                             first, g * ahead + j, j, by, bx, tx, src)
+
+
+@T.macro
 def _tile(t, io, chunks, first, into, by, bx, tx):
-    """A block's tile over ``chunks`` chunks of K from column ``first`` on: the chunks
-    double-buffered, chunk c's products from buffer c % 2, chunk c + 1's loads issued before
-    them and stored after (the last chunk again at the end, stored where nothing reads it);
-    then the tile plus b to out, or (:class:`Into`) without b to a slice. With lengths, the
-    step and sample of the row a thread stages are located once, and those of each row it
-    writes (:func:`_locate`)."""
+    """A block's tile over ``chunks`` chunks of K from column ``first`` on (:func:`_chunks`,
+    or :func:`_chunks_ahead` where :meth:`Tile.ahead` says), then the tile plus b to out, or
+    (:class:`Into`) without b to a slice. With lengths, the step and sample of the row a
+    thread stages are located once, and those of each row it writes (:func:`_locate`)."""
     a, w, b, out = T.meta_var(io)
     # two buffers an operand (not one of two halves: TVM's barrier insertion cannot tell the
     # halves apart, and adds a second barrier a chunk)
@@ -544,26 +625,21 @@ def _tile(t, io, chunks, first, into, by, bx, tx):
     acc = T.alloc_buffer((64,), "float32", scope="local")
     af = T.alloc_buffer((8,), "float32", scope="local")
     wf = T.alloc_buffer((8,), "float32", scope="local")
-    ar = T.alloc_buffer((t.vectors["a"] * 4,), "float32", scope="local")
-    wr = T.alloc_buffer((t.vectors["w"] * 4,), "float32", scope="local")
+    sets = T.meta_var(t.ahead(chunks))
+    ar = T.alloc_buffer((sets * t.vectors["a"] * 4,), "float32", scope="local")
+    wr = T.alloc_buffer((sets * t.vectors["w"] * 4,), "float32", scope="local")
     src = T.alloc_buffer((2,), "int32", scope="local")  # with lengths: (t, n) of a's row
     dst = T.alloc_buffer((2,), "int32", scope="local")  # and of a row of out
     for e in T.unroll(64):
         acc[e] = T.float32(0)
     if t.product.lengths:
         _locate(t, T.Cast("int32", t.row("a", by, bx, tx)), src)
-    _load(t, a, w, ar, wr, first, by, bx, tx, src)
-    _store(t, ar, wr, a_s0, w_s0, tx)
-    T.tvm_storage_sync("shared")
-    for c in range(chunks // 2):
-        _load(t, a, w, ar, wr, first + T.min(c * 2 + 1, chunks - 1) * BK, by, bx, tx, src)
-        products(t, a_s0, w_s0, af, wf, acc, tx)
-        _store(t, ar, wr, a_s1, w_s1, tx)
-        T.tvm_storage_sync("shared")
-        _load(t, a, w, ar, wr, first + T.min(c * 2 + 2, chunks - 1) * BK, by, bx, tx, src)
-        products(t, a_s1, w_s1, af, wf, acc, tx)
-        _store(t, ar, wr, a_s0, w_s0, tx)
-        T.tvm_storage_sync("shared")
+    if sets > 1:
+        _chunks_ahead(t, a, w, ar, wr, (a_s0, a_s1, w_s0, w_s1), acc, af, wf, chunks, first,
+                      by, bx, tx, src)
+    else:
+        _chunks(t, a, w, ar, wr, (a_s0, a_s1, w_s0, w_s1), acc, af, wf, chunks, first, by, bx,
+                tx, src)
     for r in T.unroll(8):
         m = T.meta_var(by * t.m + r // 4 * t.half["a"] + t.ty(tx) * 4 + r % 4)
         if m < t.count():

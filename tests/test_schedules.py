@@ -447,22 +447,26 @@ def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
         assert cuda_sgemm.apply(comp.gemm(lead, k, o, weights, dtype), CUDA) is None, lead
 
 
-@pytest.mark.parametrize("lead, depth, outputs, weights", [
-    ((33,), 36, 132, "rows"), ((40,), 36, 260, "rows"), ((64,), 32, 256, "rows"),
-    (("T", 3), 20, 132, "rows"), ((33,), 44, 128, "cols"), (("T", 3), 60, 128, "cols")])
-def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, rng):
+@pytest.mark.parametrize("lead, depth, outputs, weights, ahead", [
+    ((33,), 36, 132, "rows", 2), ((40,), 36, 260, "rows", 1), ((64,), 32, 256, "rows", 1),
+    (("T", 3), 20, 132, "rows", 1), ((33,), 44, 128, "cols", 2), (("T", 3), 60, 128, "cols", 1),
+    ((32,), 64, 128, "rows", 4), ((32,), 72, 132, "rows", 2), ((32,), 128, 128, "cols", 4)])
+def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, ahead, rng):
     """The SGEMM of one step's product and of all steps' (T = 5), on the NumPy interpreter of
     TIR against float64: O not whole tiles (the columns past O read its last row of w and are
     not written), K not whole pairs of chunks (a's vectors past K zeros, w's its last
-    columns), both, and neither; the output poisoned. (Products of one kernel: the
-    interpreter runs one grid.)"""
+    columns), both, and neither; at batch 32 and 33 with 4 or 2 chunks' loads in flight
+    (:meth:`Tile.ahead`); the output poisoned. (Products of one kernel: the interpreter runs
+    one grid.)"""
     from rnncc.schedules import cuda_sgemm
     from tir_sim import Simulator
 
     lead = tuple(tirx.Var("T", "int64") if d == "T" else d for d in lead)
     shape = tuple(5 if isinstance(d, tirx.Var) else d for d in lead)
-    kernel = cuda_sgemm.apply(comp.gemm(lead, depth, outputs, weights, "float32"), CUDA)
-    kernel = kernel.mod["main"]
+    gemm = comp.gemm(lead, depth, outputs, weights, "float32")
+    tile = cuda_sgemm.Tile(cuda_sgemm.sizes(gemm))
+    assert tile.ahead(tile.chunks()) == ahead
+    kernel = cuda_sgemm.apply(gemm, CUDA).mod["main"]
     a = rng.standard_normal(shape + (depth,)).astype(np.float32)
     w = rng.standard_normal((outputs, depth)).astype(np.float32)
     b = rng.standard_normal(outputs).astype(np.float32)
@@ -634,6 +638,29 @@ def test_sgemm_is_double_buffered_with_one_barrier_a_chunk(lead, pairs, weights)
         bounds = "256, 2" if product.all_steps else "128"
         assert f"__launch_bounds__({bounds}) {name}(" in source
         assert kernel["registers"] <= 65536 // (blocks * product.threads)
+
+
+def test_sgemm_of_one_step_at_batch_32_keeps_four_chunks_loads_in_flight():
+    """At batch 32 (half a tile of rows) one step's product (LSTM 1024's: 8 slices of 16
+    chunks) issues four chunks' loads before its first barrier, into register sets that ptxas
+    keeps without spills within three blocks of 128 threads a multiprocessor, then goes
+    through its chunks in groups of four (a loop), one barrier a chunk."""
+    from rnncc.compiler.cuda_binary import compile_cubin
+
+    gemm = comp.gemm((32,), 1024, 4096, "rows", "float32")
+    result = schedules.schedule(gemm, CUDA, "gemm")
+    assert result.rule == "cuda.sgemm"
+    func = result.func.with_attr("global_symbol", "sgemm")
+    source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
+    body = kernel_bodies(source.inspect_source())["sgemm_kernel"]
+    first = body.split("__syncthreads()")[0]
+    assert [f"(ar_ptr + {4 * j})" in first for j in range(5)] == [True] * 4 + [False]
+    assert re.findall(r"for \(int (\w+) = 0; \w+ < (\d+)", body) == [("g", "4")]
+    assert body.split("for (int g = 0;")[1].count("__syncthreads()") == 4
+    _, report = compile_cubin(source.inspect_source(), "sm_90")
+    kernel = report["sgemm_kernel"]
+    assert kernel["spill_stores"] == kernel["spill_loads"] == 0
+    assert kernel["registers"] <= 65536 // (3 * 128)
 
 
 @pytest.mark.parametrize("batch, depth, outputs, choices", [
