@@ -186,27 +186,6 @@ def test_a_plan_that_spills_with_its_units_means_is_built_with_the_blocks_sums()
     assert kept.metadata["schedule"]["kind"] == "sequence"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
-def test_a_module_with_tagged_rounds_behind_the_barrier_takes_tagged_values_and_a_counter():
-    """``tagged_rounds``: the entry of LN-LSTM 1024 at batch 4 (h behind the counter barrier)
-    takes the counter and each exchanged value as tagged words (uint64), which its first
-    kernel fills with empty tags; the cooperative kernel spills nothing."""
-    from rnncc.compiler.cuda_binary import cooperative_kernels
-
-    module = rnncc.compile("ln_lstm", 1024, 1024, 4, target="cuda", arch="sm_90",
-                           tuning="off", knobs={"tagged_rounds": True})
-    plan = module.metadata["schedule"]["persistent"]["plan"]
-    assert (plan["sync"], plan["tagged_rounds"]) == ("barrier", True)
-    spaces = {f["name"]: f["dtype"] for f in module.metadata["functions"]["persistent_forward"]
-              if f["kind"] == "workspace"}
-    assert spaces["counter"] == "uint32"
-    assert [d for k, d in spaces.items() if k.startswith("value")] == ["uint64"] * 6
-    ptxas = module.metadata["ptxas"]
-    kernels = cooperative_kernels(module.source("cuda"))
-    assert kernels and not any(ptxas[k]["stack"] or ptxas[k]["spill_stores"] for k in kernels)
-
-
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_layers_of_a_step_that_reduces_run_one_after_another():
     """No wavefront of layers that take means: a persistent kernel a layer."""
@@ -222,15 +201,14 @@ def test_layers_of_a_step_that_reduces_run_one_after_another():
     (7, 33, 4, {"batch_groups": 2, "sync": "barrier"}), (16, 64, 3, {"sync": "grid"}),
     (1028, 1024, 4, {"input_steps": 5}), (64, 1024, 4, {"mma": True, "dtype": "float16"}),
     (1024, 1024, 1, {"mean_partials": False}), (33, 257, 6, {"mean_partials": True}),
-    (512, 512, 8, {"mean_partials": True}), (1024, 1024, 4, {"tagged_rounds": True}),
-    (7, 33, 4, {"batch_groups": 2, "sync": "barrier", "tagged_rounds": True})])
+    (512, 512, 8, {"mean_partials": True})])
 def test_persistent_kernel_takes_means_and_repeats_exactly(cell, input_size, hidden, batch,
                                                            knobs, rng):
     """On the GPU: the persistent kernel of the layer-normalised cells (a level of means a
     round, a layer norm's variance in its mean's: the arguments exchanged tagged, or plain
-    behind a round of the counter barrier or the grid sync, or tagged where h takes the
-    barrier, and summed over the row by every block), against float64 with lengths, T = 1,
-    37 and 100, the same outputs run after run."""
+    behind a round of the counter barrier or the grid sync, and summed over the row by every
+    block), against float64 with lengths, T = 1, 37 and 100, the same outputs run after
+    run."""
     knobs = dict(knobs or {})
     dtype = knobs.pop("dtype", "float32")
     if knobs.get("mma") and cell == "ln_gru":

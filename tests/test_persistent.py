@@ -534,7 +534,7 @@ def test_mma_knob():
     from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
-    for name in ("mma", "mean_partials", "tagged_rounds"):
+    for name in ("mma", "mean_partials"):
         with pytest.raises(ConfigError, match=f"{name} must be true or false, got 'yes'"):
             knobs.check_knobs({name: "yes"})
     lstm = Problem(cells.get("lstm"), 2048, 2048, 4, "float16")
@@ -806,7 +806,6 @@ def test_unroll_knob_unrolls_the_shared_memory_chunks():
 
 
 def test_knob_candidates_follow_the_driver():
-    from rnncc.schedules.persistent.knobs import plan_for
     from rnncc.spec import Problem
     from rnncc.tuning.knob_search import candidates
 
@@ -822,11 +821,7 @@ def test_knob_candidates_follow_the_driver():
     assert {"batch_groups": 2, "reg_margin": 48} in both  # room for the overlap (spills: 24)
     stacked = candidates(Problem(rnncc.cells.get("lstm"), 512, 512, 4, layers=2), H100)
     assert {"sync": "barrier"} in stacked and {"sync": "grid"} not in stacked  # no grid sync
-    assert {"mean_partials": True} not in small and {"tagged_rounds": True} not in small
-    behind_barrier = candidates(Problem(rnncc.cells.get("ln_lstm"), 1024, 1024, 4), H100)
-    assert {"tagged_rounds": True} in behind_barrier  # its values tagged, h behind the barrier
-    assert plan_for(Problem(rnncc.cells.get("ln_lstm"), 1024, 1024, 4), H100,
-                    {"tagged_rounds": True}, 24).tagged_rounds
+    assert {"mean_partials": True} not in small
     assert {"mean_partials": True} in candidates(Problem(rnncc.cells.get("ln_gru"), 256, 256,
                                                          4), H100)
 

@@ -131,9 +131,7 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
     graph = autodiff.trace(cell)  # the values a step reduces, exchanged as h is
     values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
     # the states' workspaces and the tagged words, as the entry's first kernel makes them
-    tagged_values = p.sync == "tagged" or p.tagged_rounds
-    count = len(cell.states)
-    words = (p.sync == "tagged") + (values if tagged_values else 0)
+    count, words = len(cell.states), (1 + values if p.sync == "tagged" else 0)
     made = _llvm(comp.init_persistent(count, dirs, n, h, dtype, "float32", words, EMPTY_TAG,
                                       zero_h=bool(folded)),
                  *[initial[s].astype(dtype) for s in cell.states[bool(folded):]],
@@ -141,12 +139,11 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
                  *[np.zeros((2, dirs * n, h), np.uint64) for _ in range(words)])[-count - words:]
     args.update({f"s{k}": made[k] for k in range(count)})
     if p.sync == "tagged":
-        args["hw"] = made[count]
+        args.update({"hw": made[count], **{f"aw{r}": made[count + 1 + r] for r in range(values)}})
     else:
         args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
-    first_value = count + (p.sync == "tagged")
-    args.update({f"aw{r}": made[first_value + r] if tagged_values else np.full(
-        (2, dirs * n, h), np.nan, np.float32) for r in range(values)})
+        args.update({f"aw{r}": np.full((2, dirs * n, h), np.nan, np.float32)
+                     for r in range(values)})
     if not folded:  # the kernel writes the final states
         args.update({f"s{k}_n": np.full((dirs, n, h), np.nan, dtype) for k in range(count)})
     if buffers.published_h(p, n, dtype):  # NaN: the kernel zeroes what none publishes
@@ -486,40 +483,6 @@ def test_kernel_takes_means_from_each_blocks_sums(cell, name, rng):
     batch = 4 if "batch groups" in name else 3
     check_kernel(cell, p, 6, 33, batch, "float32", rng, lengths=True)
     check_kernel(cell, p, 6, 33, batch, "float32", rng, steps=(3,), offset=300.0, tol=2e-4)
-
-
-@pytest.mark.parametrize("cell, name", [
-    ("ln_lstm", "barrier, batch groups"), ("ln_gru", "barrier"),
-    ("gru_reset_before", "barrier, batch groups"),
-    pytest.param("ln_lstm", "barrier, block sums", marks=pytest.mark.slow),
-    pytest.param("ln_gru", "grid", marks=pytest.mark.slow),
-    pytest.param("ln_lstm", "bidirectional, barrier", marks=pytest.mark.slow),
-    pytest.param("ln_lstm", "tensor cores, more batch rows than threads",
-                 marks=pytest.mark.slow)])
-def test_kernel_exchanges_its_values_tagged_where_h_takes_a_barrier(cell, name, rng):
-    """``tagged_rounds``: the values a step exchanges before h (a level of means a round, or
-    the argument of its product) as tagged words, h behind the counter barrier (or the grid
-    sync), which counts h's arrivals only: against float64 with lengths."""
-    c = rnncc.cells.get(cell)
-    gates, states = c.gates, len(c.states)
-    input_size, hidden, batch, dtype, p = {
-        "barrier, batch groups": lambda: (6, 33, 4, "float32", crafted(
-            gates, 33, 4, "float32", 8, 2, groups=2, sync="barrier")),
-        "barrier": lambda: (6, 33, 3, "float32", crafted(gates, 33, 3, "float32", 8, 2,
-                                                         sync="barrier")),
-        "barrier, block sums": lambda: (6, 33, 3, "float32", dataclasses.replace(crafted(
-            gates, 33, 3, "float32", 8, 2, sync="barrier"), mean_partials=True)),
-        "grid": lambda: (6, 33, 3, "float32", crafted(gates, 33, 3, "float32", 8, 2,
-                                                      sync="grid")),
-        "bidirectional, barrier": lambda: (6, 33, 3, "float32", dataclasses.replace(
-            planner.plan(gates, 33, 3, "float32", H100, states, directions=2),
-            sync="barrier")),
-        "tensor cores, more batch rows than threads": lambda: (6, 64, 40, "float16", crafted(
-            gates, 64, 40, "float16", 2, 1, mma=True, sync="barrier", rows_per_warp=8)),
-    }[name]()
-    p = dataclasses.replace(p, tagged_rounds=True)
-    assert p.sync != "tagged"
-    check_kernel(cell, p, input_size, hidden, batch, dtype, rng, lengths=True)
 
 
 def _many_norms_step(gi, gh, state):

@@ -716,9 +716,9 @@ class _Builder:
 
         graph = autodiff.trace(p.cell)  # values of a step exchanged before h: its reductions'
         values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
-        tagged = plan.sync == "tagged" or plan.tagged_rounds  # the values as h's tagged words
+        tagged = plan.sync == "tagged"  # the values as h's tagged words
 
-        def exchanged():  # tagged words (the tagged h or tagged_rounds), else counter-ordered
+        def exchanged():  # tagged words with the tagged h, else ordered by the counter
             return [self.param(sig, f"value{k}_{'tagged' if tagged else 'exchanged'}",
                                (2, rows, h), "workspace", "uint64" if tagged else "float32")
                     for k in range(values)]
@@ -738,9 +738,8 @@ class _Builder:
             if published:
                 shape, dtype = published
                 more_sync.append(self.param(sig, "h_published", shape, "workspace", dtype))
-            values_made = exchanged()
-            more_sync += values_made
-            words = values_made if tagged else []
+            more_sync += exchanged()  # the counter orders them
+            words = []
         # the states' workspaces (a projection's h': zero) and the tagged words, every grid's
         init = self.scheduled("init_persistent", comp.init_persistent(
             len(sw), dirs, n, h, p.dtype, acc, len(words), EMPTY_TAG, zero_h=bool(proj)),

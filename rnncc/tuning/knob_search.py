@@ -35,7 +35,7 @@ MEASURE_TIMEOUT = 40.0
 
 def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     """Knob sets to try, the default ({}) first and ``start`` second, one a distinct plan."""
-    from ..cells.autodiff import mean_levels, product_gates, trace
+    from ..cells.autodiff import mean_levels
     from ..schedules import persistent
     from ..schedules.persistent.knobs import OVERLAP_ROOM, SYNCS, WARPS, fuses_input, plan_for
     from ..schedules.persistent.planner import REG_MARGIN
@@ -62,9 +62,6 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
     if mean_levels(problem.cell):  # a step's means as each block's sums, or as units' values
         tries += [{"mean_partials": not base.mean_partials}]
-    if base.sync != "tagged" and (mean_levels(problem.cell) or product_gates(trace(
-            problem.cell))):  # the values before h tagged, h behind its barrier
-        tries += [{"tagged_rounds": True}]
     if fuses_input(problem):  # W_hh's chunks moved to make room for the overlap, by groups
         tries += [{"batch_groups": d, "reg_margin": REG_MARGIN + room} for d in groups
                   for room in OVERLAP_ROOM[1:]]

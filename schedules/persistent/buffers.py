@@ -57,8 +57,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     float32), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
     group, (h as published for the next step's staging ``hx``, where the planner says so:
     :func:`published_h`), (the values of the step it exchanges before h, its product's argument
-    or each of its means', [2,N,H] each, uint64 tagged as h (``spec.values_tagged``), else
-    float32). T is the symbolic
+    or each of its means', [2,N,H] each, uint64 tagged as h, else float32). T is the symbolic
     length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
@@ -129,7 +128,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     if published:
         match("hx", "hx", *published)
     out.aw = [match(f"aw{r}", f"aw{r}", (2, rows, spec.hidden),
-                    "uint64" if spec.values_tagged else "float32") for r in range(values)]
+                    "uint64" if spec.tagged else "float32") for r in range(values)]
     if spec.layers > 1:
         match("prog", "prog", (d * p.batch_groups,), "uint32")
     return out
@@ -270,7 +269,7 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc("racc", widest * n, "float32")
     if spec.lengths:
         alloc("ln", p.items, "int32")
-    if spec.values_tagged:
+    if spec.tagged:
         alloc("tv", exchange.WAIT_BATCH, "uint64")
     if p.smem_chunks:
         alloc("wsm", p.warps * p.smem_chunks * rw * 32 * vec, dt, "shared.dyn")

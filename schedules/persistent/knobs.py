@@ -37,11 +37,10 @@ from .planner import Plan, Unfit
 #: the fused input projection before the time loop (0: the input projection is a separate
 #: GEMM), the steps a group of the fused input projection overlapped with the time loop (0:
 #: not overlapped), the batch groups (a divisor of N: the grid split into that many groups, a
-#: slice of the batch each), the products on tensor cores, a step's row means exchanged
-#: as each block's sums rather than its units' values (``mean_partials``), and the values a
-#: step exchanges before h as tagged words where h goes behind a barrier (``tagged_rounds``).
+#: slice of the batch each), the products on tensor cores, and a step's row means exchanged
+#: as each block's sums rather than its units' values (``mean_partials``).
 KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
-         "batch_groups", "mma", "mean_partials", "tagged_rounds")
+         "batch_groups", "mma", "mean_partials")
 SYNCS = ("tagged", "barrier", "grid")
 WARPS = (4, 8, 16)
 
@@ -98,7 +97,7 @@ def check_knobs(knobs) -> dict:
         raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
     if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
         raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
-    for name in ("mma", "mean_partials", "tagged_rounds"):
+    for name in ("mma", "mean_partials"):
         if not isinstance(knobs.get(name, False), bool):
             raise ConfigError(f"{name} must be true or false, got {knobs[name]!r}")
     for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
@@ -148,8 +147,8 @@ class _Request:
                                         if p.cell.params else None), mma=mma,
                              # slices copy h as published after a barrier: not tagged
                              slices=mma and one_product(p.cell) and k.get("sync") != "tagged")
-        return dataclasses.replace(found, **{f: k[f] for f in (
-            "sync", "unroll", "mean_partials", "tagged_rounds") if f in k})
+        return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll",
+                                                                "mean_partials") if f in k})
 
 
 def one_product(cell) -> bool:

@@ -184,7 +184,6 @@ class Plan:
     k_parts: int = 1  # KQ, warps that split each row group's K (tensor cores; "K split")
     k_slices: int = 1  # KL, slices of K staged one after another ("Slices of K")
     mean_partials: bool = False  # a step's means exchanged as a block's sums (stages.means)
-    tagged_rounds: bool = False  # values before h tagged where h takes a barrier (exchange)
 
     @property
     def warp_chunks(self) -> int:

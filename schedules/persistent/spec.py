@@ -162,14 +162,6 @@ class KernelSpec:
         return self.plan.sync == "tagged"
 
     @property
-    def values_tagged(self) -> bool:
-        """The values a step exchanges before h (its rounds) travel as tagged words: with h's
-        tagged exchange, or (``plan.tagged_rounds``) where h goes behind a barrier, which
-        then counts only h's arrivals (the barrier after each step keeps every block within
-        a step of the others, as the tagged words' two slots need)."""
-        return self.tagged or self.plan.tagged_rounds
-
-    @property
     def means(self) -> int:
         """How many row means the step takes."""
         return sum(len(level) for level in self.levels)
@@ -194,7 +186,7 @@ class KernelSpec:
         """The count of a batch group's counter barrier once its blocks have arrived after
         step t's h (or its round ``value``'s value, exchanged first: R + 1 arrivals a
         step)."""
-        if not self.rounds or self.values_tagged:
+        if not self.rounds:
             return (t + 1) * self.plan.group_blocks
         step = self.rounds + 1
         return (step * t + (value + 1 if value >= 0 else step)) * self.plan.group_blocks

@@ -347,9 +347,8 @@ def arrive_and_wait(spec, cnt, t, bx, tx):
 @T.macro
 def publish_value(spec, aw, t, value, row, j):
     """The value of unit j, batch row ``row``, that step t's recurrent product takes
-    (:mod:`.cell`): tagged as h is (or with ``spec.values_tagged``), or plain for the
-    barriers."""
-    if spec.values_tagged:
+    (:mod:`.cell`): tagged as h is, or plain for the barriers."""
+    if spec.tagged:
         publish_tagged(aw, t, value, row, j)
     else:
         aw[(t + 1) % 2, row, j] = value
@@ -358,25 +357,23 @@ def publish_value(spec, aw, t, value, row, j):
 @T.macro
 def value_barrier(spec, cnt, t, r, bx, tx):
     """Every block's value of step t's round r is out (:func:`publish_value`): a block
-    barrier (the sums are read), then the barrier variants' wait, a round of the counter
-    (tagged values wait in their staging)."""
+    barrier (the sums are read), then the barrier variants' wait, a round of the counter."""
     T.tvm_storage_sync("shared.dyn")
-    if not spec.values_tagged:
-        if spec.plan.sync == "grid":
-            T.cuda.grid_sync()
-        elif spec.plan.sync == "barrier":
-            if tx == 0:
-                device.arrive(T.address_of(cnt[spec.group_of(bx)]))
-                device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
-                                  T.Cast("uint32", spec.arrivals(t, value=r)))
-            T.tvm_storage_sync("shared.dyn")
+    if spec.plan.sync == "grid":
+        T.cuda.grid_sync()
+    elif spec.plan.sync == "barrier":
+        if tx == 0:
+            device.arrive(T.address_of(cnt[spec.group_of(bx)]))
+            device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
+                              T.Cast("uint32", spec.arrivals(t, value=r)))
+        T.tvm_storage_sync("shared.dyn")
 
 
 def stage_values(spec, arrays, tv, stores, t, bx, tx, row=None):
     """Stage the values of step t of ``arrays`` (each :func:`publish_value`'s) as
     :func:`stage_h` stages h, ``stores[a](e, value)`` for array a, in one pass: tagged, a batch
     of loads of all of them before any wait; plain, each round of the threads loading all."""
-    if spec.values_tagged:
+    if spec.tagged:
         for first in range(0, len(arrays), WAIT_BATCH):  # a word of each in flight at least
             _stage_tagged(spec, arrays[first:first + WAIT_BATCH], tv,
                           stores[first:first + WAIT_BATCH], t + 1, bx, tx, row)
