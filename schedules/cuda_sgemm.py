@@ -113,8 +113,9 @@ PAD = 4
 MIN_BLOCKS = {256: 2}
 #: One step's product in tiles of TILE rows (256 threads) from this batch on, where they pad no
 #: more rows than STEP_TILE ones (N mod 128 = 0 or over 64) and their grid, slices included,
-#: has at least WIDE_STEP_BLOCKS blocks (about one a multiprocessor: LSTM 256 at batch 256 has
-#: 64, and took 15.2 -> 16.8 us a step in them, H200; LSTM 512's 256 took 37.3 -> 33.9).
+#: has at least WIDE_STEP_BLOCKS blocks (about one a multiprocessor: LSTM 256 at batch 256 had
+#: 64 in slices 64 deep, and took 15.2 -> 16.8 us a step in them, H200; in slices 32 deep
+#: (SHALLOW_SLICE) 128, 14.54 -> 14.40; LSTM 512's 256 took 37.3 -> 33.9).
 WIDE_STEP_BATCH = 128
 WIDE_STEP_BLOCKS = 128
 #: Split-K of one step's product: at most MAX_SPLITS slices (a power of two), each at least
@@ -125,6 +126,15 @@ WIDE_STEP_BLOCKS = 128
 MAX_SPLITS = 32
 MIN_SLICE = 64
 SPLIT_BLOCKS = 384
+#: Slices down to SHALLOW_SLICE deep where those of MIN_SLICE leave the grid fewer than
+#: FEW_BLOCKS blocks (two a multiprocessor of an H100/H200): a block of few chunks is as long
+#: as its latencies (ncu, LSTMP 1024/256 at batch 64: W_hr's product of 32 blocks and W_hh's of
+#: 128 both about 11 us at base clocks, issuing 0.35 a cycle a scheduler, one warp each).
+#: H200 layers, T = 100: LSTMP 1024/256 at batch 64 32.18 -> 30.66 us (cuDNN 37.03), LSTMP
+#: 768/192 31.04 -> 24.54 (30.31), GRU 768 at batch 56 20.53 -> 18.70, LSTM 768 at 64 24.26 ->
+#: 23.39; 1.00x where the grid was already full.
+SHALLOW_SLICE = 32
+FEW_BLOCKS = 264
 #: Where those slices of a 64-row tiles' grid would be deeper than DEEP_SLICE, twice as many
 #: while the grid stays within DEEP_SPLIT_BLOCKS (four of 128 threads a multiprocessor). H200,
 #: kernel alone: LSTM 2048 at batch 64 (64 x 2048 x 8192) 4 slices of 512 68.5 us, 8 of 256
@@ -177,10 +187,14 @@ class Product:
 
     def _splits(self, rows: int) -> int:
         """One step's slices in tiles of ``rows`` rows: the most of :meth:`split_choices`
-        within :data:`SPLIT_BLOCKS` blocks, more for deep slices of 64-row tiles
-        (:data:`DEEP_SLICE`)."""
+        within :data:`SPLIT_BLOCKS` blocks (of slices down to :data:`SHALLOW_SLICE` deep
+        where those of :data:`MIN_SLICE` leave fewer than :data:`FEW_BLOCKS`), more for deep
+        slices of 64-row tiles (:data:`DEEP_SLICE`)."""
         tiles, choices = self._tiles(rows), self.split_choices()
         count = max(s for s in choices if s == 1 or tiles * s <= SPLIT_BLOCKS)
+        if tiles * count < FEW_BLOCKS:
+            choices = self.split_choices(SHALLOW_SLICE)
+            count = max(s for s in choices if s == 1 or tiles * s <= SPLIT_BLOCKS)
         while (rows == STEP_TILE and self.slice_chunks(count) * BK > DEEP_SLICE
                and count * 2 in choices and tiles * count * 2 <= DEEP_SPLIT_BLOCKS):
             count *= 2
@@ -220,18 +234,18 @@ class Product:
         run time."""
         return 1 if self.all_steps else self._splits(self.tile_rows)
 
-    def split_choices(self) -> tuple[int, ...]:
+    def split_choices(self, shallowest: int = MIN_SLICE) -> tuple[int, ...]:
         """The slice counts K divides into: powers of two up to :data:`MAX_SPLITS` (all steps:
         :data:`ALL_STEPS_MAX_SPLITS`), each slice whole pairs of chunks and at least
-        :data:`MIN_SLICE` deep (where K is not whole pairs, any count whose last slice is not
+        ``shallowest`` deep (where K is not whole pairs, any count whose last slice is not
         all past K)."""
         most = ALL_STEPS_MAX_SPLITS if self.all_steps else MAX_SPLITS
 
         def fits(s):
             deep = self.slice_chunks(s) * BK
             if self.whole:
-                return self.depth % (s * 2 * BK) == 0 and (s == 1 or deep >= MIN_SLICE)
-            return s == 1 or (deep >= MIN_SLICE and (s - 1) * deep < self.depth)
+                return self.depth % (s * 2 * BK) == 0 and (s == 1 or deep >= shallowest)
+            return s == 1 or (deep >= shallowest and (s - 1) * deep < self.depth)
 
         return tuple(s for s in (2 ** i for i in range(most.bit_length())) if s <= most and fits(s))
 

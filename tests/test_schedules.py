@@ -448,8 +448,8 @@ def test_sgemm_takes_float32_projections_of_all_steps_and_of_large_batches():
 
 
 @pytest.mark.parametrize("lead, depth, outputs, weights, ahead", [
-    ((33,), 36, 132, "rows", 2), ((40,), 36, 260, "rows", 1), ((64,), 32, 256, "rows", 1),
-    (("T", 3), 20, 132, "rows", 1), ((33,), 44, 128, "cols", 2), (("T", 3), 60, 128, "cols", 1),
+    ((33,), 36, 132, "rows", 4), ((40,), 36, 260, "rows", 1), ((64,), 32, 256, "rows", 1),
+    (("T", 3), 20, 132, "rows", 1), ((33,), 44, 128, "cols", 4), (("T", 3), 60, 128, "cols", 1),
     ((32,), 64, 128, "rows", 4), ((32,), 72, 132, "rows", 2), ((32,), 128, 128, "cols", 4)])
 def test_sgemm_matches_numpy_on_the_simulator(lead, depth, outputs, weights, ahead, rng):
     """The SGEMM of one step's product and of all steps' (T = 5), on the NumPy interpreter of
@@ -555,10 +555,11 @@ def test_sgemm_of_all_steps_with_lengths_writes_only_their_rows_on_the_simulator
     (64, 1024, 4096, 8, 64), (64, 1536, 6144, 8, 64), (64, 1024, 3072, 16, 64),
     (64, 2048, 6144, 8, 64), (64, 4096, 1024, 32, 64), (64, 8192, 2048, 32, 64),
     (64, 2048, 8192, 8, 64), (32, 2048, 8192, 8, 64), (64, 4096, 16384, 4, 64),
-    (96, 256, 1024, 4, 64), (33, 128, 128, 2, 64), (40, 32, 128, 1, 64), (32, 1500, 6000, 8, 64),
-    (64, 1000, 4000, 8, 64), (33, 116, 132, 2, 64), (256, 1024, 4096, 4, 128),
+    (96, 256, 1024, 8, 64), (33, 128, 128, 4, 64), (40, 32, 128, 1, 64), (32, 1500, 6000, 8, 64),
+    (64, 1000, 4000, 8, 64), (33, 116, 132, 4, 64), (256, 1024, 4096, 4, 128),
     (128, 1024, 4096, 8, 128), (192, 1024, 3072, 4, 64), (200, 512, 2048, 8, 128),
-    (256, 4096, 16384, 1, 128), (256, 256, 1024, 4, 64), (256, 512, 1536, 8, 128)])
+    (256, 4096, 16384, 1, 128), (256, 256, 1024, 8, 128), (256, 512, 1536, 16, 128),
+    (64, 256, 4096, 8, 64), (64, 1024, 256, 32, 64), (64, 768, 3072, 16, 64)])
 def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     """One step's product: 64-row tiles of 128 threads, or from batch 128 tiles of 128 rows
     (256 threads, two a multiprocessor) where they pad no more rows (192: three of 64, not two
@@ -567,7 +568,10 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     H200; a training step's dh of LSTM 1024 and 2048) of whole pairs of chunks, at least
     MIN_SLICE deep, the grid within SPLIT_BLOCKS, or DEEP_SPLIT_BLOCKS where slices of 64-row
     tiles would be deeper than DEEP_SLICE (LSTM 2048 at batch 32 and 64: 8 of 256, not 4 of
-    512); the slices go to a workspace that a second kernel sums in order with the bias."""
+    512), down to SHALLOW_SLICE deep where slices of MIN_SLICE leave fewer than FEW_BLOCKS
+    blocks (LSTMP 1024/256 at batch 64: W_hh's product in 8 slices of 32, W_hr's in 32; LSTM
+    768: 16 of 48; LSTM 256 at batch 256: 8 of 32, 128 blocks, so 128 rows); the slices go to
+    a workspace that a second kernel sums in order with the bias."""
     from rnncc.schedules import cuda_sgemm
 
     product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
@@ -579,7 +583,10 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     deep = product.slice_chunks(splits) * cuda_sgemm.BK
     assert deep * splits == depth or (not product.whole and 0 <= deep * splits - depth
                                       < splits * 2 * cuda_sgemm.BK)
-    assert splits == 1 or deep >= cuda_sgemm.MIN_SLICE
+    most = max(s for s in product.split_choices()
+               if s == 1 or tiles * s <= cuda_sgemm.SPLIT_BLOCKS)
+    assert splits == 1 or deep >= cuda_sgemm.MIN_SLICE or (
+        deep >= cuda_sgemm.SHALLOW_SLICE and tiles * most < cuda_sgemm.FEW_BLOCKS)
     func = cuda_sgemm.kernel(product).with_attr("global_symbol", "step")
     source = tvm.compile(tvm.IRModule({"main": func}), target=CUDA).mod.imports[0]
     bodies = kernel_bodies(source.inspect_source())
@@ -1315,7 +1322,7 @@ def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
     assert rules["recurrent_gemm_parts"] == rules["recurrent_gemm_backward_parts"] == "cuda.sgemm"
     from rnncc.schedules import cuda_sgemm
 
-    assert cuda_sgemm.parts(comp.gemm((64,), 256, 1024, "rows", "float32", "float32")) == 4
+    assert cuda_sgemm.parts(comp.gemm((64,), 256, 1024, "rows", "float32", "float32")) == 8
     n, h, parts, cell = 5, 8, 4, rnncc.cells.get("lstm")
 
     def run(func, *arrays):
