@@ -201,6 +201,11 @@ class Product:
         return count
 
     @property
+    def step_blocks(self) -> int:
+        """Blocks of one step's grid: its tiles times its slices."""
+        return self._tiles(self.tile_rows) * self.splits
+
+    @property
     def whole(self) -> bool:
         """Whether K is whole pairs of chunks (else the loads past K give zeros)."""
         return self.depth % (2 * BK) == 0
@@ -462,7 +467,7 @@ class Tile:
         three blocks)."""
         p = self.product
         if (p.all_steps or self.threads != 128 or not isinstance(chunks, int)
-                or p.batch > AHEAD_BATCH or p._tiles(self.m) * p.splits > SPLIT_BLOCKS):
+                or p.batch > AHEAD_BATCH or p.step_blocks > SPLIT_BLOCKS):
             return 1
         return AHEAD if chunks % AHEAD == 0 else 2
 
