@@ -1314,9 +1314,9 @@ def test_tiled_gemm_declines_what_does_not_tile():
 
 def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
     """Where cuda.sgemm splits one step's product anyway, the sequence leaves it in its S
-    slices of K (comp.gemm_parts) for the cell step, its derivative and the initial states'
-    gradients to add (with the bias): its own sum kernel is saved. Those components, built for
-    this CPU, give what the summed product gives."""
+    slices of K (comp.gemm_parts) for the cell step, its derivative, the initial states'
+    gradients and LSTMP's projected state to add (with the bias): its own sum kernel is saved.
+    Those components, built for this CPU, give what the summed product gives."""
     problem = Problem(rnncc.cells.get("lstm"), 256, 256, 64, training=True)
     rules = sequence.build(problem, Options(), CUDA).rules
     assert rules["recurrent_gemm_parts"] == rules["recurrent_gemm_backward_parts"] == "cuda.sgemm"
@@ -1364,6 +1364,16 @@ def test_recurrent_products_in_parts_add_up_in_their_readers(rng):
                 *initial)[-2:]
     for x, y in zip(split, whole):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    active = np.array([1, 0, 1, 1, 0], "int32")  # LSTMP's projected state, lengths masked
+    for masked in (False, True):
+        given = [states[0], *([active] if masked else [])]
+        outs = [np.full((n, h), np.nan, "float32") for _ in range(2)]
+        whole = run(comp.projected_state(n, h, "float32", masked), dh_parts.sum(0), *given,
+                    *outs)[-2:]
+        split = run(comp.projected_state(n, h, "float32", masked, parts), dh_parts, *given,
+                    *outs)[-2:]
+        for x, y in zip(split, whole):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("lead, k, o, slab", [
