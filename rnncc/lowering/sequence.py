@@ -469,13 +469,13 @@ class _Builder:
         # ``h_cell_steps`` [T, N, H]), then W_hr h'
         # (left in slices where its product splits K: the projected state adds them)
         hf = hr = zero = None
-        proj_parts = 1
+        proj_parts, hr_shape = 1, ()
         if proj:
             hf = (self.param(sig, "h_cell_steps", (t_len, n, h), "output") if history
                   else self.param(sig, "h_cell", per_direction((n, h)), "workspace"))
             proj_parts = self.product_parts("projection_gemm", self._projection_gemm())
-            hr = self.param(sig, "h_projected", per_direction(comp.parts_shape(
-                proj_parts, (n, proj))), "workspace", acc)
+            hr_shape = comp.parts_shape(proj_parts, (n, proj))
+            hr = self.param(sig, "h_projected", per_direction(hr_shape), "workspace", acc)
             if proj_parts == 1:
                 zero = self.param(sig, "zero_bias", (proj,), "workspace")
 
@@ -588,7 +588,7 @@ class _Builder:
             if proj:
                 steps += _named(self.projection(
                     h_cell, w_hr, d, zero, proj_parts,
-                    Region(hr, at(d, (ALL,) * len(comp.parts_shape(proj_parts, (n, proj))))),
+                    Region(hr, at(d, (ALL,) * len(hr_shape))),
                     Region(sw[0], at(d, (slot, ALL, ALL))), [Region(a, (t, ALL)) for a in active],
                     out, Region(sw[0], at(d, (nxt, ALL, ALL)))), suffix)
         final = t_len if history else tirx.floormod(t_len, i64(2))
@@ -716,16 +716,14 @@ class _Builder:
 
         graph = autodiff.trace(p.cell)  # values of a step exchanged before h: its reductions'
         values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
-        tagged = plan.sync == "tagged"  # the values as h's tagged words
 
-        def exchanged():  # tagged words with the tagged h, else ordered by the counter
-            return [self.param(sig, f"value{k}_{'tagged' if tagged else 'exchanged'}",
-                               (2, rows, h), "workspace", "uint64" if tagged else "float32")
+        def exchanged(kind, dtype):  # the values' workspaces, one a value
+            return [self.param(sig, f"value{k}_{kind}", (2, rows, h), "workspace", dtype)
                     for k in range(values)]
 
         if plan.sync == "tagged":  # h, and each value, tagged as h before step 0
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
-            more_sync = exchanged()
+            more_sync = exchanged("tagged", "uint64")
             sync_stages, words = [], [sync, *more_sync]
         else:
             counters = dirs * plan.batch_groups
@@ -738,7 +736,7 @@ class _Builder:
             if published:
                 shape, dtype = published
                 more_sync.append(self.param(sig, "h_published", shape, "workspace", dtype))
-            more_sync += exchanged()  # the counter orders them
+            more_sync += exchanged("exchanged", "float32")  # the counter orders them
             words = []
         # the states' workspaces (a projection's h': zero) and the tagged words, every grid's
         init = self.scheduled("init_persistent", comp.init_persistent(
