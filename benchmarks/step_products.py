@@ -41,7 +41,7 @@ def build(archive: str, shapes: list, rules: list) -> None:
 
     from rnncc import schedules
     from rnncc.compiler import pipeline
-    from rnncc.compiler.cuda_binary import nvcc_callback
+    from rnncc.compiler.cuda_binary import nvcc_callback, pack_imports_with_cubin
     from rnncc.lowering import components as comp
     from rnncc.target import TargetSpec
 
@@ -65,7 +65,8 @@ def build(archive: str, shapes: list, rules: list) -> None:
                   tvm.transform.PassContext(config=pipeline.CONFIG)):
                 tvm.compile(sch.mod, target=target,
                             tir_pipeline=pipeline.register()).export_library(
-                                os.path.join(folder, name))
+                                os.path.join(folder, name),
+                                fpack_imports=pack_imports_with_cubin("sm_90", reports))
             index.append({**shape, "rule": rule.name, "file": name, "ptxas": reports})
             print(f"built {name}", flush=True)
     with open(os.path.join(folder, "index.json"), "w") as f:
