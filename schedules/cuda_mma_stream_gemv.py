@@ -10,8 +10,9 @@ instruction's M (one tile, rows past N zero), 8 output rows of W its N, 8 k a st
 A block of :data:`WARPS` warps stages all of h [16, K] in dynamic shared memory once (rows
 padded to 64 bytes past a multiple of 128: a phase's 16-byte reads of rows g and g + 1 hit the
 32 banks once); warp w owns 8 output rows and multiplies them by all of K, lane (g, q) reading
-16 bytes of row g a block of 16 k, past L1 (:data:`.cuda_small_batch_gemv.STREAM_SOURCE`),
-:data:`AHEAD` blocks ahead of its products. No barrier after the staging.
+16 bytes of row g a block of 16 k, past L1 (:mod:`._streaming`: past 40 MiB with the L2
+policy that keeps 30 MiB of W from step to step), :data:`AHEAD` blocks ahead of its products.
+No barrier after the staging.
 
 Where cuda.mma_gemv stages h a chunk of K at a time between two barriers (its W one iteration
 ahead), and cuda.small_batch_gemv (IEEE) reads h through L1 for every few rows, this streams W
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from . import _mma, cuda_small_batch_gemv
+from . import _mma, _streaming, cuda_small_batch_gemv
 from ._common import has_wgmma, step_product
 from ._rule import Rule
 
@@ -82,6 +83,7 @@ def kernel(p: Plan):
     n_, k_, o_, stride = p.batch, p.depth, p.outputs, p.stride
     threads, groups = WARPS * 32, p.depth // (BLOCK_K * AHEAD)
     op = _mma.TF32
+    keep = _streaming.keep_fraction(o_ * k_ * 4)  # W's part L2 keeps from step to step
 
     def rounded_a(value):
         return value if "a" in p.rounded else op.round(value)
@@ -104,10 +106,16 @@ def kernel(p: Plan):
     def load_w(w, wf, group, row, q):
         """The lane's 16 bytes of row ``row`` of each of the AHEAD blocks of ``group``."""
         for d in T.unroll(AHEAD):
-            T.evaluate(T.cuda.func_call(
-                "rnncc_ld_stream4", T.address_of(wf[d * 4]),
-                T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]),
-                source_code=cuda_small_batch_gemv.STREAM_SOURCE))
+            if keep is None:
+                T.evaluate(T.cuda.func_call(
+                    _streaming.STREAM, T.address_of(wf[d * 4]),
+                    T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]),
+                    source_code=_streaming.STREAM_SOURCE))
+            else:
+                T.evaluate(T.cuda.func_call(
+                    _streaming.STREAM_KEEP, T.address_of(wf[d * 4]),
+                    T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]),
+                    T.float32(keep), source_code=_streaming.STREAM_KEEP_SOURCE))
 
     @T.macro
     def products(hs, acc, wf, hab, af, wb, group, g, q):

@@ -26,6 +26,7 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from . import _streaming
 from ._common import gemm_blocks, sm_at_least, static_extent
 from ._rule import Rule
 
@@ -67,46 +68,48 @@ STREAM_MIN_H_BYTES, STREAM_MIN_W_BYTES = 96 * 1024, 48 << 20
 #: against 24.0; but 16 1024 4096 7.8 against 12.6, 24 2048 8192 53.9 against 55.2 (W of
 #: 16-48 MiB not measured: left to the tensor cores).
 TF32_MIN_W_BYTES, TF32_MAX_BATCH = 48 << 20, 16
-#: The tensor intrinsic that loads a lane's 4 values of W past L1, and its device function.
-STREAM_LOAD = "rnncc_small_batch_gemv_stream4"
-STREAM_SOURCE = """
-__device__ __forceinline__ void rnncc_ld_stream4(float* dst, const float* src) {
-  float4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
-      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
-  dst[0] = v.x;
-  dst[1] = v.y;
-  dst[2] = v.z;
-  dst[3] = v.w;
-}
-"""
+#: W larger than L2 is loaded with :mod:`._streaming`'s L2 policy (30 MiB of it kept from step to
+#: step), past L1 where it is streamed, else through it where a warp has at most
+#: L2_POLICY_ROWS_PER_WARP rows (at RW = 8, batch 8, the device function's loads lost as the loads
+#: past L1 did, above). H200, IEEE float32, T = 100, us a step, plain -> policy (cuDNN): LSTM 2048
+#: at batch 1 20.41 -> 15.82 (27.91), at 4 25.01 -> 21.19 (36.52), at 16 (streamed) 40.92 -> 39.24,
+#: at 8 36.23 -> 38.83; GRU 2048 at 16 33.54 -> 32.99; LSTM 4096 at 1 68.54 -> 65.81, at 4 83.26 ->
+#: 78.33; GRU 4096 at 4 63.31 -> 59.09.
+L2_POLICY_ROWS_PER_WARP = 4
 
+def _load_intrin(function: str, source: str, keep: float | None) -> str:
+    """The tensor intrinsic (registered on first use) that loads a lane's 4 values of W with
+    the device function ``function`` of :mod:`._streaming` (its L2 policy's fraction ``keep``
+    where it takes one)."""
+    name = f"rnncc_small_batch_gemv_{function}" + ("" if keep is None else f"_{keep * 1000:.0f}")
+    if s_tir.TensorIntrin.get(name, allow_missing=True) is not None:
+        return name
+    extra = () if keep is None else (T.float32(keep),)
 
-@T.prim_func(s_tir=True)
-def _stream_desc(a: T.handle, b: T.handle):
-    src = T.match_buffer(a, (4,), "float32", offset_factor=1)
-    dst = T.match_buffer(b, (4,), "float32", scope="local", offset_factor=1)
-    with T.sblock("root"):
-        T.reads(src[0:4])
-        T.writes(dst[0:4])
-        for i in T.serial(4):
-            with T.sblock("load"):
-                v = T.axis.remap("S", [i])
-                dst[v] = src[v]
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle):
+        src = T.match_buffer(a, (4,), "float32", offset_factor=1)
+        dst = T.match_buffer(b, (4,), "float32", scope="local", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(src[0:4])
+            T.writes(dst[0:4])
+            for i in T.serial(4):
+                with T.sblock("load"):
+                    v = T.axis.remap("S", [i])
+                    dst[v] = src[v]
 
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle):
+        src = T.match_buffer(a, (4,), "float32", offset_factor=1)
+        dst = T.match_buffer(b, (4,), "float32", scope="local", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(src[0:4])
+            T.writes(dst[0:4])
+            T.evaluate(T.cuda.func_call(function, dst.access_ptr("w"), src.access_ptr("r"),
+                                        *extra, source_code=source))
 
-@T.prim_func(s_tir=True)
-def _stream_impl(a: T.handle, b: T.handle):
-    src = T.match_buffer(a, (4,), "float32", offset_factor=1)
-    dst = T.match_buffer(b, (4,), "float32", scope="local", offset_factor=1)
-    with T.sblock("root"):
-        T.reads(src[0:4])
-        T.writes(dst[0:4])
-        T.evaluate(T.cuda.func_call("rnncc_ld_stream4", dst.access_ptr("w"),
-                                    src.access_ptr("r"), source_code=STREAM_SOURCE))
-
-
-s_tir.TensorIntrin.register(STREAM_LOAD, _stream_desc, _stream_impl, override=True)
+    s_tir.TensorIntrin.register(name, desc, impl)
+    return name
 
 
 def takes_tf32(batch: int, depth: int, rows: int) -> bool:
@@ -184,11 +187,20 @@ def apply(func, target, rw: int | None = None):
                 sch.vectorize(v_s)
     # (tensorize takes no block under a mask: where K is not a multiple of 128, plain loads;
     # the load's L1 eviction hint is sm_70's)
-    streamed = (vec > 1 and weights_dtype == "float32" and depth % (32 * vec) == 0
-                and h_bytes >= STREAM_MIN_H_BYTES and rows * depth * 4 >= STREAM_MIN_W_BYTES
+    whole = vec > 1 and weights_dtype == "float32" and depth % (32 * vec) == 0
+    streamed = (whole and h_bytes >= STREAM_MIN_H_BYTES and rows * depth * 4 >= STREAM_MIN_W_BYTES
                 and sm_at_least(target, 70))
+    keep = _streaming.keep_fraction(rows * depth * 4) if sm_at_least(target, 80) else None
+    if not streamed and rw > L2_POLICY_ROWS_PER_WARP:
+        keep = None
+    load = None
+    if whole and keep is not None:
+        load = (_load_intrin(_streaming.STREAM_KEEP, _streaming.STREAM_KEEP_SOURCE, keep)
+                if streamed else _load_intrin(_streaming.KEEP, _streaming.KEEP_SOURCE, keep))
+    elif streamed:
+        load = _load_intrin(_streaming.STREAM, _streaming.STREAM_SOURCE, None)
     if vec > 1:
-        if not streamed:
+        if load is None:
             sch.vectorize(sch.get_loops(w_local)[-1])
         sch.vectorize(sch.get_loops(h_local)[-1])
     for loop in (n_rf, *o_r, v_rf):
@@ -205,8 +217,8 @@ def apply(func, target, rw: int | None = None):
     bias_loops = sch.get_loops(bias)
     for loop in bias_loops[len(bias_loops) - len(inner) + 1:]:  # [batch rows][, unit rows]
         sch.unroll(loop)
-    if streamed:
-        sch.tensorize(sch.get_loops(w_local)[-1], STREAM_LOAD)
+    if load is not None:
+        sch.tensorize(sch.get_loops(w_local)[-1], load)
     return sch
 
 

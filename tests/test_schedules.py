@@ -273,17 +273,25 @@ def test_large_tf32_step_products_at_batch_9_to_16_stream_on_tensor_cores():
     assert cuda_mma_stream_gemv.apply(func, ampere) is None
 
 
-@pytest.mark.parametrize("batch, depth, outputs, rounded", [
-    (12, 256, 128, ""), (16, 128, 64, "ab"), (9, 384, 192, "b")])
-def test_mma_stream_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, rounded, rng):
+@pytest.mark.parametrize("batch, depth, outputs, rounded, keep", [
+    (12, 256, 128, "", False), (16, 128, 64, "ab", True), (9, 384, 192, "b", False)])
+def test_mma_stream_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, rounded, keep,
+                                                        rng, monkeypatch):
     """cuda.mma_stream_gemv's kernel (small sizes, planned by hand) on the NumPy interpreter
     of TIR against NumPy's product of the operands rounded to TF32 (by the kernel, or before
-    where ``rounded`` says the callers did), rows past N padded, the output poisoned."""
-    from rnncc.schedules import cuda_mma_stream_gemv
+    where ``rounded`` says the callers did), rows past N padded, the output poisoned; W
+    loaded with the L2 policy that keeps part of it where ``keep`` (the threshold lowered:
+    at full size W of 40 MiB and more, GRU 2048's 48 MiB at batch 16)."""
+    from rnncc.schedules import _mma, _streaming, cuda_mma_stream_gemv
     from tir_sim import Simulator
 
+    full = comp.gemm((16,), 2048, 6144, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
+    assert _streaming.STREAM_KEEP in cuda_mma_stream_gemv.apply(full, CUDA).mod.script()
+    if keep:
+        monkeypatch.setattr(_streaming, "MIN_BYTES", 0)
     kernel = cuda_mma_stream_gemv.kernel(cuda_mma_stream_gemv.Plan(batch, depth, outputs,
                                                                    rounded))
+    assert (_streaming.STREAM_KEEP in kernel.script()) == keep
     a = rng.standard_normal((batch, depth)).astype(np.float32)
     w, b = (rng.standard_normal(s).astype(np.float32) for s in ((outputs, depth), outputs))
     a, w = (round_tf32(x) if name in rounded else x for name, x in (("a", a), ("b", w)))
@@ -321,18 +329,18 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
     a block's shared memory (cuda.mma_stream_gemv), else by this IEEE rule (the other
     tensor-core rules decline them, whole or in slices), others the tensor cores' (the
     backward's dh: O < K)."""
-    from rnncc.schedules import cuda_small_batch_gemv
+    from rnncc.schedules import _streaming, cuda_small_batch_gemv
 
     for batch, depth, outputs, streamed in ((16, 2048, 8192, True), (12, 2048, 8192, True),
                                             (16, 2048, 6144, True), (8, 2048, 8192, False),
                                             (16, 1536, 6144, False), (16, 2000, 8000, False)):
         sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows",
                                                     "float32"), CUDA)
-        assert (cuda_small_batch_gemv.STREAM_LOAD in str(sch.trace)) == streamed, (batch, depth)
+        assert (_streaming.STREAM in str(sch.trace)) == streamed, (batch, depth)
     before_volta = TargetSpec("cuda", arch="sm_61").tvm_target()  # no L1 eviction hints
     sch = cuda_small_batch_gemv.apply(comp.gemm((16,), 2048, 8192, "rows", "float32"),
                                       before_volta)
-    assert cuda_small_batch_gemv.STREAM_LOAD not in str(sch.trace)
+    assert _streaming.STREAM not in str(sch.trace)
     # 4-warp blocks from batch 16 where h is not staged, else 8
     for batch, depth, outputs, warps in ((16, 2048, 6144, 4), (16, 1536, 6144, 4),
                                          (12, 2048, 6144, 8), (24, 2048, 8192, 8),
@@ -367,7 +375,7 @@ def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, 
     multiple of 4 (scalar loads) or of 128 (the last chunk part past K), W loaded past L1
     where K is a multiple of 128, and h staged in shared memory (the thresholds lowered to 0
     for these small sizes); the output poisoned."""
-    from rnncc.schedules import cuda_small_batch_gemv
+    from rnncc.schedules import _streaming, cuda_small_batch_gemv
     from tir_sim import Simulator, lowered
 
     if staged:
@@ -377,7 +385,53 @@ def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, 
     sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "float32"),
                                       CUDA)
     assert ('scope="shared"' in sch.mod.script()) == staged
-    assert (cuda_small_batch_gemv.STREAM_LOAD in str(sch.trace)) == (depth % 128 == 0)
+    assert (_streaming.STREAM in str(sch.trace)) == (depth % 128 == 0)
+    kernel = lowered(sch.mod)
+    a = rng.standard_normal((batch, depth)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full((batch, outputs), np.nan, np.float32)
+    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
+    want = a.astype(np.float64) @ w.astype(np.float64).T + b
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+
+
+@pytest.mark.parametrize("batch, staged, streamed", [(4, False, False), (16, False, True),
+                                                     (3, True, True)])
+def test_small_batch_gemv_keeps_part_of_weights_past_l2_on_the_simulator(batch, staged,
+                                                                          streamed, rng,
+                                                                          monkeypatch):
+    """W larger than L2 (the threshold lowered here) loaded with the L2 policy that keeps
+    KEEP_BYTES of it, through L1 or past it: the fraction in the kernel, and the product on
+    the NumPy interpreter of TIR against float64, the output poisoned. At full size: LSTM 2048
+    (W 64 MiB) at batch 4 through L1, at 16 past it, at batch 8 (8 rows a warp) and below
+    sm_80 (no createpolicy) plain, LSTM 1536 (36 MiB) plain."""
+    from rnncc.schedules import _streaming, cuda_small_batch_gemv
+    from tir_sim import Simulator, lowered
+
+    def loads(batch, depth, arch="sm_90"):
+        sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, 4 * depth, "rows",
+                                                    "float32"),
+                                          TargetSpec("cuda", arch=arch).tvm_target())
+        return re.findall(r"rnncc_ld\w+", str(sch.trace))
+
+    thousandths = round(1000 * _streaming.KEEP_BYTES / (4 * 2048 * 8192))  # 469
+    assert loads(4, 2048) == [f"{_streaming.KEEP}_{thousandths}"]
+    assert loads(16, 2048) == [f"{_streaming.STREAM_KEEP}_{thousandths}"]
+    assert loads(8, 2048) == loads(4, 1536) == loads(4, 2048, "sm_75") == []
+    assert loads(16, 2048, "sm_75") == [_streaming.STREAM]
+
+    depth, outputs = 256, 1024
+    monkeypatch.setattr(_streaming, "MIN_BYTES", 0)
+    monkeypatch.setattr(cuda_small_batch_gemv, "SHARED_H_MIN_BYTES", 0 if staged else 1 << 30)
+    if streamed:
+        monkeypatch.setattr(cuda_small_batch_gemv, "STREAM_MIN_H_BYTES", 0)
+        monkeypatch.setattr(cuda_small_batch_gemv, "STREAM_MIN_W_BYTES", 0)
+    sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "float32"),
+                                      CUDA)
+    keep = _streaming.KEEP_BYTES / (4 * depth * outputs)
+    assert f"{keep:.1f}" in sch.mod.script()  # (the fraction as TVMScript prints it)
+    assert (_streaming.STREAM_KEEP if streamed else _streaming.KEEP) in str(sch.trace)
     kernel = lowered(sch.mod)
     a = rng.standard_normal((batch, depth)).astype(np.float32)
     w = rng.standard_normal((outputs, depth)).astype(np.float32)

@@ -1,0 +1,76 @@
+"""Loads of weights that stream from memory every step: 16 bytes a lane, past L1, and where the
+weights are larger than L2 holds, with an L2 eviction policy that keeps a fixed part of them
+resident from one step to the next.
+
+A product that reads W [O, K] once a step, W larger than L2 (50 MiB on an H100/H200), reads it
+all from HBM every step under L2's replacement: each step's reads evict what the next step
+reads first. ``createpolicy.fractional.L2::evict_last.L2::evict_first`` marks a fraction of
+the lines (chosen by address, the same every step) evict-last and the rest evict-first, so the
+evict-last part stays in L2 while the rest streams through it. H200, 200 passes a kernel that
+reads all of W in 16-byte loads (``.ref``-style microbenchmark, no other work), us a pass,
+plain -> the best fraction: 40 MiB 7.89 -> 7.58 (0.7), 50 MiB 13.95 -> 9.39 (0.7), 64 MiB 18.99
+-> 12.13 (0.5), 100 MiB 27.52 -> 21.60 (0.3): best where the kept part is about
+:data:`KEEP_BYTES`; keeping 45-50 MiB was as slow as plain. 24 and 32 MiB: the same (L2 holds
+them anyway).
+"""
+
+from __future__ import annotations
+
+#: Bytes of W kept in L2 from step to step, and the smallest W that is worth a policy.
+KEEP_BYTES = 30 << 20
+MIN_BYTES = 40 << 20
+
+#: A lane's 4 floats of W past L1 (``ld.global.nc.L1::no_allocate``): W is read once a step,
+#: and through L1 it would evict what every warp reads again (h).
+STREAM = "rnncc_ld_stream4"
+STREAM_SOURCE = """
+__device__ __forceinline__ void rnncc_ld_stream4(float* dst, const float* src) {
+  float4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
+  dst[0] = v.x;
+  dst[1] = v.y;
+  dst[2] = v.z;
+  dst[3] = v.w;
+}
+"""
+#: The same with the L2 policy that keeps the fraction ``keep`` of W's lines (sm_80 and later).
+STREAM_KEEP = "rnncc_ld_stream4_keep"
+STREAM_KEEP_SOURCE = """
+__device__ __forceinline__ void rnncc_ld_stream4_keep(float* dst, const float* src, float keep) {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, %1;"
+      : "=l"(policy) : "f"(keep));
+  float4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src), "l"(policy));
+  dst[0] = v.x;
+  dst[1] = v.y;
+  dst[2] = v.z;
+  dst[3] = v.w;
+}
+"""
+#: The same through L1 (where h is small enough that W does not evict it).
+KEEP = "rnncc_ld4_keep"
+KEEP_SOURCE = """
+__device__ __forceinline__ void rnncc_ld4_keep(float* dst, const float* src, float keep) {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, %1;"
+      : "=l"(policy) : "f"(keep));
+  float4 v;
+  asm("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src), "l"(policy));
+  dst[0] = v.x;
+  dst[1] = v.y;
+  dst[2] = v.z;
+  dst[3] = v.w;
+}
+"""
+
+
+def keep_fraction(w_bytes: int) -> float | None:
+    """The fraction of W's lines kept in L2 for W of ``w_bytes`` bytes read once a step
+    (:data:`KEEP_BYTES` of them), or None where W is under :data:`MIN_BYTES` (no policy)."""
+    if w_bytes < MIN_BYTES:
+        return None
+    return round(KEEP_BYTES / w_bytes, 3)
