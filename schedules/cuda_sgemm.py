@@ -2,26 +2,27 @@
 double-buffered register-blocked kernel): the input projection of all steps, and each step's
 recurrent projection at a large batch.
 
-out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] (w [O, K], PyTorch's rows; or w[k, o], w [K,
-O]: a training step's dx = dGI W_ih reads W_ih [G*H, C] as it is) for N static batch rows (at
-least :data:`MIN_BATCH` for one step's product), O outputs, K deep; the rows M are the T*N rows
-of all steps (T a run-time size) or one step's N. A block computes a tile of M x O, 128 columns
-by 128 rows (all steps, and one step's from batch 128 where they pad no more rows: 256 threads,
-launched two a multiprocessor, which caps ptxas at 128 registers) or by 64 rows (one step, 128
-threads: a batch of 64 in one tile), 8 x 8 outputs a thread (rows ty*4 + i and M/2 + ty*4 + i of
-the tile, columns tq*4 + j and 64 + tq*4 + j, i, j < 4, for the thread's place (ty, tq) in a
-(M/8) x 16 grid whose warps cover 4 x 8 patches: each operand's 16-byte register loads are
-shared by a warp's threads, 64 FMAs a thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16
-were slower in whole sequences, H200, docs/benchmarks.md). K goes in chunks of :data:`BK`
-through shared memory stored k-major, double-buffered: the next chunk's global loads (16-byte
-vectors) are issued before the current chunk's products and stored to the other buffer after
-them, so one barrier a chunk suffices and the loads' latency hides behind the FMAs. The k-major
-rows are padded by :data:`PAD` floats, which keeps the transposed stores free of bank conflicts.
-Rows past M read row M - 1 (no branch in the loop) and are not written; so are the columns past
-O where O is not whole tiles (weights as rows). Where K is not whole pairs of chunks, a's loads
-past K give zeros (a branch a 16-byte vector, in such kernels only) and w's read its last
-columns. Those odd sizes (LSTM 1500 at batch 32: O 6000, K 1500) went to dlight's Matmul before,
-about 2x slower than cuDNN.
+out[.., n, o] = sum_k a[.., n, k] * w[o, k] + b[o] (w [O, K], PyTorch's rows; or w[k, o], w [K, O]:
+a training step's dx = dGI W_ih reads W_ih [G*H, C] as it is) for N static batch rows (at least
+:data:`MIN_BATCH` for one step's product), O outputs, K deep; the rows M are the T*N rows of all
+steps (T a run-time size) or one step's N. A block computes a tile of M x O, 128 columns by 128
+rows (all steps, and one step's from batch 128 where they pad no more rows: 256 threads, launched
+two a multiprocessor, which caps ptxas at 128 registers) or by 64 rows (one step, 128 threads: a
+batch of 64 in one tile), 8 x 8 outputs a thread (rows ty*4 + i and M/2 + ty*4 + i of the tile,
+columns tq*4 + j and 64 + tq*4 + j, i, j < 4, for the thread's place (ty, tq) in a (M/8) x 16 grid
+whose warps cover 4 x 8 patches: each operand's 16-byte register loads are shared by a warp's
+threads, 64 FMAs a thread for 4 of them; warps of 2 x 16 or 8 x 4 and BK = 16 were slower in whole
+sequences, H200, docs/benchmarks.md; so were tiles of 256 rows, 16 x 8 outputs a thread in one
+block of 256 threads a multiprocessor, as cuDNN's SIMT SGEMM tiles them at batch 256: 0.75-0.97x of
+these on 22 products alone, all steps' and one step's). K goes in chunks of :data:`BK` through
+shared memory stored k-major, double-buffered: the next chunk's global loads (16-byte vectors) are
+issued before the current chunk's products and stored to the other buffer after them, so one
+barrier a chunk suffices and the loads' latency hides behind the FMAs. The k-major rows are padded
+by :data:`PAD` floats, which keeps the transposed stores free of bank conflicts. Rows past M read
+row M - 1 (no branch in the loop) and are not written; so are the columns past O where O is not
+whole tiles (weights as rows). Where K is not whole pairs of chunks, a's loads past K give zeros (a
+branch a 16-byte vector, in such kernels only) and w's read its last columns. Those odd sizes (LSTM
+1500 at batch 32: O 6000, K 1500) went to dlight's Matmul before, about 2x slower than cuDNN.
 
 One step's grid alone is small (LSTM 1024 at batch 64: 32 tiles for 132 multiprocessors), so
 its K is split in slices (:attr:`Product.splits`; blockIdx.z), each written to an [S, N, O]
