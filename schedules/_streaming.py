@@ -5,9 +5,9 @@ resident from one step to the next.
 A product that reads W [O, K] once a step, W larger than L2 (50 MiB on an H100/H200), reads it
 all from HBM every step under L2's replacement: each step's reads evict what the next step
 reads first. ``createpolicy.fractional.L2::evict_last.L2::evict_first`` marks a fraction of
-the lines (chosen by address, the same every step) evict-last and the rest evict-first, so the
-evict-last part stays in L2 while the rest streams through it. H200, 200 passes a kernel that
-reads all of W in 16-byte loads (``.ref``-style microbenchmark, no other work), us a pass,
+the lines (the hardware chooses which) evict-last and the rest evict-first, so the evict-last
+part stays in L2 while the rest streams through it. H200, 200 passes of a kernel
+that reads all of W in 16-byte loads (``benchmarks/l2_policy.cu``, no other work), us a pass,
 plain -> the best fraction: 40 MiB 7.89 -> 7.58 (0.7), 50 MiB 13.95 -> 9.39 (0.7), 64 MiB 18.99
 -> 12.13 (0.5), 100 MiB 27.52 -> 21.60 (0.3): best where the kept part is about
 :data:`KEEP_BYTES`; keeping 45-50 MiB was as slow as plain. 24 and 32 MiB: the same (L2 holds
