@@ -1,17 +1,18 @@
 """CUDA: the recurrent projection at small batch (N <= 31), one weight read for all N.
 
 out[n, o] = sum_k h[n, k] * W[o, k] + b[o]. A warp owns RW output rows: lane l reads the
-16-byte chunks k = (c*32 + l)*4 .. +4 of each of its rows once (coalesced across the warp)
-and of every batch row of h, keeps RW*N partial sums in registers (an rfactor over the lanes),
-and a shuffle reduction across the warp finishes each sum. The weights stream through once a
-step, which is what bounds this kernel at large H: G*H*H*4 bytes per step from L2/HBM. More
-rows a warp (:func:`rows_per_warp`) let each load of h serve RW products and keep RW loads of
-the weights in flight; with one row a warp each chunk of the weights took N loads of h, and
+16-byte chunks k = (c*32 + l)*4 .. +4 of each of its rows once (coalesced across the warp) and
+of every batch row of h, keeps RW*N partial sums in registers (an rfactor over the lanes), and
+a shuffle reduction across the warp finishes each sum. The weights stream through once a step,
+which is what bounds this kernel at large H: G*H*H*4 bytes per step from L2/HBM (past 40 MiB
+with an L2 policy that keeps 30 MiB of them resident from step to step, :mod:`._streaming`).
+More rows a warp (:func:`rows_per_warp`) let each load of h serve RW products and keep RW loads
+of the weights in flight; with one row a warp each chunk of the weights took N loads of h, and
 those bound the kernel instead (H200, LSTM 2048 at batch 16: 178.9 us a step in all, against
 cuDNN's 79). At batch 1 it streams the weights at 4.1 TB/s on an H200 (LSTM 4096: 66.0 us,
 kernel alone), where dlight's GEMV, the rule it replaced there, took 89.4 and cuBLAS 76.2. K
-need not be a multiple of 128 (the last chunk's lanes past K masked; 16-byte vectors where K
-is a multiple of 4): LSTM 1500 at batch 4, 10.4 us where dlight's Matmul took 94.4.
+need not be a multiple of 128 (the last chunk's lanes past K masked; 16-byte vectors where K is
+a multiple of 4): LSTM 1500 at batch 4, 10.4 us where dlight's Matmul took 94.4.
 
 Where h is larger than L1 keeps beside the weights streaming through it (N*K values over
 :data:`SHARED_H_MIN_BYTES`), the block stages each chunk of K of h in shared memory (N * 128
@@ -76,6 +77,7 @@ TF32_MIN_W_BYTES, TF32_MAX_BATCH = 48 << 20, 16
 #: at 8 36.23 -> 38.83; GRU 2048 at 16 33.54 -> 32.99; LSTM 4096 at 1 68.54 -> 65.81, at 4 83.26 ->
 #: 78.33; GRU 4096 at 4 63.31 -> 59.09.
 L2_POLICY_ROWS_PER_WARP = 4
+
 
 def _load_intrin(function: str, source: str, keep: float | None) -> str:
     """The tensor intrinsic (registered on first use) that loads a lane's 4 values of W with
