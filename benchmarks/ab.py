@@ -12,8 +12,9 @@ of each side's rounds. Run on a GPU machine from the repository root:
 
 A knob of the persistent kernel against its default, in one tree: ``build /tmp/B ...
 --knobs '{"mean_partials": true}'`` (a configuration whose plan the knobs do not fit is a row
-that says so). More sides in the same rounds: ``time /tmp/A /tmp/B --also /tmp/C ...`` (each
-against A).
+that says so); compile options likewise, ``--options '{"persistent": "off"}'`` (any of
+:func:`rnncc.compile`'s options). More sides in the same rounds: ``time /tmp/A /tmp/B --also
+/tmp/C ...`` (each against A).
 
 A configuration is CELL,C,H,N,DTYPE (float32, tf32: float32 with allow_tf32, float16,
 bfloat16). Separate cache directories: the cache key does not see a code change. Prints a
@@ -48,9 +49,10 @@ def _file(config) -> str:
 def _build(job) -> str:
     import rnncc
 
-    config, folder, knobs = job
+    config, folder, knobs, options = job
     cell, c, h, n, dtype = config
     precision = {"dtype": "float32", "allow_tf32": True} if dtype == "tf32" else {"dtype": dtype}
+    precision.update(options or {})
     if knobs:
         precision["knobs"] = knobs
     try:
@@ -114,6 +116,8 @@ def main():
     build.add_argument("--jobs", type=int, default=os.cpu_count())
     build.add_argument("--knobs", type=json.loads, default=None,
                        help="the persistent kernel's knobs, JSON")
+    build.add_argument("--options", type=json.loads, default=None,
+                       help="rnncc.compile's options, JSON (e.g. {\"persistent\": \"off\"})")
     timing = sub.add_parser("time", help="A's and B's modules, alternately")
     timing.add_argument("a")
     timing.add_argument("b")
@@ -128,7 +132,8 @@ def main():
         os.makedirs(args.folder, exist_ok=True)
         with ProcessPoolExecutor(max(1, args.jobs)) as pool:
             for config, result in zip(args.configs, pool.map(
-                    _build, [(c, args.folder, args.knobs) for c in args.configs])):
+                    _build, [(c, args.folder, args.knobs, args.options)
+                             for c in args.configs])):
                 print(",".join(map(str, config)), result)
         return
     sides = [args.a, args.b, *args.also]
