@@ -68,9 +68,11 @@ __device__ __forceinline__ void rnncc_ld4_keep(float* dst, const float* src, flo
 """
 
 
-def keep_fraction(w_bytes: int) -> float | None:
+def keep_fraction(w_bytes: int, target) -> float | None:
     """The fraction of W's lines kept in L2 for W of ``w_bytes`` bytes read once a step
-    (:data:`KEEP_BYTES` of them), or None where W is under :data:`MIN_BYTES` (no policy)."""
-    if w_bytes < MIN_BYTES:
+    (:data:`KEEP_BYTES` of them), or None where W is under :data:`MIN_BYTES` or ``target`` is
+    not Hopper (sm_90: the 50 MiB of L2 these sizes are for; elsewhere not measured, and where
+    L2 is larger, as on sm_100, the policy would evict what fits)."""
+    if w_bytes < MIN_BYTES or str(target.attrs.get("arch", "")) not in ("sm_90", "sm_90a"):
         return None
     return round(KEEP_BYTES / w_bytes, 3)

@@ -25,7 +25,7 @@ rows a warp, or 4 blocks ahead: 1.1-1.8x slower).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import s_tir
 from tvm.script import tirx as T
@@ -55,6 +55,9 @@ class Plan:
     depth: int
     outputs: int
     rounded: str = ""
+    #: the fraction of W an L2 policy keeps resident from step to step (:mod:`._streaming`), or
+    #: None (plain loads past L1)
+    keep: float | None = None
 
     @property
     def stride(self) -> int:
@@ -83,7 +86,7 @@ def kernel(p: Plan):
     n_, k_, o_, stride = p.batch, p.depth, p.outputs, p.stride
     threads, groups = WARPS * 32, p.depth // (BLOCK_K * AHEAD)
     op = _mma.TF32
-    keep = _streaming.keep_fraction(o_ * k_ * 4)  # W's part L2 keeps from step to step
+    keep = p.keep
 
     def rounded_a(value):
         return value if "a" in p.rounded else op.round(value)
@@ -177,7 +180,10 @@ def apply(func, target):
     if op is None or not op.tf32 or a_dtype != "float32" or not has_wgmma(target):
         return None  # TF32 only; Hopper's 227 KiB of shared memory a block (measured there)
     found = plan(batch, depth, outputs, _mma.rounded(func))
-    return None if found is None else s_tir.Schedule(kernel(found))
+    if found is None:
+        return None
+    keep = _streaming.keep_fraction(outputs * depth * 4, target)
+    return s_tir.Schedule(kernel(replace(found, keep=keep)))
 
 
 RULE = Rule("cuda.mma_stream_gemv", apply)

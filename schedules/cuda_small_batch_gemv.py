@@ -192,7 +192,7 @@ def apply(func, target, rw: int | None = None):
     whole = vec > 1 and weights_dtype == "float32" and depth % (32 * vec) == 0
     streamed = (whole and h_bytes >= STREAM_MIN_H_BYTES and rows * depth * 4 >= STREAM_MIN_W_BYTES
                 and sm_at_least(target, 70))
-    keep = _streaming.keep_fraction(rows * depth * 4) if sm_at_least(target, 80) else None
+    keep = _streaming.keep_fraction(rows * depth * 4, target)
     if not streamed and rw > L2_POLICY_ROWS_PER_WARP:
         keep = None
     load = None

@@ -276,21 +276,19 @@ def test_large_tf32_step_products_at_batch_9_to_16_stream_on_tensor_cores():
 @pytest.mark.parametrize("batch, depth, outputs, rounded, keep", [
     (12, 256, 128, "", False), (16, 128, 64, "ab", True), (9, 384, 192, "b", False)])
 def test_mma_stream_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, rounded, keep,
-                                                        rng, monkeypatch):
+                                                        rng):
     """cuda.mma_stream_gemv's kernel (small sizes, planned by hand) on the NumPy interpreter
     of TIR against NumPy's product of the operands rounded to TF32 (by the kernel, or before
     where ``rounded`` says the callers did), rows past N padded, the output poisoned; W
-    loaded with the L2 policy that keeps part of it where ``keep`` (the threshold lowered:
-    at full size W of 40 MiB and more, GRU 2048's 48 MiB at batch 16)."""
+    loaded with the L2 policy that keeps part of it where ``keep`` (at full size W of 40 MiB
+    and more on sm_90, GRU 2048's 48 MiB at batch 16)."""
     from rnncc.schedules import _mma, _streaming, cuda_mma_stream_gemv
     from tir_sim import Simulator
 
     full = comp.gemm((16,), 2048, 6144, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
     assert _streaming.STREAM_KEEP in cuda_mma_stream_gemv.apply(full, CUDA).mod.script()
-    if keep:
-        monkeypatch.setattr(_streaming, "MIN_BYTES", 0)
-    kernel = cuda_mma_stream_gemv.kernel(cuda_mma_stream_gemv.Plan(batch, depth, outputs,
-                                                                   rounded))
+    kernel = cuda_mma_stream_gemv.kernel(cuda_mma_stream_gemv.Plan(
+        batch, depth, outputs, rounded, 0.5 if keep else None))
     assert (_streaming.STREAM_KEEP in kernel.script()) == keep
     a = rng.standard_normal((batch, depth)).astype(np.float32)
     w, b = (rng.standard_normal(s).astype(np.float32) for s in ((outputs, depth), outputs))
@@ -404,8 +402,8 @@ def test_small_batch_gemv_keeps_part_of_weights_past_l2_on_the_simulator(batch, 
     """W larger than L2 (the threshold lowered here) loaded with the L2 policy that keeps
     KEEP_BYTES of it, through L1 or past it: the fraction in the kernel, and the product on
     the NumPy interpreter of TIR against float64, the output poisoned. At full size: LSTM 2048
-    (W 64 MiB) at batch 4 through L1, at 16 past it, at batch 8 (8 rows a warp) and below
-    sm_80 (no createpolicy) plain, LSTM 1536 (36 MiB) plain."""
+    (W 64 MiB) at batch 4 through L1, at 16 past it, at batch 8 (8 rows a warp) and off
+    Hopper (L2 of another size) plain, LSTM 1536 (36 MiB) plain."""
     from rnncc.schedules import _streaming, cuda_small_batch_gemv
     from tir_sim import Simulator, lowered
 
@@ -418,8 +416,9 @@ def test_small_batch_gemv_keeps_part_of_weights_past_l2_on_the_simulator(batch, 
     thousandths = round(1000 * _streaming.KEEP_BYTES / (4 * 2048 * 8192))  # 469
     assert loads(4, 2048) == [f"{_streaming.KEEP}_{thousandths}"]
     assert loads(16, 2048) == [f"{_streaming.STREAM_KEEP}_{thousandths}"]
-    assert loads(8, 2048) == loads(4, 1536) == loads(4, 2048, "sm_75") == []
-    assert loads(16, 2048, "sm_75") == [_streaming.STREAM]
+    assert loads(8, 2048) == loads(4, 1536) == []
+    assert loads(4, 2048, "sm_80") == loads(4, 2048, "sm_100a") == []  # not Hopper's L2
+    assert loads(16, 2048, "sm_80") == [_streaming.STREAM]
 
     depth, outputs = 256, 1024
     monkeypatch.setattr(_streaming, "MIN_BYTES", 0)
