@@ -75,4 +75,4 @@ def keep_fraction(w_bytes: int, target) -> float | None:
     L2 is larger, as on sm_100, the policy would evict what fits)."""
     if w_bytes < MIN_BYTES or str(target.attrs.get("arch", "")) not in ("sm_90", "sm_90a"):
         return None
-    return round(KEEP_BYTES / w_bytes, 3)
+    return min(1.0, round(KEEP_BYTES / w_bytes, 3))
