@@ -16,56 +16,45 @@ them anyway).
 
 from __future__ import annotations
 
+from tvm import tirx
+
 #: Bytes of W kept in L2 from step to step, and the smallest W that is worth a policy.
 KEEP_BYTES = 30 << 20
 MIN_BYTES = 40 << 20
 
-#: A lane's 4 floats of W past L1 (``ld.global.nc.L1::no_allocate``): W is read once a step,
-#: and through L1 it would evict what every warp reads again (h).
-STREAM = "rnncc_ld_stream4"
-STREAM_SOURCE = """
-__device__ __forceinline__ void rnncc_ld_stream4(float* dst, const float* src) {
-  float4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
-      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
-  dst[0] = v.x;
-  dst[1] = v.y;
-  dst[2] = v.z;
-  dst[3] = v.w;
-}
-"""
-#: The same with the L2 policy that keeps the fraction ``keep`` of W's lines (sm_80 and later).
-STREAM_KEEP = "rnncc_ld_stream4_keep"
-STREAM_KEEP_SOURCE = """
-__device__ __forceinline__ void rnncc_ld_stream4_keep(float* dst, const float* src, float keep) {
-  unsigned long long policy;
+#: The device functions that load a lane's 4 floats of W (:func:`load`): past L1
+#: (``ld.global.nc.L1::no_allocate``: W is read once a step, and through L1 it would evict what
+#: every warp reads again, h), the same with the L2 policy that keeps the fraction ``keep`` of
+#: W's lines, and through L1 with that policy (where h is small enough that W does not evict it).
+STREAM, STREAM_KEEP, KEEP = "rnncc_ld_stream4", "rnncc_ld_stream4_keep", "rnncc_ld4_keep"
+_POLICY = """  unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, %1;"
       : "=l"(policy) : "f"(keep));
-  float4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src), "l"(policy));
+"""
+
+
+def load(past_l1: bool, keep: float | None) -> tuple[str, str, tuple]:
+    """The device function that loads a lane's 4 floats of W past L1 or through it (then with
+    a policy: ``keep`` not None), with the L2 policy that keeps the fraction ``keep`` of W's
+    lines or none: (its name, its source, its arguments after dst and src)."""
+    name = {(True, False): STREAM, (True, True): STREAM_KEEP, (False, True): KEEP}[
+        (past_l1, keep is not None)]
+    l1 = ".L1::no_allocate" if past_l1 else ""
+    param, setup, hint, operand, argument = (
+        (", float keep", _POLICY, ".L2::cache_hint", ", %5", ', "l"(policy)') if keep is not None
+        else ("", "", "", "", ""))
+    source = f"""
+__device__ __forceinline__ void {name}(float* dst, const float* src{param}) {{
+{setup}  float4 v;
+  asm("ld.global.nc{l1}{hint}.v4.f32 {{%0, %1, %2, %3}}, [%4]{operand};"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src){argument});
   dst[0] = v.x;
   dst[1] = v.y;
   dst[2] = v.z;
   dst[3] = v.w;
-}
+}}
 """
-#: The same through L1 (where h is small enough that W does not evict it).
-KEEP = "rnncc_ld4_keep"
-KEEP_SOURCE = """
-__device__ __forceinline__ void rnncc_ld4_keep(float* dst, const float* src, float keep) {
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, %1;"
-      : "=l"(policy) : "f"(keep));
-  float4 v;
-  asm("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src), "l"(policy));
-  dst[0] = v.x;
-  dst[1] = v.y;
-  dst[2] = v.z;
-  dst[3] = v.w;
-}
-"""
+    return name, source, () if keep is None else (tirx.const(keep, "float32"),)
 
 
 def keep_fraction(w_bytes: int, target) -> float | None:

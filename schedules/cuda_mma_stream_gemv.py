@@ -86,7 +86,7 @@ def kernel(p: Plan):
     n_, k_, o_, stride = p.batch, p.depth, p.outputs, p.stride
     threads, groups = WARPS * 32, p.depth // (BLOCK_K * AHEAD)
     op = _mma.TF32
-    keep = p.keep
+    load, source, extra = _streaming.load(True, p.keep)
 
     def rounded_a(value):
         return value if "a" in p.rounded else op.round(value)
@@ -109,16 +109,10 @@ def kernel(p: Plan):
     def load_w(w, wf, group, row, q):
         """The lane's 16 bytes of row ``row`` of each of the AHEAD blocks of ``group``."""
         for d in T.unroll(AHEAD):
-            if keep is None:
-                T.evaluate(T.cuda.func_call(
-                    _streaming.STREAM, T.address_of(wf[d * 4]),
-                    T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]),
-                    source_code=_streaming.STREAM_SOURCE))
-            else:
-                T.evaluate(T.cuda.func_call(
-                    _streaming.STREAM_KEEP, T.address_of(wf[d * 4]),
-                    T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]),
-                    T.float32(keep), source_code=_streaming.STREAM_KEEP_SOURCE))
+            T.evaluate(T.cuda.func_call(
+                load, T.address_of(wf[d * 4]),
+                T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]), *extra,
+                source_code=source))
 
     @T.macro
     def products(hs, acc, wf, hab, af, wb, group, g, q):

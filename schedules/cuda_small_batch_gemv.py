@@ -79,14 +79,14 @@ TF32_MIN_W_BYTES, TF32_MAX_BATCH = 48 << 20, 16
 L2_POLICY_ROWS_PER_WARP = 4
 
 
-def _load_intrin(function: str, source: str, keep: float | None) -> str:
+def _load_intrin(past_l1: bool, keep: float | None) -> str:
     """The tensor intrinsic (registered on first use) that loads a lane's 4 values of W with
-    the device function ``function`` of :mod:`._streaming` (its L2 policy's fraction ``keep``
-    where it takes one)."""
+    :func:`._streaming.load`'s device function (past L1 or through it; with the L2 policy that
+    keeps the fraction ``keep`` of W, or none)."""
+    function, source, extra = _streaming.load(past_l1, keep)
     name = f"rnncc_small_batch_gemv_{function}" + ("" if keep is None else f"_{keep * 1000:.0f}")
     if s_tir.TensorIntrin.get(name, allow_missing=True) is not None:
         return name
-    extra = () if keep is None else (T.float32(keep),)
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle):
@@ -195,12 +195,7 @@ def apply(func, target, rw: int | None = None):
     keep = _streaming.keep_fraction(rows * depth * 4, target)
     if not streamed and rw > L2_POLICY_ROWS_PER_WARP:
         keep = None
-    load = None
-    if whole and keep is not None:
-        load = (_load_intrin(_streaming.STREAM_KEEP, _streaming.STREAM_KEEP_SOURCE, keep)
-                if streamed else _load_intrin(_streaming.KEEP, _streaming.KEEP_SOURCE, keep))
-    elif streamed:
-        load = _load_intrin(_streaming.STREAM, _streaming.STREAM_SOURCE, None)
+    load = _load_intrin(streamed, keep) if streamed or (whole and keep is not None) else None
     if vec > 1:
         if load is None:
             sch.vectorize(sch.get_loops(w_local)[-1])

@@ -361,6 +361,21 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
             assert schedules.product_parts(func, CUDA) == 1, (batch, depth, outputs)
 
 
+def _matches_numpy_on_the_simulator(sch, batch, depth, outputs, rng):
+    """One step's product h [N, K] x W [O, K] + b that ``sch`` schedules, on the NumPy
+    interpreter of TIR against float64 on fresh inputs, the output poisoned."""
+    from tir_sim import Simulator, lowered
+
+    kernel = lowered(sch.mod)
+    a = rng.standard_normal((batch, depth)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full((batch, outputs), np.nan, np.float32)
+    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
+    want = a.astype(np.float64) @ w.astype(np.float64).T + b
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+
+
 @pytest.mark.parametrize("batch, depth, outputs, staged", [
     (4, 64, 4096, False), (2, 36, 2048, False), (8, 128, 8192, False), (3, 40, 96, False),
     (1, 1, 4, False),
@@ -374,7 +389,6 @@ def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, 
     where K is a multiple of 128, and h staged in shared memory (the thresholds lowered to 0
     for these small sizes); the output poisoned."""
     from rnncc.schedules import _streaming, cuda_small_batch_gemv
-    from tir_sim import Simulator, lowered
 
     if staged:
         monkeypatch.setattr(cuda_small_batch_gemv, "SHARED_H_MIN_BYTES", 0)
@@ -384,14 +398,7 @@ def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, 
                                       CUDA)
     assert ('scope="shared"' in sch.mod.script()) == staged
     assert (_streaming.STREAM in str(sch.trace)) == (depth % 128 == 0)
-    kernel = lowered(sch.mod)
-    a = rng.standard_normal((batch, depth)).astype(np.float32)
-    w = rng.standard_normal((outputs, depth)).astype(np.float32)
-    b = rng.standard_normal(outputs).astype(np.float32)
-    out = np.full((batch, outputs), np.nan, np.float32)
-    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
-    want = a.astype(np.float64) @ w.astype(np.float64).T + b
-    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+    _matches_numpy_on_the_simulator(sch, batch, depth, outputs, rng)
 
 
 @pytest.mark.parametrize("batch, staged, streamed", [(4, False, False), (16, False, True),
@@ -405,7 +412,6 @@ def test_small_batch_gemv_keeps_part_of_weights_past_l2_on_the_simulator(batch, 
     (W 64 MiB) at batch 4 through L1, at 16 past it, at batch 8 (8 rows a warp) and off
     Hopper (L2 of another size) plain, LSTM 1536 (36 MiB) plain."""
     from rnncc.schedules import _streaming, cuda_small_batch_gemv
-    from tir_sim import Simulator, lowered
 
     def loads(batch, depth, arch="sm_90"):
         sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, 4 * depth, "rows",
@@ -428,16 +434,9 @@ def test_small_batch_gemv_keeps_part_of_weights_past_l2_on_the_simulator(batch, 
         monkeypatch.setattr(cuda_small_batch_gemv, "STREAM_MIN_W_BYTES", 0)
     sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "float32"),
                                       CUDA)
-    loads = _streaming.STREAM_KEEP if streamed else _streaming.KEEP
-    assert f"{loads}_1000" in str(sch.trace)  # all of this small W kept (a fraction of 1)
-    kernel = lowered(sch.mod)
-    a = rng.standard_normal((batch, depth)).astype(np.float32)
-    w = rng.standard_normal((outputs, depth)).astype(np.float32)
-    b = rng.standard_normal(outputs).astype(np.float32)
-    out = np.full((batch, outputs), np.nan, np.float32)
-    Simulator(kernel, dict(zip((p.name for p in kernel.params), (a, w, b, out)))).run()
-    want = a.astype(np.float64) @ w.astype(np.float64).T + b
-    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
+    function = _streaming.STREAM_KEEP if streamed else _streaming.KEEP
+    assert f"{function}_1000" in str(sch.trace)  # all of this small W kept (a fraction of 1)
+    _matches_numpy_on_the_simulator(sch, batch, depth, outputs, rng)
 
 
 @pytest.mark.parametrize("rule", ["cuda.small_batch_gemv", "cuda.sgemm", "cuda.tiled_gemm",
