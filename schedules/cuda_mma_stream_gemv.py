@@ -1,4 +1,4 @@
-"""CUDA: one step's recurrent projection in TF32 at batch 16 whose weights stream from
+"""CUDA: one step's recurrent projection in TF32 at batch 8-16 whose weights stream from
 memory every step (48 MiB and more): tensor cores, h staged once, W read well ahead past L1.
 
 out[n, o] = sum_k h[n, k] * W[o, k] + b[o], float32 storage, the products in TF32 (h and W
@@ -7,12 +7,13 @@ rounded as they are read, unless the component's callers rounded them,
 instruction's M (one tile, rows past N zero), 8 output rows of W its N, 8 k a step, in
 :mod:`._mma`'s order of k (a lane's 16 bytes of a row, 4 values, feed two k-steps).
 
-A block of :data:`WARPS` warps stages all of h [16, K] in dynamic shared memory once (rows
-padded to 64 bytes past a multiple of 128: a phase's 16-byte reads of rows g and g + 1 hit the
-32 banks once); warp w owns 8 output rows and multiplies them by all of K, lane (g, q) reading
-16 bytes of row g a block of 16 k, past L1 (:mod:`._streaming`: past 40 MiB with the L2
-policy that keeps 30 MiB of W from step to step), :data:`AHEAD` blocks ahead of its products.
-No barrier after the staging.
+A block of :data:`K_SPLIT` x :data:`WARPS` warps stages all of h [16, K] in dynamic shared
+memory once (rows padded to 64 bytes past a multiple of 128: a phase's 16-byte reads of rows g
+and g + 1 hit the 32 banks once); warp w of part s owns 8 output rows and multiplies them by
+part s of K, lane (g, q) reading 16 bytes of row g a block of 16 k, past L1
+(:mod:`._streaming`: past 40 MiB with the L2 policy that keeps 30 MiB of W from step to
+step), :data:`AHEAD` blocks ahead of its products. No barrier after the staging; at the end
+the other parts' sums reach part 0's warps through the staged h's memory.
 
 Where cuda.mma_gemv stages h a chunk of K at a time between two barriers (its W one iteration
 ahead), and cuda.small_batch_gemv (IEEE) reads h through L1 for every few rows, this streams W
@@ -31,19 +32,28 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from . import _mma, _streaming, cuda_small_batch_gemv
-from ._common import has_wgmma, step_product
+from ._common import LAUNCH_BOUNDS, has_wgmma, step_product
 from ._rule import Rule
 
-#: Warps a block, each 8 output rows; blocks of 16 k a lane's W is loaded ahead.
+#: Warps a block along its rows, each 8 output rows; blocks of 16 k a lane's W is loaded ahead.
 WARPS, AHEAD = 8, 8
 #: Output rows a block; k a block of two k-steps.
 ROWS, BLOCK_K = 8 * WARPS, 16
-#: Fewest and most batch rows (one tile of M): its time hardly depends on N, and below 16 the
-#: IEEE rule's was as short (H200, TF32 layers, T = 100, us a step, cuda.small_batch_gemv ->
-#: this: LSTM 2048 at batch 16 30.58 -> 28.41, GRU 2048 at 16 26.09 -> 25.01, GRU 2560 at 16
-#: 38.01 -> 34.02, LSTM 2048 with C = 1024 at 16 29.67 -> 27.48; LSTM 2048 at batch 12 27.05 ->
+#: Parts of K a block's warps split where K allows (K_SPLIT * WARPS warps, each part's sums
+#: added through shared memory at the end): the loads of W in flight a multiprocessor bound
+#: this kernel (one block a multiprocessor, its h filling shared memory; 8 warps of 32 lanes,
+#: each lane AHEAD 16-byte loads ahead: 32 KiB, about 3 TB/s at HBM's latency). Two parts,
+#: H200, TF32 layers, T = 100, us a step: GRU 2048 at batch 16 22.58 -> 17.48 (cuDNN 21.38),
+#: LSTM 2048 25.18 -> 20.65 (33.97), GRU 2560 30.53 -> 25.95 (30.20). Four would take 1024
+#: threads of at most 64 registers: W's loads ahead would not fit.
+K_SPLIT = 2
+#: Fewest and most batch rows (one tile of M): its time hardly depends on N. H200, TF32
+#: layers, T = 100, us a step, cuda.small_batch_gemv -> this with K in two parts (cuDNN): LSTM
+#: 2048 at batch 8 29.71 -> 18.78 (32.51), at 12 24.70 -> 19.72 (32.88), GRU 2048 at 12 22.52
+#: -> 16.69 (19.99); but LSTM 2048 at batch 4 18.01 -> 17.95, at 1 14.92 -> 16.70 (one part of
+#: K, batch 16 only, it had taken LSTM 2048 at 16 30.58 -> 28.41 and lost at 12, 27.05 ->
 #: 28.10). The deepest K whose h [16, K] fits in a block's shared memory (227 KiB on sm_90).
-MIN_BATCH, MAX_BATCH, MAX_DEPTH = 16, 16, 3584
+MIN_BATCH, MAX_BATCH, MAX_DEPTH = 8, 16, 3584
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,8 @@ class Plan:
     #: the fraction of W an L2 policy keeps resident from step to step (:mod:`._streaming`), or
     #: None (plain loads past L1)
     keep: float | None = None
+    #: parts of K, each WARPS warps of a block
+    k_split: int = 1
 
     @property
     def stride(self) -> int:
@@ -71,20 +83,22 @@ class Plan:
 
 def plan(batch: int, depth: int, outputs: int, rounded: str = "") -> Plan | None:
     """The plan for a TF32 product h [N, K] x W [O, K], or None where this rule does not take
-    it: batch 16 with weights the IEEE rule would stream (:func:`.cuda_small_batch_gemv.
+    it: batch 8-16 with weights the IEEE rule would stream (:func:`.cuda_small_batch_gemv.
     takes_tf32`: 48 MiB and more, K a multiple of 128, O at least K), K at most
-    :data:`MAX_DEPTH`, O a multiple of :data:`ROWS`."""
+    :data:`MAX_DEPTH`, O a multiple of :data:`ROWS`; K in :data:`K_SPLIT` parts where each
+    is a multiple of 128."""
     if not (MIN_BATCH <= batch <= MAX_BATCH and depth <= MAX_DEPTH and outputs % ROWS == 0
             and depth % (BLOCK_K * AHEAD) == 0
             and cuda_small_batch_gemv.takes_tf32(batch, depth, outputs)):
         return None
-    return Plan(batch, depth, outputs, rounded)
+    k_split = K_SPLIT if depth % (BLOCK_K * AHEAD * K_SPLIT) == 0 else 1
+    return Plan(batch, depth, outputs, rounded, k_split=k_split)
 
 
 def kernel(p: Plan):
     """The PrimFunc, with the gemm component's parameters (a, w, b, gemm_bias)."""
     n_, k_, o_, stride = p.batch, p.depth, p.outputs, p.stride
-    threads, groups = WARPS * 32, p.depth // (BLOCK_K * AHEAD)
+    threads, groups = p.k_split * WARPS * 32, p.depth // (BLOCK_K * AHEAD * p.k_split)
     op = _mma.TF32
     load, source, extra = _streaming.load(True, p.keep)
 
@@ -143,24 +157,39 @@ def kernel(p: Plan):
             wb = T.sblock_alloc_buffer((2,), "float32", scope="local")
             for bx in T.thread_binding(o_ // ROWS, thread="blockIdx.x"):
                 for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    T.attr(0, LAUNCH_BOUNDS, 1)  # (one a multiprocessor: ptxas keeps W's loads
+                    # ahead in registers; with 512 threads and no bound it took 38 and did not)
                     g, q = T.meta_var((tx % 32 // 4, tx % 4))
-                    col0 = T.meta_var(bx * ROWS + tx // 32 * 8)
+                    col0 = T.meta_var(bx * ROWS + tx // 32 % WARPS * 8)
+                    first = T.meta_var(tx // (WARPS * 32) * groups)  # the warp's part of K
                     for i in T.unroll(4):
                         acc[i] = T.float32(0)
-                    load_w(w, cur, 0, col0 + g, q)
+                    load_w(w, cur, first, col0 + g, q)
                     stage(a, hs, tx)
                     T.tvm_storage_sync("shared")
                     for group in T.serial(groups):
                         if group + 1 < groups:
-                            load_w(w, nxt, group + 1, col0 + g, q)
-                        products(hs, acc, cur, hab, af, wb, group, g, q)
+                            load_w(w, nxt, first + group + 1, col0 + g, q)
+                        products(hs, acc, cur, hab, af, wb, first + group, g, q)
                         for i in T.unroll(AHEAD * 4):
                             cur[i] = nxt[i]
-                    for h in T.unroll(2):  # batch rows g, g + 8; output rows 2q + {0, 1}
-                        if h * 8 + g < n_:
-                            for v in T.unroll(2):
-                                gemm_bias[h * 8 + g, col0 + q * 2 + v] = (
-                                    acc[h * 2 + v] + b[col0 + q * 2 + v])
+                    if p.k_split > 1:  # the other parts' sums to the first part's warps,
+                        T.tvm_storage_sync("shared")  # through h's memory once all have read it
+                        if tx >= WARPS * 32:
+                            for i in T.unroll(4):
+                                hs[(tx % (WARPS * 32) * (p.k_split - 1) + tx // (WARPS * 32) - 1)
+                                   * 4 + i] = acc[i]
+                        T.tvm_storage_sync("shared")
+                    if tx < WARPS * 32:
+                        if p.k_split > 1:
+                            for s in T.unroll(p.k_split - 1):
+                                for i in T.unroll(4):
+                                    acc[i] = acc[i] + hs[(tx * (p.k_split - 1) + s) * 4 + i]
+                        for h in T.unroll(2):  # batch rows g, g + 8; output rows 2q + {0, 1}
+                            if h * 8 + g < n_:
+                                for v in T.unroll(2):
+                                    gemm_bias[h * 8 + g, col0 + q * 2 + v] = (
+                                        acc[h * 2 + v] + b[col0 + q * 2 + v])
 
     return mma_stream_gemv
 

@@ -60,9 +60,9 @@ SHARED_H_MIN_BYTES = 128 * 1024
 #: 41.0 and at 12 36.0 -> 35.2, GRU 2048 at 16 35.5 both; but LSTM 2048 at batch 8 37.1 -> 38.9
 #: and LSTM 1536 at 16 28.0 -> 29.6, hence the thresholds.
 STREAM_MIN_H_BYTES, STREAM_MIN_W_BYTES = 96 * 1024, 48 << 20
-#: TF32 products at batch 9-16 whose weights are at least TF32_MIN_W_BYTES (K a multiple of
-#: 128, O at least K: the forward's; the backward's dh, O = H < K = G*H, is not measured) are
-#: streamed: on tensor cores by cuda.mma_stream_gemv at batch 16 where h fits its shared
+#: TF32 products at batch 16 and less whose weights are at least TF32_MIN_W_BYTES (K a multiple
+#: of 128, O at least K: the forward's; the backward's dh, O = H < K = G*H, is not measured) are
+#: streamed: on tensor cores by cuda.mma_stream_gemv at batch 8-16 where h fits its shared
 #: memory (K up to 3584), else by this rule in IEEE float32 (cuda.mma_gemm and cuda.mma_gemv
 #: decline them, :func:`takes_tf32`): it streams W faster than they do. H200, kernel alone, us, TF32
 #: (cuda.mma_gemv) against this rule (N K O): 16 2048 8192 39.1 against 25.3; 16 2048 6144 29.3

@@ -249,10 +249,11 @@ def test_mma_gemv_splits_k_among_a_blocks_warps_on_the_simulator(batch, depth, o
     assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
-def test_large_tf32_step_products_at_batch_9_to_16_stream_on_tensor_cores():
-    """TF32 products at batch 16 whose weights stream (48 MiB and more, O >= K) are
+def test_large_tf32_step_products_at_batch_8_to_16_stream_on_tensor_cores():
+    """TF32 products at batch 8-16 whose weights stream (48 MiB and more, O >= K) are
     cuda.mma_stream_gemv's where h [16, K] fits a block's shared memory, else IEEE
-    cuda.small_batch_gemv's, as at batch 9-15; IEEE products are not this rule's."""
+    cuda.small_batch_gemv's, as below batch 8; IEEE products are not this rule's. K is split
+    between a block's warps where its parts are multiples of 128."""
     from rnncc.schedules import _mma, cuda_mma_stream_gemv
 
     def rule(batch, depth, outputs, tf32=True):
@@ -263,32 +264,37 @@ def test_large_tf32_step_products_at_batch_9_to_16_stream_on_tensor_cores():
     for batch, depth, outputs in ((16, 2048, 6144), (16, 2560, 7680), (16, 3584, 14336)):
         assert rule(batch, depth, outputs) == "cuda.mma_stream_gemv", (batch, depth, outputs)
     assert rule(16, 4096, 16384) == "cuda.small_batch_gemv"  # h past shared memory
-    assert rule(12, 2048, 8192) == "cuda.small_batch_gemv"
+    assert rule(8, 2048, 8192) == rule(12, 2048, 8192) == "cuda.mma_stream_gemv"
+    assert rule(7, 2048, 8192) == "cuda.small_batch_gemv"
     assert rule(16, 2048, 6144, tf32=False) == "cuda.small_batch_gemv"  # IEEE
     assert rule(17, 2048, 8192) != "cuda.mma_stream_gemv"
     assert rule(16, 1024, 4096) == "cuda.mma_gemv"  # 16 MiB: not streamed
-    assert cuda_mma_stream_gemv.plan(8, 2048, 8192) is None
+    assert cuda_mma_stream_gemv.plan(4, 2048, 8192) is None
+    assert cuda_mma_stream_gemv.plan(16, 2048, 6144).k_split == cuda_mma_stream_gemv.K_SPLIT
+    assert cuda_mma_stream_gemv.plan(16, 2176, 8704).k_split == 1  # parts of 1088: not 128s
     ampere = TargetSpec("cuda", arch="sm_80").tvm_target()  # 163 KiB of shared memory a block
     func = comp.gemm((16,), 2048, 8192, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
     assert cuda_mma_stream_gemv.apply(func, ampere) is None
 
 
-@pytest.mark.parametrize("batch, depth, outputs, rounded, keep", [
-    (12, 256, 128, "", False), (16, 128, 64, "ab", True), (9, 384, 192, "b", False)])
+@pytest.mark.parametrize("batch, depth, outputs, rounded, keep, k_split", [
+    (12, 256, 128, "", False, 2), (16, 256, 64, "ab", True, 2), (9, 768, 192, "b", False, 2),
+    (16, 128, 64, "", False, 1), (5, 512, 64, "", False, 4)])
 def test_mma_stream_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, rounded, keep,
-                                                        rng):
+                                                        k_split, rng):
     """cuda.mma_stream_gemv's kernel (small sizes, planned by hand) on the NumPy interpreter
     of TIR against NumPy's product of the operands rounded to TF32 (by the kernel, or before
     where ``rounded`` says the callers did), rows past N padded, the output poisoned; W
     loaded with the L2 policy that keeps part of it where ``keep`` (at full size W of 40 MiB
-    and more on sm_90, GRU 2048's 48 MiB at batch 16)."""
+    and more on sm_90, GRU 2048's 48 MiB at batch 16); K in ``k_split``
+    parts a block's warps share, their sums added at the end."""
     from rnncc.schedules import _mma, _streaming, cuda_mma_stream_gemv
     from tir_sim import Simulator
 
     full = comp.gemm((16,), 2048, 6144, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
     assert _streaming.STREAM_KEEP in cuda_mma_stream_gemv.apply(full, CUDA).mod.script()
     kernel = cuda_mma_stream_gemv.kernel(cuda_mma_stream_gemv.Plan(
-        batch, depth, outputs, rounded, 0.5 if keep else None))
+        batch, depth, outputs, rounded, 0.5 if keep else None, k_split))
     assert (_streaming.STREAM_KEEP in kernel.script()) == keep
     a = rng.standard_normal((batch, depth)).astype(np.float32)
     w, b = (rng.standard_normal(s).astype(np.float32) for s in ((outputs, depth), outputs))
@@ -322,9 +328,9 @@ def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
 
 def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_products():
     """W loaded past L1 where h is at least 96 KiB and W at least 48 MiB (K a multiple of
-    128); blocks of 4 warps from batch 16 where h is not staged; TF32 products at batch 9-16
-    with W of 48 MiB or more and O >= K are streamed, on tensor cores at batch 16 where h fits
-    a block's shared memory (cuda.mma_stream_gemv), else by this IEEE rule (the other
+    128); blocks of 4 warps from batch 16 where h is not staged; TF32 products at batch 16 and
+    less with W of 48 MiB or more and O >= K are streamed, on tensor cores at batch 8-16 where h
+    fits a block's shared memory (cuda.mma_stream_gemv), else by this IEEE rule (the other
     tensor-core rules decline them, whole or in slices), others the tensor cores' (the
     backward's dh: O < K)."""
     from rnncc.schedules import _streaming, cuda_small_batch_gemv
@@ -347,7 +353,8 @@ def test_small_batch_gemv_streams_large_weights_past_l1_and_takes_large_tf32_pro
                                                        "float32"), CUDA).mod.script()
         assert f'T.int64({warps}), thread="threadIdx.y"' in script, (batch, depth, outputs)
     for batch, depth, outputs, rule in ((16, 2048, 8192, "cuda.mma_stream_gemv"),
-                                        (9, 2048, 8192, "cuda.small_batch_gemv"),
+                                        (8, 2048, 8192, "cuda.mma_stream_gemv"),
+                                        (7, 2048, 8192, "cuda.small_batch_gemv"),
                                         (16, 2560, 7680, "cuda.mma_stream_gemv"),
                                         (16, 4096, 16384, "cuda.small_batch_gemv"),
                                         (16, 1024, 4096, "cuda.mma_gemv"),
