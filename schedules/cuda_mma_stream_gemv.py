@@ -35,11 +35,18 @@ from . import _mma, _streaming, cuda_small_batch_gemv
 from ._common import LAUNCH_BOUNDS, has_wgmma, step_product
 from ._rule import Rule
 
-#: Warps a block along its rows, each 8 output rows; blocks of 16 k a lane's W is loaded ahead.
-WARPS, AHEAD = 8, 8
-#: Output rows a block; k a block of two k-steps.
-ROWS, BLOCK_K = 8 * WARPS, 16
-#: Parts of K a block's warps split where K allows (K_SPLIT * WARPS warps, each part's sums
+#: Warps a block along its rows (each 8 output rows) and blocks of 16 k a lane's W is loaded
+#: ahead, where O in blocks of 8 * WARPS rows takes at most MAX_BLOCKS; k a block of two
+#: k-steps.
+WARPS, AHEAD, BLOCK_K = 8, 8, 16
+#: Blocks a wave: one a multiprocessor of an H100/H200 SXM (132). Where O in blocks of 8 *
+#: WARPS rows would take a second wave (GRU 3584 at batch 16, 168 blocks, 98.02 us a step
+#: against cuDNN's 51.94), a block takes more warps (up to MAX_WARPS a part of K; those whose
+#: rows divide O, the fewest waves times warps, each wave's time being its blocks' rows), each
+#: fewer blocks ahead: a multiprocessor keeps IN_FLIGHT of its warps' blocks of W in flight,
+#: as 16 warps 8 ahead do.
+MAX_BLOCKS, MAX_WARPS, IN_FLIGHT = 132, 16, 128
+#: Parts of K a block's warps split (K_SPLIT * WARPS warps, each part's sums
 #: added through shared memory at the end): the loads of W in flight a multiprocessor bound
 #: this kernel (one block a multiprocessor, its h filling shared memory; 8 warps of 32 lanes,
 #: each lane AHEAD 16-byte loads ahead: 32 KiB, about 3 TB/s at HBM's latency). Two parts,
@@ -68,8 +75,17 @@ class Plan:
     #: the fraction of W an L2 policy keeps resident from step to step (:mod:`._streaming`), or
     #: None (plain loads past L1)
     keep: float | None = None
-    #: parts of K, each WARPS warps of a block
+    #: parts of K, each ``warps`` warps of a block
     k_split: int = 1
+    #: warps a part, each 8 output rows
+    warps: int = WARPS
+    #: blocks of 16 k a lane's W is loaded ahead
+    ahead: int = AHEAD
+
+    @property
+    def rows(self) -> int:
+        """Output rows a block."""
+        return 8 * self.warps
 
     @property
     def stride(self) -> int:
@@ -85,20 +101,26 @@ def plan(batch: int, depth: int, outputs: int, rounded: str = "") -> Plan | None
     """The plan for a TF32 product h [N, K] x W [O, K], or None where this rule does not take
     it: batch 8-16 with weights the IEEE rule would stream (:func:`.cuda_small_batch_gemv.
     takes_tf32`: 48 MiB and more, K a multiple of 128, O at least K), K at most
-    :data:`MAX_DEPTH`, O a multiple of :data:`ROWS`; K in :data:`K_SPLIT` parts where each
-    is a multiple of 128."""
-    if not (MIN_BATCH <= batch <= MAX_BATCH and depth <= MAX_DEPTH and outputs % ROWS == 0
-            and depth % (BLOCK_K * AHEAD) == 0
+    :data:`MAX_DEPTH`, O a multiple of a block's rows (see :data:`MAX_BLOCKS`); K in
+    :data:`K_SPLIT` parts."""
+    if not (MIN_BATCH <= batch <= MAX_BATCH and depth <= MAX_DEPTH
             and cuda_small_batch_gemv.takes_tf32(batch, depth, outputs)):
         return None
-    k_split = K_SPLIT if depth % (BLOCK_K * AHEAD * K_SPLIT) == 0 else 1
-    return Plan(batch, depth, outputs, rounded, k_split=k_split)
+    warps = min((w for w in range(WARPS, MAX_WARPS + 1) if outputs % (8 * w) == 0),
+                key=lambda w: -(-outputs // (8 * w) // MAX_BLOCKS) * w, default=None)
+    if warps is None:
+        return None
+    blocks = depth // BLOCK_K // K_SPLIT  # a part's blocks of 16 k: a multiple of 4
+    ahead = max(a for a in range(1, min(AHEAD, IN_FLIGHT // (K_SPLIT * warps)) + 1)
+                if blocks % a == 0)
+    return Plan(batch, depth, outputs, rounded, k_split=K_SPLIT, warps=warps, ahead=ahead)
 
 
 def kernel(p: Plan):
     """The PrimFunc, with the gemm component's parameters (a, w, b, gemm_bias)."""
     n_, k_, o_, stride = p.batch, p.depth, p.outputs, p.stride
-    threads, groups = p.k_split * WARPS * 32, p.depth // (BLOCK_K * AHEAD * p.k_split)
+    threads, groups = p.k_split * p.warps * 32, p.depth // (BLOCK_K * p.ahead * p.k_split)
+    part, ahead = p.warps * 32, p.ahead  # threads a part of K; blocks of 16 k ahead
     op = _mma.TF32
     load, source, extra = _streaming.load(True, p.keep)
 
@@ -121,20 +143,20 @@ def kernel(p: Plan):
 
     @T.macro
     def load_w(w, wf, group, row, q):
-        """The lane's 16 bytes of row ``row`` of each of the AHEAD blocks of ``group``."""
-        for d in T.unroll(AHEAD):
+        """The lane's 16 bytes of row ``row`` of each of the blocks ahead in ``group``."""
+        for d in T.unroll(ahead):
             T.evaluate(T.cuda.func_call(
                 load, T.address_of(wf[d * 4]),
-                T.address_of(w[row, (group * AHEAD + d) * BLOCK_K + q * 4]), *extra,
+                T.address_of(w[row, (group * ahead + d) * BLOCK_K + q * 4]), *extra,
                 source_code=source))
 
     @T.macro
     def products(hs, acc, wf, hab, af, wb, group, g, q):
-        """The AHEAD blocks of ``group``: two k-steps each."""
-        for d in T.unroll(AHEAD):
+        """The blocks ahead in ``group``: two k-steps each."""
+        for d in T.unroll(ahead):
             for r in T.unroll(2):  # batch rows g, g + 8
                 for v in T.vectorized(4):
-                    hab[r * 4 + v] = hs[(r * 8 + g) * stride + (group * AHEAD + d) * BLOCK_K
+                    hab[r * 4 + v] = hs[(r * 8 + g) * stride + (group * ahead + d) * BLOCK_K
                                         + q * 4 + v]
             for s in T.unroll(2):
                 _mma.a_fragment(op, af, hab, s)
@@ -150,18 +172,18 @@ def kernel(p: Plan):
         with T.sblock("root"):
             hs = T.sblock_alloc_buffer((16 * stride,), "float32", scope="shared.dyn")
             acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
-            cur = T.sblock_alloc_buffer((AHEAD * 4,), "float32", scope="local")
-            nxt = T.sblock_alloc_buffer((AHEAD * 4,), "float32", scope="local")
+            cur = T.sblock_alloc_buffer((ahead * 4,), "float32", scope="local")
+            nxt = T.sblock_alloc_buffer((ahead * 4,), "float32", scope="local")
             hab = T.sblock_alloc_buffer((8,), "float32", scope="local")
             af = T.sblock_alloc_buffer((4,), "float32", scope="local")
             wb = T.sblock_alloc_buffer((2,), "float32", scope="local")
-            for bx in T.thread_binding(o_ // ROWS, thread="blockIdx.x"):
+            for bx in T.thread_binding(o_ // p.rows, thread="blockIdx.x"):
                 for tx in T.thread_binding(threads, thread="threadIdx.x"):
                     T.attr(0, LAUNCH_BOUNDS, 1)  # (one a multiprocessor: ptxas keeps W's loads
                     # ahead in registers; with 512 threads and no bound it took 38 and did not)
                     g, q = T.meta_var((tx % 32 // 4, tx % 4))
-                    col0 = T.meta_var(bx * ROWS + tx // 32 % WARPS * 8)
-                    first = T.meta_var(tx // (WARPS * 32) * groups)  # the warp's part of K
+                    col0 = T.meta_var(bx * p.rows + tx % part // 32 * 8)
+                    first = T.meta_var(tx // part * groups)  # the warp's part of K
                     for i in T.unroll(4):
                         acc[i] = T.float32(0)
                     load_w(w, cur, first, col0 + g, q)
@@ -171,16 +193,16 @@ def kernel(p: Plan):
                         if group + 1 < groups:
                             load_w(w, nxt, first + group + 1, col0 + g, q)
                         products(hs, acc, cur, hab, af, wb, first + group, g, q)
-                        for i in T.unroll(AHEAD * 4):
+                        for i in T.unroll(ahead * 4):
                             cur[i] = nxt[i]
                     if p.k_split > 1:  # the other parts' sums to the first part's warps,
                         T.tvm_storage_sync("shared")  # through h's memory once all have read it
-                        if tx >= WARPS * 32:
+                        if tx >= part:
                             for i in T.unroll(4):
-                                hs[(tx % (WARPS * 32) * (p.k_split - 1) + tx // (WARPS * 32) - 1)
-                                   * 4 + i] = acc[i]
+                                hs[(tx % part * (p.k_split - 1) + tx // part - 1) * 4 + i] = (
+                                    acc[i])
                         T.tvm_storage_sync("shared")
-                    if tx < WARPS * 32:
+                    if tx < part:
                         if p.k_split > 1:
                             for s in T.unroll(p.k_split - 1):
                                 for i in T.unroll(4):

@@ -445,7 +445,8 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
     ("gru", 96, 128, 64, "cuda.sgemm"),  # 48 blocks of 8 rows at most: IEEE
     ("lstm", 64, 1024, 16, "cuda.mma_gemm"), ("lstm", 64, 2048, 7, "cuda.small_batch_gemv"),
     ("lstm", 64, 2048, 12, "cuda.mma_stream_gemv"),
-    ("gru", 64, 2048, 16, "cuda.mma_stream_gemv")])
+    ("gru", 64, 2048, 16, "cuda.mma_stream_gemv"),
+    ("lstm", 64, 2560, 9, "cuda.mma_stream_gemv")])  # 10 warps a part, 128 blocks
 def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rule, rng):
     """allow_tf32=True: the products of all steps (cuda.wgmma_gemm on sm_90) and each step's
     (cuda.mma_gemv where its grid is large enough, slices of K from batch 16 where they fill

@@ -271,30 +271,41 @@ def test_large_tf32_step_products_at_batch_8_to_16_stream_on_tensor_cores():
     assert rule(16, 1024, 4096) == "cuda.mma_gemv"  # 16 MiB: not streamed
     assert cuda_mma_stream_gemv.plan(4, 2048, 8192) is None
     assert cuda_mma_stream_gemv.plan(16, 2048, 6144).k_split == cuda_mma_stream_gemv.K_SPLIT
-    assert cuda_mma_stream_gemv.plan(16, 2176, 8704).k_split == 1  # parts of 1088: not 128s
+    # O in 64-row blocks past 132 blocks: more warps a block, fewer blocks ahead each (the
+    # fewest waves times warps; LSTM 2176's 8704 rows take two waves of 8 or one of 16)
+    found = {shape: cuda_mma_stream_gemv.plan(16, *shape) for shape in (
+        (2048, 8192), (3584, 10752), (2560, 10240), (3072, 9216), (2176, 8704))}
+    assert {shape: (p.k_split, p.warps, p.ahead, shape[1] // p.rows)
+            for shape, p in found.items()} == {
+        (2048, 8192): (2, 8, 8, 128), (3584, 10752): (2, 12, 4, 112),
+        (2560, 10240): (2, 10, 5, 128), (3072, 9216): (2, 9, 6, 128),
+        (2176, 8704): (2, 8, 4, 136)}
     ampere = TargetSpec("cuda", arch="sm_80").tvm_target()  # 163 KiB of shared memory a block
     func = comp.gemm((16,), 2048, 8192, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
     assert cuda_mma_stream_gemv.apply(func, ampere) is None
 
 
-@pytest.mark.parametrize("batch, depth, outputs, rounded, keep, k_split", [
-    (12, 256, 128, "", False, 2), (16, 256, 64, "ab", True, 2), (9, 768, 192, "b", False, 2),
-    (16, 128, 64, "", False, 1), (5, 512, 64, "", False, 4)])
+@pytest.mark.parametrize("batch, depth, outputs, rounded, keep, k_split, warps, ahead", [
+    (12, 256, 128, "", False, 2, 8, 8), (16, 256, 64, "ab", True, 2, 8, 8),
+    (9, 768, 192, "b", False, 2, 8, 8), (16, 128, 64, "", False, 1, 8, 8),
+    (5, 512, 64, "", False, 4, 8, 8), (10, 384, 144, "", True, 2, 9, 6),
+    (16, 192, 96, "b", False, 2, 12, 3)])
 def test_mma_stream_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, rounded, keep,
-                                                        k_split, rng):
+                                                        k_split, warps, ahead, rng):
     """cuda.mma_stream_gemv's kernel (small sizes, planned by hand) on the NumPy interpreter
     of TIR against NumPy's product of the operands rounded to TF32 (by the kernel, or before
     where ``rounded`` says the callers did), rows past N padded, the output poisoned; W
     loaded with the L2 policy that keeps part of it where ``keep`` (at full size W of 40 MiB
     and more on sm_90, GRU 2048's 48 MiB at batch 16); K in ``k_split``
-    parts a block's warps share, their sums added at the end."""
+    parts a block's warps share, their sums added at the end; ``warps`` a part (8 rows
+    each), ``ahead`` blocks of 16 k loaded ahead."""
     from rnncc.schedules import _mma, _streaming, cuda_mma_stream_gemv
     from tir_sim import Simulator
 
     full = comp.gemm((16,), 2048, 6144, "rows", "float32").with_attr(_mma.TF32_ATTR, True)
     assert _streaming.STREAM_KEEP in cuda_mma_stream_gemv.apply(full, CUDA).mod.script()
     kernel = cuda_mma_stream_gemv.kernel(cuda_mma_stream_gemv.Plan(
-        batch, depth, outputs, rounded, 0.5 if keep else None, k_split))
+        batch, depth, outputs, rounded, 0.5 if keep else None, k_split, warps, ahead))
     assert (_streaming.STREAM_KEEP in kernel.script()) == keep
     a = rng.standard_normal((batch, depth)).astype(np.float32)
     w, b = (rng.standard_normal(s).astype(np.float32) for s in ((outputs, depth), outputs))
