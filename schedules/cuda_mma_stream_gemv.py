@@ -7,13 +7,14 @@ rounded as they are read, unless the component's callers rounded them,
 instruction's M (one tile, rows past N zero), 8 output rows of W its N, 8 k a step, in
 :mod:`._mma`'s order of k (a lane's 16 bytes of a row, 4 values, feed two k-steps).
 
-A block of :data:`K_SPLIT` x :data:`WARPS` warps stages all of h [16, K] in dynamic shared
-memory once (rows padded to 64 bytes past a multiple of 128: a phase's 16-byte reads of rows g
-and g + 1 hit the 32 banks once); warp w of part s owns 8 output rows and multiplies them by
-part s of K, lane (g, q) reading 16 bytes of row g a block of 16 k, past L1
-(:mod:`._streaming`: past 40 MiB with the L2 policy that keeps 30 MiB of W from step to
-step), :data:`AHEAD` blocks ahead of its products. No barrier after the staging; at the end
-the other parts' sums reach part 0's warps through the staged h's memory.
+A block of :data:`K_SPLIT` x :data:`WARPS` warps (more where O in blocks of their rows would
+take a second wave: :data:`MAX_BLOCKS`) stages all of h [16, K] in dynamic shared memory once
+(rows padded to 64 bytes past a multiple of 128: a phase's 16-byte reads of rows g and g + 1
+hit the 32 banks once); warp w of part s owns 8 output rows and multiplies them by part s of
+K, lane (g, q) reading 16 bytes of row g a block of 16 k, past L1 (:mod:`._streaming`: past
+40 MiB with the L2 policy that keeps 30 MiB of W from step to step), :data:`AHEAD` blocks
+ahead of its products (fewer with more warps). No barrier after the staging; at the end the
+other parts' sums reach part 0's warps through the staged h's memory.
 
 Where cuda.mma_gemv stages h a chunk of K at a time between two barriers (its W one iteration
 ahead), and cuda.small_batch_gemv (IEEE) reads h through L1 for every few rows, this streams W
