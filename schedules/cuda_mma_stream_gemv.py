@@ -93,10 +93,6 @@ class Plan:
         """Floats from one staged row of h to the next: 64 bytes past a multiple of 128."""
         return self.depth + (16 - self.depth) % 32
 
-    @property
-    def smem_bytes(self) -> int:
-        return 16 * self.stride * 4
-
 
 def plan(batch: int, depth: int, outputs: int, rounded: str = "") -> Plan | None:
     """The plan for a TF32 product h [N, K] x W [O, K], or None where this rule does not take
