@@ -42,6 +42,14 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
     assert len(persistent) == 1
     assert all("__expf" not in b and "__fdividef" not in b for name, b in bodies.items()
                if name not in persistent)
+    # programmatic dependent launch (sm_90): every kernel but the cooperative one waits for
+    # the kernel ahead of it first, and is launched with the tag
+    for name, body in bodies.items():
+        waits = body.lstrip().startswith("rnncc_dependent_wait();")
+        assert waits == (name not in persistent), name
+    assert "griddepcontrol.launch_dependents" not in source
+    with open(path, "rb") as f:
+        assert b"tirx.use_programtic_dependent_launch" in f.read()
 
 
 @pytest.mark.parametrize("cell", ["lstm", pytest.param("gru", marks=pytest.mark.slow)])
@@ -131,6 +139,9 @@ def test_cuda_module_for_other_arch_and_variants(tmp_path):
     sm80 = rnncc.compile("lstm", 8, 64, 1, target="cuda", arch="sm_80")
     path = sm80.export(tmp_path / "sm80.so")
     assert md.read_metadata(path)["target"]["arch"] == "sm_80"
+    assert "griddepcontrol" not in sm80.source("cuda")  # sm_90 on
+    with open(path, "rb") as f:
+        assert b"tirx.use_programtic_dependent_launch" not in f.read()
 
 
 def test_cuda_module_cannot_run_without_gpu(tmp_path):

@@ -1,5 +1,5 @@
 """rnncc's TIR pipeline: TVM's default s_tir pipeline, plus cooperative launch for kernels that
-synchronise the whole grid.
+synchronise the whole grid, and programmatic dependent launch for the others (sm_90 on).
 
 A persistent kernel waits at a grid-wide barrier every step, which is only safe when every
 block of the grid is resident at once: a cooperative launch guarantees that, and the driver
@@ -7,6 +7,9 @@ refuses one that cannot be (instead of the barrier hanging). TVM 0.27 takes the 
 from the device kernel's ``tirx.kernel_launch_params`` attribute, but does not carry a
 PrimFunc attribute there, so the device-finalize step of this pipeline adds the tag to every
 kernel that calls a grid barrier (TVM's ``T.cuda.grid_sync`` or rnncc's own flag barrier).
+Every other kernel of an sm_90 build is tagged for programmatic dependent launch and waits for
+the kernel ahead of it as its first act (:func:`dependent_launch`): a step's kernels launch
+while the one before them drains.
 
 CUDA builds also run with :data:`CONFIG`, which turns TVM's elimination of common
 subexpressions off: it runs before the kernels are split from the host function, so an offset
@@ -78,6 +81,69 @@ def cooperative_launch(mod, _ctx):
         tags.insert(at, COOPERATIVE)
         updates[gvar] = func.with_attr("tirx.kernel_launch_params", tags).with_attr(
             LAUNCH_BOUNDS, 1)
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return mod
+
+
+#: TVM's launch tag (its spelling) for programmatic dependent launch (sm_90 on): the driver
+#: may launch a kernel before the one ahead of it in the stream has finished.
+DEPENDENT = "tirx.use_programtic_dependent_launch"
+DEPENDENT_WAIT = "rnncc_dependent_wait"
+#: A dependent kernel's first act: wait until the kernel ahead of it has finished and its
+#: writes are visible (at once where launched without the tag). No kernel lets the next one
+#: launch early (``griddepcontrol.launch_dependents``): at their start, the cell steps' and
+#: elementwise kernels' triggers made one step's products 10-30% slower (their blocks, placed
+#: while the cell step ran, waited beside it), H200, 2026-11-29.
+DEPENDENT_SOURCE = f"""
+__device__ __forceinline__ void {DEPENDENT_WAIT}() {{
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}}
+"""
+#: The first architecture with programmatic dependent launch (``griddepcontrol``).
+DEPENDENT_MIN_ARCH = 90
+
+
+def _arch(func) -> int:
+    """The CUDA architecture of device kernel ``func`` (90 for sm_90 and sm_90a), 0 if unknown."""
+    target = func.attrs.get("target") if func.attrs else None
+    digits = "".join(c for c in str(target.attrs.get("arch", "")) if c.isdigit()) if target else ""
+    return int(digits) if digits else 0
+
+
+def _first_in_kernel(body, stmt):
+    """``body`` with ``stmt`` first inside its leading thread bindings."""
+    if isinstance(body, tvm.tirx.AttrStmt) and body.attr_key == "thread_extent":
+        return tvm.tirx.AttrStmt(body.node, body.attr_key, body.value,
+                                 _first_in_kernel(body.body, stmt))
+    return tvm.tirx.SeqStmt([stmt, body])
+
+
+@tvm.transform.module_pass(opt_level=0, name="rnncc.DependentLaunch")
+def dependent_launch(mod, _ctx):
+    """Tag the kernels that wait on no other block (all but the cooperative ones) for
+    programmatic dependent launch where the architecture has it, each starting with
+    :data:`DEPENDENT_WAIT`: the driver's launch of a step's kernel (the product, the cell step)
+    then overlaps the end of the kernel before it. H200, T = 100, us a step, without / with:
+    TF32 LSTM 512 N256 12.46 / 11.23, GRU 2048 N64 34.07 / 33.71, float16 LSTM 1024 N128 12.21
+    / 11.70, float32 LSTM 1024 N64 33.87 / 32.86, LSTM 512/1024 N32 20.75 / 20.10 (1.00-1.11x
+    on 13 layers, docs/benchmarks.md). A cooperative kernel is launched without the tag, after
+    the kernel before it has finished."""
+    from tvm.backend.cuda.op import cuda_func_call
+
+    updates = {}
+    for gvar, func in mod.functions_items():
+        params = func.attrs.get("tirx.kernel_launch_params") if func.attrs else None
+        if params is None or _arch(func) < DEPENDENT_MIN_ARCH:
+            continue
+        tags = [str(p) for p in params]
+        if DEPENDENT in tags or COOPERATIVE in tags or _uses_grid_barrier(func):
+            continue
+        at = tags.index(DYN_SHARED) if DYN_SHARED in tags else len(tags)
+        tags.insert(at, DEPENDENT)
+        wait = tvm.tirx.Evaluate(cuda_func_call(DEPENDENT_WAIT, source_code=DEPENDENT_SOURCE))
+        updates[gvar] = func.with_attr("tirx.kernel_launch_params", tags).with_body(
+            _first_in_kernel(func.body, wait))
     for gvar, func in updates.items():
         mod[gvar] = func
     return mod
@@ -215,7 +281,8 @@ def _factory():
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir")
 
     def finalize():
-        return tvm.ir.transform.Sequential([finalize_device(), cooperative_launch])
+        return tvm.ir.transform.Sequential([finalize_device(), cooperative_launch,
+                                              dependent_launch])
 
     return pipeline, finalize_host, finalize
 
