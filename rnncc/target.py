@@ -36,10 +36,6 @@ class TargetSpec:
                 raise ConfigError(f"--cpu is for the llvm target, not {self.kind!r}")
             _check_cpu(self.cpu)
 
-    @property
-    def device_type(self) -> str:
-        return "cuda" if self.kind == "cuda" else "cpu"
-
     def tvm_target(self):
         """The tvm.target.Target (compiler side only)."""
         import tvm

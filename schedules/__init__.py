@@ -45,8 +45,6 @@ from ._script import install as _install_fast_macros
 
 _install_fast_macros()
 
-ROLES = ("gemm", "elementwise", "reduction")
-
 #: Rules by (target kind, role), best first; the last of each list fits every component.
 RULES: dict[tuple[str, str], list[Rule]] = {
     ("cuda", "gemm"): [cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_mma_stream_gemv.RULE,
