@@ -104,13 +104,6 @@ __device__ __forceinline__ void {DEPENDENT_WAIT}() {{
 DEPENDENT_MIN_ARCH = 90
 
 
-def _arch(func) -> int:
-    """The CUDA architecture of device kernel ``func`` (90 for sm_90 and sm_90a), 0 if unknown."""
-    target = func.attrs.get("target") if func.attrs else None
-    digits = "".join(c for c in str(target.attrs.get("arch", "")) if c.isdigit()) if target else ""
-    return int(digits) if digits else 0
-
-
 def _first_in_kernel(body, stmt):
     """``body`` with ``stmt`` first inside its leading thread bindings."""
     if isinstance(body, tvm.tirx.AttrStmt) and body.attr_key == "thread_extent":
@@ -131,13 +124,15 @@ def dependent_launch(mod, _ctx):
     the kernel before it has finished."""
     from tvm.backend.cuda.op import cuda_func_call
 
+    from ..schedules._common import sm_at_least
+
     updates = {}
     for gvar, func in mod.functions_items():
         params = func.attrs.get("tirx.kernel_launch_params") if func.attrs else None
-        if params is None or _arch(func) < DEPENDENT_MIN_ARCH:
+        if params is None or not sm_at_least(func.attrs["target"], DEPENDENT_MIN_ARCH):
             continue
         tags = [str(p) for p in params]
-        if DEPENDENT in tags or COOPERATIVE in tags or _uses_grid_barrier(func):
+        if DEPENDENT in tags or COOPERATIVE in tags:  # (cooperative_launch runs before)
             continue
         at = tags.index(DYN_SHARED) if DYN_SHARED in tags else len(tags)
         tags.insert(at, DEPENDENT)
