@@ -55,6 +55,9 @@ def _add_problem_args(p):
                    help="LSTM with projections (LSTMP, torch's proj_size): h = W_hr h', P wide "
                         "(weights weight_hr_l0 [P, H]; default 0: none)")
     p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
+    p.add_argument("--tf32x3", default=False, action=argparse.BooleanOptionalAction,
+                   help="float32 products of many rows on tensor cores as three TF32 products "
+                        "each (IEEE float32's error; default off)")
 
 
 def _add_tuning_args(p):
@@ -101,6 +104,9 @@ def _parser():
     p.add_argument("--proj-size", "-P", type=int, default=0,
                    help="LSTM with projections (LSTMP): h P wide (default 0: none)")
     p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
+    p.add_argument("--tf32x3", default=False, action=argparse.BooleanOptionalAction,
+                   help="float32 products of many rows on tensor cores as three TF32 products "
+                        "each (IEEE float32's error; default off)")
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -145,7 +151,8 @@ def _problem_kwargs(args) -> dict:
                 lengths=getattr(args, "lengths", False),
                 directions=2 if getattr(args, "bidirectional", False) else 1,
                 **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}),
-                **({"allow_tf32": True} if args.allow_tf32 else {}))
+                **({"allow_tf32": True} if args.allow_tf32 else {}),
+                **({"tf32x3": True} if getattr(args, "tf32x3", False) else {}))
 
 
 def _check_writable(path: str) -> None:
@@ -327,7 +334,8 @@ def _cmd_bench(args) -> int:
                                target=args.target, arch=args.arch, gpu=args.gpu,
                                tuning=_tuning(args), **({"proj_size": args.proj_size}
                                                         if args.proj_size else {}),
-                               **({"allow_tf32": True} if args.allow_tf32 else {}))
+                               **({"allow_tf32": True} if args.allow_tf32 else {}),
+                               **({"tf32x3": True} if args.tf32x3 else {}))
     if args.steps < 1 or args.repeat < 1:
         raise _CliError("--steps and --repeat must be positive")
     layers = getattr(module, "layers", 1)

@@ -146,12 +146,19 @@ class Options:
         "auto" (CUDA: the persistent kernel where its planner says the weights fit on-chip, with
         the non-persistent schedule as the fallback), "on" (required: an error if it does not
         fit), "off" (the non-persistent schedule only). It needs the three optimisations on.
+    tf32x3:
+        CUDA, float32 without ``allow_tf32``: the products of many rows that the tensor-core
+        rule takes (all steps' input projection, each step's recurrent product at a large
+        batch) as three TF32 products each ("3xTF32": each operand split into a TF32 part and
+        the rest), whose error is that of IEEE float32's FMAs; else on the CUDA cores. Inputs
+        with infinities give NaN in such products.
     """
 
     input_gemm: bool = True
     gate_gemm: bool = True
     fuse_pointwise: bool = True
     persistent: str = "auto"
+    tf32x3: bool = False
 
     def __post_init__(self):
         if self.persistent not in ("auto", "on", "off"):
@@ -164,4 +171,5 @@ class Options:
     def describe(self) -> str:
         on = {True: "on", False: "off"}
         return (f"input_gemm={on[self.input_gemm]} gate_gemm={on[self.gate_gemm]} "
-                f"fuse_pointwise={on[self.fuse_pointwise]} persistent={self.persistent}")
+                f"fuse_pointwise={on[self.fuse_pointwise]} persistent={self.persistent} "
+                f"tf32x3={on[self.tf32x3]}")

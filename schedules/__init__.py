@@ -40,6 +40,7 @@ from ._common import has_wgmma as has_wgmma  # and whether they take 16-bit oper
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32
 from ._mma import TF32_ATTR as TF32_ATTR
 from ._mma import TF32_ROUNDED_ATTR as TF32_ROUNDED_ATTR
+from ._mma import TF32X3_ATTR as TF32X3_ATTR
 from ._rule import Rule
 from ._script import install as _install_fast_macros
 

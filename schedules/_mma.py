@@ -1,6 +1,13 @@
 """The operand types of the tensor-core products (``mma.sync``, float32 sums): float16 and
 bfloat16 (m16n8k16), and float32 rounded to TF32 (m16n8k8), the last only in a component
-that allows it (:data:`TF32_ATTR`, set by the lowering for ``allow_tf32=True``).
+that allows it (:data:`TF32_ATTR`, set by the lowering for ``allow_tf32=True``); and float32
+as three TF32 products (:data:`TF32X3`, "3xTF32"), where a rule that knows it takes it in a
+component that allows it (:data:`TF32X3_ATTR`, the lowering's option ``tf32x3``): each
+operand x is split into big = x rounded to TF32 and small = x - big (which the instruction
+reads to TF32, dropping its low bits), and A B is A_small B_big + A_big B_small + A_big
+B_big in float32 sums; what is left out (A_small B_small, small's dropped bits) is below
+2^-21 of each product, so the sums' error is that of IEEE float32's FMAs (CUTLASS's
+"3xTF32"; float64 references in tests/test_gpu.py).
 
 Fragments. The GEMM rules give a lane 16 contiguous bytes of an operand's row for two k-steps
 (the persistent kernel's stage has an order of its own, :mod:`.persistent.stages.tensor_cores`):
@@ -21,6 +28,9 @@ from rnncc.dtypes import round_tf32
 
 #: The PrimFunc attribute by which a component allows its float32 products in TF32.
 TF32_ATTR = "rnncc.tf32"
+#: The PrimFunc attribute by which a component allows its float32 products as three TF32
+#: products (:data:`TF32X3`).
+TF32X3_ATTR = "rnncc.tf32x3"
 #: The PrimFunc attribute that names the operands ("a", "b" or "ab") of a TF32 product whose
 #: values its callers have rounded to TF32 already (weights as they are packed, h as the cell
 #: step writes it), which the rules then read as they are.
@@ -30,9 +40,11 @@ _PTX = {"float16": "fp16", "bfloat16": "bf16", "float32": "tf32"}
 
 @dataclass(frozen=True)
 class Operand:
-    """A product's operand type: ``dtype`` its storage ("float32": TF32 values)."""
+    """A product's operand type: ``dtype`` its storage ("float32": TF32 values); ``split``:
+    float32 values as two TF32 values each, three products (3xTF32)."""
 
     dtype: str
+    split: bool = False
 
     @property
     def ptx(self) -> str:
@@ -64,15 +76,25 @@ class Operand:
 
 #: float32 operands rounded to TF32.
 TF32 = Operand("float32")
+#: float32 operands as three TF32 products.
+TF32X3 = Operand("float32", split=True)
 
 
-def operand(weights_dtype: str, func=None) -> Operand | None:
+def _has(func, attr: str) -> bool:
+    return func is not None and func.attrs is not None and attr in func.attrs
+
+
+def operand(weights_dtype: str, func=None, split: bool = False) -> Operand | None:
     """The operand type of a product with weights in ``weights_dtype``: a half type as it is;
-    float32 as TF32 where ``func`` (the component) allows it; else None."""
+    float32 as TF32 where ``func`` (the component) allows it, else as TF32X3 where it allows
+    that and the caller (``split``) computes it; else None."""
     if weights_dtype in ("float16", "bfloat16"):
         return Operand(weights_dtype)
-    allowed = func is not None and func.attrs is not None and TF32_ATTR in func.attrs
-    return TF32 if weights_dtype == "float32" and allowed else None
+    if weights_dtype != "float32":
+        return None
+    if _has(func, TF32_ATTR):
+        return TF32
+    return TF32X3 if split and _has(func, TF32X3_ATTR) else None
 
 
 @T.macro
@@ -92,6 +114,24 @@ def b_fragment(op, wb, row, offset, s):
     (from ``offset``)."""
     for v in T.vectorized(op.lane_k // 2):
         wb[v] = row[offset + s * (op.lane_k // 2) + v]
+
+
+def split_tf32(value):
+    """The TF32 part ``big`` of a float32 TIR expression: ``value`` to nearest (ties away from
+    zero) with the low 13 bits cleared; ``value - big`` is exact. Infinities and NaNs need no
+    care: their small part is NaN, as the product would be."""
+    bits = tirx.reinterpret("uint32", value)
+    return tirx.reinterpret("float32", (bits + tirx.const(0x1000, "uint32"))
+                            & tirx.const(0xFFFFE000, "uint32"))
+
+
+@T.macro
+def split(values, small, count):
+    """values[:count] (float32) -> their TF32 parts, in place, and small[:count] the rest."""
+    for v in T.unroll(count):
+        small[v] = values[v]
+        values[v] = split_tf32(small[v])
+        small[v] = small[v] - values[v]
 
 
 @T.macro

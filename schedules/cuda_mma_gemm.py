@@ -15,7 +15,9 @@ All forms are C[i, j] = sum_k A[i, k] B[j, k]:
 
 The weights are float16 or bfloat16; an operand in float32 (h, a gradient, a kept state) is
 rounded to the weights' type as it is staged, as cuDNN's half-precision RNNs compute. In TF32
-both float32 operands are rounded to TF32 (as they are staged, or as a lane reads them).
+both float32 operands are rounded to TF32 (as they are staged, or as a lane reads them); split
+into three TF32 products (:data:`._mma.TF32X3`), pipelined only, both are read as they are and
+split as a lane reads them.
 
 A block's 8 warps (4 where a one-step tile has 64 rows) compute a TILE-column tile of C, 2 x 4
 (1 x 4) warps of 64 x 32 (4 x 4 instruction tiles, 64 sums a lane). K goes through shared
@@ -26,7 +28,9 @@ memory in chunks of BK (32 halves or 16 TF32 values: 64 bytes of a row). Two way
   an a in float32 under half weights goes through registers, rounded, stored a chunk after
   its load was issued), one barrier a chunk; staged [row][k], 64 bytes a row, so a lane's
   16-byte fragment reads (8 lanes a phase: rows g, g + 1) hit each bank once. Two blocks a
-  multiprocessor (:data:`BLOCKS_PER_SM`).
+  multiprocessor (:data:`BLOCKS_PER_SM`); one where float32 is split into three TF32
+  products (:func:`_products`: a chunk's sums of their own take the second block's
+  registers).
 - through registers, where an operand's k runs along its buffer's rows ("outer": w [K, O],
   both operands of a gradient): double-buffered (the next chunk's global loads issued before
   the current chunk's products, stored after them), the outer operand staged [k][row]. A
@@ -82,8 +86,11 @@ BLOCKS_PER_SM = 2
 #: operand (a tile of 64 rows then runs partly empty). H200 layers, us a step, cuda.mma_gemv
 #: -> slices here: TF32 LSTM 2048 N32 90.2 -> 45.0, N16 57.1 -> 44.4, GRU 2048 N16 36.6 ->
 #: 28.8, LSTM 1024 N32 15.8 -> 14.0; float16 LSTM 2048 N32 24.5 -> 21.1, but LSTM 4096 N16
-#: 71.6 -> 82.5.
-MIN_BATCH = {"tf32": 16, "half": 32}
+#: 71.6 -> 82.5. Float32 split in three TF32 products (:data:`._mma.TF32X3`), against
+#: cuda.sgemm's slices and cuda.small_batch_gemv: LSTM 1024 and 2048 N64 1.34-1.44x (the
+#: layer, with the products of all steps), LSTM 2048 N16 0.72x (before its sums were added
+#: a chunk at a time; N32 with the step's products on the CUDA cores 1.05x).
+MIN_BATCH = {"tf32": 16, "half": 32, "tf32x3": 64}
 #: In 64-row tiles up to STEP_TILE_PARTS slices: the backward pass's product dGH W_hh (O = H
 #: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a
 #: step (the product's kernel alone 10.8 / 6.8 / 5.8): at most 8 slices 35.9, 16 32.4, 32
@@ -123,8 +130,9 @@ class Product:
     rounded: str = ""
 
     def rounds(self, operand: int) -> bool:
-        """Whether operand 0 (A) or 1 (B) is rounded to the operands' TF32 here."""
-        return self.op.tf32 and "ab"[operand] not in self.rounded
+        """Whether operand 0 (A) or 1 (B) is rounded to the operands' TF32 here (not split
+        into two: :data:`._mma.TF32X3`)."""
+        return self.op.tf32 and not self.op.split and "ab"[operand] not in self.rounded
 
     @property
     def pipelined(self) -> bool:
@@ -215,17 +223,21 @@ def product_of(func, target) -> Product | None:
     sliced = block_named(sch, "gemm_parts")
     if blocks is not None or sliced is not None:
         (_, a_shape, a_dtype), (_, _, w_dtype) = specs[:2]
-        op = _mma.operand(w_dtype, func)
+        op = _mma.operand(w_dtype, func, split=True)
         if op is None or a_dtype not in (w_dtype, "float32"):
             return None
+        if op.split and len(specs) != (4 if sliced is None else 3):
+            return None  # split products only without the samples' lengths
         block = blocks[0] if sliced is None else sliced
         *_, outputs, depth = (static_extent(sch, x) for x in sch.get_loops(block))
         rows = weights_are_rows(sch, block)
-        fewest = MIN_BATCH["tf32" if op.tf32 else "half"]
+        if op.split and not rows:
+            return None  # split products pipelined only
+        fewest = MIN_BATCH["tf32x3" if op.split else "tf32" if op.tf32 else "half"]
         if None not in a_shape and (a_shape[0] < fewest or not rows):
             return None  # one step's product: pipelined only
         count = 1 if sliced is None else specs[2][1][0]
-        if op.tf32 and None not in a_shape and cuda_small_batch_gemv.takes_tf32(
+        if op is _mma.TF32 and None not in a_shape and cuda_small_batch_gemv.takes_tf32(
                 a_shape[0], depth * count, outputs):
             return None
         if not fits(outputs, depth * count, op) or depth % chunk_k(op):
@@ -449,8 +461,14 @@ def _products_transposed(t, shared, frags, acc, lane, i0, j0):
 
 @T.macro
 def _products(t, shared, frags, acc, tx):
-    """A chunk's products: the warp's 64 x 32 of C, 2 k-steps (4 x 4 instructions each)."""
-    bf, ha, af, wb = T.meta_var(frags)
+    """A chunk's products: the warp's 64 x 32 of C, 2 k-steps (4 x 4 instructions each).
+    Split operands (their small parts and the chunk's sums in the second half of ``frags``):
+    three instructions each, into the chunk's own sums, which are then added to ``acc`` on
+    the CUDA cores: the tensor cores' float32 sums drop the bits past their last (rounding
+    toward zero), which over all of K would leave an error that grows with K (H200, LSTM 2048:
+    1.3e-5, 20x IEEE float32's), over one chunk a negligible one."""
+    bf, ha, af, wb = T.meta_var(frags[:4])
+    bs, hs, as_, ws, sums = T.meta_var(frags[4:] if t.product.op.split else (*frags[:4], acc))
     kind = T.meta_var(t.product.op)
     g, q = T.meta_var((tx % 32 // 4, tx % 4))
     i0 = T.meta_var(tx // 32 // WARPS_J * (MT * 16))
@@ -460,14 +478,28 @@ def _products(t, shared, frags, acc, tx):
     else:
         for n in T.unroll(NT):
             _fragment(t, 1, shared[1], bf, n * kind.lane_k, j0 + n * 8 + g, q)
+        if kind.split:
+            _mma.split(bf, bs, NT * kind.lane_k)
         for m in T.unroll(MT):
             _fragment(t, 0, shared[0], ha, 0, i0 + m * 16 + g, q)
             _fragment(t, 0, shared[0], ha, kind.lane_k, i0 + m * 16 + 8 + g, q)
+            if kind.split:
+                _mma.split(ha, hs, 2 * kind.lane_k)
             for s in T.unroll(2):
                 _mma.a_fragment(kind, af, ha, s)
+                if kind.split:
+                    _mma.a_fragment(kind, as_, hs, s)
                 for n in T.unroll(NT):
                     _mma.b_fragment(kind, wb, bf, n * kind.lane_k, s)
-                    _mma.mma(kind, af, wb, acc, (m * NT + n) * 4)
+                    if kind.split:
+                        _mma.b_fragment(kind, ws, bs, n * kind.lane_k, s)
+                        _mma.mma(kind, as_, wb, sums, (m * NT + n) * 4)
+                        _mma.mma(kind, af, ws, sums, (m * NT + n) * 4)
+                    _mma.mma(kind, af, wb, sums, (m * NT + n) * 4)
+        if kind.split:
+            for e in T.unroll(MT * NT * 4):
+                acc[e] = acc[e] + sums[e]
+                sums[e] = T.float32(0)
 
 
 @T.macro
@@ -556,6 +588,12 @@ def _pipelined_kernel(product: Product):
     dtype = op.dtype
     ahead = STAGES - 1
     grid = product.parts * t.i_tiles * t.j_tiles
+    # split operands' small parts: B's, A's rows, A's and B's fragments, and a chunk's sums
+    # (unused otherwise); the chunk's sums take the registers of the second block a
+    # multiprocessor
+    small = ((NT * op.lane_k, 2 * op.lane_k, 4, op.lane_k // 2, MT * NT * 4) if op.split
+             else (1, 1, 1, 1, 1))
+    blocks = 1 if op.split else BLOCKS_PER_SM
 
     @T.prim_func(s_tir=True)
     def mma_gemm():
@@ -570,16 +608,24 @@ def _pipelined_kernel(product: Product):
             ha = T.sblock_alloc_buffer((2 * op.lane_k,), dtype, scope="local")
             af = T.sblock_alloc_buffer((4 * op.per_register,), dtype, scope="local")
             wb = T.sblock_alloc_buffer((op.lane_k // 2,), dtype, scope="local")
+            bs = T.sblock_alloc_buffer((small[0],), dtype, scope="local")
+            hs = T.sblock_alloc_buffer((small[1],), dtype, scope="local")
+            as_ = T.sblock_alloc_buffer((small[2],), dtype, scope="local")
+            ws = T.sblock_alloc_buffer((small[3],), dtype, scope="local")
+            tc = T.sblock_alloc_buffer((small[4],), "float32", scope="local")
             for bx in T.thread_binding(grid, thread="blockIdx.x"):
                 for tx in T.thread_binding(t.threads, thread="threadIdx.x"):
-                    T.attr(0, LAUNCH_BOUNDS, BLOCKS_PER_SM)
+                    T.attr(0, LAUNCH_BOUNDS, blocks)
                     part = T.meta_var(bx // (t.i_tiles * t.j_tiles))
                     bi = T.meta_var(bx // t.j_tiles % t.i_tiles)
                     bj = T.meta_var(bx % t.j_tiles)
                     k0 = T.meta_var(part * product.depth)
-                    frags = T.meta_var((bf, ha, af, wb))
+                    frags = T.meta_var((bf, ha, af, wb, bs, hs, as_, ws, tc))
                     for e in T.unroll(MT * NT * 4):
                         acc[e] = T.float32(0)
+                    if op.split:
+                        for e in T.unroll(small[4]):
+                            tc[e] = T.float32(0)
                     for c in T.unroll(ahead):
                         if c < t.chunks:
                             _fetch(t, io, ra, (sa, sb), c, k0 + c * t.bk, bi, bj, tx)

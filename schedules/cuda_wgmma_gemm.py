@@ -99,11 +99,12 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes (an
     operand whose k runs along its buffer's rows in 16 bits only: TF32 is K-major), but for
     one step's product in N <= 64 rows (one warpgroup a block: :mod:`.cuda_mma_gemm`'s is
-    faster there); else None."""
+    faster there) and float32 split into three TF32 products (cuda.mma_gemm's alone);
+    else None."""
     if not has_wgmma(target):
         return None
     found = cuda_mma_gemm.product_of(func, target)
-    if found is None or (found.op.tf32 and not found.pipelined):
+    if found is None or found.op.split or (found.op.tf32 and not found.pipelined):
         return None
     if found.form != "gradient" and found.depth % Plan.chunk(found.op):
         return None
@@ -139,7 +140,8 @@ def parts(func, target) -> int:
     found = cuda_mma_gemm.product_of(func, target)
     if found is None or found.rows is None:
         return 1
-    chosen = one_step(found) if has_wgmma(target) and found.pipelined else None
+    chosen = (one_step(found) if has_wgmma(target) and found.pipelined and not found.op.split
+              else None)
     return chosen[0] if chosen else cuda_mma_gemm.slices(found)
 
 

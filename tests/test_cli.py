@@ -86,6 +86,18 @@ def test_compile_with_lengths_or_both_directions(capsys, tmp_path, flags, summar
     assert code == 0 and json.loads(out)["rnncc"] > 0
 
 
+def test_compile_takes_the_tf32x3_option(capsys, tmp_path):
+    """--tf32x3 is the schedule option tf32x3 (named in the module's metadata; on CPUs it
+    changes nothing else)."""
+    for flag, on in (("--tf32x3", True), ("--no-tf32x3", False)):
+        path = str(tmp_path / f"{on}.so")
+        code, _, err = run(capsys, "compile", "gru", "-C", "3", "-H", "4", "-N", "2", flag,
+                           "--target", "llvm", "-o", path)
+        assert code == 0, err
+        meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
+        assert meta["schedule"]["options"]["tf32x3"] is on
+
+
 def test_projection_and_per_unit_parameters(capsys, tmp_path):
     """--proj-size compiles an LSTMP module (W_hr among its weights) and a network file of
     such layers; bench takes a projection and a cell with per-unit parameters."""

@@ -979,12 +979,13 @@ def _product_case(form, dtype, k, rng, m_rows=70):
     the weights' type, w [O, K]), "cols" (float32 a, w [K, O]), "flat" (135 flat rows), "step"
     (one step's N = 135 float32 rows), "slices" (64 rows in 2 slices of K),
     "gradient" (over M = ``m_rows`` rows, g and a float32), "gradient_half" (g and a in
-    ``dtype``); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides rounded to it). The
-    expected output is of the rounded operands (a slice form's summed)."""
+    ``dtype``); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides rounded to it),
+    "tf32x3": float32 allowed three TF32 products (nothing rounded). The expected output is of
+    the rounded operands (a slice form's summed)."""
     from rnncc.schedules import _mma
 
-    tf32 = dtype == "tf32"
-    dtype = "float32" if tf32 else dtype
+    tf32, split = dtype == "tf32", dtype == "tf32x3"
+    dtype = "float32" if tf32 or split else dtype
 
     def rounded(x):
         return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
@@ -1014,7 +1015,53 @@ def _product_case(form, dtype, k, rng, m_rows=70):
         args = [a.astype(a_dtype), (w.T if form == "cols" else w).astype(dtype), b.astype(dtype),
                 np.full(a.shape[:-1] + (o,), np.nan, np.float32)]
         want = rounded(args[0]) @ rounded(w.astype(dtype)).T + args[2].astype(np.float64)
+    if split:
+        return func.with_attr(_mma.TF32X3_ATTR, True), args, want
     return (func.with_attr(_mma.TF32_ATTR, True) if tf32 else func), args, want
+
+
+@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
+def test_mma_gemm_splits_float32_into_three_tf32_products_on_the_simulator(form, rng):
+    """cuda.mma_gemm with float32 allowed as three TF32 products (rnncc.tf32x3: the option
+    tf32x3): on the NumPy interpreter (whose TF32 products drop the operands' low bits and
+    round their sums toward zero, as the tensor cores do), within a fifth of float32's bound
+    of the float64 product of the operands as they are (K = 512; IEEE float32's FMAs about
+    5e-7; the three products summed over all of K on the tensor cores 4.5e-6); one TF32
+    product a term misses float32's bound 10x over. Components that it cannot split (w [K,
+    O]) or that give lengths stay with the other rules."""
+    from rnncc.schedules import _mma, cuda_mma_gemm
+    from tir_sim import Simulator
+
+    func, args, want = _product_case(form, "tf32x3", 512, rng)
+    product = cuda_mma_gemm.product_of(func, CUDA)
+    assert product.op is _mma.TF32X3
+    for op, bound in ((_mma.TF32X3, TOL_F32 / 5), (_mma.TF32, None)):
+        kernel = cuda_mma_gemm.kernel(replace(product, op=op))
+        run = [x.copy() for x in args]
+        Simulator(kernel, {p.name: x for p, x in zip(kernel.params, run)}).run()
+        got = run[-1].astype(np.float64)
+        got = got.sum(0) if form == "slices" else got
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error < bound if bound else error > 10 * TOL_F32, (op, error)
+    assert cuda_mma_gemm.product_of(_product_case("cols", "tf32x3", 256, rng)[0], CUDA) is None
+    given = comp.gemm((tirx.Var("T", "int64"), 45), 256, 256, "rows", "float32", lengths=True)
+    assert cuda_mma_gemm.product_of(given.with_attr(_mma.TF32X3_ATTR, True), CUDA) is None
+
+
+def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
+    """Options(tf32x3=True): an IEEE float32 layer's products of all steps and its step's
+    slices at batch 256 go to cuda.mma_gemm (not cuda.wgmma_gemm, which does not split), on
+    sm_80 too; without the option to the CUDA cores' rules, and at batch 8 the step's."""
+    problem = Problem(rnncc.cells.get("lstm"), 512, 1024, 256, "float32")
+    for target in (CUDA, AMPERE):
+        rules = sequence.build(problem, Options(persistent="off", tf32x3=True), target).rules
+        assert rules["input_gemm"] == rules["recurrent_gemm_parts"] == "cuda.mma_gemm"
+    rules = sequence.build(problem, Options(persistent="off"), CUDA).rules
+    assert rules["input_gemm"] == "cuda.sgemm"
+    small = replace(problem, batch=8)
+    rules = sequence.build(small, Options(persistent="off", tf32x3=True), CUDA).rules
+    assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
+        "cuda.mma_gemm", "cuda.small_batch_gemv")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
