@@ -130,7 +130,8 @@ def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
     assert meta["cell"] == "mgu"
     assert meta["schedule"]["options"] == {"input_gemm": False, "gate_gemm": True,
-                                           "fuse_pointwise": False, "persistent": "auto"}
+                                           "fuse_pointwise": False, "persistent": "auto",
+                                           "tf32x3": False}
 
 
 @pytest.mark.parametrize("argv, message", [
