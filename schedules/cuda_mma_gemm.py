@@ -91,6 +91,11 @@ BLOCKS_PER_SM = 2
 #: layer, with the products of all steps), LSTM 2048 N16 0.72x (before its sums were added
 #: a chunk at a time; N32 with the step's products on the CUDA cores 1.05x).
 MIN_BATCH = {"tf32": 16, "half": 32, "tf32x3": 64}
+#: The fewest batch rows N of the products of all steps (T*N rows) split in three TF32
+#: products: fewer leave few tiles, which cuda.sgemm fills the GPU with by splitting K (H200,
+#: LSTM 2048 with the step's product on the CUDA cores: N1 0.98x, N16 1.07x, both before the
+#: sums were added a chunk at a time).
+SPLIT_ALL_STEPS_BATCH = 16
 #: In 64-row tiles up to STEP_TILE_PARTS slices: the backward pass's product dGH W_hh (O = H
 #: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a
 #: step (the product's kernel alone 10.8 / 6.8 / 5.8): at most 8 slices 35.9, 16 32.4, 32
@@ -236,6 +241,8 @@ def product_of(func, target) -> Product | None:
         fewest = MIN_BATCH["tf32x3" if op.split else "tf32" if op.tf32 else "half"]
         if None not in a_shape and (a_shape[0] < fewest or not rows):
             return None  # one step's product: pipelined only
+        if op.split and len(a_shape) == 3 and a_shape[1] < SPLIT_ALL_STEPS_BATCH:
+            return None  # all steps' product of few rows: cuda.sgemm splits K to fill the GPU
         count = 1 if sliced is None else specs[2][1][0]
         if op is _mma.TF32 and None not in a_shape and cuda_small_batch_gemv.takes_tf32(
                 a_shape[0], depth * count, outputs):

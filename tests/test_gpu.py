@@ -478,8 +478,9 @@ def test_tf32x3_products_match_reference_as_ieee_float32(cell, input_size, hidde
                                                           rules, rng):
     """tf32x3=True: the products of all steps, and each step's from batch 64, as three TF32
     products on cuda.mma_gemm (never cuda.wgmma_gemm: it does not split), within a fifth of
-    float32's bound of float64 (IEEE float32's FMAs give about 5e-7 at these sizes); batch 16
-    and O off whole tiles on the CUDA cores; lengths keep the products of all steps there."""
+    float32's bound of float64 (IEEE float32's FMAs give about 5e-7 at these sizes); the step's
+    at batch 16 and O off whole tiles on the CUDA cores; lengths keep the products of all
+    steps there."""
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off", tf32x3=True)
     found = module.metadata["schedule"]["rules"]
     assert not module.allow_tf32

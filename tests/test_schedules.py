@@ -151,6 +151,26 @@ def test_cuda_tensor_core_components_match_the_cpu_build_on_the_simulator(cell, 
             assert rule == lowered.rules[key], key
 
 
+@pytest.mark.parametrize("training", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_cuda_tf32x3_components_match_the_cpu_build_on_the_simulator(training, monkeypatch,
+                                                                       rng):
+    """The same with float32 split in three TF32 products (tf32x3) at batch 64, where the
+    products of all steps and each step's (forward and, in training, backward) run on tensor
+    cores (cuda.mma_gemm; its grid's policy lowered to take them at H 128): within 1e-6 of
+    the largest value of the CPU build's IEEE float32, as the CUDA cores' products are."""
+    from rnncc.schedules import cuda_mma_gemm
+
+    monkeypatch.setattr(cuda_mma_gemm, "TARGET_BLOCKS", 8)
+    monkeypatch.setattr(cuda_mma_gemm, "MIN_SLICE", 16)
+    problem = Problem(rnncc.cells.get("lstm"), 64, 128, 64, training=training)
+    lowered = sequence.build(problem, Options(persistent="off", tf32x3=True), CUDA)
+    split = {key for key, rule in lowered.rules.items() if rule == "cuda.mma_gemm"}
+    assert {"input_gemm", "recurrent_gemm_parts"} <= split
+    assert not training or "recurrent_gemm_backward_parts" in split, lowered.rules
+    for key, (func, role) in lowered.components.items():
+        assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
+
+
 def test_cuda_gradient_sums_match_the_cpu_build_on_the_simulator(rng):
     """Training's sums over all steps' rows: the biases' (a column sum) and a float32 weight
     gradient, over whole tiles of rows and part of one."""
@@ -1051,7 +1071,8 @@ def test_mma_gemm_splits_float32_into_three_tf32_products_on_the_simulator(form,
 def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
     """Options(tf32x3=True): an IEEE float32 layer's products of all steps and its step's
     slices at batch 256 go to cuda.mma_gemm (not cuda.wgmma_gemm, which does not split), on
-    sm_80 too; without the option to the CUDA cores' rules, and at batch 8 the step's."""
+    sm_80 too; without the option to the CUDA cores' rules, and at batch 8 both (cuda.sgemm
+    splits the few rows' K)."""
     problem = Problem(rnncc.cells.get("lstm"), 512, 1024, 256, "float32")
     for target in (CUDA, AMPERE):
         rules = sequence.build(problem, Options(persistent="off", tf32x3=True), target).rules
@@ -1061,7 +1082,10 @@ def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
     small = replace(problem, batch=8)
     rules = sequence.build(small, Options(persistent="off", tf32x3=True), CUDA).rules
     assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
-        "cuda.mma_gemm", "cuda.small_batch_gemv")
+        "cuda.sgemm", "cuda.small_batch_gemv")
+    rules = sequence.build(replace(problem, batch=16), Options(persistent="off", tf32x3=True),
+                           CUDA).rules
+    assert rules["input_gemm"] == "cuda.mma_gemm"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
