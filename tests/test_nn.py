@@ -347,6 +347,7 @@ def test_compiled_modules_are_kept_on_disk(monkeypatch):
      "input is torch.float64, but the parameters are torch.float32"),
     (lambda: rnncc.nn.GRU(3, 4), lambda m: m(torch.randn(2, 1, 1, 3)), "input must be 3-D"),
     (lambda: rnncc.nn.GRU(3, 4, allow_tf32="yes"), None, "allow_tf32 must be True or False"),
+    (lambda: rnncc.nn.GRU(3, 4, tf32x3=1), None, "tf32x3 must be True or False, got 1"),
 ])
 def test_errors(make, call, match):
     error = (ConfigError, InputError)
@@ -369,6 +370,10 @@ def test_from_torch_takes_only_recurrent_modules():
     # TF32 reaches float32 modules only: the half types' products are already on tensor cores
     assert ours._layout.module_options("float32") == {"allow_tf32": True}
     assert ours._layout.module_options("bfloat16") == {}
+    ours = rnncc.nn.from_torch(torch.nn.LSTM(3, 4), tf32x3=True)
+    assert ours.tf32x3 and "tf32x3=True" in repr(ours)
+    assert ours._layout.module_options("float32") == {"tf32x3": True}
+    assert ours._layout.module_options("float16") == {}
 
 
 def test_import_leaves_torch_dynamo_out():

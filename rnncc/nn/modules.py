@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import ConfigError, InputError
 from ..runtime.module import vouch_lengths
-from ..spec import Problem
+from ..spec import Options, Problem
 from . import op, training
 from .network import Layout, Network
 
@@ -40,12 +40,14 @@ class Recurrent(torch.nn.Module):
     cells. Arguments as torch's; ``proj_size`` P > 0 (LSTMP: h = W_hr h', ``weight_hr_l{k}``
     [P, H]) takes a cell whose step reads h only through W_hh. ``allow_tf32``: float32
     products may run on tensor cores in TF32, as torch's ``allow_tf32`` lets cuDNN (default
-    off: IEEE float32; the half types are unaffected)."""
+    off: IEEE float32; the half types are unaffected). ``tf32x3``: float32's large products
+    on tensor cores as three TF32 products each, with IEEE float32's error (the schedule
+    option of that name, and its default)."""
 
     def __init__(self, cell, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
                  bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None,
-                 allow_tf32: bool = False):
+                 allow_tf32: bool = False, tf32x3: bool = Options.tf32x3):
         super().__init__()
         from ..compiler.driver import resolve_cell
 
@@ -56,8 +58,9 @@ class Recurrent(torch.nn.Module):
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not (
                 0 <= dropout <= 1):
             raise ConfigError(f"dropout must be a number from 0 to 1, got {dropout!r}")
-        if not isinstance(allow_tf32, bool):
-            raise ConfigError(f"allow_tf32 must be True or False, got {allow_tf32!r}")
+        for name, value in (("allow_tf32", allow_tf32), ("tf32x3", tf32x3)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
         self.cell = resolve_cell(cell)
         if proj_size:  # checked as a module of it would be (P below H, the cell fits)
             Problem(self.cell, input_size, hidden_size, 1, proj_size=proj_size)
@@ -65,9 +68,9 @@ class Recurrent(torch.nn.Module):
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
             bidirectional)
         self.dropout, self.proj_size = float(dropout), int(proj_size)
-        self.allow_tf32 = allow_tf32
+        self.allow_tf32, self.tf32x3 = allow_tf32, tf32x3
         self._layout = Layout(self.cell, input_size, hidden_size, num_layers,
-                              2 if bidirectional else 1, self.proj_size, allow_tf32)
+                              2 if bidirectional else 1, self.proj_size, allow_tf32, tf32x3)
         self._networks: dict = {}
         self._said_autocast = False
         self._names = self._weight_names()
@@ -113,7 +116,7 @@ class Recurrent(torch.nn.Module):
             s += f", num_layers={self.num_layers}"
         for name, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
                               ("bidirectional", False), ("proj_size", 0),
-                              ("allow_tf32", False)):
+                              ("allow_tf32", False), ("tf32x3", Options.tf32x3)):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)}"
         return s
@@ -458,10 +461,10 @@ class RNN(Recurrent):
                          **kwargs)
 
 
-def from_torch(module, allow_tf32: bool = False) -> Recurrent:
+def from_torch(module, allow_tf32: bool = False, tf32x3: bool = Options.tf32x3) -> Recurrent:
     """The rnncc module for a ``torch.nn.LSTM``, ``GRU`` or ``RNN``: the same configuration
-    (``batch_first`` included), device, dtype and weights; ``allow_tf32`` as
-    :class:`Recurrent` takes it (torch's own flag is global, and not read here)."""
+    (``batch_first`` included), device, dtype and weights; ``allow_tf32`` and ``tf32x3`` as
+    :class:`Recurrent` takes them (torch's own flag is global, and not read here)."""
     kinds = {torch.nn.LSTM: LSTM, torch.nn.GRU: GRU, torch.nn.RNN: RNN}
     kind = kinds.get(type(module))
     if kind is None:
@@ -470,7 +473,7 @@ def from_torch(module, allow_tf32: bool = False) -> Recurrent:
     first = next(module.parameters())
     kw = dict(num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first,
               dropout=module.dropout, bidirectional=module.bidirectional,
-              device=first.device, dtype=first.dtype, allow_tf32=allow_tf32)
+              device=first.device, dtype=first.dtype, allow_tf32=allow_tf32, tf32x3=tf32x3)
     if getattr(module, "proj_size", 0):
         kw["proj_size"] = module.proj_size
     if kind is RNN:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime.module import check_lengths_once, vouch_lengths
+from ..spec import Options
 
 
 def bucket(batch: int) -> int:
@@ -29,7 +30,8 @@ def bucket(batch: int) -> int:
 @dataclass(frozen=True)
 class Layout:
     """The network: the cell, C, H, L layers, D directions, the projection's P (0: none),
-    and whether its float32 products may run in TF32."""
+    whether its float32 products may run in TF32, and whether as three TF32 products
+    (tf32x3)."""
 
     cell: object
     input_size: int
@@ -38,12 +40,16 @@ class Layout:
     directions: int
     proj_size: int = 0
     allow_tf32: bool = False
+    tf32x3: bool = Options.tf32x3
 
     def module_options(self, dtype: str) -> dict:
-        """The options of its modules in ``dtype`` beyond the sizes (TF32 for float32
-        only: the half types' products are on tensor cores in their own precision)."""
+        """The options of its modules in ``dtype`` beyond the sizes and the defaults (TF32 and
+        tf32x3 for float32 only: the half types' products are on tensor cores in their own
+        precision)."""
+        tf32 = {"allow_tf32": True} if self.allow_tf32 else (
+            {"tf32x3": self.tf32x3} if self.tf32x3 != Options.tf32x3 else {})
         return ({"proj_size": self.proj_size} if self.proj_size else {}) | (
-            {"allow_tf32": True} if self.allow_tf32 and dtype == "float32" else {})
+            tf32 if dtype == "float32" else {})
 
     @property
     def recurrent_size(self) -> int:
