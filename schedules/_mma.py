@@ -118,8 +118,9 @@ def b_fragment(op, wb, row, offset, s):
 
 def split_tf32(value):
     """The TF32 part ``big`` of a float32 TIR expression: ``value`` to nearest (ties away from
-    zero) with the low 13 bits cleared; ``value - big`` is exact. Infinities and NaNs need no
-    care: their small part is NaN, as the product would be."""
+    zero) with the low 13 bits cleared; ``value - big`` is exact. NaNs stay NaN; an
+    infinity's small part is NaN (inf - inf), so a product with one is NaN where IEEE
+    float32's is infinite (the option says so)."""
     bits = tirx.reinterpret("uint32", value)
     return tirx.reinterpret("float32", (bits + tirx.const(0x1000, "uint32"))
                             & tirx.const(0xFFFFE000, "uint32"))
