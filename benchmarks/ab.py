@@ -18,8 +18,9 @@ that says so); compile options likewise, ``--options '{"persistent": "off"}'`` (
 
 A configuration is CELL,C,H,N,DTYPE (float32, tf32: float32 with allow_tf32, float16,
 bfloat16). Separate cache directories: the cache key does not see a code change. Prints a
-markdown table (GPU name, date): us a step (T = ``--steps``) of A, B and cuDNN, B's gain, and
-both errors.
+markdown table, a row as each configuration is measured (``--json`` rewritten after each, so
+a run cut short keeps what it measured), the GPU's name last: us a step (T = ``--steps``) of A,
+B and cuDNN, B's gain, and both errors.
 """
 
 import argparse
@@ -81,16 +82,17 @@ def _error(module) -> float:
     return reference.relative_error(y.double().cpu().numpy(), ref)
 
 
-def _time(folders, configs, steps: int, rounds: int) -> tuple[str, list]:
+def _time(folders, configs, steps: int, rounds: int):
+    """(device, row) for each configuration, as it is measured."""
     import rnncc
     from rnncc.bench import time_gpu
 
-    rows, device = [], ""
+    device = ""
     for config in configs:
         paths = [os.path.join(folder, _file(config)) for folder in folders]
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:
-            rows.append({"config": config, "missing": missing})
+            yield device, {"config": config, "missing": missing}
             continue
         modules = [rnncc.load(p) for p in paths]
         row = {"config": config, "errors": [_error(m) for m in modules],
@@ -103,8 +105,7 @@ def _time(folders, configs, steps: int, rounds: int) -> tuple[str, list]:
                 if timed["cudnn"] is not None:
                     row["cudnn_us"] = timed["cudnn"] * 1e3 / steps
                 device = timed["device"]
-        rows.append(row)
-    return device, rows
+        yield device, row
 
 
 def main():
@@ -137,26 +138,28 @@ def main():
                 print(",".join(map(str, config)), result)
         return
     sides = [args.a, args.b, *args.also]
-    device, rows = _time(sides, args.configs, args.steps, args.rounds)
     names = "ABCDEFGH"[:len(sides)]
-    print(f"{device}, {datetime.date.today()}, T = {args.steps}, us a step, best of "
-          f"{args.rounds} rounds; " + ", ".join(f"{n}: {s}" for n, s in zip(names, sides)) + "\n")
+    print(f"{datetime.date.today()}, T = {args.steps}, us a step, best of {args.rounds} "
+          f"rounds; " + ", ".join(f"{n}: {s}" for n, s in zip(names, sides)) + "\n")
     heads = ["A"] + [c for n in names[1:] for c in (n, f"A / {n}")]
     print("| configuration | " + " | ".join(heads) + f" | cuDNN | errors {', '.join(names)} |")
-    print("| --- " * (len(heads) + 3) + "|")
-    for row in rows:
+    print("| --- " * (len(heads) + 3) + "|", flush=True)
+    rows, device = [], ""
+    for device, row in _time(sides, args.configs, args.steps, args.rounds):
+        rows.append(row)
         name = ",".join(map(str, row["config"]))
         if "missing" in row:
             print(f"| {name} | not built: {', '.join(row['missing'])} |" + " |" * (len(heads) + 1))
-            continue
-        a, *others = row["us"]
-        cells = [f"{a:.2f}"] + [c for o in others for c in (f"{o:.2f}", f"{a / o:.2f}x")]
-        cudnn = f"{row['cudnn_us']:.2f}" if row["cudnn_us"] is not None else "-"
-        errors = ", ".join(f"{e:.1e}" for e in row["errors"])
-        print(f"| {name} | " + " | ".join(cells) + f" | {cudnn} | {errors} |")
-    if args.json:
-        write_json(args.json, {"device": device, "date": str(datetime.date.today()),
-                               "a": args.a, "b": args.b, "also": args.also, "rows": rows})
+        else:
+            a, *others = row["us"]
+            cells = [f"{a:.2f}"] + [c for o in others for c in (f"{o:.2f}", f"{a / o:.2f}x")]
+            cudnn = f"{row['cudnn_us']:.2f}" if row["cudnn_us"] is not None else "-"
+            errors = ", ".join(f"{e:.1e}" for e in row["errors"])
+            print(f"| {name} | " + " | ".join(cells) + f" | {cudnn} | {errors} |", flush=True)
+        if args.json:  # after each row: a run cut short keeps what it measured
+            write_json(args.json, {"device": device, "date": str(datetime.date.today()),
+                                   "a": args.a, "b": args.b, "also": args.also, "rows": rows})
+    print(f"\n{device or 'no GPU timed'}")
 
 
 if __name__ == "__main__":
