@@ -19,6 +19,8 @@ class _Parser(argparse.ArgumentParser):
 
 _TF32_HELP = ("float32 products may run on tensor cores in TF32 (10-bit mantissas, float32 "
              "sums), as torch's allow_tf32; default IEEE float32")
+_TF32X3_HELP = ("float32 products of many rows on tensor cores as three TF32 products each "
+                "(IEEE float32's error; default off)")
 
 
 class _CliError(Exception):
@@ -56,8 +58,7 @@ def _add_problem_args(p):
                         "(weights weight_hr_l0 [P, H]; default 0: none)")
     p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
     p.add_argument("--tf32x3", default=False, action=argparse.BooleanOptionalAction,
-                   help="float32 products of many rows on tensor cores as three TF32 products "
-                        "each (IEEE float32's error; default off)")
+                   help=_TF32X3_HELP)
 
 
 def _add_tuning_args(p):
@@ -105,8 +106,7 @@ def _parser():
                    help="LSTM with projections (LSTMP): h P wide (default 0: none)")
     p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
     p.add_argument("--tf32x3", default=False, action=argparse.BooleanOptionalAction,
-                   help="float32 products of many rows on tensor cores as three TF32 products "
-                        "each (IEEE float32's error; default off)")
+                   help=_TF32X3_HELP)
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -152,7 +152,7 @@ def _problem_kwargs(args) -> dict:
                 directions=2 if getattr(args, "bidirectional", False) else 1,
                 **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}),
                 **({"allow_tf32": True} if args.allow_tf32 else {}),
-                **({"tf32x3": True} if getattr(args, "tf32x3", False) else {}))
+                **({"tf32x3": True} if args.tf32x3 else {}))
 
 
 def _check_writable(path: str) -> None:
