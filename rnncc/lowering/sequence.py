@@ -124,6 +124,12 @@ class _Builder:
                                 dtype, name)
 
     def add(self, name, func, sig):
+        """Entry ``name``: ``func``, whose parameters the runtime passes by position as ``sig``
+        lists them (checked here: a swap would pass one buffer for another)."""
+        names = [str(v.name) for v in func.params[:len(sig)]]
+        if names != [s["name"] for s in sig]:
+            raise AssertionError(f"entry {name}: parameters {names} against the signature's "
+                                 f"{[s['name'] for s in sig]}")
         sig += scratch_signature(func, len(sig))
         self.lowered.mod[name] = func
         self.lowered.signatures[name] = sig
