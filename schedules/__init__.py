@@ -52,7 +52,7 @@ RULES: dict[tuple[str, str], list[Rule]] = {
                        cuda_mma_gemv.RULE, cuda_small_batch_gemv.RULE, cuda_sgemm.RULE,
                        cuda_tiled_gemm.RULE, cuda_matmul.RULE, cuda_gemm_simple.RULE],
     ("cuda", "elementwise"): [cuda_elementwise.RULE, cuda_row_means.RULE, cuda_fallback.RULE],
-    ("cuda", "reduction"): [cuda_weight_grad.RULE, cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE,
+    ("cuda", "reduction"): [cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_weight_grad.RULE,
                            cuda_column_sum.RULE, cuda_matmul.RULE, cuda_fallback.RULE],
     ("llvm", "gemm"): [cpu_gemm.RULE, cpu_elementwise.SERIAL],
     ("llvm", "elementwise"): [cpu_elementwise.RULE, cpu_elementwise.SERIAL],

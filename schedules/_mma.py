@@ -70,7 +70,9 @@ class Operand:
     def round(self, value):
         """``value`` in this type: a half cast, or float32 rounded to TF32's 10-bit mantissa
         (to nearest, ties away from zero, as ``cvt.rna.tf32.f32``; infinities and NaNs as
-        they are)."""
+        they are); split float32 as it is."""
+        if self.split:
+            return value  # split as a lane reads it
         return round_tf32(value) if self.tf32 else tirx.Cast(self.dtype, value)
 
 

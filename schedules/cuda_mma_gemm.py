@@ -16,8 +16,8 @@ All forms are C[i, j] = sum_k A[i, k] B[j, k]:
 The weights are float16 or bfloat16; an operand in float32 (h, a gradient, a kept state) is
 rounded to the weights' type as it is staged, as cuDNN's half-precision RNNs compute. In TF32
 both float32 operands are rounded to TF32 (as they are staged, or as a lane reads them); split
-into three TF32 products (:data:`._mma.TF32X3`), pipelined only, both are read as they are and
-split as a lane reads them.
+into three TF32 products (:data:`._mma.TF32X3`: projections and slices pipelined only, and
+float32 weight gradients), both are read as they are and split as a lane reads them.
 
 A block's 8 warps (4 where a one-step tile has 64 rows) compute a TILE-column tile of C, 2 x 4
 (1 x 4) warps of 64 x 32 (4 x 4 instruction tiles, 64 sums a lane). K goes through shared
@@ -36,7 +36,8 @@ memory in chunks of BK (32 halves or 16 TF32 values: 64 bytes of a row). Two way
   the current chunk's products, stored after them), the outer operand staged [k][row]. A
   gradient's two (both outer, half types) are staged with k-rows 16 bytes apart past the tile
   and read by ``ldmatrix.x4.trans``, two blocks a multiprocessor; otherwise each k-row is
-  padded to an odd count of words so that a lane's scalar reads of its fragment hit 32 banks.
+  padded to an odd count of words so that a lane's scalar reads of its fragment hit 32 banks
+  (a float32 gradient split in three TF32 products so).
 
 Fragments (:mod:`._mma`): lane l (q = l % 4, g = l // 4) takes 16 bytes of a chunk's k from
 q's quarter for its rows g and g + 8 of A and its row g of B, two k-steps' worth: 16
@@ -96,6 +97,10 @@ MIN_BATCH = {"tf32": 16, "half": 32, "tf32x3": 64}
 #: LSTM 2048 with the step's product on the CUDA cores: N1 0.98x, N16 1.07x, both before the
 #: sums were added a chunk at a time).
 SPLIT_ALL_STEPS_BATCH = 16
+#: The fewest tiles of a float32 weight gradient split in three TF32 products (one block a
+#: multiprocessor, M not split): fewer stay with cuda.weight_grad, which splits M to fill the
+#: GPU (not yet measured: one wave of blocks on an H100 or H200).
+SPLIT_GRADIENT_TILES = 128
 #: In 64-row tiles up to STEP_TILE_PARTS slices: the backward pass's product dGH W_hh (O = H
 #: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a
 #: step (the product's kernel alone 10.8 / 6.8 / 5.8): at most 8 slices 35.9, 16 32.4, 32
@@ -255,12 +260,16 @@ def product_of(func, target) -> Product | None:
         if len(specs) != 3:  # the sum over the rows within the samples' lengths only
             return None
         (_, _, g_dtype), (_, _, a_dtype), (_, dw_shape, dw_dtype) = specs
-        op = _mma.operand(dw_dtype)  # a half type: a TF32 gradient is not written
+        op = _mma.operand(dw_dtype, func, split=True)  # a half type, or float32 split
+        if op is _mma.TF32:
+            return None  # a TF32 gradient is not written
         if op is None or g_dtype not in ("float32", dw_dtype) or a_dtype not in (
                 "float32", dw_dtype):
             return None
         if dw_shape[0] % TILE or dw_shape[1] % TILE:
             return None
+        if op.split and (dw_shape[0] // TILE) * (dw_shape[1] // TILE) < SPLIT_GRADIENT_TILES:
+            return None  # cuda.weight_grad splits M to fill the GPU
         return Product("gradient", specs, (False, False), dw_shape[1], 0, op)
     return None
 
@@ -539,11 +548,20 @@ def _epilogue(t, io, acc, bi, bj, part, tx):
                                        [i, j0 + n * 8 + q * 2 + v])
 
 
+def _split_sizes(op: _mma.Operand) -> tuple:
+    """The registers of split operands' small parts (B's, A's rows, A's and B's fragments)
+    and of a chunk's sums; one each (unused) where ``op`` is not split."""
+    if not op.split:
+        return (1,) * 5
+    return NT * op.lane_k, 2 * op.lane_k, 4, op.lane_k // 2, MT * NT * 4
+
+
 def _registers_kernel(product: Product):
     """The PrimFunc staging both operands through registers, double-buffered."""
     t = Tile(product)
     op = product.op
     dtype = op.dtype
+    small = _split_sizes(op)
 
     @T.prim_func(s_tir=True)
     def mma_gemm():
@@ -563,13 +581,22 @@ def _registers_kernel(product: Product):
             ha = T.sblock_alloc_buffer((2 * op.lane_k,), dtype, scope="local")
             af = T.sblock_alloc_buffer((4 * op.per_register,), dtype, scope="local")
             wb = T.sblock_alloc_buffer((op.lane_k // 2,), dtype, scope="local")
+            bs = T.sblock_alloc_buffer((small[0],), dtype, scope="local")
+            hs = T.sblock_alloc_buffer((small[1],), dtype, scope="local")
+            as_ = T.sblock_alloc_buffer((small[2],), dtype, scope="local")
+            ws = T.sblock_alloc_buffer((small[3],), dtype, scope="local")
+            tc = T.sblock_alloc_buffer((small[4],), "float32", scope="local")
             for bx in T.thread_binding(t.i_tiles * t.j_tiles, thread="blockIdx.x"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                     T.attr(0, LAUNCH_BOUNDS, BLOCKS_PER_SM if t.transposed else 1)
                     bi, bj = T.meta_var((bx // t.j_tiles, bx % t.j_tiles))
-                    regs, frags = T.meta_var(((ra, rb), (bf, ha, af, wb)))
+                    regs = T.meta_var((ra, rb))
+                    frags = T.meta_var((bf, ha, af, wb, bs, hs, as_, ws, tc))
                     for e in T.unroll(MT * NT * 4):
                         acc[e] = T.float32(0)
+                    if op.split:
+                        for e in T.unroll(small[4]):
+                            tc[e] = T.float32(0)
                     _chunk(t, io, regs, 0, bi, bj, tx)
                     _stage(t, regs, (a0, b0), tx)
                     T.tvm_storage_sync("shared")
@@ -595,12 +622,8 @@ def _pipelined_kernel(product: Product):
     dtype = op.dtype
     ahead = STAGES - 1
     grid = product.parts * t.i_tiles * t.j_tiles
-    # split operands' small parts: B's, A's rows, A's and B's fragments, and a chunk's sums
-    # (unused otherwise); the chunk's sums take the registers of the second block a
-    # multiprocessor
-    small = ((NT * op.lane_k, 2 * op.lane_k, 4, op.lane_k // 2, MT * NT * 4) if op.split
-             else (1, 1, 1, 1, 1))
-    blocks = 1 if op.split else BLOCKS_PER_SM
+    small = _split_sizes(op)
+    blocks = 1 if op.split else BLOCKS_PER_SM  # a chunk's sums take the second block's registers
 
     @T.prim_func(s_tir=True)
     def mma_gemm():

@@ -155,18 +155,22 @@ def test_cuda_tensor_core_components_match_the_cpu_build_on_the_simulator(cell, 
 def test_cuda_tf32x3_components_match_the_cpu_build_on_the_simulator(training, monkeypatch,
                                                                        rng):
     """The same with float32 split in three TF32 products (tf32x3) at batch 64, where the
-    products of all steps and each step's (forward and, in training, backward) run on tensor
-    cores (cuda.mma_gemm; its grid's policy lowered to take them at H 128): within 1e-6 of
-    the largest value of the CPU build's IEEE float32, as the CUDA cores' products are."""
+    products of all steps and each step's (forward and, in training, backward, dx and the
+    weights' gradients) run on tensor cores (cuda.mma_gemm; its grid's policy lowered to take
+    them at C = H = 128): within 1e-6 of the largest value of the CPU build's IEEE float32, as
+    the CUDA cores' products are."""
     from rnncc.schedules import cuda_mma_gemm
 
     monkeypatch.setattr(cuda_mma_gemm, "TARGET_BLOCKS", 8)
     monkeypatch.setattr(cuda_mma_gemm, "MIN_SLICE", 16)
-    problem = Problem(rnncc.cells.get("lstm"), 64, 128, 64, training=training)
+    monkeypatch.setattr(cuda_mma_gemm, "SPLIT_GRADIENT_TILES", 1)
+    problem = Problem(rnncc.cells.get("lstm"), 128, 128, 64, training=training)
     lowered = sequence.build(problem, Options(persistent="off", tf32x3=True), CUDA)
     split = {key for key, rule in lowered.rules.items() if rule == "cuda.mma_gemm"}
     assert {"input_gemm", "recurrent_gemm_parts"} <= split
-    assert not training or "recurrent_gemm_backward_parts" in split, lowered.rules
+    backward = {"recurrent_gemm_backward_parts", "input_gemm_backward", "weight_grad_ih",
+                "weight_grad_hh"}
+    assert not training or backward <= split, lowered.rules
     for key, (func, role) in lowered.components.items():
         assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
 
@@ -1016,6 +1020,7 @@ def _product_case(form, dtype, k, rng, m_rows=70):
         given = dtype if form == "gradient_half" else "float32"
         func = comp.weight_gradient(m, o, k, dtype, given, given)
         g, a = (rng.standard_normal(s).astype(given) for s in ((m_rows, o), (m_rows, k)))
+        func = func.with_attr(_mma.TF32X3_ATTR, True) if split else func
         return func, [g, a, np.full((o, k), np.nan, dtype)], rounded(g).T @ rounded(a)
     if form in ("step", "slices"):
         rows = steps * n if form == "step" else 64
@@ -1040,18 +1045,21 @@ def _product_case(form, dtype, k, rng, m_rows=70):
     return (func.with_attr(_mma.TF32_ATTR, True) if tf32 else func), args, want
 
 
-@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
-def test_mma_gemm_splits_float32_into_three_tf32_products_on_the_simulator(form, rng):
+@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices", "gradient"])
+def test_mma_gemm_splits_float32_into_three_tf32_products_on_the_simulator(form, monkeypatch,
+                                                                          rng):
     """cuda.mma_gemm with float32 allowed as three TF32 products (rnncc.tf32x3: the option
     tf32x3): on the NumPy interpreter (whose TF32 products drop the operands' low bits and
     round their sums toward zero, as the tensor cores do), within a fifth of float32's bound
     of the float64 product of the operands as they are (K = 512; IEEE float32's FMAs about
     5e-7; the three products summed over all of K on the tensor cores 4.5e-6); one TF32
     product a term misses float32's bound 10x over. Components that it cannot split (w [K,
-    O]) or that give lengths stay with the other rules."""
+    O]) or that give lengths stay with the other rules. A weight gradient (over M = 70 rows,
+    the last chunk pair partly past M) of any tiles here (the rule's policy lowered)."""
     from rnncc.schedules import _mma, cuda_mma_gemm
     from tir_sim import Simulator
 
+    monkeypatch.setattr(cuda_mma_gemm, "SPLIT_GRADIENT_TILES", 1)
     func, args, want = _product_case(form, "tf32x3", 512, rng)
     product = cuda_mma_gemm.product_of(func, CUDA)
     assert product.op is _mma.TF32X3

@@ -135,11 +135,14 @@ class _Backward:
         # W_ih as the product's [O, K] (C, G*H): packed so, or as rows [G*H, C] transposed
         # first where the product is on tensor cores but for warpgroup MMA's 16-bit operands
         # (cuda.mma_gemm's pipelined kernel and TF32 take k last in both operands; H200,
-        # bfloat16 LSTM 1024, T*N = 6400: 451 us -> 161, and 26 for the copy); else read as
-        # packed, [K, O]
+        # bfloat16 LSTM 1024, T*N = 6400: 451 us -> 161, and 26 for the copy; float32 split
+        # in three TF32 products where its batch has enough rows); else read as packed, [K, O]
         w_t = None
+        split = (b.options.tf32x3 and n >= schedules.cuda_mma_gemm.SPLIT_ALL_STEPS_BATCH
+                 and lengths is None)  # (a split product declines the lengths)
         if layout.weights == "rows" and schedules.has_mma(b.target) and (
-                p.allow_tf32 if p.dtype == "float32" else not schedules.has_wgmma(b.target)):
+                (p.allow_tf32 or split) if p.dtype == "float32"
+                else not schedules.has_wgmma(b.target)):
             w_t = b.param(sig, "w_ih_t", (c, g * h), "workspace")
             stages.append(self.transposed("w_ih", w_ih, w_t, c))
         stages.append(self.gemm(
@@ -153,7 +156,7 @@ class _Backward:
                                            [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
         params = [dgi, w_ih, *([lengths] if lengths is not None else []), dx, zero,
                   *([dx_acc] if dx_acc is not None else []),
-                  *([w_t] if w_t is not None else []), *([ends] if ends is not None else [])]
+                  *([ends] if ends is not None else []), *([w_t] if w_t is not None else [])]
         b.add("backward_input", sequence_function("backward_input", params, stages, None, None,
                                                   []), sig)
 
