@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 _TF32_HELP = ("float32 products may run on tensor cores in TF32 (10-bit mantissas, float32 "
              "sums), as torch's allow_tf32; default IEEE float32")
 _TF32X3_HELP = ("float32 products of many rows on tensor cores as three TF32 products each "
-                "(IEEE float32's error; default off)")
+                "(IEEE float32's error; default on)")
 
 
 class _CliError(Exception):
@@ -57,7 +57,7 @@ def _add_problem_args(p):
                    help="LSTM with projections (LSTMP, torch's proj_size): h = W_hr h', P wide "
                         "(weights weight_hr_l0 [P, H]; default 0: none)")
     p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
-    p.add_argument("--tf32x3", default=False, action=argparse.BooleanOptionalAction,
+    p.add_argument("--tf32x3", default=True, action=argparse.BooleanOptionalAction,
                    help=_TF32X3_HELP)
 
 
@@ -105,7 +105,7 @@ def _parser():
     p.add_argument("--proj-size", "-P", type=int, default=0,
                    help="LSTM with projections (LSTMP): h P wide (default 0: none)")
     p.add_argument("--allow-tf32", action="store_true", help=_TF32_HELP)
-    p.add_argument("--tf32x3", default=False, action=argparse.BooleanOptionalAction,
+    p.add_argument("--tf32x3", default=True, action=argparse.BooleanOptionalAction,
                    help=_TF32X3_HELP)
     p.add_argument("--steps", "-T", type=int, default=100, help="sequence length (100)")
     p.add_argument("--repeat", type=int, default=100, help="timed runs (median)")
@@ -152,7 +152,7 @@ def _problem_kwargs(args) -> dict:
                 directions=2 if getattr(args, "bidirectional", False) else 1,
                 **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}),
                 **({"allow_tf32": True} if args.allow_tf32 else {}),
-                **({"tf32x3": True} if args.tf32x3 else {}))
+                **({} if getattr(args, "tf32x3", True) else {"tf32x3": False}))
 
 
 def _check_writable(path: str) -> None:
@@ -335,7 +335,7 @@ def _cmd_bench(args) -> int:
                                tuning=_tuning(args), **({"proj_size": args.proj_size}
                                                         if args.proj_size else {}),
                                **({"allow_tf32": True} if args.allow_tf32 else {}),
-                               **({"tf32x3": True} if args.tf32x3 else {}))
+                               **({} if args.tf32x3 else {"tf32x3": False}))
     if args.steps < 1 or args.repeat < 1:
         raise _CliError("--steps and --repeat must be positive")
     layers = getattr(module, "layers", 1)

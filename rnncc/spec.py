@@ -147,18 +147,18 @@ class Options:
         the non-persistent schedule as the fallback), "on" (required: an error if it does not
         fit), "off" (the non-persistent schedule only). It needs the three optimisations on.
     tf32x3:
-        CUDA, float32 without ``allow_tf32``: the products of many rows that the tensor-core
-        rule takes (all steps' input projection, each step's recurrent product at a large
-        batch) as three TF32 products each ("3xTF32": each operand split into a TF32 part and
-        the rest), whose error is that of IEEE float32's FMAs; else on the CUDA cores. Inputs
-        with infinities give NaN in such products.
+        CUDA, float32 without ``allow_tf32`` (default on): the products of many rows that the
+        tensor-core rule takes (all steps' input projection, each step's recurrent product at
+        a large batch) as three TF32 products each ("3xTF32": each operand split into a TF32
+        part and the rest), whose error is that of IEEE float32's FMAs; off: on the CUDA
+        cores. Inputs with infinities give NaN in such products.
     """
 
     input_gemm: bool = True
     gate_gemm: bool = True
     fuse_pointwise: bool = True
     persistent: str = "auto"
-    tf32x3: bool = False
+    tf32x3: bool = True
 
     def __post_init__(self):
         if self.persistent not in ("auto", "on", "off"):

@@ -131,7 +131,7 @@ def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     assert meta["cell"] == "mgu"
     assert meta["schedule"]["options"] == {"input_gemm": False, "gate_gemm": True,
                                            "fuse_pointwise": False, "persistent": "auto",
-                                           "tf32x3": False}
+                                           "tf32x3": True}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -370,10 +370,11 @@ def test_from_torch_takes_only_recurrent_modules():
     # TF32 reaches float32 modules only: the half types' products are already on tensor cores
     assert ours._layout.module_options("float32") == {"allow_tf32": True}
     assert ours._layout.module_options("bfloat16") == {}
-    ours = rnncc.nn.from_torch(torch.nn.LSTM(3, 4), tf32x3=True)
-    assert ours.tf32x3 and "tf32x3=True" in repr(ours)
-    assert ours._layout.module_options("float32") == {"tf32x3": True}
+    ours = rnncc.nn.from_torch(torch.nn.LSTM(3, 4), tf32x3=False)
+    assert not ours.tf32x3 and "tf32x3=False" in repr(ours)
+    assert ours._layout.module_options("float32") == {"tf32x3": False}
     assert ours._layout.module_options("float16") == {}
+    assert rnncc.nn.LSTM(3, 4)._layout.module_options("float32") == {}  # on by default
 
 
 def test_import_leaves_torch_dynamo_out():

@@ -75,7 +75,7 @@ def test_schedule_variants(cell, options, target, rng):
     module = compiled(cell, 7, 33, 3, target, **options)
     assert module.metadata["schedule"]["options"] == {
         "input_gemm": True, "gate_gemm": True, "fuse_pointwise": True, "persistent": "auto",
-        "tf32x3": False,
+        "tf32x3": True,
         **options}
     err = check_against_reference(module, rng, 9, True)
     assert err < TOL_F32

@@ -908,7 +908,8 @@ def test_tf32_products_only_where_allowed():
 
     problem = Problem(rnncc.cells.get("lstm"), 128, 1024, 64, "float32", allow_tf32=True)
     tf32 = sequence.build(problem, Options(persistent="off"), AMPERE)
-    ieee = sequence.build(replace(problem, allow_tf32=False), Options(persistent="off"), AMPERE)
+    ieee = sequence.build(replace(problem, allow_tf32=False),
+                          Options(persistent="off", tf32x3=False), AMPERE)
     keys = ("input_gemm", "recurrent_gemm")
     assert [tf32.rules[k] for k in keys] == ["cuda.mma_gemm", "cuda.mma_gemv"]
     assert "mma" not in " ".join(ieee.rules[k] for k in keys)
@@ -1085,7 +1086,7 @@ def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
     for target in (CUDA, AMPERE):
         rules = sequence.build(problem, Options(persistent="off", tf32x3=True), target).rules
         assert rules["input_gemm"] == rules["recurrent_gemm_parts"] == "cuda.mma_gemm"
-    rules = sequence.build(problem, Options(persistent="off"), CUDA).rules
+    rules = sequence.build(problem, Options(persistent="off", tf32x3=False), CUDA).rules
     assert rules["input_gemm"] == "cuda.sgemm"
     small = replace(problem, batch=8)
     rules = sequence.build(small, Options(persistent="off", tf32x3=True), CUDA).rules
@@ -1253,12 +1254,13 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     """On sm_90 (built as sm_90a) cuda.wgmma_gemm takes the input projection of all steps
     (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
     cuda.mma_gemm's, as all of them do on sm_80; w [K, O] in 16 bits is read MN-major (TF32
-    is not); K off its 128-byte chunks and IEEE float32 go to the next rule."""
+    is not); K off its 128-byte chunks goes to the next rule, and so do IEEE float32 products
+    unless split in three TF32 products (tf32x3, on by default: cuda.mma_gemm)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
 
-    def rules(dtype, batch, target, tf32=False):
+    def rules(dtype, batch, target, tf32=False, **options):
         problem = Problem(rnncc.cells.get("lstm"), 512, 1024, batch, dtype, allow_tf32=tf32)
-        found = sequence.build(problem, Options(persistent="off"), target).rules
+        found = sequence.build(problem, Options(persistent="off", **options), target).rules
         return found["input_gemm"], found.get("recurrent_gemm_parts")
 
     wgmma, mma = "cuda.wgmma_gemm", "cuda.mma_gemm"
@@ -1266,7 +1268,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     assert rules("float32", 256, CUDA, tf32=True) == (wgmma, wgmma)
     assert rules("bfloat16", 64, CUDA) == (wgmma, mma)
     assert rules("float16", 256, AMPERE) == (mma, mma)
-    assert rules("float32", 256, CUDA)[0] == "cuda.sgemm"
+    assert rules("float32", 256, CUDA) == (mma, mma)  # split in three TF32 products
+    assert rules("float32", 256, CUDA, tf32x3=False)[0] == "cuda.sgemm"
     t_len = tirx.Var("T", "int64")
     assert cuda_wgmma_gemm.apply(comp.gemm((t_len, 64), 1024, 4096, "cols", "float16",
                                            "float16"), CUDA) is not None

@@ -310,6 +310,39 @@ def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirection
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind, c, h, n, split", [
+    ("LSTM", 256, 1024, 64, ("input_gemm_backward", "weight_grad_hh")),
+    ("GRU", 96, 512, 130, ())])  # C = 96 off whole tiles; dW_hh's 48 tiles too few to split
+def test_float32_gradients_with_products_split_in_three_tf32_products(kind, c, h, n, split,
+                                                                      rng):
+    """Float32 at batch 64 and more (tf32x3, the default): the products of all steps and each
+    step's, forward and backward, on tensor cores as three TF32 products each, and in LSTM
+    1024 dx and dW_hh too (the module's rules say so); every gradient of rnncc.nn within
+    float32's bound of torch's autograd in float64 on the CPU, 20 steps."""
+    from rnncc.compiler import cache
+
+    rules = cache.compiled(kind.lower(), c, h, n, training=True).metadata["schedule"]["rules"]
+    assert {rules[k] for k in ("input_gemm", "recurrent_gemm_backward_parts", *split)} == {
+        "cuda.mma_gemm"}
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    theirs = getattr(torch.nn, kind)(c, h).double()
+    ours = rnncc.nn.from_torch(theirs.float()).cuda()
+    theirs.double()
+    x = torch.randn(20, n, c, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for net, inp in ((theirs, x), (ours, x.detach().float().cuda().requires_grad_())):
+        y, finals = net(inp)
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        gen = torch.Generator().manual_seed(3)
+        loss = sum((t * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                    .to(t.dtype).to(t.device)).sum() for t in (y, *finals))
+        loss.backward()
+        grads.append([inp.grad] + [p.grad for p in net.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        assert _err(got.cpu(), want.numpy()) < TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("half, bound", [(torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
 def test_half_network_gradients_on_cuda_match_float64(half, bound, rng):
     """float16 / bfloat16 on the GPU at batch 40 (no persistent kernel: the products of all
