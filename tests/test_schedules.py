@@ -192,6 +192,21 @@ def test_unfused_step_is_several_kernels():
     assert result.func.script().count('thread="blockIdx.x"') > 8
 
 
+def test_an_entry_whose_parameters_differ_from_its_signature_is_refused():
+    """The runtime passes an entry's arguments by position as its signature lists them: an
+    entry built with two of them swapped (which TVM may not catch: same shapes) is an error
+    as it is added, naming both orders."""
+    builder = sequence._Builder(Problem(rnncc.cells.get("lstm"), 3, 4, 2), Options(), LLVM)
+    sig = []
+    x, y = (builder.param(sig, name, (4,), kind) for name, kind in (("x", "input"),
+                                                                     ("y", "output")))
+    with pytest.raises(AssertionError, match=r"swapped: parameters \['y', 'x'\] against the "
+                                             r"signature's \['x', 'y'\]"):
+        builder.add("swapped", tirx.PrimFunc([y, x], tirx.Evaluate(0)), list(sig))
+    builder.add("in_order", tirx.PrimFunc([x, y], tirx.Evaluate(0)), sig)
+    assert [p["name"] for p in builder.lowered.signatures["in_order"]] == ["x", "y"]
+
+
 def test_cuda_gemm_rule_choice():
     t_len = tirx.Var("T", "int64")
     cases = [((1,), 512, 2048, "cuda.small_batch_gemv"), ((64,), 512, 2048, "cuda.sgemm"),
