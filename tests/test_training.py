@@ -312,13 +312,15 @@ def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirection
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, c, h, n, split", [
     ("LSTM", 256, 1024, 64, ("input_gemm_backward", "weight_grad_hh")),
+    ("LSTM", 1024, 1024, 256, ("input_gemm_backward", "weight_grad_ih", "weight_grad_hh")),
     ("GRU", 96, 512, 130, ())])  # C = 96 off whole tiles; dW_hh's 48 tiles too few to split
 def test_float32_gradients_with_products_split_in_three_tf32_products(kind, c, h, n, split,
                                                                       rng):
     """Float32 at batch 64 and more (tf32x3, the default): the products of all steps and each
     step's, forward and backward, on tensor cores as three TF32 products each, and in LSTM
-    1024 dx and dW_hh too (the module's rules say so); every gradient of rnncc.nn within
-    float32's bound of torch's autograd in float64 on the CPU, 20 steps."""
+    1024 dx and the weight gradients of enough tiles too (the module's rules say so; at batch
+    256 sums over 5120 rows); every gradient of rnncc.nn within float32's bound of torch's
+    autograd in float64 on the CPU, 20 steps."""
     from rnncc.compiler import cache
 
     rules = cache.compiled(kind.lower(), c, h, n, training=True).metadata["schedule"]["rules"]
