@@ -148,10 +148,11 @@ class Options:
         fit), "off" (the non-persistent schedule only). It needs the three optimisations on.
     tf32x3:
         CUDA, float32 without ``allow_tf32`` (default on): the products of many rows that the
-        tensor-core rule takes (all steps' input projection, each step's recurrent product at
-        a large batch) as three TF32 products each ("3xTF32": each operand split into a TF32
-        part and the rest), whose error is that of IEEE float32's FMAs; off: on the CUDA
-        cores. Inputs with infinities give NaN in such products.
+        tensor-core rules take (all steps' input projection, each step's recurrent product at
+        a large batch; in training also dx and the larger weight gradients) as three TF32
+        products each ("3xTF32": each operand split into a TF32 part and the rest), whose
+        error is that of IEEE float32's FMAs; off: on the CUDA cores. Inputs with infinities
+        give NaN in such products.
     """
 
     input_gemm: bool = True
