@@ -2,13 +2,14 @@
 off on both sides), both captured in CUDA graphs, in one process; microseconds a time step
 for all layers and directions together. Run on a GPU machine from the repository root:
 
-    python3 benchmarks/networks.py [--repeat 50] [--jobs 16] [--json out.json]
+    python3 benchmarks/networks.py [--repeat 50] [--jobs 16] [--json out.json] [--batch 64 ...]
 
 Prints markdown tables with the GPU's name and the date: the networks of the networks issue at
 batch 1, 4 and 64; packed sequences (lengths spread from T to T/4) at batch 4 and 64 against
 the same batch padded; and the cost of serving any batch (a batch of 13 on the modules of its
-bucket, 16, against modules compiled for 13). The layer modules compile first, ``--jobs`` at a
-time in worker processes, into the on-disk cache the timed modules then load from.
+bucket, 16, against modules compiled for 13). ``--batch``: those of the batches only (and
+no row of any batch). The layer modules compile first, ``--jobs`` at a time in worker
+processes, into the on-disk cache the timed modules then load from.
 """
 
 import argparse
@@ -26,8 +27,9 @@ STEPS = 100
 CELLS = {"LSTM": "lstm", "GRU": "gru"}
 
 
-def _layer_jobs():
-    """(cell, C, H, batch, lengths, directions) of every layer module the tables use."""
+def _layer_jobs(batches=BATCHES):
+    """(cell, C, H, batch, lengths, directions) of every layer module the tables of
+    ``batches`` use (the row of any batch where they are all of them)."""
     from rnncc.nn.network import bucket
 
     jobs = set()
@@ -35,10 +37,11 @@ def _layer_jobs():
         dirs = 2 if bidirectional else 1
         widths = {hidden} | ({hidden * 2} if bidirectional and layers > 1 else set())
         for width in widths:
-            for batch in BATCHES:
+            for batch in batches:
                 jobs.add((CELLS[kind], width, hidden, bucket(batch), False, dirs))
-    jobs |= {("lstm", 512, 512, 64, True, 1), ("lstm", 512, 512, 4, True, 1),
-             ("lstm", 512, 512, 16, False, 1), ("lstm", 512, 512, 13, False, 1)}
+    jobs |= {("lstm", 512, 512, batch, True, 1) for batch in PACKED_BATCHES if batch in batches}
+    if tuple(batches) == BATCHES:
+        jobs |= {("lstm", 512, 512, 16, False, 1), ("lstm", 512, 512, 13, False, 1)}
     return sorted(jobs)
 
 
@@ -119,25 +122,30 @@ def main():
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--json")
+    parser.add_argument("--batch", type=int, nargs="+", choices=BATCHES, default=list(BATCHES),
+                        help="the batches of the tables (default all; the row of any batch "
+                             "with all only)")
     args = parser.parse_args()
+    batches = tuple(b for b in BATCHES if b in args.batch)
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    jobs = [job + (arch,) for job in _layer_jobs()]
+    jobs = [job + (arch,) for job in _layer_jobs(batches)]
     spawn = multiprocessing.get_context("spawn")  # this process has CUDA started: no fork
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         list(pool.map(_compile, jobs))
     rows = []
     for kind, hidden, layers, bidirectional in NETWORKS:
-        for batch in BATCHES:
+        for batch in batches:
             mine, cudnn = _pair(torch, kind, hidden, layers, bidirectional, batch, args.repeat)
             rows.append({"network": kind, "H": hidden, "layers": layers,
                          "bidirectional": bidirectional, "N": batch, "rnncc_us": mine,
                          "cudnn_us": cudnn})
-    packed = {batch: _packed(torch, args.repeat, batch) for batch in PACKED_BATCHES}
-    any_batch = _any_batch(torch, args.repeat)
+    packed = {batch: _packed(torch, args.repeat, batch) for batch in PACKED_BATCHES
+              if batch in batches}
+    any_batch = _any_batch(torch, args.repeat) if batches == BATCHES else {}
     device = torch.cuda.get_device_name()
     print(f"{device}, {datetime.date.today()}, T={STEPS}, C=H, TF32 off, us per time step "
           "(all layers and directions)\n")
@@ -151,7 +159,9 @@ def main():
     for batch, figures in packed.items():
         print(f"LSTM 512, 2 layers, N = {batch}, lengths from T to T/4:", ", ".join(
             f"{k} {v:.2f}" for k, v in figures.items()))
-    print("LSTM 512, 1 layer, N = 13:", ", ".join(f"{k} {v:.2f}" for k, v in any_batch.items()))
+    if any_batch:
+        print("LSTM 512, 1 layer, N = 13:", ", ".join(f"{k} {v:.2f}"
+                                                       for k, v in any_batch.items()))
     if args.json:
         write_json(args.json, {"device": device, "rows": rows, "packed": packed,
                                "any_batch": any_batch})
