@@ -216,7 +216,15 @@ def _network_summary(meta: dict) -> str:
 
 
 def _tf32(meta: dict) -> str:
-    return " (TF32 allowed)" if meta.get("allow_tf32") else ""
+    """The float32 products' precision where not IEEE on the CUDA cores: TF32, or the
+    products that run as three TF32 products (tf32x3)."""
+    if meta.get("allow_tf32"):
+        return " (TF32 allowed)"
+    split = [key for key, rule in meta.get("schedule", {}).get("rules", {}).items()
+             if rule in ("cuda.mma_gemm", "cuda.wgmma_gemm")]
+    if meta["dtype"] != "float32" or not split:
+        return ""
+    return f" ({', '.join(split)} as three TF32 products: tf32x3)"
 
 
 def _stage_line(kind: str, first: int, count: int) -> str:

@@ -98,6 +98,20 @@ def test_compile_takes_the_tf32x3_option(capsys, tmp_path):
         assert meta["schedule"]["options"]["tf32x3"] is on
 
 
+def test_inspect_names_the_products_split_in_three_tf32_products():
+    """rnncc inspect's summary line names a float32 module's products on tensor cores as three
+    TF32 products (tf32x3: its tensor-core rules), TF32 where allowed, nothing otherwise."""
+    from rnncc.cli.main import _tf32
+
+    rules = {"input_gemm": "cuda.wgmma_gemm", "recurrent_gemm_parts": "cuda.mma_gemm",
+             "cell_step": "cuda.elementwise"}
+    meta = {"dtype": "float32", "schedule": {"rules": rules}}
+    assert _tf32(meta) == " (input_gemm, recurrent_gemm_parts as three TF32 products: tf32x3)"
+    assert _tf32({**meta, "allow_tf32": True}) == " (TF32 allowed)"
+    assert _tf32({**meta, "dtype": "bfloat16"}) == ""
+    assert _tf32({"dtype": "float32", "schedule": {"rules": {"input_gemm": "cuda.sgemm"}}}) == ""
+
+
 def test_projection_and_per_unit_parameters(capsys, tmp_path):
     """--proj-size compiles an LSTMP module (W_hr among its weights) and a network file of
     such layers; bench takes a projection and a cell with per-unit parameters."""
