@@ -92,8 +92,8 @@ class _Builder:
             func = func.with_attr(schedules.TF32_ATTR, True)
             if key in self.rounded:
                 func = func.with_attr(schedules.TF32_ROUNDED_ATTR, self.rounded[key])
-        elif self.options.tf32x3 and role in ("gemm", "reduction") and (
-                self.target.kind.name == "cuda"):
+        elif self.options.tf32x3 and self.p.dtype == "float32" and role in (
+                "gemm", "reduction") and self.target.kind.name == "cuda":
             func = func.with_attr(schedules.TF32X3_ATTR, True)  # or as three TF32 products
         self.lowered.components[key] = (func, role)
         result = schedules.schedule(func, self.target, role, self.database)
