@@ -93,18 +93,36 @@ __device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {
 }
 """
 
+#: 16 bytes of shared memory (4 float32) split in three TF32 products' two parts: the TF32 part
+#: (``cvt.rna.tf32.f32``) in place, the rest (exact) 16 bytes at ``small``.
+SPLIT_SOURCE = """
+__device__ __forceinline__ void rnncc_split_tf32x4(void* shared, void* small) {
+  float4* at = (float4*)shared;
+  float4 v = *at;
+  unsigned int r[4];
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[0]) : "f"(v.x));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[1]) : "f"(v.y));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[2]) : "f"(v.z));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[3]) : "f"(v.w));
+  float4 big = make_float4(__uint_as_float(r[0]), __uint_as_float(r[1]),
+                           __uint_as_float(r[2]), __uint_as_float(r[3]));
+  *at = big;
+  *(float4*)small = make_float4(v.x - big.x, v.y - big.y, v.z - big.z, v.w - big.w);
+}
+"""
+
 
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
     """The product of component ``func`` where this rule takes it, on sm_90: one step's in
     the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes (an
     operand whose k runs along its buffer's rows in 16 bits only: TF32 is K-major), but for
     one step's product in N <= 64 rows (one warpgroup a block: :mod:`.cuda_mma_gemm`'s is
-    faster there) and float32 split into three TF32 products (cuda.mma_gemm's alone);
-    else None."""
+    faster there); float32 split into three TF32 products where pipelined (a weight gradient
+    split: cuda.mma_gemm's alone); else None."""
     if not has_wgmma(target):
         return None
     found = cuda_mma_gemm.product_of(func, target)
-    if found is None or found.op.split or (found.op.tf32 and not found.pipelined):
+    if found is None or (found.op.tf32 and not found.pipelined):
         return None
     if found.form != "gradient" and found.depth % Plan.chunk(found.op):
         return None
@@ -124,7 +142,9 @@ def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
     row_tiles = -(-product.rows // product.tile_rows)
     counts = [s for s in range(1, cuda_mma_gemm.MAX_PARTS + 1) if s & (s - 1) == 0
               and depth % (s * bk) == 0 and (s == 1 or depth // s >= cuda_mma_gemm.MIN_SLICE)]
-    for cols, deep in ((WIDE, WIDE_DEPTH if product.copied else 0), (TILE, 0)):
+    widths = ((TILE, 0),) if product.op.split else (
+        (WIDE, WIDE_DEPTH if product.copied else 0), (TILE, 0))
+    for cols, deep in widths:
         for s in counts:
             blocks = row_tiles * product.columns // cols * s
             if product.columns % cols == 0 and depth // s >= deep and (
@@ -140,14 +160,16 @@ def parts(func, target) -> int:
     found = cuda_mma_gemm.product_of(func, target)
     if found is None or found.rows is None:
         return 1
-    chosen = (one_step(found) if has_wgmma(target) and found.pipelined and not found.op.split
-              else None)
+    chosen = one_step(found) if has_wgmma(target) and found.pipelined else None
     return chosen[0] if chosen else cuda_mma_gemm.slices(found)
 
 
 def columns(product: cuda_mma_gemm.Product) -> int:
     """Columns of C a block: one step's product's by :func:`one_step`; a gradient's WIDE where
-    that still gives ONE_WAVE[0] blocks; else WIDE where O is a multiple (TILE otherwise)."""
+    that still gives ONE_WAVE[0] blocks; else WIDE where O is a multiple (TILE otherwise;
+    always where float32 is split: :class:`Plan`'s small parts take the shared memory)."""
+    if product.op.split:
+        return TILE
     chosen = one_step(product)
     if chosen is not None:
         return chosen[1]
@@ -184,8 +206,16 @@ class Plan:
         self.threads = self.rows // 64 * WARPGROUP
         self.a_bytes = self.rows * ROW_BYTES
         self.stage_bytes = self.a_bytes + cols * ROW_BYTES
-        self.stages = min(STAGES, SHARED_BYTES // self.stage_bytes)
-        self.ahead = self.stages - 2  # chunk c - 1's products may still read theirs
+        #: split float32: the small parts of a chunk's operands (their stage holds the TF32
+        #: parts) in one of two twins after the stages (chunk c's products may still read
+        #: theirs while chunk c + 1 is split)
+        self.split = op.split
+        self.twin_bytes = self.stage_bytes if self.split else 0
+        self.stages = min(STAGES, (SHARED_BYTES - 2 * self.twin_bytes) // self.stage_bytes)
+        # chunk c - 1's products may still read their stage as chunk c + ahead is copied (but
+        # where split: they are waited for before chunk c's barrier)
+        self.ahead = self.stages - (1 if self.split else 2)
+        self.smem_bytes = self.stages * self.stage_bytes + 2 * self.twin_bytes
         #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
         self.pieces = [self.rows * 8 // self.threads, cols * 8 // self.threads]
         self.per = 16 // self.esize  # elements a piece
@@ -244,19 +274,27 @@ class Plan:
                                      tirx.const(0, io[op].dtype))
         return self.source(io, op, i, k)
 
-    def slot(self, op: int, stage, row, piece):
+    def _base(self, op: int, stage, twin):
+        """The byte where operand ``op``'s rows start in ``stage``, or (``twin`` not None) in
+        small-part twin ``twin``."""
+        first = stage * self.stage_bytes if twin is None else (
+            self.stages * self.stage_bytes + twin * self.twin_bytes)
+        return first + (self.a_bytes if op else 0)
+
+    def slot(self, op: int, stage, row, piece, twin=None):
         """Where piece ``piece`` of staged ``row`` of operand ``op`` (0: A, 1: B) in ``stage``
-        is stored (an element of the buffer): swizzled within its 128 bytes (MN-major: in its
-        atom column, ``bk`` k-rows of 128 bytes)."""
-        base = stage * self.stage_bytes + (self.a_bytes if op else 0)
+        (or in small-part twin ``twin``) is stored (an element of the buffer): swizzled
+        within its 128 bytes (MN-major: in its atom column, ``bk`` k-rows of 128 bytes)."""
+        base = self._base(op, stage, twin)
         if self.outer[op]:
             base, piece = base + piece // 8 * self.bk * ROW_BYTES, piece % 8
         return (base + row * ROW_BYTES + (piece ^ row % SWIZZLE_ROWS) * 16) // self.esize
 
-    def step(self, op: int, stage, s, tx):
-        """The element where the rows of operand ``op`` that k-step ``s`` reads start: the
-        thread's warpgroup's 64 rows of A (MN-major: its atom column), all rows of B."""
-        base = stage * self.stage_bytes + (self.a_bytes if op else 0)
+    def step(self, op: int, stage, s, tx, twin=None):
+        """The element where the rows of operand ``op`` that k-step ``s`` reads start (in
+        ``stage``, or in small-part twin ``twin``): the thread's warpgroup's 64 rows of A
+        (MN-major: its atom column), all rows of B."""
+        base = self._base(op, stage, twin)
         if self.outer[op]:  # k-step s: k-rows 16 s to 16 s + 15
             first = tx // WARPGROUP * self.bk * ROW_BYTES if op == 0 else 0
             return (base + first + s * self.kstep * ROW_BYTES) // self.esize
@@ -372,12 +410,25 @@ def _stage(p, regs, smem, stage, tx):
 
 
 @T.macro
-def _describe(p, op, smem, desc, stage, s, tx):
-    """desc[op]: the matrix descriptor of operand ``op``'s rows for k-step ``s``: 128-byte
-    swizzled rows, the offsets of :meth:`Plan.offsets`."""
+def _split(p, op, smem, stage, twin, tx):
+    """Split float32: the pieces of operand ``op`` the thread copied into ``stage`` split, the
+    TF32 parts in place, the rest into small-part twin ``twin`` (a device function a piece,
+    as :func:`_round`)."""
+    for p_ in T.unroll(p.pieces[op]):
+        row, piece = T.meta_var(p.place(op, p_, tx))
+        T.cuda.func_call("rnncc_split_tf32x4", T.address_of(smem[p.slot(op, stage, row, piece)]),
+                         T.address_of(smem[p.slot(op, stage, row, piece, twin)]),
+                         source_code=SPLIT_SOURCE)
+
+
+@T.macro
+def _describe(p, op, smem, desc, stage, s, tx, twin=None):
+    """desc[op]: the matrix descriptor of operand ``op``'s rows for k-step ``s`` (in
+    ``stage``, or small-part twin ``twin``): 128-byte swizzled rows, the offsets of
+    :meth:`Plan.offsets`."""
     leading, stride = T.meta_var(p.offsets(op))
     T.cuda.wgmma.encode_matrix_descriptor(
-        T.address_of(desc[op]), T.address_of(smem[p.step(op, stage, s, tx)]),
+        T.address_of(desc[op]), T.address_of(smem[p.step(op, stage, s, tx, twin)]),
         leading, stride, SWIZZLE_128B)
 
 
@@ -393,6 +444,74 @@ def _products(p, smem, acc, desc, stage, tx):
                       *p.flags)
     T.ptx.wgmma.commit_group.sync.aligned()
     T.ptx.wgmma.wait_group.sync.aligned(1)
+
+
+@T.macro
+def _split_step(p, smem, sums, desc, stage, s, twin, tx, keep):
+    """k-step ``s`` of split float32: A_small B_big, A_big B_small, A_big B_big into
+    ``sums`` (the first added to them where ``keep``, else overwriting them)."""
+    _describe(p, 0, smem, desc, stage, s, tx, twin)
+    _describe(p, 1, smem, desc, stage, s, tx)
+    p.instruction(*[sums[e] for e in range(p.sums)], desc[0], desc[1], T.bool(keep), *p.flags)
+    _describe(p, 0, smem, desc, stage, s, tx)
+    _describe(p, 1, smem, desc, stage, s, tx, twin)
+    p.instruction(*[sums[e] for e in range(p.sums)], desc[0], desc[1], T.bool(True), *p.flags)
+    _describe(p, 1, smem, desc, stage, s, tx)
+    p.instruction(*[sums[e] for e in range(p.sums)], desc[0], desc[1], T.bool(True), *p.flags)
+
+
+@T.macro
+def _add(p, acc, sums):
+    """acc += sums (a chunk's split products)."""
+    for e in T.unroll(p.sums):
+        acc[e] = acc[e] + sums[e]
+
+
+@T.macro
+def _split_products(p, smem, sums, desc, stage, twin, tx):
+    """A chunk's products of split float32 in ``stage`` and small-part twin ``twin``, three
+    a k-step (:func:`_split_step`), issued as one group into the chunk's own ``sums`` (its
+    first instruction overwrites them; :func:`_chunk` adds them to the float32 sums)."""
+    T.ptx.wgmma.fence.sync.aligned()
+    _split_step(p, smem, sums, desc, stage, 0, twin, tx, False)
+    for s in T.unroll(1, p.steps):
+        _split_step(p, smem, sums, desc, stage, s, twin, tx, True)
+    T.ptx.wgmma.commit_group.sync.aligned()
+
+
+@T.macro
+def _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx):
+    """Chunk ``c``: its copies waited for and rounded or split, the stores of the last loads
+    made, a barrier, the copies of chunk c + ahead issued, its products issued. Split float32
+    (:func:`_split_products`): the chunk is split into twin c % 2 while chunk c - 1's
+    products run; then they are waited for and their ``sums`` added to ``acc`` on the CUDA
+    cores, before the barrier, so that past it no warpgroup's products read twin c - 1 % 2,
+    which the next chunk's split overwrites (the tensor cores' float32 sums round toward
+    zero: an error that over all of K grows with it, :func:`.cuda_mma_gemm._products`, over a
+    chunk of 32 k a negligible one; reading sums a group may still write would make ptxas
+    serialize every group, C7514)."""
+    T.ptx.cp.async_.wait_group(p.ahead - 1)
+    if p.product.rounds(0):
+        _round(p, 0, smem, c % p.stages, tx)
+    if p.product.rounds(1):
+        _round(p, 1, smem, c % p.stages, tx)
+    if p.split:
+        _split(p, 0, smem, c % p.stages, c % 2, tx)
+        _split(p, 1, smem, c % p.stages, c % 2, tx)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        if c >= 1:
+            _add(p, acc, sums)
+    if 1 <= c and c + p.ahead - 1 < p.chunks:
+        _stage(p, regs, smem, (c + p.ahead - 1) % p.stages, tx)
+    T.ptx.fence.proxy.async_.shared__cta()
+    T.tvm_storage_sync("shared.dyn")
+    if c + p.ahead < p.chunks:
+        _fetch(p, io, smem, regs, c + p.ahead, k0, bi, bj, tx)
+    T.ptx.cp.async_.commit_group()
+    if p.split:
+        _split_products(p, smem, sums, desc, c % p.stages, c % 2, tx)
+    else:
+        _products(p, smem, acc, desc, c % p.stages, tx)
 
 
 @T.macro
@@ -420,7 +539,7 @@ def _epilogue(p, io, acc, bi, bj, part, tx):
 def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
     """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
     :func:`columns`)."""
-    p = Plan(product, cols or columns(product))
+    p = Plan(product, TILE if product.op.split else cols or columns(product))
     dtype = product.op.dtype
 
     @T.prim_func(s_tir=True)
@@ -428,11 +547,12 @@ def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
         T.func_attr({"tirx.noalias": True})
         io = T.meta_var(p.tile.parameters())
         with T.sblock("root"):
-            smem = T.sblock_alloc_buffer((p.stages * p.stage_bytes // p.esize,), dtype,
+            smem = T.sblock_alloc_buffer((p.smem_bytes // p.esize,), dtype,
                                          scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
             ra = T.sblock_alloc_buffer((p.pieces[0] * p.per,), "float32", scope="local")
             rb = T.sblock_alloc_buffer((p.pieces[1] * p.per,), "float32", scope="local")
             acc = T.sblock_alloc_buffer((p.sums,), "float32", scope="local")
+            sums = T.sblock_alloc_buffer((p.sums if p.split else 1,), "float32", scope="local")
             desc = T.sblock_alloc_buffer((2,), "uint64", scope="local")
             for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
@@ -448,20 +568,10 @@ def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
                             _fetch(p, io, smem, None, c, k0, bi, bj, tx)
                         T.ptx.cp.async_.commit_group()
                     for c in range(p.chunks):
-                        T.ptx.cp.async_.wait_group(p.ahead - 1)
-                        if product.rounds(0):
-                            _round(p, 0, smem, c % p.stages, tx)
-                        if product.rounds(1):
-                            _round(p, 1, smem, c % p.stages, tx)
-                        if 1 <= c and c + p.ahead - 1 < p.chunks:
-                            _stage(p, regs, smem, (c + p.ahead - 1) % p.stages, tx)
-                        T.ptx.fence.proxy.async_.shared__cta()
-                        T.tvm_storage_sync("shared.dyn")
-                        if c + p.ahead < p.chunks:
-                            _fetch(p, io, smem, regs, c + p.ahead, k0, bi, bj, tx)
-                        T.ptx.cp.async_.commit_group()
-                        _products(p, smem, acc, desc, c % p.stages, tx)
+                        _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
+                    if p.split:
+                        _add(p, acc, sums)
                     _epilogue(p, io, acc, bi, bj, part, tx)
 
     return wgmma_gemm

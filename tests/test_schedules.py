@@ -156,9 +156,10 @@ def test_cuda_tf32x3_components_match_the_cpu_build_on_the_simulator(training, m
                                                                        rng):
     """The same with float32 split in three TF32 products (tf32x3) at batch 64, where the
     products of all steps and each step's (forward and, in training, backward, dx and the
-    weights' gradients) run on tensor cores (cuda.mma_gemm; its grid's policy lowered to take
-    them at C = H = 128): within 1e-6 of the largest value of the CPU build's IEEE float32, as
-    the CUDA cores' products are."""
+    weights' gradients) run on tensor cores (cuda.wgmma_gemm those of all steps and dx,
+    cuda.mma_gemm the others; its grid's policy lowered to take them at C = H = 128): within
+    1e-6 of the largest value of the CPU build's IEEE float32, as the CUDA cores' products
+    are."""
     from rnncc.schedules import cuda_mma_gemm
 
     monkeypatch.setattr(cuda_mma_gemm, "TARGET_BLOCKS", 8)
@@ -166,8 +167,10 @@ def test_cuda_tf32x3_components_match_the_cpu_build_on_the_simulator(training, m
     monkeypatch.setattr(cuda_mma_gemm, "SPLIT_GRADIENT_TILES", 1)
     problem = Problem(rnncc.cells.get("lstm"), 128, 128, 64, training=training)
     lowered = sequence.build(problem, Options(persistent="off", tf32x3=True), CUDA)
-    split = {key for key, rule in lowered.rules.items() if rule == "cuda.mma_gemm"}
+    split = {key for key, rule in lowered.rules.items()
+             if rule in ("cuda.mma_gemm", "cuda.wgmma_gemm")}
     assert {"input_gemm", "recurrent_gemm_parts"} <= split
+    assert lowered.rules["input_gemm"] == "cuda.wgmma_gemm"
     backward = {"recurrent_gemm_backward_parts", "input_gemm_backward", "weight_grad_ih",
                 "weight_grad_hh"}
     assert not training or backward <= split, lowered.rules
@@ -1094,13 +1097,13 @@ def test_mma_gemm_splits_float32_into_three_tf32_products_on_the_simulator(form,
 
 def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
     """Options(tf32x3=True): an IEEE float32 layer's products of all steps and its step's
-    slices at batch 256 go to cuda.mma_gemm (not cuda.wgmma_gemm, which does not split), on
-    sm_80 too; without the option to the CUDA cores' rules, and at batch 8 both (cuda.sgemm
-    splits the few rows' K)."""
+    slices at batch 256 go to cuda.wgmma_gemm on sm_90, cuda.mma_gemm on sm_80; without the
+    option to the CUDA cores' rules, and at batch 8 both (cuda.sgemm splits the few rows'
+    K)."""
     problem = Problem(rnncc.cells.get("lstm"), 512, 1024, 256, "float32")
-    for target in (CUDA, AMPERE):
+    for target, rule in ((CUDA, "cuda.wgmma_gemm"), (AMPERE, "cuda.mma_gemm")):
         rules = sequence.build(problem, Options(persistent="off", tf32x3=True), target).rules
-        assert rules["input_gemm"] == rules["recurrent_gemm_parts"] == "cuda.mma_gemm"
+        assert rules["input_gemm"] == rules["recurrent_gemm_parts"] == rule
     rules = sequence.build(problem, Options(persistent="off", tf32x3=False), CUDA).rules
     assert rules["input_gemm"] == "cuda.sgemm"
     small = replace(problem, batch=8)
@@ -1109,7 +1112,7 @@ def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
         "cuda.sgemm", "cuda.small_batch_gemv")
     rules = sequence.build(replace(problem, batch=16), Options(persistent="off", tf32x3=True),
                            CUDA).rules
-    assert rules["input_gemm"] == "cuda.mma_gemm"
+    assert rules["input_gemm"] == "cuda.wgmma_gemm"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -1208,7 +1211,7 @@ def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, par
 
 
 @pytest.mark.parametrize("cols", [128, 256])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32", "tf32x3"])
 @pytest.mark.parametrize("form", ["rows", pytest.param("cols", marks=pytest.mark.slow), "flat",
                                   "step", "slices", pytest.param("gradient",
                                                                  marks=pytest.mark.slow),
@@ -1223,20 +1226,25 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     ahead in the loop; a weight gradient (both operands MN-major) over M = 300 rows (5 chunks,
     the last partly past M: zero-filled copies or zeros through registers) of float32 or
     half g and a; against NumPy's product of the same rounded operands (checked to fail with
-    TF32's rounding left out: the simulator truncates)."""
+    TF32's rounding left out: the simulator truncates). Float32 split in three TF32 products
+    (tf32x3; tiles of 128 columns, the small parts in twins past the stages, a chunk's sums
+    added on the CUDA cores) within a fifth of float32's bound of the operands as they are
+    (the simulator rounds the tensor cores' sums toward zero, as they do)."""
     from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
 
-    if dtype == "tf32" and form in ("cols", "gradient", "gradient_half"):
+    if dtype.startswith("tf32") and form in ("cols", "gradient", "gradient_half"):
         pytest.skip("MN-major operands are 16-bit only (TF32 weights [K, O] go elsewhere)")
+    if dtype == "tf32x3" and cols != 128:
+        pytest.skip("split float32's tiles are 128 columns wide")
     k = 768 if form == "slices" else 512 if form.startswith("gradient") else 384
     func, args, want = _product_case(form, dtype, k, rng, m_rows=300)
     kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA), cols)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
     got = got.sum(0) if form == "slices" else got
-    bound = TOL_F32 if not form.startswith("gradient") else 2.0 ** -(
-        8 if dtype == "bfloat16" else 11)
+    bound = (TOL_F32 / 5 if dtype == "tf32x3" else TOL_F32) if not form.startswith(
+        "gradient") else 2.0 ** -(8 if dtype == "bfloat16" else 11)
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
@@ -1270,7 +1278,7 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
     cuda.mma_gemm's, as all of them do on sm_80; w [K, O] in 16 bits is read MN-major (TF32
     is not); K off its 128-byte chunks goes to the next rule, and so do IEEE float32 products
-    unless split in three TF32 products (tf32x3, on by default: cuda.mma_gemm)."""
+    unless split in three TF32 products (tf32x3, on by default)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
 
     def rules(dtype, batch, target, tf32=False, **options):
@@ -1283,7 +1291,7 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     assert rules("float32", 256, CUDA, tf32=True) == (wgmma, wgmma)
     assert rules("bfloat16", 64, CUDA) == (wgmma, mma)
     assert rules("float16", 256, AMPERE) == (mma, mma)
-    assert rules("float32", 256, CUDA) == (mma, mma)  # split in three TF32 products
+    assert rules("float32", 256, CUDA) == (wgmma, wgmma)  # split in three TF32 products
     assert rules("float32", 256, CUDA, tf32x3=False)[0] == "cuda.sgemm"
     t_len = tirx.Var("T", "int64")
     assert cuda_wgmma_gemm.apply(comp.gemm((t_len, 64), 1024, 4096, "cols", "float16",

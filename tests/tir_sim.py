@@ -464,6 +464,15 @@ class Simulator:
             return None
         if name == "rnncc_cp_async_wait":
             return None
+        if name == "rnncc_split_tf32x4":  # 4 float32: TF32 parts in place, the rest beside
+            flat, small = (np.broadcast_to(np.asarray(v.flat, np.int64), (self.lanes,))
+                           for v in values[:2])
+            for v in range(4):
+                value = self._load(values[0].buffer, flat + v)
+                big = round_tf32(value)
+                self._write(values[0].buffer, flat + v, big, mask)
+                self._write(values[1].buffer, small + v, (value - big).astype(np.float32), mask)
+            return None
         if name == "rnncc_round_tf32x4":  # 4 float32 rounded to TF32 (cvt.rna) in place
             flat = np.broadcast_to(np.asarray(values[0].flat, np.int64), (self.lanes,))
             for v in range(4):
@@ -627,7 +636,8 @@ class Simulator:
         """``wgmma.mma_async`` m64nNkK: D[64, N] = A[64, K] B[N, K]^T (+ D) for each warpgroup,
         both operands in shared memory (the 128-byte swizzle; 16-bit ones K-major or, where
         the instruction's transposition flag says so, MN-major), TF32 operands' low 13
-        mantissa bits ignored; thread t of warp w holds D[16 w + t // 4 + 8 h][8 n + 2 (t % 4)
+        mantissa bits ignored and the float32 sums rounded toward zero, an instruction at a
+        time; thread t of warp w holds D[16 w + t // 4 + 8 h][8 n + 2 (t % 4)
         + v] in its sum 4 n + 2 h + v. Fences, commits and waits do nothing."""
         names = [str(a.value) for a in args if type(a).__name__ == "StringImm"]
         if "mma_async" not in names:
@@ -659,6 +669,10 @@ class Simulator:
             for e, (buffer, flat) in enumerate(acc):
                 j, h, v = e // 4, e // 2 % 2, e % 2
                 _, array = self.store[buffer]
-                value = d[row + 8 * h, col + 8 * j + v]
-                array[lanes, flat] = value + (array[lanes, flat] if keep else 0)
+                value = d[row + 8 * h, col + 8 * j + v] + (array[lanes, flat] if keep else 0)
+                if tf32:  # the float32 sums round toward zero
+                    nearest = value.astype(np.float32)
+                    value = np.where(np.abs(nearest) > np.abs(value),
+                                     np.nextafter(nearest, np.float32(0)), nearest)
+                array[lanes, flat] = value
         return None
