@@ -11,7 +11,8 @@ T = 100, each side captured in a CUDA graph, median of
 Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and their ratio
 (cuDNN / rnncc: above 1, rnncc is faster), and which schedule ran. ``--part k/n`` times the
 k-th of n slices of the configurations (a GPU session's command has a time limit). ``--plot``
-draws the ratio over hidden size, one curve a batch size, a panel a cell and dtype.
+draws the ratio over hidden size, one curve a batch size, a panel a cell and dtype; a later
+file's row replaces an earlier file's of the same configuration (a partial re-run on top).
 """
 
 import argparse
@@ -105,12 +106,14 @@ def _plot(paths, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, device = [], ""
+    latest, device = {}, ""
     for path in paths:
         with open(path) as f:
             found = json.load(f)
-        rows += [r for r in found["rows"] if "ratio" in r]
+        latest.update({tuple(r[k] for k in ("cell", "C", "H", "N", "dtype")): r
+                       for r in found["rows"] if "ratio" in r})
         device = found["device"]
+    rows = list(latest.values())
     panels = sorted({(r["cell"], r["dtype"]) for r in rows if r["C"] == r["H"]},
                     key=lambda p: (p[1], p[0]))
     cols = min(4, len(panels))

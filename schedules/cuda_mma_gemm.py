@@ -90,8 +90,9 @@ BLOCKS_PER_SM = 2
 #: 71.6 -> 82.5. Float32 split in three TF32 products (:data:`._mma.TF32X3`), against
 #: cuda.sgemm's slices and cuda.small_batch_gemv: LSTM 1024 and 2048 N64 1.34-1.44x (the
 #: layer, with the products of all steps), LSTM 2048 N16 0.72x (before its sums were added
-#: a chunk at a time; N32 with the step's products on the CUDA cores 1.05x).
-MIN_BATCH = {"tf32": 16, "half": 32, "tf32x3": 64}
+#: a chunk at a time); at N32 (the products of all steps split either way) LSTM 1024 20.1 ->
+#: 16.6, 2048 70.1 -> 52.8, 4096 249.9 -> 178.0, GRU 1024 16.1 -> 14.9, 2048 51.0 -> 39.6.
+MIN_BATCH = {"tf32": 16, "half": 32, "tf32x3": 32}
 #: The fewest batch rows N of the products of all steps (T*N rows) split in three TF32
 #: products: fewer leave few tiles, which cuda.sgemm fills the GPU with by splitting K (H200,
 #: LSTM 2048 with the step's product on the CUDA cores: N1 0.98x, N16 1.07x, both before the
@@ -99,7 +100,8 @@ MIN_BATCH = {"tf32": 16, "half": 32, "tf32x3": 64}
 SPLIT_ALL_STEPS_BATCH = 16
 #: The fewest tiles of a float32 weight gradient split in three TF32 products (one block a
 #: multiprocessor, M not split): fewer stay with cuda.weight_grad, which splits M to fill the
-#: GPU (not yet measured: one wave of blocks on an H100 or H200).
+#: GPU. H200, a training step of float32 LSTM 512 N64 (dW 2048 x 512: 64 tiles), us a step:
+#: 23.7 on cuda.weight_grad, 27.4 split from 32 tiles.
 SPLIT_GRADIENT_TILES = 128
 #: In 64-row tiles up to STEP_TILE_PARTS slices: the backward pass's product dGH W_hh (O = H
 #: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a

@@ -1099,7 +1099,8 @@ def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
     """Options(tf32x3=True): an IEEE float32 layer's products of all steps and its step's
     slices at batch 256 go to cuda.wgmma_gemm on sm_90, cuda.mma_gemm on sm_80; without the
     option to the CUDA cores' rules, and at batch 8 both (cuda.sgemm splits the few rows'
-    K)."""
+    K); at batch 16 the step's product stays there, at 32 it splits (cuda.mma_gemm's slices
+    to batch 64)."""
     problem = Problem(rnncc.cells.get("lstm"), 512, 1024, 256, "float32")
     for target, rule in ((CUDA, "cuda.wgmma_gemm"), (AMPERE, "cuda.mma_gemm")):
         rules = sequence.build(problem, Options(persistent="off", tf32x3=True), target).rules
@@ -1112,7 +1113,11 @@ def test_the_tf32x3_option_puts_float32_products_of_many_rows_on_tensor_cores():
         "cuda.sgemm", "cuda.small_batch_gemv")
     rules = sequence.build(replace(problem, batch=16), Options(persistent="off", tf32x3=True),
                            CUDA).rules
-    assert rules["input_gemm"] == "cuda.wgmma_gemm"
+    assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
+        "cuda.wgmma_gemm", "cuda.small_batch_gemv")
+    rules = sequence.build(replace(problem, batch=32), Options(persistent="off", tf32x3=True),
+                           CUDA).rules
+    assert rules["recurrent_gemm_parts"] == "cuda.mma_gemm"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
