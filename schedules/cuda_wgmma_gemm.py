@@ -58,11 +58,12 @@ WARPGROUP = 128
 #: 128 x 128 tiles, kernel alone: 4 stages 2 ahead 180 us, 5 and 3 172, 6 and 4 171 (cuBLAS 91).
 #: Against cuda.mma_gemm (H100, kernel alone): that product 112 us against 190, TF32 420 against
 #: 553 (cuBLAS 95, 173); one step's in slices, 256 x 1024 x 4096: 14.8 against 16.5, TF32 24.8
-#: against 28.4; at N = 64 (64-row tiles) TF32 64 x 2048 x 8192 46.8 against 41.1.
+#: against 28.4; at N = 64 (64-row tiles, before one step's product took one wave's slices)
+#: TF32 64 x 2048 x 8192 46.8 against 41.1.
 STAGES = 5
 SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
-#: One step's product (N past 64 rows): its slices of K and tiles' width, one wave of blocks
-#: (one a multiprocessor). Of the (S, width) whose grid has ONE_WAVE[0] to ONE_WAVE[1] blocks,
+#: One step's product: its slices of K and tiles' width, one wave of blocks (one a
+#: multiprocessor). Of the (S, width) whose grid has ONE_WAVE[0] to ONE_WAVE[1] blocks,
 #: the fewest slices of WIDE columns (each at least WIDE_DEPTH deep where A is copied), else
 #: the fewest of TILE columns. H100, kernel alone, TF32, us, that choice against the best of S
 #: 1-8 x both widths (cuda.mma_gemm's count in wide tiles, before): 256 x 1024 x 4096 17.4
@@ -71,7 +72,13 @@ SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 #: (38.8), 192 x 1024 x 4096 19.2 (17.1). Where A (h, float32) goes through registers under
 #: half weights, wide tiles halve its share of each chunk: H200 layers, us a step, narrow ->
 #: wide first: float16 LSTM 1024 N256 28.4 -> 26.2, N192 25.3 -> 21.6, N128 17.1 -> 18.8,
-#: bfloat16 GRU 1024 N256 25.6 -> 22.5 (29.5 before), LSTM 2048 N128 47.2 -> 39.0.
+#: bfloat16 GRU 1024 N256 25.6 -> 22.5 (29.5 before), LSTM 2048 N128 47.2 -> 39.0. At N <= 64
+#: (64-row tiles, one warpgroup a block), against cuda.mma_gemm's slices (two blocks a
+#: multiprocessor, 1.5 waves), H200 layers, us a step: TF32 GRU 2048 N64 34.4 -> 26.4, LSTM
+#: 2048 N64 42.1 -> 32.8, GRU 1024 N64 11.1 -> 8.8, LSTM 1024 N64 13.5 -> 10.4, GRU 2048 N32
+#: 30.7 -> 27.9; float16 LSTM 2048 N64 (sequence) 15.2; but float32 split in three TF32
+#: products (tf32x3) slower: LSTM 2048 N64 70.3 -> 70.8, N32 52.9 -> 58.0, GRU 2048 N64 56.6
+#: -> 64.4 (it stays cuda.mma_gemm's there).
 #: Elsewhere (a projection of all steps: many rows) tiles are WIDE where O allows. H200, 128
 #: -> 256 columns: TF32 6400 x 1024 x 4096 356 -> 291, 6400 x 2048 x 8192 1402 -> 1073,
 #: 1600 x 1024 x 4096 113 -> 86; bfloat16 6400 x 2048 x 8192 510 -> 387, float16 6400 x
@@ -116,9 +123,9 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     """The product of component ``func`` where this rule takes it, on sm_90: one step's in
     the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes (an
     operand whose k runs along its buffer's rows in 16 bits only: TF32 is K-major), but for
-    one step's product in N <= 64 rows (one warpgroup a block: :mod:`.cuda_mma_gemm`'s is
-    faster there); float32 split into three TF32 products where pipelined (a weight gradient
-    split: cuda.mma_gemm's alone); else None."""
+    one step's product of split float32 in N <= 64 rows (:mod:`.cuda_mma_gemm`'s is faster
+    there); float32 split into three TF32 products where pipelined (a weight gradient split:
+    cuda.mma_gemm's alone); else None."""
     if not has_wgmma(target):
         return None
     found = cuda_mma_gemm.product_of(func, target)
@@ -133,10 +140,10 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
 
 
 def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
-    """(S slices of K, columns a tile) of one step's ``product`` (N past 64 rows, any slices
-    it is given) as :data:`ONE_WAVE` says; None where no choice gives one wave (or it is not
-    one step's product)."""
-    if product.rows is None or product.tile_rows < TILE:
+    """(S slices of K, columns a tile) of one step's ``product`` (any slices it is given) as
+    :data:`ONE_WAVE` says; None where no choice gives one wave, or it is not one step's
+    product, or one of split float32 in N <= 64 rows."""
+    if product.rows is None or (product.tile_rows < TILE and product.op.split):
         return None
     depth, bk = product.depth * product.parts, Plan.chunk(product.op)
     row_tiles = -(-product.rows // product.tile_rows)

@@ -443,14 +443,14 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
     ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.wgmma_gemm"),
     ("gru", 96, 128, 64, "cuda.sgemm"),  # 48 blocks of 8 rows at most: IEEE
-    ("lstm", 64, 1024, 16, "cuda.mma_gemm"), ("lstm", 64, 2048, 7, "cuda.small_batch_gemv"),
+    ("lstm", 64, 1024, 16, "cuda.wgmma_gemm"), ("lstm", 64, 2048, 7, "cuda.small_batch_gemv"),
     ("lstm", 64, 2048, 12, "cuda.mma_stream_gemv"),
     ("gru", 64, 2048, 16, "cuda.mma_stream_gemv"),
     ("lstm", 64, 2560, 9, "cuda.mma_stream_gemv")])  # 10 warps a part, 128 blocks
 def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rule, rng):
     """allow_tf32=True: the products of all steps (cuda.wgmma_gemm on sm_90) and each step's
     (cuda.mma_gemv where its grid is large enough, slices of K from batch 16 where they fill
-    the GPU: 8 slices of 64-row tiles, 48 rows empty; weights of 48 MiB and more at batch
+    the GPU: one wave of 64-row tiles, 48 rows empty; weights of 48 MiB and more at batch
     8-16 streamed, cuda.mma_stream_gemv) in TF32, but such weights below batch 8 (IEEE:
     cuda.small_batch_gemv), within TF32's bound of float64 and past float32's (the
     operands of the products of all steps are rounded: TF32 ran), a
@@ -545,15 +545,15 @@ def test_nn_tf32_where_allowed(torch, rng):
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, rule", [
     ("lstm", 64, 256, 9, "cuda.mma_gemv"), ("gru", 48, 512, 33, "cuda.mma_gemv"),
-    ("rnn_tanh", 32, 128, 100, "cuda.mma_gemv"), ("lstm", 40, 1024, 64, "cuda.mma_gemm"),
+    ("rnn_tanh", 32, 128, 100, "cuda.mma_gemv"), ("lstm", 40, 1024, 64, "cuda.wgmma_gemm"),
     ("rnn_relu", 16, 96, 17, "cuda.mma_gemv"), ("gru", 32, 256, 200, "cuda.mma_gemv"),
-    ("lstm", 48, 512, 250, "cuda.wgmma_gemm"), ("lstm", 40, 1024, 33, "cuda.mma_gemm")])
+    ("lstm", 48, 512, 250, "cuda.wgmma_gemm"), ("lstm", 40, 1024, 33, "cuda.wgmma_gemm")])
 def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, batch, rule, rng):
     """Each step's recurrent projection in float16 on tensor cores: cuda.mma_gemv (batch rows
     past N in the last 16-row tile, chunks of K of 32 to 256, one and two 8-row tiles a warp)
-    and, at batch 32 and more where its slices fill the GPU, cuda.mma_gemm (K in 8 slices, a
-    partial last tile of 64 rows; at batch 33, 31 of them empty) and past 64 on sm_90
-    cuda.wgmma_gemm (4 slices, a partial last tile of 128 rows)."""
+    and, at batch 32 and more where its slices fill the GPU, cuda.wgmma_gemm on sm_90 (one
+    wave of slices of K; a partial last tile of 64 rows, at batch 33 31 of them empty, past
+    64 of 128 rows), cuda.mma_gemm before it."""
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype="float16",
                       persistent="off")
     assert step_product_rule(module.metadata["schedule"]["rules"]) == on_this_gpu(rule)

@@ -580,6 +580,29 @@ def test_half_layers_past_batch_64_are_not_persistent_by_default(dtype):
             assert "is over 64" not in str(err)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_layers_of_large_weights_at_batch_64_are_not_persistent_by_default(dtype):
+    """At batch 64 a layer of 16-bit weights whose W_hh is 16 MiB or more (LSTM 1536: 18 MiB)
+    has no persistent plan by default, unless knobs ask; below (LSTM 1024), at batch 32,
+    with two directions or two layers the rule does not apply."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    lstm = Problem(cells.get("lstm"), 1536, 1536, 64, dtype)
+    with pytest.raises(Unfit, match=f"batch 64 in {dtype} with W_hh of 18.0 MiB"):
+        knobs.plan_for(lstm, H100, {}, 24)
+    assert knobs.plan_for(lstm, H100, {"mma": True}, 24).mma
+    for other in (dataclasses.replace(lstm, hidden_size=1024, input_size=1024),
+                  dataclasses.replace(lstm, batch=32),
+                  dataclasses.replace(lstm, directions=2),
+                  dataclasses.replace(lstm, layers=2)):
+        try:
+            knobs.plan_for(other, H100, {}, 24)
+        except Unfit as err:  # its own reasons (on-chip room), not this rule's
+            assert "W_hh of" not in str(err)
+
+
 @pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [
     (4, 1024, 1024, 1, None), (4, 1024, 1024, 4, None), (3, 33, 257, 3, None),
     (1, 7, 3, 1, None), (4, 100, 64, 7, 5), (3, 1024, 1024, 4, 200)])

@@ -1189,12 +1189,14 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     (256, 2048, 6144, "tf32", 2, 256), (512, 1024, 4096, "tf32", 1, 128),
     (256, 1024, 3072, "float16", 4, 256), (256, 2048, 8192, "bfloat16", 2, 256),
     (128, 1024, 4096, "float16", 8, 256), (100, 1024, 1024, "float16", 8, 128),
-    (128, 4096, 1024, "bfloat16", 8, 128)])
+    (128, 4096, 1024, "bfloat16", 8, 128), (64, 2048, 6144, "tf32", 2, 128),
+    (33, 1024, 4096, "float16", 8, 256), (16, 1024, 4096, "tf32", 4, 128)])
 def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, parts, cols):
-    """On sm_90 one step's product past 64 rows goes in the fewest slices of K whose grid is one
-    wave (96 to 132 blocks), in tiles 256 wide where each slice is at least 1024 deep or h goes
-    through registers (float32 under half weights), else 128 wide; where no count gives one
-    wave (100 x 1024 x 1024: 64 blocks at most), the slices are cuda.mma_gemm's.
+    """On sm_90 one step's product goes in the fewest slices of K whose grid is one wave (96 to
+    132 blocks; tiles of 64 rows at batch 64 and less), in tiles 256 wide where each slice is
+    at least 1024 deep or h goes through registers (float32 under half weights), else 128
+    wide; where no count gives one wave (100 x 1024 x 1024: 64 blocks at most), the slices are
+    cuda.mma_gemm's.
     cuda.wgmma_gemm takes that count only; on sm_80 the count is cuda.mma_gemm's."""
     from rnncc import schedules
     from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
@@ -1280,8 +1282,8 @@ def test_tf32_operands_their_writers_rounded_are_read_as_they_are(form, given, r
 
 def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     """On sm_90 (built as sm_90a) cuda.wgmma_gemm takes the input projection of all steps
-    (halves, TF32) and each step's slices of K at batch past 64; at batch 64 the slices stay
-    cuda.mma_gemm's, as all of them do on sm_80; w [K, O] in 16 bits is read MN-major (TF32
+    (halves, TF32) and each step's slices of K (but split float32's at batch 64 and less, and
+    all of them on sm_80: cuda.mma_gemm's); w [K, O] in 16 bits is read MN-major (TF32
     is not); K off its 128-byte chunks goes to the next rule, and so do IEEE float32 products
     unless split in three TF32 products (tf32x3, on by default)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
@@ -1294,7 +1296,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     wgmma, mma = "cuda.wgmma_gemm", "cuda.mma_gemm"
     assert rules("float16", 256, CUDA) == (wgmma, wgmma)
     assert rules("float32", 256, CUDA, tf32=True) == (wgmma, wgmma)
-    assert rules("bfloat16", 64, CUDA) == (wgmma, mma)
+    assert rules("bfloat16", 64, CUDA) == (wgmma, wgmma)
+    assert rules("float32", 64, CUDA) == (wgmma, mma)  # split in three TF32 products
     assert rules("float16", 256, AMPERE) == (mma, mma)
     assert rules("float32", 256, CUDA) == (wgmma, wgmma)  # split in three TF32 products
     assert rules("float32", 256, CUDA, tf32x3=False)[0] == "cuda.sgemm"

@@ -3,7 +3,8 @@
 :func:`plan_for` is what ``rnncc compile`` plans and ``rnncc tune`` searches over; it decides,
 one named step after another:
 
-0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows: none, unless knobs ask;
+0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows, or at it with W_hh of
+   :data:`HALF_LARGE_WEIGHTS` bytes or more: none, unless knobs ask;
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
    no: a plan of their own (the weights on-chip, the input projection a separate GEMM); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
@@ -85,6 +86,14 @@ BIDIR_OVERLAP_ROWS, MIN_STEPS = (16, 8, 12), 4
 #: LSTM 256 N128 30.6 / 12.1, GRU 1024 N128 30.6 / 17.1; at N64 LSTM 1024 8.6 / 13.4, LSTM 512
 #: 4.4 / 8.7, GRU 1024 11.8 / 11.0). Knobs that ask for a plan still get one.
 HALF_MAX_BATCH = 64
+#: At HALF_MAX_BATCH rows, a layer whose W_hh takes this many bytes or more is not persistent
+#: by default either: its step holds W_hh in 128 blocks whose warps each read all of h from
+#: shared memory, while one step's product on warpgroup MMA (one wave of slices of K) streams
+#: it. H200, us a step, persistent / not (cuDNN): float16 LSTM 2048 N64 19.5 / 15.2 (15.7),
+#: bfloat16 19.4 / 15.0 (16.4), float16 GRU 2048 N64 16.1 / 12.3 (13.2), LSTM 1536 N64 13.0 /
+#: 11.3 (11.7); below it bfloat16 LSTM 1024 N64 6.6 / 8.2, and at N32 float16 LSTM 2048 11.3 /
+#: 17.6, float16 GRU 1024 N48 5.1 / 7.3.
+HALF_LARGE_WEIGHTS = 16 << 20
 
 
 def check_knobs(knobs) -> dict:
@@ -163,10 +172,17 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     :class:`~.planner.Unfit` saying why there is none (see the module docstring for the
     order of the decisions). ``tight``: a configuration that does not fit with ``reg_margin``
     registers kept free may be planned with none."""
-    if (problem.dtype in ("float16", "bfloat16") and problem.batch > HALF_MAX_BATCH
-            and problem.layers == 1 and not knobs):
-        raise Unfit(f"batch {problem.batch} in {problem.dtype} is over {HALF_MAX_BATCH}, where "
-                    "the non-persistent schedule's tensor-core products are faster")
+    if problem.dtype in ("float16", "bfloat16") and problem.layers == 1 and not knobs:
+        if problem.batch > HALF_MAX_BATCH:
+            raise Unfit(f"batch {problem.batch} in {problem.dtype} is over {HALF_MAX_BATCH}, "
+                        "where the non-persistent schedule's tensor-core products are faster")
+        weights = problem.gates * problem.hidden_size * (problem.proj_size
+                                                         or problem.hidden_size) * 2
+        if (problem.batch == HALF_MAX_BATCH and problem.directions == 1
+                and weights >= HALF_LARGE_WEIGHTS):
+            raise Unfit(f"batch {problem.batch} in {problem.dtype} with W_hh of "
+                        f"{weights / 2**20:.1f} MiB (at least {HALF_LARGE_WEIGHTS >> 20}): the "
+                        "non-persistent schedule's tensor-core products are faster")
     request = _Request(problem, gpu, knobs)
     tensor = tensor_cores(request, reg_margin, tight)
     if tensor is not None:
