@@ -6,6 +6,7 @@ T = 100, each side captured in a CUDA graph, median of
 ``--repeat`` replays, in one process. Run on a GPU machine from the repository root:
 
     python3 benchmarks/sweep.py [--jobs 16] [--part 1/2] [--where H=2048 N=4,16] [--json out.json]
+    python3 benchmarks/sweep.py --random 40 --seed 7 [--json out.json]
     python3 benchmarks/sweep.py --plot sweep.json [sweep2.json ...] --out docs/sweep.png
 
 Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and their ratio
@@ -13,6 +14,8 @@ Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and thei
 k-th of n slices of the configurations (a GPU session's command has a time limit). ``--plot``
 draws the ratio over hidden size, one curve a batch size, a panel a cell and dtype; a later
 file's row replaces an earlier file's of the same configuration (a partial re-run on top).
+``--random COUNT`` times COUNT configurations drawn instead of the grid's (``--seed``): shapes
+off the grid as a user brings them, to find where rnncc loses (:func:`random_configs`).
 """
 
 import argparse
@@ -38,6 +41,30 @@ CONFIGS = ([(cell, h, h, n, "float32") for cell in ("lstm", "gru") for h in HIDD
            + [(cell, h, h, n, "tf32") for cell in ("lstm", "gru") for h in (512, 1024, 2048)
               for n in (1, 16, 64, 256)])
 STEPS = 100
+
+
+def random_configs(count: int, seed: int) -> list[tuple]:
+    """``count`` configurations drawn with ``seed``: cell lstm or gru (rnn_tanh one in eight),
+    H log-uniform over 64-4096 in multiples of 8 (one in four any integer), C = H (else
+    log-uniform over 16-4096), N log-uniform over 1-256, dtype float32 (half of them), tf32,
+    float16 or bfloat16."""
+    import random
+
+    draw = random.Random(seed)
+
+    def log_uniform(low, high):
+        return round(low * (high / low) ** draw.random())
+
+    configs = []
+    for _ in range(count):
+        cell = "rnn_tanh" if draw.random() < 1 / 8 else draw.choice(("lstm", "gru"))
+        h = log_uniform(64, 4096)
+        h = h if draw.random() < 1 / 4 else max(8, h // 8 * 8)
+        c = h if draw.random() < 1 / 2 else log_uniform(16, 4096)
+        dtype = "float32" if draw.random() < 1 / 2 else draw.choice(("tf32", "float16",
+                                                                    "bfloat16"))
+        configs.append((cell, c, h, log_uniform(1, 256), dtype))
+    return configs
 
 
 def _compile(job):
@@ -149,6 +176,9 @@ def main():
     parser.add_argument("--where", nargs="+", default=[], metavar="KEY=V[,V]",
                         help="only the configurations whose cell, C, H, N or dtype is one of "
                              "the values, e.g. H=2048,4096 N=4,16")
+    parser.add_argument("--random", type=int, metavar="COUNT",
+                        help="COUNT configurations drawn at random instead of the grid's")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     parser.add_argument("--plot", nargs="+", help="JSON files of earlier runs to plot")
     parser.add_argument("--out", default="sweep.png")
@@ -157,7 +187,8 @@ def main():
         _plot(args.plot, args.out)
         return
     k, n = (int(v) for v in args.part.split("/"))
-    configs = [c for c in CONFIGS if _selected(c, args.where)][k - 1::n]
+    grid = random_configs(args.random, args.seed) if args.random else CONFIGS
+    configs = [c for c in grid if _selected(c, args.where)][k - 1::n]
     folder = tempfile.mkdtemp(prefix="rnncc_sweep_")
     with ProcessPoolExecutor(args.jobs) as pool:
         paths = list(pool.map(_compile, [(c, folder) for c in configs]))
