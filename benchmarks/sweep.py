@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
@@ -48,8 +49,6 @@ def random_configs(count: int, seed: int) -> list[tuple]:
     H log-uniform over 64-4096 in multiples of 8 (one in four any integer), C = H (else
     log-uniform over 16-4096), N log-uniform over 1-256, dtype float32 (half of them), tf32,
     float16 or bfloat16."""
-    import random
-
     draw = random.Random(seed)
 
     def log_uniform(low, high):

@@ -85,38 +85,36 @@ SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 #: 1024 x 4096 108 -> 110, 1600 x 512 x 2048 14.8 -> 12.7.
 WIDE, WIDE_DEPTH, ONE_WAVE = 256, 1024, (96, 132)
 
-#: 16 bytes of shared memory (4 float32) rounded to TF32 in place, as ``cvt.rna.tf32.f32``.
-ROUND_SOURCE = """
-__device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {
-  float4* at = (float4*)shared;
+#: A device function's load of 16 bytes of shared memory at ``shared`` (4 float32, ``v``) and
+#: their TF32 parts (``cvt.rna.tf32.f32``) in ``r``.
+_TF32X4 = """  float4* at = (float4*)shared;
   float4 v = *at;
   unsigned int r[4];
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[0]) : "f"(v.x));
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[1]) : "f"(v.y));
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[2]) : "f"(v.z));
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[3]) : "f"(v.w));
+"""
+
+#: 16 bytes of shared memory (4 float32) rounded to TF32 in place, as ``cvt.rna.tf32.f32``.
+ROUND_SOURCE = ("\n__device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {\n"
+                + _TF32X4 + """\
   *at = make_float4(__uint_as_float(r[0]), __uint_as_float(r[1]), __uint_as_float(r[2]),
                     __uint_as_float(r[3]));
 }
-"""
+""")
 
 #: 16 bytes of shared memory (4 float32) split in three TF32 products' two parts: the TF32 part
 #: (``cvt.rna.tf32.f32``) in place, the rest (exact) 16 bytes at ``small``.
-SPLIT_SOURCE = """
-__device__ __forceinline__ void rnncc_split_tf32x4(void* shared, void* small) {
-  float4* at = (float4*)shared;
-  float4 v = *at;
-  unsigned int r[4];
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[0]) : "f"(v.x));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[1]) : "f"(v.y));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[2]) : "f"(v.z));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[3]) : "f"(v.w));
+SPLIT_SOURCE = (
+    "\n__device__ __forceinline__ void rnncc_split_tf32x4(void* shared, void* small) {\n"
+    + _TF32X4 + """\
   float4 big = make_float4(__uint_as_float(r[0]), __uint_as_float(r[1]),
                            __uint_as_float(r[2]), __uint_as_float(r[3]));
   *at = big;
   *(float4*)small = make_float4(v.x - big.x, v.y - big.y, v.z - big.z, v.w - big.w);
 }
-"""
+""")
 
 
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
