@@ -22,15 +22,18 @@ as fit: 4 in wide tiles) in one dynamic buffer, ``ahead`` = stages - 2 chunks co
 ``cp.async`` (16 bytes a copy, 8 threads a row). Rows are staged with the 128-byte swizzle the
 descriptors name: 16-byte piece p of row r lies at piece p ^ (r % 8) of its 128 bytes, so 8
 threads copying a row write 8 different bank groups. TF32 operands are copied as float32
-and, but for those their writers rounded already (weights as the layer packs them, h as its
-cell step writes it: :data:`._mma.TF32_ROUNDED_ATTR`), rounded in place (the tensor cores
-would drop the low bits): each thread rounds the pieces it copied once their copies are
-waited for. A float32 A under half weights (one step's h), whose type changes, goes through
-registers instead: loaded ``ahead`` chunks ahead, stored rounded a
-chunk later, as that chunk's first work. A chunk: the thread's copies of it are waited for (and
-rounded), the stores of the last loads made, all made visible to the tensor cores' (async)
-proxy, one barrier; the copies (loads) of chunk c + ahead are issued into the stage that chunk
-c - 2 read (its products are done: a warpgroup waits for all but its last group of products); 4
+and read as they are stored: the tensor cores use a float32's upper 19 bits (they truncate,
+as the simulator does). Their writers round them to nearest where that costs nothing (weights
+as the layer packs them, h as its cell step writes it: :data:`._mma.TF32_ROUNDED_ATTR`); the
+others (x among them) are truncated. Rounding those in place (each thread its pieces, once
+their copies were waited for) cost a layer's step 2-7% (H200, TF32 LSTM 2048 N256 76.2 ->
+71.3 us a step, LSTM 1024 N256 22.8 -> 21.4) for an error of 3.4e-4 of float64 instead of
+4.5e-4 (TF32's bound: 5e-3). A float32 A under half weights (one step's h), whose type
+changes, goes through registers instead: loaded ``ahead`` chunks ahead, stored rounded a
+chunk later, as that chunk's first work. A chunk: the thread's copies of it are waited for,
+the stores of the last loads made, all made visible to the tensor cores' (async) proxy, one
+barrier; the copies (loads) of chunk c + ahead are issued into the stage that chunk c - 2 read
+(its products are done: a warpgroup waits for all but its last group of products); 4
 instructions are issued and committed as one group. The sums land as the instruction leaves
 them: thread t of warp w of the warpgroup holds rows 16 w + t // 4 + {0, 8}, columns
 8 n + 2 (t % 4) + {0, 1} of each 8-column tile n.
@@ -85,36 +88,23 @@ SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 #: 1024 x 4096 108 -> 110, 1600 x 512 x 2048 14.8 -> 12.7.
 WIDE, WIDE_DEPTH, ONE_WAVE = 256, 1024, (96, 132)
 
-#: A device function's load of 16 bytes of shared memory at ``shared`` (4 float32, ``v``) and
-#: their TF32 parts (``cvt.rna.tf32.f32``) in ``r``.
-_TF32X4 = """  float4* at = (float4*)shared;
+#: 16 bytes of shared memory (4 float32) split in three TF32 products' two parts: the TF32 part
+#: (``cvt.rna.tf32.f32``) in place, the rest (exact) 16 bytes at ``small``.
+SPLIT_SOURCE = """
+__device__ __forceinline__ void rnncc_split_tf32x4(void* shared, void* small) {
+  float4* at = (float4*)shared;
   float4 v = *at;
   unsigned int r[4];
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[0]) : "f"(v.x));
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[1]) : "f"(v.y));
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[2]) : "f"(v.z));
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r[3]) : "f"(v.w));
-"""
-
-#: 16 bytes of shared memory (4 float32) rounded to TF32 in place, as ``cvt.rna.tf32.f32``.
-ROUND_SOURCE = ("\n__device__ __forceinline__ void rnncc_round_tf32x4(void* shared) {\n"
-                + _TF32X4 + """\
-  *at = make_float4(__uint_as_float(r[0]), __uint_as_float(r[1]), __uint_as_float(r[2]),
-                    __uint_as_float(r[3]));
-}
-""")
-
-#: 16 bytes of shared memory (4 float32) split in three TF32 products' two parts: the TF32 part
-#: (``cvt.rna.tf32.f32``) in place, the rest (exact) 16 bytes at ``small``.
-SPLIT_SOURCE = (
-    "\n__device__ __forceinline__ void rnncc_split_tf32x4(void* shared, void* small) {\n"
-    + _TF32X4 + """\
   float4 big = make_float4(__uint_as_float(r[0]), __uint_as_float(r[1]),
                            __uint_as_float(r[2]), __uint_as_float(r[3]));
   *at = big;
   *(float4*)small = make_float4(v.x - big.x, v.y - big.y, v.z - big.z, v.w - big.w);
 }
-""")
+"""
 
 
 def sizes(func, target) -> cuda_mma_gemm.Product | None:
@@ -316,7 +306,7 @@ class Plan:
 
     def copied(self, op: int) -> bool:
         """Whether operand ``op`` is copied as it is stored (else through registers,
-        rounded): where it is stored in the operands' type (TF32: rounded after; weights
+        rounded): where it is stored in the operands' type (TF32: read as stored; weights
         always; a float32 h or kept state not)."""
         return self.product.specs[op][2] == self.product.op.dtype
 
@@ -358,17 +348,6 @@ def _store(p, op, regs, smem, stage, tx):
         row, piece = T.meta_var(p.place(op, p_, tx))
         for v in T.vectorized(p.per):
             smem[p.slot(op, stage, row, piece) + v] = p.product.op.round(regs[p_ * p.per + v])
-
-
-@T.macro
-def _round(p, op, smem, stage, tx):
-    """TF32: the pieces of operand ``op`` the thread copied into ``stage`` rounded in place
-    (a device function a piece: TVM's barrier planner would see one thread's reads and
-    writes of different pieces as a race and put barriers between them)."""
-    for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(op, p_, tx))
-        T.cuda.func_call("rnncc_round_tf32x4", T.address_of(smem[p.slot(op, stage, row, piece)]),
-                         source_code=ROUND_SOURCE)
 
 
 @T.macro
@@ -417,8 +396,9 @@ def _stage(p, regs, smem, stage, tx):
 @T.macro
 def _split(p, op, smem, stage, twin, tx):
     """Split float32: the pieces of operand ``op`` the thread copied into ``stage`` split, the
-    TF32 parts in place, the rest into small-part twin ``twin`` (a device function a piece,
-    as :func:`_round`)."""
+    TF32 parts in place, the rest into small-part twin ``twin`` (a device function a piece:
+    TVM's barrier planner would see one thread's reads and writes of different pieces as a
+    race and put barriers between them)."""
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
         T.cuda.func_call("rnncc_split_tf32x4", T.address_of(smem[p.slot(op, stage, row, piece)]),
@@ -486,8 +466,8 @@ def _split_products(p, smem, sums, desc, stage, twin, tx):
 
 @T.macro
 def _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx):
-    """Chunk ``c``: its copies waited for and rounded or split, the stores of the last loads
-    made, a barrier, the copies of chunk c + ahead issued, its products issued. Split float32
+    """Chunk ``c``: its copies waited for (and split), the stores of the last loads made, a
+    barrier, the copies of chunk c + ahead issued, its products issued. Split float32
     (:func:`_split_products`): the chunk is split into twin c % 2 while chunk c - 1's
     products run; then they are waited for and their ``sums`` added to ``acc`` on the CUDA
     cores, before the barrier, so that past it no warpgroup's products read twin c - 1 % 2,
@@ -496,10 +476,6 @@ def _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx):
     chunk of 32 k a negligible one; reading sums a group may still write would make ptxas
     serialize every group, C7514)."""
     T.ptx.cp.async_.wait_group(p.ahead - 1)
-    if p.product.rounds(0):
-        _round(p, 0, smem, c % p.stages, tx)
-    if p.product.rounds(1):
-        _round(p, 1, smem, c % p.stages, tx)
     if p.split:
         _split(p, 0, smem, c % p.stages, c % 2, tx)
         _split(p, 1, smem, c % p.stages, c % 2, tx)

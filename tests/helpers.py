@@ -23,6 +23,11 @@ def round_tf32(x) -> np.ndarray:
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
+def truncate_tf32(x) -> np.ndarray:
+    """``x`` (float32) as the tensor cores read it in TF32: its low 13 bits dropped."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
 def persistent_cells() -> list[str]:
     """The registered cells the persistent kernels run in every form (inference, training,
     layers as a wavefront): all but those whose step reduces over the hidden units, by means

@@ -11,7 +11,15 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 import rnncc
-from helpers import TOL, TOL_F32, TOL_TF32, check_against_reference, round_tf32, takes_means
+from helpers import (
+    TOL,
+    TOL_F32,
+    TOL_TF32,
+    check_against_reference,
+    round_tf32,
+    takes_means,
+    truncate_tf32,
+)
 from rnncc import schedules
 from rnncc.compiler.cuda_binary import kernel_bodies
 from rnncc.lowering import components as comp
@@ -1016,7 +1024,7 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
         assert (cuda_mma_gemm.apply(sliced, CUDA) is not None) == (count == parts)
 
 
-def _product_case(form, dtype, k, rng, m_rows=70):
+def _product_case(form, dtype, k, rng, m_rows=70, truncated=False):
     """(component, arguments with a poisoned output, float64 expected output) of a product
     the tensor-core GEMM rules take, in ``form``: "rows" (a projection of T*N = 135 rows, a of
     the weights' type, w [O, K]), "cols" (float32 a, w [K, O]), "flat" (135 flat rows), "step"
@@ -1024,14 +1032,17 @@ def _product_case(form, dtype, k, rng, m_rows=70):
     "gradient" (over M = ``m_rows`` rows, g and a float32), "gradient_half" (g and a in
     ``dtype``); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides rounded to it),
     "tf32x3": float32 allowed three TF32 products (nothing rounded). The expected output is of
-    the rounded operands (a slice form's summed)."""
+    the rounded operands (a slice form's summed; TF32 ``truncated``: of the operands as the
+    tensor cores read them unrounded)."""
     from rnncc.schedules import _mma
 
     tf32, split = dtype == "tf32", dtype == "tf32x3"
     dtype = "float32" if tf32 or split else dtype
 
     def rounded(x):
-        return (round_tf32(x) if tf32 else x.astype(dtype)).astype(np.float64)
+        if tf32:
+            return (truncate_tf32(x) if truncated else round_tf32(x)).astype(np.float64)
+        return x.astype(dtype).astype(np.float64)
 
     steps, n, o = 3, 45, 256
     m = tirx.Var("M", "int64")
@@ -1229,11 +1240,12 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     second partial) of a in the weights' type, flat rows; w [K, O] (MN-major, transposed in
     the instruction) under float32 a; one step's product of N = 135 float32 rows (h, rounded
     through registers) and one of 64 rows (a one-warpgroup tile) in 2 slices of K; K of 6
-    chunks (12 in TF32: both operands copied, then rounded in place) so that chunks are copied
+    chunks (12 in TF32: both operands copied and read as stored) so that chunks are copied
     ahead in the loop; a weight gradient (both operands MN-major) over M = 300 rows (5 chunks,
     the last partly past M: zero-filled copies or zeros through registers) of float32 or
-    half g and a; against NumPy's product of the same rounded operands (checked to fail with
-    TF32's rounding left out: the simulator truncates). Float32 split in three TF32 products
+    half g and a; against NumPy's product of the same rounded operands (TF32: truncated, as
+    the tensor cores and the simulator read them; rounded to nearest, 1e-4 off, would fail
+    float32's bound). Float32 split in three TF32 products
     (tf32x3; tiles of 128 columns, the small parts in twins past the stages, a chunk's sums
     added on the CUDA cores) within a fifth of float32's bound of the operands as they are
     (the simulator rounds the tensor cores' sums toward zero, as they do)."""
@@ -1245,7 +1257,7 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     if dtype == "tf32x3" and cols != 128:
         pytest.skip("split float32's tiles are 128 columns wide")
     k = 768 if form == "slices" else 512 if form.startswith("gradient") else 384
-    func, args, want = _product_case(form, dtype, k, rng, m_rows=300)
+    func, args, want = _product_case(form, dtype, k, rng, m_rows=300, truncated=True)
     kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA), cols)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
@@ -1255,29 +1267,32 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
-@pytest.mark.parametrize("form, given", [("slices", "ab"), ("rows", "b")])
+@pytest.mark.parametrize("form, given", [("slices", "ab"), ("rows", "b"), ("rows", "")])
 def test_tf32_operands_their_writers_rounded_are_read_as_they_are(form, given, rng):
     """A TF32 product whose callers rounded operands already (rnncc.tf32_rounded: the layer's
-    packed weights "b", h as its cell step writes it "a"): cuda.wgmma_gemm rounds only the
-    others in place; on the simulator (which truncates, as the tensor cores do), with those
-    operands given rounded, NumPy's product of the rounded operands; cuda.mma_gemm too."""
+    packed weights "b", h as its cell step writes it "a"), on the simulator (which truncates,
+    as the tensor cores do), those operands given rounded: cuda.mma_gemm rounds the others in
+    place (NumPy's product of the rounded operands); cuda.wgmma_gemm reads every operand as
+    stored, the others truncated (NumPy's product of those), and has no rounding code."""
     from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
 
-    func, args, want = _product_case(form, "tf32", 768 if form == "slices" else 384, rng)
+    func, args, rounded = _product_case(form, "tf32", 768 if form == "slices" else 384, rng)
     for index, operand in enumerate("ab"):
         if operand in given:
             args[index] = round_tf32(args[index]).astype(np.float32)
     product = cuda_mma_gemm.product_of(func.with_attr(_mma.TF32_ROUNDED_ATTR, given), CUDA)
     assert product.rounded == given
-    for kernel in (cuda_wgmma_gemm.kernel(product, 256), cuda_mma_gemm.kernel(product)):
+    a, w = (truncate_tf32(x).astype(np.float64) for x in args[:2])
+    truncated = a @ w.T + (args[2].astype(np.float64) if form == "rows" else 0)
+    for kernel, want in ((cuda_wgmma_gemm.kernel(product, 256), truncated),
+                         (cuda_mma_gemm.kernel(product), rounded)):
         run = [x.copy() for x in args]
         Simulator(kernel, {p.name: x for p, x in zip(kernel.params, run)}).run()
         got = run[-1].astype(np.float64)
         got = got.sum(0) if form == "slices" else got
         assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
-    rounding = cuda_wgmma_gemm.kernel(product, 256).script().count('func_call("rnncc_round')
-    assert rounding == 2 - len(given)
+    assert "rnncc_round" not in cuda_wgmma_gemm.kernel(product, 256).script()
 
 
 def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
