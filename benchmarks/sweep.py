@@ -36,7 +36,7 @@ CONFIGS = ([(cell, h, h, n, "float32") for cell in ("lstm", "gru") for h in HIDD
             for n in BATCHES]
            + [(cell, h, h, n, dtype) for dtype in ("float16", "bfloat16")
               for cell, hs in (("lstm", (512, 1024, 2048)), ("gru", (1024,)))
-              for h in hs for n in (1, 8, 64)]
+              for h in hs for n in (1, 8, 64, 256)]
            + [(cell, h // 2, h, n, "float32") for cell in ("lstm", "gru") for h in (1024,)
               for n in (1, 32, 128)]
            + [(cell, h, h, n, "tf32") for cell in ("lstm", "gru") for h in (512, 1024, 2048)
