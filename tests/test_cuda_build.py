@@ -131,6 +131,18 @@ def test_persistent_entries_ready_every_grid_at_once(options, launches):
     assert launches is None or len(kernels) == launches, sorted(kernels)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_persistent_kernel_with_its_input_projection_builds(dtype):
+    """A 16-bit layer whose persistent kernel computes its input projections (knobs
+    ``input_rows``, as ``rnncc tune`` tries): 8 halves of x a 16-byte vector, staged as float32
+    in vectors of 4 (TVM writes 8 float32 lanes as a ulonglong4 of 8 floats, which nvcc
+    refused: the tune of float16 LSTM 512 N8 skipped the knob)."""
+    module = rnncc.compile("lstm", 512, 512, 8, target="cuda", dtype=dtype, tuning="off",
+                           knobs={"input_rows": 32})
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["input_rows"] > 0 and plan["vec"] == 8
+
+
 def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)

@@ -282,6 +282,8 @@ KERNELS = {
         SMALL_SMEM)),
     "fused, batch groups": lambda: ("lstm", 33, 40, 6, "float32", _fused(
         crafted(4, 40, 6, "float32", 5, 2, groups=3), 4, 33, 6, 8)),
+    "fused, float16, vectors of 8 x": lambda: ("gru", 64, 33, 2, "float16", _fused(
+        crafted(3, 33, 2, "float16", 5, 2), 3, 64, 2, 8)),
     "overlapped, asynchronous copies": lambda: ("lstm", 64, 33, 2, "float32", _overlapped(
         crafted(4, 33, 2, "float32", 5, 2), 4, 64, 2, 2)),
     "overlapped, staged x, barrier": lambda: ("gru", 37, 40, 4, "float32", _overlapped(

@@ -129,6 +129,13 @@ def _x_slot(spec, e, step, m0, sl):
     return r, k, col, m0 * spec.plan.input_rows + r
 
 
+def _float32_lanes(count: int) -> tuple[int, int]:
+    """``count`` float32 values as (parts, lanes) of vectors of at most 16 bytes (a half
+    layer's 16-byte vector of 8 x values is 32 bytes staged as float32, which TVM's CUDA code
+    writes as a ulonglong4 built from 8 floats: nvcc refuses it)."""
+    return (count // 4, 4) if count > 4 else (1, count)
+
+
 def _x_step(spec) -> int:
     """Elements of x a staged item: 16-byte vectors where C keeps them aligned, else one."""
     return spec.plan.vec if spec.input_size % spec.plan.vec == 0 else 1
@@ -172,13 +179,17 @@ def _stage_x_item(spec, io, m0, sl, t_len, bx, e):
     n_, step, xstride = T.meta_var((spec.local_batch, _x_step(spec), geometry(spec).xstride))
     r, k, col, m = T.meta_var(_x_slot(spec, e, step, m0, sl))
     row = T.meta_var(spec.batch_row(bx, m % n_))
+    parts, lanes = T.meta_var(_float32_lanes(step))
     if col < spec.input_size and m < t_len * n_:
-        for v in T.vectorized(step):
-            io.x_staged[r * xstride + k + v] = _x_value(
-                spec, io, _sequence_step(spec, io, m // n_, t_len, row, bx), row, col + v, bx)
+        for h in T.unroll(parts):
+            for v in T.vectorized(lanes):
+                io.x_staged[r * xstride + k + h * lanes + v] = _x_value(
+                    spec, io, _sequence_step(spec, io, m // n_, t_len, row, bx), row,
+                    col + h * lanes + v, bx)
     else:
-        for v in T.vectorized(step):
-            io.x_staged[r * xstride + k + v] = T.float32(0)
+        for h in T.unroll(parts):
+            for v in T.vectorized(lanes):
+                io.x_staged[r * xstride + k + h * lanes + v] = T.float32(0)
 
 
 @T.macro
@@ -260,10 +271,13 @@ def _chunk_products(spec, io, sl, lane, chunk):
     p, geo = T.meta_var((spec.plan, geometry(spec)))
     vec, rl, snl = T.meta_var((p.vec, geo.rl, geo.snl))
     wchunk = T.meta_var(chunk if sl is None else sl * geo.width + chunk)
+    parts, lanes = T.meta_var(_float32_lanes(vec))
     for s in T.unroll(snl):
-        for v in T.vectorized(vec):
-            io.xv[s * vec + v] = io.x_staged[
-                (s * X_GROUPS + x_group(geo, lane)) * geo.xstride + chunk * vec + v]
+        for h in T.unroll(parts):
+            for v in T.vectorized(lanes):
+                io.xv[s * vec + h * lanes + v] = io.x_staged[
+                    (s * X_GROUPS + x_group(geo, lane)) * geo.xstride + chunk * vec
+                    + h * lanes + v]
     for q in T.unroll(rl):
         for v in T.vectorized(vec):
             io.wq[q * vec + v] = io.w_ih[((wchunk * rl + q) * ROW_GROUPS + row_group(geo, lane))
