@@ -473,12 +473,6 @@ class Simulator:
                 self._write(values[0].buffer, flat + v, big, mask)
                 self._write(values[1].buffer, small + v, (value - big).astype(np.float32), mask)
             return None
-        if name == "rnncc_round_tf32x4":  # 4 float32 rounded to TF32 (cvt.rna) in place
-            flat = np.broadcast_to(np.asarray(values[0].flat, np.int64), (self.lanes,))
-            for v in range(4):
-                self._write(values[0].buffer, flat + v,
-                            round_tf32(self._load(values[0].buffer, flat + v)), mask)
-            return None
         raise NotImplementedError(f"device function {name}")
 
     def _ptx_copy(self, args, mask):
