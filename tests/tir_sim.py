@@ -13,6 +13,12 @@ through matrix descriptors, done at once) and the GPU's fast exponential and div
 barriers and fences are no-ops: in lockstep every store is seen at once, so this checks the
 arithmetic and the layouts, not the synchronisation.
 
+The TMA engine's copies (``cp.async.bulk.tensor`` of a box of a host-encoded tensor map, the
+128-byte swizzle, zeros past the tensor, multicast into blocks of a cluster) are queued on
+their mbarrier and made when a thread first waits for that barrier's phase: a producer that
+runs ahead of its consumers (as one thread in lockstep does, its waits for free stages
+no-ops) does not overwrite a stage before they read it.
+
 A kernel made by schedule primitives (blocks, a reduction across a warp's lanes) runs once
 :func:`lowered` has taken its blocks out: threads launched by ``thread_extent`` attributes,
 ``threadIdx.x``, ``.y`` and ``.z``, and ``tvm_thread_allreduce`` (a sum) across threads.
@@ -44,6 +50,13 @@ def lowered(mod):
 
 class Deadlock(AssertionError):
     """The kernel would wait forever (a tag that never comes, a count never reached)."""
+
+
+class _TensorMap:
+    """A tensor map as the host encodes it: rows of a buffer from element ``flat``."""
+
+    def __init__(self):
+        self.buffer = self.flat = self.depth = self.rows = self.row = self.box = None
 
 
 class _Pointer:
@@ -98,6 +111,10 @@ class Simulator:
             assert array.dtype == _np_dtype(buffer.ty.dtype), (buffer.name, array.dtype)
             self.store[buffer] = ("global", array.reshape(-1))
         self.preset = preset or {}
+        self.cluster = 1
+        #: TMA copies queued by (block, barrier element): [(phase, copy)]; the phases each
+        #: (block, barrier) has begun (an expected transaction) and been waited for
+        self.queued, self.begun, self.waited = {}, {}, {}
 
     def run(self):
         self.mask = np.ones(self.lanes, bool)
@@ -247,7 +264,10 @@ class Simulator:
                 mask = mask & (self._thread_index(axis) < extent)
         tag = _thread_tag(node)
         axis = "xyz".index(tag[-1])
-        if tag.startswith("blockIdx."):  # x fastest, then y, then z
+        if tag == "clusterCtaIdx.x":  # clusters of consecutive blocks
+            self.cluster = int(self._expr(_thread_extent(node)))
+            value = self.lane // self.threads % self.cluster
+        elif tag.startswith("blockIdx."):  # x fastest, then y, then z
             below = int(np.prod(self.kernel[:axis]))
             value = self.lane // self.threads // below % self.kernel[axis]
         else:
@@ -334,12 +354,22 @@ class Simulator:
         if op == "tirx.shift_right":
             return np.right_shift(self._expr(args[0]), self._expr(args[1]))
         if op == "tirx.reinterpret":
+            if isinstance(self._expr(args[0]), _TensorMap):
+                return self._expr(args[0])
             value = np.asarray(self._expr(args[0]))
             return value.view(_np_dtype(_dtype(node)))[()]
         if op == "tirx.address_of":
             load = args[0]
+            if isinstance(load, tirx.Var):  # a tensor map
+                return self.env[load]
             return _Pointer(load.source, self._flat_index(
                 load.source, [self._expr(i) for i in load.indices]))
+        if op == "tirx.tvm_stack_alloca":
+            return _TensorMap()
+        if op == "tirx.tensormap_encode_tiled":
+            return self._encode(args)
+        if op.startswith("tirx.ptx.mbarrier"):
+            return self._mbarrier(op, args, mask)
         if op == "tirx.tvm_access_ptr":  # (type, data, offset, extent, rw)
             return _Pointer(args[1].args[0], self._expr(args[2]))  # data: a call on the buffer
         if op == "tirx.tanh":
@@ -359,6 +389,8 @@ class Simulator:
             return self._mma(args)
         if op == "tirx.ptx_legacy.ldmatrix":
             return self._ldmatrix(args, mask)
+        if op.startswith("tirx.ptx.cp_async_bulk_tensor"):
+            return self._tma_copy(args, mask)
         if op.startswith("tirx.ptx.cp"):
             return self._ptx_copy(args, mask)
         if op == "tirx.cuda.cvta_generic_to_shared":
@@ -462,8 +494,10 @@ class Simulator:
                 self._write(dst.buffer, np.asarray(dst.flat) + v,
                             self._load(src.buffer, np.asarray(src.flat) + v), mask)
             return None
-        if name == "rnncc_cp_async_wait":
+        if name in ("rnncc_cp_async_wait", "rnncc_tma_arrive", "rnncc_cluster_sync"):
             return None
+        if name == "rnncc_tma_wait":
+            return self._tma_wait(values[0], values[1], mask)
         if name == "rnncc_split_tf32x4":  # 4 float32: TF32 parts in place, the rest beside
             flat, small = (np.broadcast_to(np.asarray(v.flat, np.int64), (self.lanes,))
                            for v in values[:2])
@@ -493,6 +527,92 @@ class Simulator:
                 value = np.where(given > v * (16 // count), value, 0)
             self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
         return None
+
+    # -- the TMA engine ----------------------------------------------------------------------
+
+    def _encode(self, args):
+        """``tensormap_encode_tiled(map, address, dims (2), row stride in bytes, box (2),
+        element strides (2))`` of a 2-D map."""
+        tmap, address = self._expr(args[0]), self._expr(args[1])
+        dims, stride, box = ([int(self._expr(a)) for a in args[i:j]]
+                             for i, j in ((2, 4), (4, 5), (5, 7)))
+        size = np.dtype(_np_dtype(address.buffer.ty.dtype)).itemsize
+        assert stride[0] == dims[0] * size, "compact rows only"
+        tmap.buffer, tmap.flat, tmap.depth, tmap.rows = address.buffer, int(address.flat), *dims
+        tmap.box = box
+        return None
+
+    def _mbarrier(self, op, args, mask):
+        """``mbarrier.init`` (nothing); ``arrive.expect_tx``: the barrier's next phase begins
+        (the copies issued after it are of that phase)."""
+        if op.endswith("expect_tx"):
+            for key in self._barriers(self._expr(args[0]), mask):
+                self.begun[key] = self.begun.get(key, 0) + 1
+        return None
+
+    def _barriers(self, pointer, mask):
+        """(block, barrier element) of each thread the mask holds."""
+        flat = np.broadcast_to(np.asarray(pointer.flat, np.int64), (self.lanes,))
+        blocks = self.lane // self.threads
+        return sorted({(int(b), int(f)) for b, f in zip(blocks[mask], flat[mask])})
+
+    def _tma_copy(self, args, mask):
+        """``cp.async.bulk.tensor.2d`` (dst, map, k, row, mbar[, cta mask]): queued on the
+        barrier of each block it writes (``multicast::cluster``: the cluster's blocks in the
+        mask) as that barrier's current phase."""
+        names = [str(a.value) for a in args if type(a).__name__ == "StringImm"]
+        dst, tmap, k0, row0, bar = (self._expr(a) for a in args[:5])
+        ctas = self._expr(args[5]) if "multicast::cluster" in names else None
+        size = np.dtype(_np_dtype(tmap.buffer.ty.dtype)).itemsize
+        for lane in np.flatnonzero(mask):
+            block = int(lane) // self.threads
+            first = block - block % self.cluster
+            targets = [first + r for r in range(self.cluster)
+                       if int(np.broadcast_to(ctas, (self.lanes,))[lane]) >> r & 1] if (
+                ctas is not None) else [block]
+            at = [int(np.broadcast_to(v, (self.lanes,))[lane]) for v in (
+                dst.flat, k0, row0, bar.flat)]
+            phase = self.begun.get((block, at[3]), 0) - 1
+            for target in targets:
+                self.queued.setdefault((target, at[3]), []).append(
+                    (phase, (target, at[0] * np.dtype(_np_dtype(dst.buffer.ty.dtype)).itemsize,
+                             tmap, at[1], at[2], size)))
+        return None
+
+    def _tma_wait(self, pointer, parity, mask):
+        """A wait for a barrier's phase: the copies queued on it for the next phase not yet
+        waited for are made (each block's, once). The k-th wait on a barrier must be for
+        parity k % 2 (each phase is waited for once, in order)."""
+        parity = np.broadcast_to(np.asarray(parity), (self.lanes,))
+        for key in self._barriers(pointer, mask):
+            phase = self.waited.get(key, 0)
+            block = self.lane // self.threads == key[0]
+            assert (parity[mask & block] == phase % 2).all(), (
+                f"block {key[0]} waits for parity {parity[mask & block][0]} of barrier "
+                f"element {key[1]}'s phase {phase}")
+            self.waited[key] = phase + 1
+            due = [copy for p, copy in self.queued.get(key, []) if p == phase]
+            self.queued[key] = [(p, c) for p, c in self.queued.get(key, []) if p != phase]
+            for copy in due:
+                self._land(*copy)
+        return None
+
+    def _land(self, block, dst, tmap, k0, row0, size):
+        """A box of ``tmap`` from (k0, row0) into the block's dynamic shared memory from byte
+        ``dst``: box row r at 128 r bytes, 128-byte swizzled; past the tensor zeros."""
+        buffer, smem = self._shared_dyn()
+        assert np.dtype(_np_dtype(buffer.ty.dtype)).itemsize == size
+        box_k, box_rows = tmap.box
+        assert box_k * size == 128, "boxes of 128-byte rows"
+        r, kk = np.arange(box_rows)[:, None], np.arange(box_k)[None, :]
+        rows, ks = row0 + r, k0 + kk
+        inside = (rows < tmap.rows) & (ks < tmap.depth)
+        _, source = self.store[tmap.buffer]
+        flat = tmap.flat + np.where(inside, rows * tmap.depth + ks, 0)
+        value = np.where(inside, source[flat], 0)
+        addr = dst + r * 128 + kk * size
+        addr = addr ^ ((addr >> 7 & 7) << 4)
+        smem[block, addr // size] = value
 
     def _uniform(self, expr) -> int:
         """The value of ``expr``, the same for every thread (an offset into registers)."""
@@ -650,7 +770,9 @@ class Simulator:
         transposed = (False, False) if tf32 else (bool(flags[2]), bool(flags[3]))
         t = np.arange(128)
         row, col = 16 * (t // 32) + t % 32 // 4, 2 * (t % 4)  # of sum 0
-        for g in range(0, self.lanes, 128):
+        firsts = [b * self.threads + w * 128 for b in range(self.blocks)
+                  for w in range(self.threads // 128)]
+        for g in (g for g in firsts if self.mask[g]):
             lanes = np.arange(g, g + 128)
             assert all((d[lanes] == d[g]).all() for d in descs), "a warpgroup's descriptors"
             block = g // self.threads
