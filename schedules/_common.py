@@ -11,6 +11,10 @@ from tvm.script.ir_builder import IRBuilder
 #: ``__launch_bounds__``'s second argument: the blocks a multiprocessor must hold, which caps
 #: ptxas's registers.
 LAUNCH_BOUNDS = "tirx.launch_bounds_min_blocks_per_sm"
+#: A kernel's attribute naming the parameters it reads as compact rows (a TMA tensor map's:
+#: rows one after another), which :func:`rnncc.lowering.assemble.stage_block` checks of the
+#: regions a sequence gives them.
+COMPACT_ATTR = "rnncc.compact_params"
 
 
 def buffer_parameters(specs: dict) -> list:

@@ -38,6 +38,13 @@ instructions are issued and committed as one group. The sums land as the instruc
 them: thread t of warp w of the warpgroup holds rows 16 w + t // 4 + {0, 8}, columns
 8 n + 2 (t % 4) + {0, 1} of each 8-column tile n.
 
+Where both operands are stored in the operands' type and a block's part of K is long
+(:func:`tma_fed`: 16 chunks and more, tiles of 128 rows), the TMA engine copies them instead
+(:mod:`._tma`): one producer thread in a warp after the warpgroups, up to 6 stages, a full and
+an empty mbarrier a stage, the warpgroups waiting only for the data; one step's two row tiles
+run as a cluster of two blocks that multicast the weights' tile. H200, float16 LSTM 2048 N256,
+us a step: 46.3 -> 42.4 (cuDNN 37.9); N96 26.5 -> 21.1; TF32 LSTM 2048 N256 70.7 -> 64.5.
+
 The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 """
 
@@ -46,8 +53,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from . import cuda_mma_gemm
-from ._common import has_wgmma
+from . import _tma, cuda_mma_gemm
+from ._common import COMPACT_ATTR, has_wgmma
 from ._rule import Rule
 
 TILE = cuda_mma_gemm.TILE  # columns of C a block, and rows of a tile of many rows
@@ -64,6 +71,17 @@ WARPGROUP = 128
 #: against 28.4; at N = 64 (64-row tiles, before one step's product took one wave's slices)
 #: TF32 64 x 2048 x 8192 46.8 against 41.1.
 STAGES = 5
+#: Stages where the TMA engine copies (as many as fit, up to this). H200, float16 one-step
+#: products, kernel alone, us, 4 stages against 7 (128 x 128 tiles): 256 x 1024 x 4096 in 2
+#: slices 7.49 / 7.64, 128 x 2048 x 8192 11.2 / 12.4, 135 x 1024 x 4096 8.47 / 8.39.
+TMA_STAGES = 6
+#: The fewest chunks of K a block whose operands the TMA engine copies (fewer: the copying
+#: kernel, whose first copies start sooner). H200, float16 one-step products, the kernel
+#: alone, us, copying / TMA: 256 x 1024 x 4096 in 2 slices (8 chunks a block) 6.99 / 7.55;
+#: 96 x 2048 x 8192 in 2 (16) 16.6 / 11.3; 256 x 2048 x 8192 (32) 22.4 / 17.6. Layers, us a
+#: step, copying -> TMA: float16 LSTM 1024 N256 (8 chunks) 15.6 -> 16.0, LSTM 2048 N96 (16)
+#: 26.4 -> 20.9.
+TMA_CHUNKS = 16
 SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 #: One step's product: its slices of K and tiles' width, one wave of blocks (one a
 #: multiprocessor). Of the (S, width) whose grid has ONE_WAVE[0] to ONE_WAVE[1] blocks,
@@ -86,6 +104,10 @@ SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 #: -> 256 columns: TF32 6400 x 1024 x 4096 356 -> 291, 6400 x 2048 x 8192 1402 -> 1073,
 #: 1600 x 1024 x 4096 113 -> 86; bfloat16 6400 x 2048 x 8192 510 -> 387, float16 6400 x
 #: 1024 x 4096 108 -> 110, 1600 x 512 x 2048 14.8 -> 12.7.
+#: Where the TMA engine copies 16-bit operands, 128 columns first (H200, the kernel alone, us:
+#: float16 256 x 2048 x 8192 whole in 128 columns 17.6, in 2 slices of 256 19.6; 192 x 2048 x
+#: 8192 16.8 / 17.5; 256 x 2048 x 6144 16.2 / 16.7); TF32 keeps 256 first (256 x 2048 x 8192:
+#: 2 slices of 256 31.7, whole in 128 34.5).
 WIDE, WIDE_DEPTH, ONE_WAVE = 256, 1024, (96, 132)
 
 #: 16 bytes of shared memory (4 float32) split in three TF32 products' two parts: the TF32 part
@@ -129,16 +151,21 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
 
 def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
     """(S slices of K, columns a tile) of one step's ``product`` (any slices it is given) as
-    :data:`ONE_WAVE` says; None where no choice gives one wave, or it is not one step's
-    product, or one of split float32 in N <= 64 rows."""
+    :data:`ONE_WAVE` says (128 columns first where the TMA engine can copy 16-bit operands);
+    None where no choice gives one wave, or it is not one step's product, or one of split
+    float32 in N <= 64 rows."""
     if product.rows is None or (product.tile_rows < TILE and product.op.split):
         return None
     depth, bk = product.depth * product.parts, Plan.chunk(product.op)
     row_tiles = -(-product.rows // product.tile_rows)
     counts = [s for s in range(1, cuda_mma_gemm.MAX_PARTS + 1) if s & (s - 1) == 0
               and depth % (s * bk) == 0 and (s == 1 or depth // s >= cuda_mma_gemm.MIN_SLICE)]
-    widths = ((TILE, 0),) if product.op.split else (
-        (WIDE, WIDE_DEPTH if product.copied else 0), (TILE, 0))
+    if product.op.split:
+        widths = ((TILE, 0),)
+    elif _tma_operands(product) and not product.op.tf32:
+        widths = ((TILE, 0), (WIDE, 0))
+    else:
+        widths = ((WIDE, WIDE_DEPTH if product.copied else 0), (TILE, 0))
     for cols, deep in widths:
         for s in counts:
             blocks = row_tiles * product.columns // cols * s
@@ -157,6 +184,21 @@ def parts(func, target) -> int:
         return 1
     chosen = one_step(found) if has_wgmma(target) and found.pipelined else None
     return chosen[0] if chosen else cuda_mma_gemm.slices(found)
+
+
+def _tma_operands(product: cuda_mma_gemm.Product) -> bool:
+    """Whether ``product``'s operands are ones the TMA engine can copy (:mod:`._tma`): both
+    K-major and stored in the operands' type (16-bit, or TF32 read as stored), in tiles of
+    128 rows; not split float32 (its parts are made in shared memory) nor a gradient."""
+    return (product.form != "gradient" and product.pipelined and not product.op.split
+            and product.copied and product.specs[1][2] == product.op.dtype
+            and product.tile_rows == TILE)
+
+
+def tma_fed(product: cuda_mma_gemm.Product) -> bool:
+    """Whether the TMA engine copies ``product``'s operands: where it can
+    (:func:`_tma_operands`) and a block's part of K is at least TMA_CHUNKS chunks."""
+    return _tma_operands(product) and product.depth // Plan.chunk(product.op) >= TMA_CHUNKS
 
 
 def columns(product: cuda_mma_gemm.Product) -> int:
@@ -211,6 +253,21 @@ class Plan:
         # where split: they are waited for before chunk c's barrier)
         self.ahead = self.stages - (1 if self.split else 2)
         self.smem_bytes = self.stages * self.stage_bytes + 2 * self.twin_bytes
+        self.warpgroups = self.rows // 64
+        #: fed by the TMA engine (:mod:`._tma`): as many stages as fit (up to TMA_STAGES), a
+        #: producer warp after the warpgroups (``launched`` threads), and clusters of two
+        #: blocks, the two row tiles of one step's product, where its row tiles are an even
+        #: count; ``b_rows``: the rows of B's tile that a block of the cluster copies
+        self.tma = tma_fed(product)
+        self.cluster, self.b_rows, self.launched = 1, cols, self.threads
+        if self.tma:
+            self.stages = min(TMA_STAGES, SHARED_BYTES // self.stage_bytes)
+            self.smem_bytes = self.stages * self.stage_bytes
+            rows = product.rows
+            if rows is not None and -(-rows // self.rows) % 2 == 0:
+                self.cluster = 2
+            self.b_rows = cols // self.cluster
+            self.launched = self.threads + 32
         #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
         self.pieces = [self.rows * 8 // self.threads, cols * 8 // self.threads]
         self.per = 16 // self.esize  # elements a piece
@@ -234,6 +291,19 @@ class Plan:
         self.instruction = getattr(getattr(shape, ptx), ptx)
         #: scale-a, scale-b (and for halves: A's and B's transposition, 1 where MN-major)
         self.flags = (1, 1) if op.tf32 else (1, 1, *(int(outer) for outer in self.outer))
+
+    def tile_of(self, bx):
+        """(slice, row tile, column tile) of block ``bx``: the column tiles fastest (the
+        blocks that run together read one tile of A), but in clusters their row tiles (which
+        read one tile of B)."""
+        i_tiles, j_tiles = self.tile.i_tiles, self.j_tiles
+        if self.cluster > 1:
+            return bx // (i_tiles * j_tiles), bx % i_tiles, bx // i_tiles % j_tiles
+        return bx // (i_tiles * j_tiles), bx // j_tiles % i_tiles, bx % j_tiles
+
+    def origin(self, io, op: int):
+        """The address of operand ``op``'s first element (its tensor map's)."""
+        return T.address_of(tirx.BufferLoad(io[op], [0] * len(io[op].shape)))
 
     @staticmethod
     def chunk(op) -> int:
@@ -519,9 +589,61 @@ def _epilogue(p, io, acc, bi, bj, part, tx):
 
 def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
     """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
-    :func:`columns`)."""
+    :func:`columns`): fed by the TMA engine where :func:`tma_fed`, else by the warpgroups'
+    own copies."""
     p = Plan(product, TILE if product.op.split else cols or columns(product))
-    dtype = product.op.dtype
+    return _tma_kernel(p) if p.tma else _copying_kernel(p)
+
+
+def _tma_kernel(p: Plan):
+    """The kernel whose operands the TMA engine copies (:mod:`._tma`): the producer thread
+    copies, the warpgroups wait for each chunk, multiply and give its stage back."""
+    product, dtype = p.product, p.product.op.dtype
+    depth = product.depth * product.parts
+
+    @T.prim_func(s_tir=True)
+    def wgmma_gemm():
+        T.func_attr({"tirx.noalias": True, COMPACT_ATTR: [spec[0] for spec in product.specs[:2]]})
+        io = T.meta_var(p.tile.parameters())
+        with T.sblock("root"):
+            smem = T.sblock_alloc_buffer((p.smem_bytes // p.esize,), dtype,
+                                         scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
+            bar = T.sblock_alloc_buffer((2 * p.stages,), "uint64", scope="shared", align=8)
+            acc = T.sblock_alloc_buffer((p.sums,), "float32", scope="local")
+            desc = T.sblock_alloc_buffer((2,), "uint64", scope="local")
+            map_a: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
+            map_b: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
+            _tma.encode(map_a, p.origin(io, 0), depth, p.tile.m, p.bk, p.rows, dtype, p.esize)
+            _tma.encode(map_b, p.origin(io, 1), depth, product.columns, p.bk, p.b_rows, dtype,
+                        p.esize)
+            for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
+                for rank in T.thread_binding(p.cluster, thread="clusterCtaIdx.x"):
+                    for tx in T.thread_binding(p.launched, thread="threadIdx.x"):
+                        part, bi, bj = T.meta_var(p.tile_of(bx))
+                        k0 = T.meta_var(part * product.depth)
+                        _tma.start(p, bar, tx)
+                        if tx == p.threads:
+                            _tma.produce(p, (map_a, map_b), smem, bar, k0, bi * p.rows,
+                                         bj * p.cols, rank)
+                        if tx < p.threads:
+                            for e in T.unroll(p.sums):
+                                acc[e] = T.float32(0)
+                            for c in range(p.chunks):
+                                _tma.wait(bar, c % p.stages, c // p.stages % 2)
+                                _products(p, smem, acc, desc, c % p.stages, tx)
+                                if c >= 1:
+                                    _tma.release(p, bar, c - 1, tx)
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            _epilogue(p, io, acc, bi, bj, part, tx)
+                        _tma.finish(p)
+
+    return wgmma_gemm
+
+
+def _copying_kernel(p: Plan):
+    """The kernel whose warpgroups copy their operands (``cp.async``, or through registers
+    where their type changes) and multiply."""
+    product, dtype = p.product, p.product.op.dtype
 
     @T.prim_func(s_tir=True)
     def wgmma_gemm():
@@ -537,9 +659,7 @@ def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
             desc = T.sblock_alloc_buffer((2,), "uint64", scope="local")
             for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
-                    part = T.meta_var(bx // (p.tile.i_tiles * p.j_tiles))
-                    bi = T.meta_var(bx // p.j_tiles % p.tile.i_tiles)
-                    bj = T.meta_var(bx % p.j_tiles)
+                    part, bi, bj = T.meta_var(p.tile_of(bx))
                     k0 = T.meta_var(part * product.depth)
                     regs = T.meta_var((ra, rb))
                     for e in T.unroll(p.sums):

@@ -1024,11 +1024,12 @@ def test_mma_gemm_slices_one_step_products_to_fill_the_gpu(batch, k, o, dtype, p
         assert (cuda_mma_gemm.apply(sliced, CUDA) is not None) == (count == parts)
 
 
-def _product_case(form, dtype, k, rng, m_rows=70, truncated=False):
+def _product_case(form, dtype, k, rng, m_rows=70, truncated=False, h_copied=False):
     """(component, arguments with a poisoned output, float64 expected output) of a product
     the tensor-core GEMM rules take, in ``form``: "rows" (a projection of T*N = 135 rows, a of
     the weights' type, w [O, K]), "cols" (float32 a, w [K, O]), "flat" (135 flat rows), "step"
-    (one step's N = 135 float32 rows), "slices" (64 rows in 2 slices of K),
+    (one step's N = 135 float32 rows; ``h_copied``: in the weights' type), "slices" (64 rows
+    in 2 slices of K; ``h_copied``: 135 rows in the weights' type),
     "gradient" (over M = ``m_rows`` rows, g and a float32), "gradient_half" (g and a in
     ``dtype``); O = 256; ``dtype`` "tf32": float32 allowed TF32 (both sides rounded to it),
     "tf32x3": float32 allowed three TF32 products (nothing rounded). The expected output is of
@@ -1053,10 +1054,11 @@ def _product_case(form, dtype, k, rng, m_rows=70, truncated=False):
         func = func.with_attr(_mma.TF32X3_ATTR, True) if split else func
         return func, [g, a, np.full((o, k), np.nan, dtype)], rounded(g).T @ rounded(a)
     if form in ("step", "slices"):
-        rows = steps * n if form == "step" else 64
-        func = (comp.gemm((rows,), k, o, "rows", dtype, "float32") if form == "step"
-                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, "float32"))
-        h = rng.standard_normal((rows, k)).astype(np.float32)
+        rows = steps * n if form == "step" or h_copied else 64
+        h_dtype = dtype if h_copied else "float32"
+        func = (comp.gemm((rows,), k, o, "rows", dtype, h_dtype) if form == "step"
+                else comp.gemm_parts(rows, k, o, 2, "rows", dtype, h_dtype))
+        h = rng.standard_normal((rows, k)).astype(h_dtype)
         w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
         want = rounded(h) @ rounded(w).T + (b.astype(np.float64) if form == "step" else 0)
         args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if form == "step"
@@ -1265,6 +1267,83 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     bound = (TOL_F32 / 5 if dtype == "tf32x3" else TOL_F32) if not form.startswith(
         "gradient") else 2.0 ** -(8 if dtype == "bfloat16" else 11)
     assert np.abs(got - want).max() / np.abs(want).max() < bound
+
+
+@pytest.mark.parametrize("cols", [128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
+def test_wgmma_gemm_fed_by_the_tma_engine_matches_numpy_on_the_simulator(form, dtype, cols,
+                                                                          rng):
+    """cuda.wgmma_gemm's kernel whose operands the TMA engine copies (both stored in the
+    operands' type, a block's K at least 16 chunks: 1024 halves, 512 TF32 values, 16 chunks
+    through 4 or 6 stages, so that stages are reused), on the NumPy interpreter (the copies
+    of tensor-map boxes made when their barrier is waited for, 128-byte swizzled, zeros past
+    the tensor's rows): a projection of T*N = 135 rows (the second row tile partial), flat
+    rows, one step's N = 135 rows in the weights' type (two row tiles: a cluster of two
+    blocks, each multicasting half of the weights' tile) and its 2 slices of K; against
+    NumPy's product of the same operands (TF32: truncated, as the tensor cores read them)."""
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    k = (512 if dtype == "tf32" else 1024) * (2 if form == "slices" else 1)
+    func, args, want = _product_case(form, dtype, k, rng, truncated=True, h_copied=True)
+    product = cuda_mma_gemm.product_of(func, CUDA)
+    plan = cuda_wgmma_gemm.Plan(product, cols)
+    assert plan.tma and plan.cluster == (2 if form in ("step", "slices") else 1)
+    assert plan.chunks > plan.stages
+    kernel = cuda_wgmma_gemm.kernel(product, cols)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = args[-1].astype(np.float64)
+    got = got.sum(0) if form == "slices" else got
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+
+
+@pytest.mark.parametrize("batch, k, o, dtype, tma, cluster", [
+    (256, 2048, 8192, "float16", True, 2), (96, 2048, 8192, "bfloat16", True, 1),
+    (256, 1024, 4096, "float16", False, 1), (256, 512, 2048, "float16", False, 1),
+    (256, 2048, 8192, "tf32", True, 2), (64, 2048, 8192, "float16", False, 1)])
+def test_wgmma_gemm_takes_the_tma_engine_where_a_block_has_enough_of_k(batch, k, o, dtype, tma,
+                                                                       cluster):
+    """One step's product (h in the weights' type) is fed by the TMA engine where a block's
+    part of K is at least 16 chunks (fewer: the copying kernel, which starts sooner), in
+    tiles of 128 rows (not 64-row tiles); in clusters of two blocks where its row tiles are
+    an even count; halves prefer 128 columns a tile, as the slices allow (2048 x 8192 at N256:
+    whole, 128 blocks)."""
+    from rnncc import schedules
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+
+    def product(count):
+        func = (comp.gemm((batch,), k, o, "rows", dtype, dtype) if count == 1
+                else comp.gemm_parts(batch, k, o, count, "rows", dtype, dtype))
+        return func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+
+    parts = schedules.product_parts(product(1), CUDA)
+    found = cuda_mma_gemm.product_of(product(parts), CUDA)
+    plan = cuda_wgmma_gemm.Plan(found, cuda_wgmma_gemm.columns(found))
+    assert (plan.tma, plan.cluster) == (tma, cluster)
+    if batch == 256 and k == 2048 and not tf32:
+        assert (parts, plan.cols) == (1, 128)
+
+
+def test_a_tma_fed_stage_refuses_a_strided_region():
+    """A stage whose kernel reads an operand through a tensor map (compact rows) given a
+    strided region of a sequence buffer is an error naming the stage, not a wrong result."""
+    from rnncc.lowering import assemble
+    from rnncc.lowering.components import ALL, i64
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+
+    func = comp.gemm((256,), 2048, 8192, "rows", "float16", "float16")
+    kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA))
+    big = [tirx.decl_buffer(shape, dtype, name) for shape, dtype, name in (
+        ((i64(256), i64(4096)), "float16", "h2"), ((i64(8192), i64(2048)), "float16", "w"),
+        ((i64(8192),), "float16", "b"), ((i64(256), i64(8192)), "float32", "out"))]
+    regions = [assemble.Region(big[0], (ALL, slice(0, 2048))),
+               *(assemble.Region(b, (ALL,) * len(b.shape)) for b in big[1:])]
+    with pytest.raises(ValueError, match="strided region of h2"):
+        assemble.stage_block(assemble.Stage("recurrent_gemm", kernel, regions, 1))
 
 
 @pytest.mark.parametrize("form, given", [("slices", "ab"), ("rows", "b"), ("rows", "")])

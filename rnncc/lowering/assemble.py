@@ -20,6 +20,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir import Range
 
+from ..schedules._common import COMPACT_ATTR
 from .components import i64
 
 
@@ -121,8 +122,12 @@ def stage_block(stage: Stage, scratch: list | None = None):
         for dim, (ext, _) in zip(p.shape, r.kept()):
             if isinstance(dim, tvm.ir.Var):
                 remap[dim] = ext
+    compact = [str(name) for name in (func.attrs or {}).get(COMPACT_ATTR, [])]
     for p, r in zip(params, stage.args):
         remap[p] = _bound_buffer(p, r, remap)
+        if p.name in compact and len(remap[p].strides):
+            raise ValueError(f"stage {stage.name}: its kernel reads {p.name} as compact rows, "
+                             f"given a strided region of {r.buffer.name}")
     root = _remapped(func.body.block, remap)
     allocs = list(root.alloc_buffers)
     if scratch is not None:
