@@ -159,6 +159,29 @@ def test_cuda_tensor_core_components_match_the_cpu_build_on_the_simulator(cell, 
             assert rule == lowered.rules[key], key
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "tf32"])
+def test_tma_fed_components_of_a_layer_match_the_cpu_build_on_the_simulator(dtype, rng):
+    """The same where the TMA engine feeds the products: LSTM 1024 -> 2048 at batch 130, the
+    products of all steps (16 chunks of K a block in 16 bits, 32 in TF32) and each step's (two
+    row tiles: a cluster of two blocks; h in the weights' type as the cell step writes it)."""
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+
+    problem = Problem(rnncc.cells.get("lstm"), 1024, 2048, 130,
+                      "float32" if dtype == "tf32" else dtype, allow_tf32=dtype == "tf32")
+    lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+    fed = []
+    for key, (func, role) in lowered.components.items():
+        found = cuda_mma_gemm.product_of(func, CUDA) if role == "gemm" else None
+        if found is not None and cuda_wgmma_gemm.sizes(func, CUDA) is not None:
+            fed.append((key, cuda_wgmma_gemm.tma_fed(found)))
+        rule = _simulated_against_cpu_build(func, role, rng,
+                                            tol=TOL_TF32 if dtype == "tf32" else TOL[dtype])
+        assert rule == lowered.rules[key], key
+    assert dict(fed) == {"input_gemm": True, "recurrent_gemm": True} or dict(fed) == {
+        "input_gemm": True, "recurrent_gemm_parts": True}, fed
+
+
 @pytest.mark.parametrize("training", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_cuda_tf32x3_components_match_the_cpu_build_on_the_simulator(training, monkeypatch,
                                                                        rng):
