@@ -1433,9 +1433,10 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     pytest.param("narrow slices of h", marks=pytest.mark.slow)])
 def test_wgmma_gemm_kernels_compile_without_spills(form):
     """cuda.wgmma_gemm's kernels (one step's float32 h under float16 weights in slices: copies
-    and registers, in tiles 256 and 128 wide; a bfloat16 projection of all steps: copies, wide
-    tiles; TF32 slices: copies rounded in place) issue wgmma and one barrier a chunk, and
-    compile without spills."""
+    and registers, in tiles 256 and 128 wide, one barrier a chunk; a bfloat16 projection of all
+    steps, wide tiles, and TF32 slices of one step, a cluster of two blocks: fed by the TMA
+    engine, mbarriers and no block barrier past the start) issue wgmma and compile without
+    spills."""
     from conftest import has_nvcc
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import _mma, cuda_wgmma_gemm
@@ -1452,7 +1453,13 @@ def test_wgmma_gemm_kernels_compile_without_spills(form):
     source = tvm.compile(tvm.IRModule({"main": cuda_wgmma_gemm.apply(func, CUDA).mod[
         "main"].with_attr("global_symbol", "wg")}), target=CUDA).mod.imports[0].inspect_source()
     assert "wgmma.mma_async" in source
-    assert kernel_bodies(source)["wg_kernel"].count("__syncthreads()") == 1
+    body = kernel_bodies(source)["wg_kernel"]
+    if form in ("projection", "TF32 slices"):
+        assert "cp.async.bulk.tensor.2d" in source and body.count("rnncc_tma_wait(") == 2
+        assert body.count("__syncthreads()") == (1 if form == "projection" else 0)
+        assert ("rnncc_cluster_sync()" in body) == (form == "TF32 slices")
+    else:
+        assert body.count("__syncthreads()") == 1
     if has_nvcc():
         _, report = compile_cubin(source, "sm_90")
         assert report["wg_kernel"]["spill_stores"] == report["wg_kernel"]["stack"] == 0
