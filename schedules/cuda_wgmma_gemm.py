@@ -231,7 +231,8 @@ class Plan:
     chunk's ``bk`` k-rows of 128 bytes (64 of its rows) an atom column, atom columns one after
     another, and the instructions told the operand is transposed."""
 
-    def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE):
+    def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE,
+                 feed: str | None = None):
         self.product = product
         self.tile = cuda_mma_gemm.Tile(product)
         op = product.op
@@ -258,7 +259,10 @@ class Plan:
         #: producer warp after the warpgroups (``launched`` threads), and clusters of two
         #: blocks, the two row tiles of one step's product, where its row tiles are an even
         #: count; ``b_rows``: the rows of B's tile that a block of the cluster copies
-        self.tma = tma_fed(product)
+        self.tma = tma_fed(product) if feed is None else feed == "tma"
+        if self.tma and not _tma_operands(product):
+            raise ValueError(f"the TMA engine cannot copy this product's operands: "
+                             f"{product.specs[:2]} ({product.form}); feed 'copy' takes it")
         self.cluster, self.b_rows, self.launched = 1, cols, self.threads
         if self.tma:
             self.stages = min(TMA_STAGES, SHARED_BYTES // self.stage_bytes)
@@ -587,11 +591,13 @@ def _epilogue(p, io, acc, bi, bj, part, tx):
                         io[2][part, i, j + v] = acc[n * 4 + h * 2 + v]
 
 
-def kernel(product: cuda_mma_gemm.Product, cols: int | None = None):
+def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | None = None):
     """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
     :func:`columns`): fed by the TMA engine where :func:`tma_fed`, else by the warpgroups'
-    own copies."""
-    p = Plan(product, TILE if product.op.split else cols or columns(product))
+    own copies; ``feed`` "tma" or "copy" chooses (to compare them)."""
+    if feed not in (None, "tma", "copy"):
+        raise ValueError(f"feed is 'tma', 'copy' or None (the rule's choice), got {feed!r}")
+    p = Plan(product, TILE if product.op.split else cols or columns(product), feed)
     return _tma_kernel(p) if p.tma else _copying_kernel(p)
 
 

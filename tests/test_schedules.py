@@ -1351,6 +1351,30 @@ def test_wgmma_gemm_takes_the_tma_engine_where_a_block_has_enough_of_k(batch, k,
         assert (parts, plan.cols) == (1, 128)
 
 
+def test_wgmma_gemm_feed_can_be_chosen_to_compare_them():
+    """``kernel(..., feed=...)``: "copy" gives the copying kernel of a product the TMA engine
+    would take, "tma" the engine's kernel of one it would not (8 chunks a block); a product
+    whose operands it cannot copy (float32 h under float16 weights) or another feed is an
+    error naming it."""
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+
+    def product(k, h_dtype="float16"):
+        return cuda_mma_gemm.product_of(comp.gemm((256,), k, 4096, "rows", "float16",
+                                                  h_dtype), CUDA)
+
+    def fed(kernel):
+        return "tensormap" in kernel.script()
+
+    assert fed(cuda_wgmma_gemm.kernel(product(2048)))
+    assert not fed(cuda_wgmma_gemm.kernel(product(2048), feed="copy"))
+    assert not fed(cuda_wgmma_gemm.kernel(product(512)))
+    assert fed(cuda_wgmma_gemm.kernel(product(512), feed="tma"))
+    with pytest.raises(ValueError, match="cannot copy"):
+        cuda_wgmma_gemm.kernel(product(2048, "float32"), feed="tma")
+    with pytest.raises(ValueError, match="'tma', 'copy' or None"):
+        cuda_wgmma_gemm.kernel(product(2048), feed="bulk")
+
+
 def test_a_tma_fed_stage_refuses_a_strided_region():
     """A stage whose kernel reads an operand through a tensor map (compact rows) given a
     strided region of a sequence buffer is an error naming the stage, not a wrong result."""
