@@ -7,12 +7,15 @@ inputs, CUDA-graph captured, the median). The GPU machine's time is what this sa
 rule's kernels for a dozen shapes are about 40 KB compressed and take seconds there.
 
     python3 benchmarks/step_products.py build kernels.tar.xz 16,2048,8192 4,1024,4096,tf32 \\
-        [--rules cuda.small_batch_gemv cuda.mma_gemm]
+        [--rules cuda.small_batch_gemv cuda.mma_gemm] [--h weights] [--feeds]
     python3 benchmarks/step_products.py run kernels.tar.xz [--json out.json]
 
 A shape is N,K,O with an optional fourth field, the weights' dtype (float32, float16,
 bfloat16) or ``tf32`` (float32 products the rules may round to TF32). ``--rules``: only
-these (by name); a rule that does not take a shape is left out of it, and said so.
+these (by name); a rule that does not take a shape is left out of it, and said so. ``--h
+weights``: h in the weights' type (as a 16-bit layer's cell step writes it for the tensor
+cores), else float32. ``--feeds``: cuda.wgmma_gemm's kernel both ways, its operands copied by
+its warps ("[copy]") and by the TMA engine ("[tma]", where it can copy them).
 """
 
 import argparse
@@ -36,7 +39,29 @@ def _shape(text: str) -> dict:
     return {"n": n, "k": k, "o": o, "kind": kind}
 
 
-def build(archive: str, shapes: list, rules: list) -> None:
+def _variants(rule, func, target, feeds: bool) -> list:
+    """(label, IRModule) of the kernels of ``rule`` for ``func``: its own; with ``feeds``,
+    cuda.wgmma_gemm's with each feed it can take."""
+    import tvm
+
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+
+    sch = rule.apply(func, target)
+    if sch is None or not feeds or rule.name != "cuda.wgmma_gemm":
+        return [] if sch is None else [(rule.name, sch.mod)]
+    product, found = cuda_mma_gemm.product_of(func, target), []
+    for feed in ("copy", "tma"):
+        try:
+            kernel = cuda_wgmma_gemm.kernel(product, feed=feed)
+        except ValueError as err:
+            print(f"{rule.name}: {err}")
+            continue
+        found.append((f"{rule.name}[{feed}]", tvm.IRModule({"main": kernel})))
+    return found
+
+
+def build(archive: str, shapes: list, rules: list, h: str = "float32",
+          feeds: bool = False) -> None:
     import tvm
 
     from rnncc import schedules
@@ -49,26 +74,28 @@ def build(archive: str, shapes: list, rules: list) -> None:
     folder, index = tempfile.mkdtemp(prefix="rnncc_products_"), []
     for shape in shapes:
         dtype = "float32" if shape["kind"] == "tf32" else shape["kind"]
-        func = comp.gemm((shape["n"],), shape["k"], shape["o"], "rows", dtype, "float32")
+        h_dtype = dtype if h == "weights" else "float32"
+        func = comp.gemm((shape["n"],), shape["k"], shape["o"], "rows", dtype, h_dtype)
         if shape["kind"] == "tf32":
             func = func.with_attr(schedules.TF32_ATTR, True)
         for rule in schedules.RULES[("cuda", "gemm")]:
             if rules and rule.name not in rules:
                 continue
-            sch = rule.apply(func, target)
-            if sch is None:
+            variants = _variants(rule, func, target, feeds)
+            if not variants:
                 print(f"{rule.name} does not take {shape}")
-                continue
-            name = f"{shape['n']}_{shape['k']}_{shape['o']}_{shape['kind']}_{rule.name}.so"
-            reports = {}
-            with (nvcc_callback("sm_90", reports),
-                  tvm.transform.PassContext(config=pipeline.CONFIG)):
-                tvm.compile(sch.mod, target=target,
-                            tir_pipeline=pipeline.register()).export_library(
-                                os.path.join(folder, name),
-                                fpack_imports=pack_imports_with_cubin("sm_90", reports))
-            index.append({**shape, "rule": rule.name, "file": name, "ptxas": reports})
-            print(f"built {name}", flush=True)
+            for label, mod in variants:
+                name = f"{shape['n']}_{shape['k']}_{shape['o']}_{shape['kind']}_{label}.so"
+                reports = {}
+                with (nvcc_callback("sm_90", reports),
+                      tvm.transform.PassContext(config=pipeline.CONFIG)):
+                    tvm.compile(mod, target=target,
+                                tir_pipeline=pipeline.register()).export_library(
+                                    os.path.join(folder, name),
+                                    fpack_imports=pack_imports_with_cubin("sm_90", reports))
+                index.append({**shape, "rule": label, "file": name, "ptxas": reports,
+                              "h_dtype": h_dtype})
+                print(f"built {name}", flush=True)
     with open(os.path.join(folder, "index.json"), "w") as f:
         json.dump(index, f)
     with tarfile.open(archive + ".tmp", "w:xz") as tar:
@@ -94,13 +121,14 @@ def run(archive: str, json_path: str | None) -> None:
         n, k, o, kind = entry["n"], entry["k"], entry["o"], entry["kind"]
         dtype = "float32" if kind == "tf32" else kind
         rng = np.random.default_rng(0)
-        h = rng.standard_normal((n, k)).astype("float32")
+        h = torch.tensor(rng.standard_normal((n, k))).to(
+            getattr(torch, entry.get("h_dtype", "float32")))
         w = torch.tensor(rng.uniform(-0.05, 0.05, (o, k))).to(getattr(torch, dtype))
         b = torch.tensor(rng.uniform(-0.05, 0.05, o)).to(getattr(torch, dtype))
         w64, b64 = w.double().numpy(), b.double().numpy()
-        want = h.astype(np.float64) @ w64.T + b64
+        want = h.double().numpy() @ w64.T + b64
         lib = tvm.runtime.load_module(os.path.join(folder, entry["file"]))
-        args = [tvm.runtime.tensor(h, dev), tvm.runtime.from_dlpack(w.cuda()),
+        args = [tvm.runtime.from_dlpack(h.cuda()), tvm.runtime.from_dlpack(w.cuda()),
                 tvm.runtime.from_dlpack(b.cuda()),
                 tvm.runtime.tensor(np.full((n, o), np.nan, "float32"), dev)]
         lib["main"](*args)
@@ -110,7 +138,7 @@ def run(archive: str, json_path: str | None) -> None:
         key = (n, k, o, kind)
         if key not in cublas:  # CUDA-graph captured: no launch overhead, as time_evaluator's
             torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
-            a, wc, bc = torch.tensor(h).cuda().to(w.dtype), w.cuda(), b.cuda()
+            a, wc, bc = h.cuda().to(w.dtype), w.cuda(), b.cuda()
             cublas[key] = _graph_ms(torch, lambda a=a, wc=wc, bc=bc: torch.addmm(bc, a, wc.T),
                                     200) * 1e3
         rows.append({**{x: entry[x] for x in ("n", "k", "o", "kind", "rule")}, "us": us,
@@ -135,12 +163,14 @@ def main():
     made.add_argument("archive")
     made.add_argument("shapes", nargs="+", type=_shape)
     made.add_argument("--rules", nargs="+", default=[])
+    made.add_argument("--h", choices=("float32", "weights"), default="float32")
+    made.add_argument("--feeds", action="store_true")
     timed = sub.add_parser("run")
     timed.add_argument("archive")
     timed.add_argument("--json")
     args = parser.parse_args()
     if args.command == "build":
-        build(args.archive, args.shapes, args.rules)
+        build(args.archive, args.shapes, args.rules, args.h, args.feeds)
     else:
         run(args.archive, args.json)
 
