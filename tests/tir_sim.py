@@ -113,12 +113,15 @@ class Simulator:
         self.preset = preset or {}
         self.cluster = 1
         #: TMA copies queued by (block, barrier element): [(phase, copy)]; the phases each
-        #: (block, barrier) has begun (an expected transaction) and been waited for
+        #: (block, barrier) has begun (an expected transaction) and been waited for; the
+        #: arrivals a phase of each takes (its initial count) and the arrivals it had
         self.queued, self.begun, self.waited = {}, {}, {}
+        self.counts, self.arrivals = {}, {}
 
     def run(self):
         self.mask = np.ones(self.lanes, bool)
         self._stmt(self.func.body, self.mask)
+        self._check_arrivals()
         return self
 
     # -- the grid and the buffers ------------------------------------------------------------
@@ -494,7 +497,15 @@ class Simulator:
                 self._write(dst.buffer, np.asarray(dst.flat) + v,
                             self._load(src.buffer, np.asarray(src.flat) + v), mask)
             return None
-        if name in ("rnncc_cp_async_wait", "rnncc_tma_arrive", "rnncc_cluster_sync"):
+        if name in ("rnncc_cp_async_wait", "rnncc_cluster_sync"):
+            return None
+        if name == "rnncc_tma_arrive":  # on that barrier of block ``cta`` of the cluster
+            flat = np.broadcast_to(np.asarray(values[0].flat, np.int64), (self.lanes,))
+            cta = np.broadcast_to(np.asarray(values[1], np.int64), (self.lanes,))
+            block = self.lane // self.threads
+            for b, f, c in zip(block[mask], flat[mask], cta[mask]):
+                key = (int(b - b % self.cluster + c), int(f))
+                self.arrivals[key] = self.arrivals.get(key, 0) + 1
             return None
         if name == "rnncc_tma_wait":
             return self._tma_wait(values[0], values[1], mask)
@@ -543,12 +554,33 @@ class Simulator:
         return None
 
     def _mbarrier(self, op, args, mask):
-        """``mbarrier.init`` (nothing); ``arrive.expect_tx``: the barrier's next phase begins
-        (the copies issued after it are of that phase)."""
+        """``mbarrier.init``: the arrivals a phase of the barrier takes; ``arrive.expect_tx``
+        (an arrival): the barrier's next phase begins (the copies issued after it are of that
+        phase)."""
+        if op.endswith("init"):
+            count = np.broadcast_to(np.asarray(self._expr(args[1]), np.int64), (self.lanes,))
+            flat = np.broadcast_to(np.asarray(self._expr(args[0]).flat, np.int64),
+                                   (self.lanes,))
+            for b, f, c in zip(self.lane[mask] // self.threads, flat[mask], count[mask]):
+                self.counts[(int(b), int(f))] = int(c)
         if op.endswith("expect_tx"):
             for key in self._barriers(self._expr(args[0]), mask):
                 self.begun[key] = self.begun.get(key, 0) + 1
+                self.arrivals[key] = self.arrivals.get(key, 0) + 1
         return None
+
+    def _check_arrivals(self):
+        """Each barrier waited for had, in the whole run, the arrivals of every phase waited
+        for (in lockstep a producer's waits for free stages come before the consumers give
+        them back; over the run the counts must still add up, or the GPU would hang)."""
+        for key, phases in self.waited.items():
+            had, count = self.arrivals.get(key, 0), self.counts.get(key)
+            if count is None:
+                raise Deadlock(f"block {key[0]} waits on barrier element {key[1]}, never "
+                               f"initialised")
+            if had < phases * count:
+                raise Deadlock(f"block {key[0]} waits for {phases} phases of barrier element "
+                               f"{key[1]} ({count} arrivals each), which had {had} arrivals")
 
     def _barriers(self, pointer, mask):
         """(block, barrier element) of each thread the mask holds."""
