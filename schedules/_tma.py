@@ -103,28 +103,30 @@ def finish(p):
 
 
 @T.macro
-def produce(p, maps, smem, bar, k0, row0, col0, rank):
-    """The producer: chunk c (k from ``k0``) of A's rows from ``row0`` and of B's from
-    ``col0`` into stage c % S, once the stage is free; in a cluster this block's part of B
-    (``rank``: its part) multicast into every block of the cluster."""
+def produce(p, maps, smem, bar, k0, row0, col0, rank, first):
+    """The producer, a tile: its chunk c (k from ``k0``) of A's rows from ``row0`` and of B's
+    from ``col0``, the block's ``first`` + c-th chunk g, into stage g % S once that is free;
+    in a cluster this block's part of B (``rank``: its part) multicast into every block of
+    the cluster."""
     for c in range(p.chunks):
-        if c >= p.stages:
-            wait(bar, p.stages + c % p.stages, (c // p.stages - 1) % 2)
-        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bar[c % p.stages]),
+        g = T.meta_var(first + c)
+        if g >= p.stages:
+            wait(bar, p.stages + g % p.stages, (g // p.stages - 1) % 2)
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bar[g % p.stages]),
                                                    p.stage_bytes)
-        LOAD(smem.access_ptr("w", offset=p.slot(0, c % p.stages, 0, 0)), T.address_of(maps[0]),
+        LOAD(smem.access_ptr("w", offset=p.slot(0, g % p.stages, 0, 0)), T.address_of(maps[0]),
              T.Cast("int32", k0 + c * p.bk), T.Cast("int32", row0),
-             T.address_of(bar[c % p.stages]))
+             T.address_of(bar[g % p.stages]))
         if p.cluster > 1:
             LOAD_MULTICAST(
-                smem.access_ptr("w", offset=p.slot(1, c % p.stages, rank * p.b_rows, 0)),
+                smem.access_ptr("w", offset=p.slot(1, g % p.stages, rank * p.b_rows, 0)),
                 T.address_of(maps[1]), T.Cast("int32", k0 + c * p.bk),
-                T.Cast("int32", col0 + rank * p.b_rows), T.address_of(bar[c % p.stages]),
+                T.Cast("int32", col0 + rank * p.b_rows), T.address_of(bar[g % p.stages]),
                 T.uint16((1 << p.cluster) - 1))
         else:
-            LOAD(smem.access_ptr("w", offset=p.slot(1, c % p.stages, 0, 0)),
+            LOAD(smem.access_ptr("w", offset=p.slot(1, g % p.stages, 0, 0)),
                  T.address_of(maps[1]), T.Cast("int32", k0 + c * p.bk), T.Cast("int32", col0),
-                 T.address_of(bar[c % p.stages]))
+                 T.address_of(bar[g % p.stages]))
 
 
 @T.macro

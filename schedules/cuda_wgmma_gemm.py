@@ -232,7 +232,7 @@ class Plan:
     another, and the instructions told the operand is transposed."""
 
     def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE,
-                 feed: str | None = None):
+                 feed: str | None = None, persistent: int = 0):
         self.product = product
         self.tile = cuda_mma_gemm.Tile(product)
         op = product.op
@@ -263,12 +263,18 @@ class Plan:
         if self.tma and not _tma_operands(product):
             raise ValueError(f"the TMA engine cannot copy this product's operands: "
                              f"{product.specs[:2]} ({product.form}); feed 'copy' takes it")
+        if persistent and not self.tma:
+            raise ValueError("persistent tiles are the TMA-fed kernel's (feed 'tma')")
+        #: persistent: a grid of at most that many blocks (one a multiprocessor: 132), each
+        #: taking tiles bx, bx + grid, ... (its producer copying the next tile's chunks while
+        #: its warpgroups store the last one's); 0: a block a tile
+        self.persistent = persistent
         self.cluster, self.b_rows, self.launched = 1, cols, self.threads
         if self.tma:
             self.stages = min(TMA_STAGES, SHARED_BYTES // self.stage_bytes)
             self.smem_bytes = self.stages * self.stage_bytes
             rows = product.rows
-            if rows is not None and -(-rows // self.rows) % 2 == 0:
+            if rows is not None and -(-rows // self.rows) % 2 == 0 and not persistent:
                 self.cluster = 2
             self.b_rows = cols // self.cluster
             self.launched = self.threads + 32
@@ -287,7 +293,12 @@ class Plan:
             self.tile.m + (self.bk - 1), self.bk)), 1) if self.gradient
             else product.depth // self.bk)
         self.j_tiles = product.columns // cols
-        self.grid = product.parts * self.tile.i_tiles * self.j_tiles
+        self.tiles = self.grid = product.parts * self.tile.i_tiles * self.j_tiles
+        self.rounds = 1  # tiles a block takes, at most
+        if self.persistent:
+            fewer = min if isinstance(self.tiles, int) else tirx.min
+            self.grid = fewer(self.tiles, persistent)
+            self.rounds = (self.tiles + persistent - 1) // persistent
         self.sums = cols // 2  # a thread's float32 sums
         self.kstep = kstep = STEP_BYTES // self.esize
         ptx = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}[op.dtype]
@@ -591,13 +602,15 @@ def _epilogue(p, io, acc, bi, bj, part, tx):
                         io[2][part, i, j + v] = acc[n * 4 + h * 2 + v]
 
 
-def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | None = None):
+def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | None = None,
+           persistent: int = 0):
     """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
     :func:`columns`): fed by the TMA engine where :func:`tma_fed`, else by the warpgroups'
-    own copies; ``feed`` "tma" or "copy" chooses (to compare them)."""
+    own copies; ``feed`` "tma" or "copy" chooses, and ``persistent`` (a count of blocks)
+    makes the TMA-fed kernel's blocks loop over tiles (to compare them)."""
     if feed not in (None, "tma", "copy"):
         raise ValueError(f"feed is 'tma', 'copy' or None (the rule's choice), got {feed!r}")
-    p = Plan(product, TILE if product.op.split else cols or columns(product), feed)
+    p = Plan(product, TILE if product.op.split else cols or columns(product), feed, persistent)
     return _tma_kernel(p) if p.tma else _copying_kernel(p)
 
 
@@ -625,25 +638,40 @@ def _tma_kernel(p: Plan):
             for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
                 for rank in T.thread_binding(p.cluster, thread="clusterCtaIdx.x"):
                     for tx in T.thread_binding(p.launched, thread="threadIdx.x"):
-                        part, bi, bj = T.meta_var(p.tile_of(bx))
-                        k0 = T.meta_var(part * product.depth)
                         _tma.start(p, bar, tx)
                         if tx == p.threads:
-                            _tma.produce(p, (map_a, map_b), smem, bar, k0, bi * p.rows,
-                                         bj * p.cols, rank)
+                            for it in range(p.rounds):
+                                if bx + it * p.grid < p.tiles:
+                                    part, bi, bj = T.meta_var(p.tile_of(bx + it * p.grid))
+                                    _tma.produce(p, (map_a, map_b), smem, bar,
+                                                 part * product.depth, bi * p.rows, bj * p.cols,
+                                                 rank, it * p.chunks)
                         if tx < p.threads:
-                            for e in T.unroll(p.sums):
-                                acc[e] = T.float32(0)
-                            for c in range(p.chunks):
-                                _tma.wait(bar, c % p.stages, c // p.stages % 2)
-                                _products(p, smem, acc, desc, c % p.stages, tx)
-                                if c >= 1:
-                                    _tma.release(p, bar, c - 1, tx)
-                            T.ptx.wgmma.wait_group.sync.aligned(0)
-                            _epilogue(p, io, acc, bi, bj, part, tx)
+                            for it in range(p.rounds):
+                                if bx + it * p.grid < p.tiles:
+                                    part, bi, bj = T.meta_var(p.tile_of(bx + it * p.grid))
+                                    _consume(p, smem, acc, desc, bar, it * p.chunks, tx)
+                                    _epilogue(p, io, acc, bi, bj, part, tx)
                         _tma.finish(p)
 
     return wgmma_gemm
+
+
+@T.macro
+def _consume(p, smem, acc, desc, bar, first, tx):
+    """A tile's products into ``acc``: each chunk waited for, multiplied, its stage given
+    back once the next chunk's products are issued (the last one's once all are done, where
+    the block takes more tiles); chunk c is the block's ``first`` + c-th."""
+    for e in T.unroll(p.sums):
+        acc[e] = T.float32(0)
+    for c in range(p.chunks):
+        _tma.wait(bar, (first + c) % p.stages, (first + c) // p.stages % 2)
+        _products(p, smem, acc, desc, (first + c) % p.stages, tx)
+        if c >= 1:
+            _tma.release(p, bar, first + c - 1, tx)
+    T.ptx.wgmma.wait_group.sync.aligned(0)
+    if p.persistent > 0:
+        _tma.release(p, bar, first + p.chunks - 1, tx)
 
 
 def _copying_kernel(p: Plan):

@@ -1351,6 +1351,25 @@ def test_wgmma_gemm_takes_the_tma_engine_where_a_block_has_enough_of_k(batch, k,
         assert (parts, plan.cols) == (1, 128)
 
 
+@pytest.mark.parametrize("blocks", [1, 3])
+@pytest.mark.parametrize("dtype", ["bfloat16", "tf32"])
+def test_tma_fed_kernel_with_persistent_tiles_matches_numpy_on_the_simulator(dtype, blocks,
+                                                                           rng):
+    """The TMA-fed kernel whose blocks loop over tiles (``persistent``: 1 block taking all 4
+    tiles of a projection of 135 rows by 256 columns, or 3 blocks, the first taking 2): the
+    chunks' stages and phases run on from tile to tile, the last chunk's stage given back
+    before the next tile's copies reuse it; against NumPy's product of the same operands."""
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    func, args, want = _product_case("flat", dtype, 512 if dtype == "tf32" else 1024, rng,
+                                     truncated=True)
+    kernel = cuda_wgmma_gemm.kernel(cuda_mma_gemm.product_of(func, CUDA), 128, "tma", blocks)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = args[-1].astype(np.float64)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+
+
 def test_wgmma_gemm_feed_can_be_chosen_to_compare_them():
     """``kernel(..., feed=...)``: "copy" gives the copying kernel of a product the TMA engine
     would take, "tma" the engine's kernel of one it would not (8 chunks a block); a product
