@@ -52,6 +52,12 @@ class Deadlock(AssertionError):
     """The kernel would wait forever (a tag that never comes, a count never reached)."""
 
 
+def _swizzled(addr):
+    """Byte address ``addr`` of shared memory in the 128-byte swizzle (the matrix descriptors'
+    and the TMA engine's): bits 4-6 ^= bits 7-9."""
+    return addr ^ ((addr >> 7 & 7) << 4)
+
+
 class _TensorMap:
     """A tensor map as the host encodes it: rows of a buffer from element ``flat``."""
 
@@ -643,7 +649,7 @@ class Simulator:
         flat = tmap.flat + np.where(inside, rows * tmap.depth + ks, 0)
         value = np.where(inside, source[flat], 0)
         addr = dst + r * 128 + kk * size
-        addr = addr ^ ((addr >> 7 & 7) << 4)
+        addr = _swizzled(addr)
         smem[block, addr // size] = value
 
     def _uniform(self, expr) -> int:
@@ -774,7 +780,7 @@ class Simulator:
             addr = start + r // per_row * lbo + r % per_row * size + kk // 8 * sbo + kk % 8 * 128
         else:
             addr = start + r // 8 * sbo + r % 8 * 128 + kk * size
-        addr = addr ^ ((addr >> 7 & 7) << 4)  # the 128-byte swizzle: bits 4-6 ^= bits 7-9
+        addr = _swizzled(addr)
         assert (addr % size == 0).all()
         return smem[block, addr // size]
 
