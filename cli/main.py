@@ -40,7 +40,9 @@ def _add_problem_args(p):
     p.add_argument("--cpu", default=None, help="LLVM CPU name for --target llvm (default: host)")
     for flag, what in (("input-gemm", "the input projection of all steps as one GEMM"),
                        ("gate-gemm", "the gates' projections as one GEMM"),
-                       ("fuse-pointwise", "the cell's point-wise step in one kernel")):
+                       ("fuse-pointwise", "the cell's point-wise step in one kernel"),
+                       ("fused-step", "CUDA sm_90: a step's recurrent product and cell in one "
+                                      "kernel where faster")):
         p.add_argument(f"--{flag}", dest=flag.replace("-", "_"), default=True,
                        action=argparse.BooleanOptionalAction, help=f"{what} (default on)")
     p.add_argument("--persistent", choices=("auto", "on", "off"), default="auto",
@@ -147,7 +149,8 @@ def _problem_kwargs(args) -> dict:
                 dtype=args.dtype, target=args.target, arch=args.arch,
                 cpu=getattr(args, "cpu", None), input_gemm=args.input_gemm,
                 gate_gemm=args.gate_gemm, fuse_pointwise=args.fuse_pointwise,
-                persistent=args.persistent, gpu=args.gpu, tuning=_tuning(args),
+                fused_step=args.fused_step, persistent=args.persistent, gpu=args.gpu,
+                tuning=_tuning(args),
                 lengths=getattr(args, "lengths", False),
                 directions=2 if getattr(args, "bidirectional", False) else 1,
                 **({"proj_size": args.proj_size} if getattr(args, "proj_size", 0) else {}),

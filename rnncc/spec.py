@@ -142,6 +142,10 @@ class Options:
         the G gates' projections as one GEMM over the concatenated weights (else G GEMMs).
     fuse_pointwise:
         the cell's whole point-wise step in one kernel (else one kernel an operation).
+    fused_step:
+        CUDA on sm_90: one step's recurrent product and the cell in one kernel, the cell as
+        the warpgroup-MMA product's epilogue, where that rule takes the product (else a kernel
+        each, the sums in between stored). It needs fuse_pointwise on.
     persistent:
         "auto" (CUDA: the persistent kernel where its planner says the weights fit on-chip, with
         the non-persistent schedule as the fallback), "on" (required: an error if it does not
@@ -158,6 +162,7 @@ class Options:
     input_gemm: bool = True
     gate_gemm: bool = True
     fuse_pointwise: bool = True
+    fused_step: bool = True
     persistent: str = "auto"
     tf32x3: bool = True
 
@@ -172,5 +177,6 @@ class Options:
     def describe(self) -> str:
         on = {True: "on", False: "off"}
         return (f"input_gemm={on[self.input_gemm]} gate_gemm={on[self.gate_gemm]} "
-                f"fuse_pointwise={on[self.fuse_pointwise]} persistent={self.persistent} "
+                f"fuse_pointwise={on[self.fuse_pointwise]} fused_step={on[self.fused_step]} "
+                f"persistent={self.persistent} "
                 f"tf32x3={on[self.tf32x3]}")

@@ -35,6 +35,7 @@ from . import (
     cuda_wgmma_gemm,
     tuned,
 )
+from . import cuda_wgmma_step as cuda_wgmma_step  # the lowering's: one step as one kernel
 from ._common import has_mma as has_mma  # the lowering's: whether tensor cores take products
 from ._common import has_wgmma as has_wgmma  # and whether they take 16-bit operands MN-major
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32

@@ -9,7 +9,9 @@ rows past the tensor's read as zeros. The producer (the first thread of a warp a
 warpgroups) copies chunk c of both operands into stage c % S with ``cp.async.bulk.tensor``;
 the consumers wait for it, multiply, and give the stage back. In a cluster of two blocks (the
 two row tiles of one step's product, which read the same columns of the weights) each block
-copies half of the weights' tile and multicasts it into both, a third less read from L2.
+copies half of the weights' tile and multicasts it into both, a third less read from L2. A
+tile of B whose rows are gates' (one fused step: :attr:`.cuda_wgmma_gemm.Plan.unit`) is
+copied a box a gate (or half a gate).
 
 Two mbarriers a stage. ``full[s]`` (one arrival, the producer's, with the stage's bytes as its
 transaction count) completes once both tiles have landed. ``empty[s]`` completes once every
@@ -103,11 +105,11 @@ def finish(p):
 
 
 @T.macro
-def produce(p, maps, smem, bar, k0, row0, col0, rank, first):
+def produce(p, maps, smem, bar, k0, row0, bj, rank, first):
     """The producer, a tile: its chunk c (k from ``k0``) of A's rows from ``row0`` and of B's
-    from ``col0``, the block's ``first`` + c-th chunk g, into stage g % S once that is free;
-    in a cluster this block's part of B (``rank``: its part) multicast into every block of
-    the cluster."""
+    column tile ``bj`` (its rows as ``p.row_of`` says, boxes of ``p.box`` rows), the block's
+    ``first`` + c-th chunk g, into stage g % S once that is free; in a cluster this block's
+    part of B (``rank``: its part) multicast into every block of the cluster."""
     for c in range(p.chunks):
         g = T.meta_var(first + c)
         if g >= p.stages:
@@ -117,16 +119,18 @@ def produce(p, maps, smem, bar, k0, row0, col0, rank, first):
         LOAD(smem.access_ptr("w", offset=p.slot(0, g % p.stages, 0, 0)), T.address_of(maps[0]),
              T.Cast("int32", k0 + c * p.bk), T.Cast("int32", row0),
              T.address_of(bar[g % p.stages]))
-        if p.cluster > 1:
-            LOAD_MULTICAST(
-                smem.access_ptr("w", offset=p.slot(1, g % p.stages, rank * p.b_rows, 0)),
-                T.address_of(maps[1]), T.Cast("int32", k0 + c * p.bk),
-                T.Cast("int32", col0 + rank * p.b_rows), T.address_of(bar[g % p.stages]),
-                T.uint16((1 << p.cluster) - 1))
-        else:
-            LOAD(smem.access_ptr("w", offset=p.slot(1, g % p.stages, 0, 0)),
-                 T.address_of(maps[1]), T.Cast("int32", k0 + c * p.bk), T.Cast("int32", col0),
-                 T.address_of(bar[g % p.stages]))
+        for q in T.unroll(p.b_rows // p.box):
+            r = T.meta_var((rank * p.b_rows if p.cluster > 1 else 0) + q * p.box)
+            if p.cluster > 1:
+                LOAD_MULTICAST(
+                    smem.access_ptr("w", offset=p.slot(1, g % p.stages, r, 0)),
+                    T.address_of(maps[1]), T.Cast("int32", k0 + c * p.bk),
+                    T.Cast("int32", p.row_of(1, bj, r)), T.address_of(bar[g % p.stages]),
+                    T.uint16((1 << p.cluster) - 1))
+            else:
+                LOAD(smem.access_ptr("w", offset=p.slot(1, g % p.stages, r, 0)),
+                     T.address_of(maps[1]), T.Cast("int32", k0 + c * p.bk),
+                     T.Cast("int32", p.row_of(1, bj, r)), T.address_of(bar[g % p.stages]))
 
 
 @T.macro

@@ -50,6 +50,8 @@ The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 
 from __future__ import annotations
 
+from functools import partial
+
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
@@ -232,8 +234,13 @@ class Plan:
     another, and the instructions told the operand is transposed."""
 
     def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE,
-                 feed: str | None = None, persistent: int = 0):
+                 feed: str | None = None, persistent: int = 0, unit: int | None = None):
         self.product = product
+        #: with ``unit`` U (one fused step, :mod:`.cuda_wgmma_step`): a tile's columns are its
+        #: G = cols / U gates' U units each, B's rows g*H + t*U .. of each gate g (H: the
+        #: product's columns / G), so that a thread holds each of its units' G sums
+        self.unit = unit
+        self.gate_rows = product.columns // (cols // unit) if unit else None
         self.tile = cuda_mma_gemm.Tile(product)
         op = product.op
         self.cols = cols
@@ -258,7 +265,9 @@ class Plan:
         #: fed by the TMA engine (:mod:`._tma`): as many stages as fit (up to TMA_STAGES), a
         #: producer warp after the warpgroups (``launched`` threads), and clusters of two
         #: blocks, the two row tiles of one step's product, where its row tiles are an even
-        #: count; ``b_rows``: the rows of B's tile that a block of the cluster copies
+        #: count; ``b_rows``: the rows of B's tile that a block of the cluster copies, in
+        #: boxes of ``box`` rows (a gate's, or half of one where the blocks share an odd
+        #: count of gates: :meth:`row_of`)
         self.tma = tma_fed(product) if feed is None else feed == "tma"
         if self.tma and not _tma_operands(product):
             raise ValueError(f"the TMA engine cannot copy this product's operands: "
@@ -278,6 +287,9 @@ class Plan:
                 self.cluster = 2
             self.b_rows = cols // self.cluster
             self.launched = self.threads + 32
+        self.box = self.b_rows
+        if unit:
+            self.box = unit if cols // unit % self.cluster == 0 else unit // self.cluster
         #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
         self.pieces = [self.rows * 8 // self.threads, cols * 8 // self.threads]
         self.per = 16 // self.esize  # elements a piece
@@ -333,12 +345,20 @@ class Plan:
         across = self.widths[op] // self.per if self.outer[op] else 8
         return v // across, v % across
 
-    def at(self, op: int, row, piece, first, k0, v=0):
+    def row_of(self, op: int, t, r):
+        """The stored row of operand ``op`` (0: A, 1: B) that staged row ``r`` of its tile
+        ``t`` is: the tile's rows in order, but B's with gates (:attr:`unit` U) gate r // U's
+        unit t*U + r % U."""
+        if op == 0 or not self.unit:
+            return t * self.widths[op] + r
+        return r // self.unit * self.gate_rows + t * self.unit + r % self.unit
+
+    def at(self, op: int, row, piece, t, k0, v=0):
         """(i, k): element ``v`` of piece ``piece`` of staged ``row`` of a chunk of operand
-        ``op`` from k = ``k0`` (its rows from ``first``)."""
+        ``op`` from k = ``k0`` (of its tile ``t``)."""
         if self.outer[op]:
-            return first + piece * self.per + v, k0 + row
-        return first + row, k0 + piece * self.per + v
+            return self.row_of(op, t, piece * self.per + v), k0 + row
+        return self.row_of(op, t, row), k0 + piece * self.per + v
 
     def source(self, io, op: int, i, k):
         """Element (i, k) of operand ``op`` as it is stored; a gradient's k past M reads row
@@ -397,12 +417,12 @@ class Plan:
 
 
 @T.macro
-def _copy(p, io, op, smem, stage, k0, first, tx):
-    """Operand ``op``'s chunk from k = ``k0`` (its rows from ``first``) copied by
+def _copy(p, io, op, smem, stage, k0, t, tx):
+    """Operand ``op``'s chunk from k = ``k0`` (of its tile ``t``) copied by
     ``cp.async`` into ``stage``: the thread's pieces (a gradient's k-rows past M zeros)."""
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
-        i, k = T.meta_var(p.at(op, row, piece, first, k0))
+        i, k = T.meta_var(p.at(op, row, piece, t, k0))
         if p.gradient:
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),
@@ -415,14 +435,14 @@ def _copy(p, io, op, smem, stage, k0, first, tx):
 
 
 @T.macro
-def _load(p, io, op, regs, k0, first, tx):
-    """Operand ``op``'s pieces of the chunk from k = ``k0`` (its rows from ``first``) into
+def _load(p, io, op, regs, k0, t, tx):
+    """Operand ``op``'s pieces of the chunk from k = ``k0`` (of its tile ``t``) into
     ``regs``, as stored (float32)."""
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
         for h in T.unroll(p.per // 4):
             for v in T.vectorized(4):
-                i, k = T.meta_var(p.at(op, row, piece, first, k0, h * 4 + v))
+                i, k = T.meta_var(p.at(op, row, piece, t, k0, h * 4 + v))
                 regs[p_ * p.per + h * 4 + v] = p.value(io, op, i, k)
 
 
@@ -436,7 +456,7 @@ def _store(p, op, regs, smem, stage, tx):
 
 
 @T.macro
-def _put(p, io, op, smem, stage, k0, first, tx):
+def _put(p, io, op, smem, stage, k0, t, tx):
     """Operand ``op``'s pieces of the chunk from k = ``k0`` read and stored rounded into
     ``stage`` at once (the chunks before the loop; not through ``regs``: TVM's CUDA code
     would reuse its first vector read of a register for the next ones in one scope)."""
@@ -444,29 +464,29 @@ def _put(p, io, op, smem, stage, k0, first, tx):
         row, piece = T.meta_var(p.place(op, p_, tx))
         for h in T.unroll(p.per // 4):
             for v in T.vectorized(4):
-                i, k = T.meta_var(p.at(op, row, piece, first, k0, h * 4 + v))
+                i, k = T.meta_var(p.at(op, row, piece, t, k0, h * 4 + v))
                 smem[p.slot(op, stage, row, piece) + h * 4 + v] = p.product.op.round(
                     p.value(io, op, i, k))
 
 
 @T.macro
-def _fetch_operand(p, io, op, smem, regs, c, k0, first, tx):
-    """Operand ``op``'s chunk ``c`` (its rows from ``first``): copies into its stage; else
-    loads into ``regs``, or before the loop (``regs`` None) stored at once."""
+def _fetch_operand(p, io, op, smem, regs, c, k0, t, tx):
+    """Operand ``op``'s chunk ``c`` (of its tile ``t``): copies into its stage; else loads
+    into ``regs``, or before the loop (``regs`` None) stored at once."""
     if p.copied(op):
-        _copy(p, io, op, smem, c % p.stages, k0 + c * p.bk, first, tx)
+        _copy(p, io, op, smem, c % p.stages, k0 + c * p.bk, t, tx)
     elif regs is None:
-        _put(p, io, op, smem, c % p.stages, k0 + c * p.bk, first, tx)
+        _put(p, io, op, smem, c % p.stages, k0 + c * p.bk, t, tx)
     else:
-        _load(p, io, op, regs, k0 + c * p.bk, first, tx)
+        _load(p, io, op, regs, k0 + c * p.bk, t, tx)
 
 
 @T.macro
 def _fetch(p, io, smem, regs, c, k0, bi, bj, tx):
     """Chunk ``c`` of the block's part of K (from ``k0``), both operands (``regs`` None:
     before the loop)."""
-    _fetch_operand(p, io, 0, smem, None if regs is None else regs[0], c, k0, bi * p.rows, tx)
-    _fetch_operand(p, io, 1, smem, None if regs is None else regs[1], c, k0, bj * p.cols, tx)
+    _fetch_operand(p, io, 0, smem, None if regs is None else regs[0], c, k0, bi, tx)
+    _fetch_operand(p, io, 1, smem, None if regs is None else regs[1], c, k0, bj, tx)
 
 
 @T.macro
@@ -581,9 +601,9 @@ def _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx):
 
 
 @T.macro
-def _epilogue(p, io, acc, bi, bj, part, tx):
+def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
     """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are; a
-    gradient's (every row) in its type."""
+    gradient's (every row) in its type (``step_regs``: a fused step's, None here)."""
     lane = T.meta_var(tx % 32)
     first = T.meta_var(bi * p.rows + tx // 32 * 16 + lane // 4)
     for n in T.unroll(p.cols // 8):
@@ -611,20 +631,37 @@ def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | 
     if feed not in (None, "tma", "copy"):
         raise ValueError(f"feed is 'tma', 'copy' or None (the rule's choice), got {feed!r}")
     p = Plan(product, TILE if product.op.split else cols or columns(product), feed, persistent)
-    return _tma_kernel(p) if p.tma else _copying_kernel(p)
+    return kernel_of(p)
 
 
-def _tma_kernel(p: Plan):
+def kernel_of(p: Plan, step=None):
+    """The PrimFunc of plan ``p``'s kernel, its feed as the plan says; ``step`` (one fused
+    step: :class:`.cuda_wgmma_step.Step`) gives its parameters (A and B first, as the
+    product's) and its epilogue in place of the product's own."""
+    return _tma_kernel(p, step) if p.tma else _copying_kernel(p, step)
+
+
+def _hooks(p: Plan, step):
+    """(the kernel's parameters, its epilogue, the sums' first values (a function of the
+    parameters, the column tile and the thread; None: zero)): the product's, or ``step``'s."""
+    if step is None:
+        return p.tile.parameters, _epilogue, lambda io, bj, tx: None
+    return step.parameters, step.epilogue, partial(step.initial, p)
+
+
+def _tma_kernel(p: Plan, step=None):
     """The kernel whose operands the TMA engine copies (:mod:`._tma`): the producer thread
     copies, the warpgroups wait for each chunk, multiply and give its stage back."""
     product, dtype = p.product, p.product.op.dtype
     depth = product.depth * product.parts
+    parameters, epilogue, initial = _hooks(p, step)
 
     @T.prim_func(s_tir=True)
     def wgmma_gemm():
         T.func_attr({"tirx.noalias": True, COMPACT_ATTR: [spec[0] for spec in product.specs[:2]]})
-        io = T.meta_var(p.tile.parameters())
+        io = T.meta_var(parameters())
         with T.sblock("root"):
+            step_regs = T.meta_var(step.registers(p) if step is not None else None)
             smem = T.sblock_alloc_buffer((p.smem_bytes // p.esize,), dtype,
                                          scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
             bar = T.sblock_alloc_buffer((2 * p.stages,), "uint64", scope="shared", align=8)
@@ -633,7 +670,7 @@ def _tma_kernel(p: Plan):
             map_a: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
             map_b: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
             _tma.encode(map_a, p.origin(io, 0), depth, p.tile.m, p.bk, p.rows, dtype, p.esize)
-            _tma.encode(map_b, p.origin(io, 1), depth, product.columns, p.bk, p.b_rows, dtype,
+            _tma.encode(map_b, p.origin(io, 1), depth, product.columns, p.bk, p.box, dtype,
                         p.esize)
             for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
                 for rank in T.thread_binding(p.cluster, thread="clusterCtaIdx.x"):
@@ -644,26 +681,39 @@ def _tma_kernel(p: Plan):
                                 if bx + it * p.grid < p.tiles:
                                     part, bi, bj = T.meta_var(p.tile_of(bx + it * p.grid))
                                     _tma.produce(p, (map_a, map_b), smem, bar,
-                                                 part * product.depth, bi * p.rows, bj * p.cols,
-                                                 rank, it * p.chunks)
+                                                 part * product.depth, bi * p.rows, bj, rank,
+                                                 it * p.chunks)
                         if tx < p.threads:
                             for it in range(p.rounds):
                                 if bx + it * p.grid < p.tiles:
                                     part, bi, bj = T.meta_var(p.tile_of(bx + it * p.grid))
-                                    _consume(p, smem, acc, desc, bar, it * p.chunks, tx)
-                                    _epilogue(p, io, acc, bi, bj, part, tx)
+                                    if step is not None:
+                                        step.prologue(p, io, step_regs, bi, bj, tx)
+                                    _consume(p, smem, acc, desc, bar, it * p.chunks, tx,
+                                             initial(io, bj, tx))
+                                    epilogue(p, io, acc, bi, bj, part, tx, step_regs)
                         _tma.finish(p)
 
     return wgmma_gemm
 
 
 @T.macro
-def _consume(p, smem, acc, desc, bar, first, tx):
-    """A tile's products into ``acc``: each chunk waited for, multiplied, its stage given
-    back once the next chunk's products are issued (the last one's once all are done, where
-    the block takes more tiles); chunk c is the block's ``first`` + c-th."""
+def _initial(p, acc, initial):
+    """The sums' first values: zero, or ``initial(e)`` for sum e (a fused step's b_hh)."""
     for e in T.unroll(p.sums):
-        acc[e] = T.float32(0)
+        if initial is None:
+            acc[e] = T.float32(0)
+        else:
+            acc[e] = initial(e)
+
+
+@T.macro
+def _consume(p, smem, acc, desc, bar, first, tx, initial):
+    """A tile's products into ``acc`` (from zero, or ``initial(e)`` for sum e): each chunk
+    waited for, multiplied, its stage given back once the next chunk's products are issued
+    (the last one's once all are done, where the block takes more tiles); chunk c is the
+    block's ``first`` + c-th."""
+    _initial(p, acc, initial)
     for c in range(p.chunks):
         _tma.wait(bar, (first + c) % p.stages, (first + c) // p.stages % 2)
         _products(p, smem, acc, desc, (first + c) % p.stages, tx)
@@ -674,16 +724,18 @@ def _consume(p, smem, acc, desc, bar, first, tx):
         _tma.release(p, bar, first + p.chunks - 1, tx)
 
 
-def _copying_kernel(p: Plan):
+def _copying_kernel(p: Plan, step=None):
     """The kernel whose warpgroups copy their operands (``cp.async``, or through registers
     where their type changes) and multiply."""
     product, dtype = p.product, p.product.op.dtype
+    parameters, epilogue, initial = _hooks(p, step)
 
     @T.prim_func(s_tir=True)
     def wgmma_gemm():
         T.func_attr({"tirx.noalias": True})
-        io = T.meta_var(p.tile.parameters())
+        io = T.meta_var(parameters())
         with T.sblock("root"):
+            step_regs = T.meta_var(step.registers(p) if step is not None else None)
             smem = T.sblock_alloc_buffer((p.smem_bytes // p.esize,), dtype,
                                          scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
             ra = T.sblock_alloc_buffer((p.pieces[0] * p.per,), "float32", scope="local")
@@ -696,8 +748,9 @@ def _copying_kernel(p: Plan):
                     part, bi, bj = T.meta_var(p.tile_of(bx))
                     k0 = T.meta_var(part * product.depth)
                     regs = T.meta_var((ra, rb))
-                    for e in T.unroll(p.sums):
-                        acc[e] = T.float32(0)
+                    if step is not None:
+                        step.prologue(p, io, step_regs, bi, bj, tx)
+                    _initial(p, acc, initial(io, bj, tx))
                     for c in T.unroll(p.ahead):
                         if c < p.chunks:
                             _fetch(p, io, smem, None, c, k0, bi, bj, tx)
@@ -707,7 +760,7 @@ def _copying_kernel(p: Plan):
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     if p.split:
                         _add(p, acc, sums)
-                    _epilogue(p, io, acc, bi, bj, part, tx)
+                    epilogue(p, io, acc, bi, bj, part, tx, step_regs)
 
     return wgmma_gemm
 

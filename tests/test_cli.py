@@ -139,13 +139,13 @@ def test_compile_cell_file_and_schedule_flags(capsys, tmp_path):
     path = str(tmp_path / "mgu.so")
     code, out, err = run(capsys, "compile", os.path.join(DATA, "mgu.py"), "-C", "3", "-H", "4",
                          "-N", "1", "--target", "llvm", "--no-fuse-pointwise",
-                         "--no-input-gemm", "-o", path)
+                         "--no-input-gemm", "--no-fused-step", "-o", path)
     assert code == 0, err
     meta = json.loads(run(capsys, "inspect", path)[1].split("\n", 1)[1])
     assert meta["cell"] == "mgu"
     assert meta["schedule"]["options"] == {"input_gemm": False, "gate_gemm": True,
-                                           "fuse_pointwise": False, "persistent": "auto",
-                                           "tf32x3": True}
+                                           "fuse_pointwise": False, "fused_step": False,
+                                           "persistent": "auto", "tf32x3": True}
 
 
 @pytest.mark.parametrize("argv, message", [

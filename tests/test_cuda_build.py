@@ -147,8 +147,8 @@ def test_cuda_module_for_other_arch_and_variants(tmp_path):
     module = compiled("gru", 8, 64, 1, "cuda", input_gemm=False, gate_gemm=False,
                       fuse_pointwise=False)
     assert module.metadata["schedule"]["options"] == {
-        "input_gemm": False, "gate_gemm": False, "fuse_pointwise": False, "persistent": "auto",
-        "tf32x3": True}
+        "input_gemm": False, "gate_gemm": False, "fuse_pointwise": False, "fused_step": True,
+        "persistent": "auto", "tf32x3": True}
     sm80 = rnncc.compile("lstm", 8, 64, 1, target="cuda", arch="sm_80")
     path = sm80.export(tmp_path / "sm80.so")
     assert md.read_metadata(path)["target"]["arch"] == "sm_80"

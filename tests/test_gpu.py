@@ -83,25 +83,37 @@ def test_wrong_device_is_an_error(torch, rng):
         module(torch.randn(3, 1, 4, device="cuda"), w)
 
 
-def test_module_built_here_loads_with_runtime_only(tmp_path, rng):
-    path = compiled("gru", 12, 40, 3, "cuda").export(tmp_path / "gru.so")
+@pytest.mark.parametrize("cell, c, h, n, dtype, tma", [
+    ("gru", 12, 40, 3, "float32", False),
+    ("lstm", 1024, 1024, 256, "float16", True)])
+def test_module_built_here_loads_with_runtime_only(tmp_path, cell, c, h, n, dtype, tma):
+    """A module exported here runs in a process with only TVM's runtime, against float64 from
+    the same rounded inputs; float16 LSTM 1024 N256's products are fed by the TMA engine, whose
+    tensor maps the runtime encodes at each launch."""
+    from rnncc.runtime import metadata as md
+
+    path = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype).export(tmp_path / "m.so")
+    assert ("cp.async.bulk.tensor" in md.read_sections(str(path))[md.CUDA].decode()) == tma
+    g = rnncc.cells.get(cell).gates
     code = textwrap.dedent(f"""
         import numpy as np, tvm, rnncc
         from rnncc import reference
         assert tvm.base._RUNTIME_ONLY
         m = rnncc.load({str(path)!r})
         rng = np.random.default_rng(1)
-        w = {{k: rng.uniform(-.2, .2, s) for k, s in (("weight_ih_l0", (120, 12)),
-             ("weight_hh_l0", (120, 40)), ("bias_ih_l0", (120,)), ("bias_hh_l0", (120,)))}}
-        x = rng.standard_normal((9, 3, 12))
-        y, h = m(x.astype("float32"), {{k: v.astype("float32") for k, v in w.items()}})
-        print("ERR", reference.relative_error(y, reference.run(rnncc.cells.get("gru"), x, w)[0]))
+        w = {{k: rng.uniform(-.2, .2, s).astype({dtype!r}).astype("float64") for k, s in (
+             ("weight_ih_l0", ({g * h}, {c})), ("weight_hh_l0", ({g * h}, {h})),
+             ("bias_ih_l0", ({g * h},)), ("bias_hh_l0", ({g * h},)))}}
+        x = rng.standard_normal((9, {n}, {c})).astype({dtype!r}).astype("float64")
+        y = m(x.astype({dtype!r}), {{k: v.astype({dtype!r}) for k, v in w.items()}})[0]
+        want = reference.run(rnncc.cells.get({cell!r}), x, w)[0]
+        print("ERR", reference.relative_error(y.astype("float64"), want))
     """)
     env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.split("ERR")[1]) < TOL_F32
+    assert float(out.stdout.split("ERR")[1]) < {"float32": TOL_F32, "float16": 2e-3}[dtype]
 
 
 def test_reference_of_long_sequence_on_gpu(rng):
@@ -184,12 +196,32 @@ def test_h_staged_in_slices_matches_reference(cell, hidden, batch, dtype, rng):
     """Where h does not fit in shared memory next to the weights, it is staged in slices of
     K (planner: "Slices of K"; step 0 element by element from h_0, later steps copied, the
     next slice while the warps multiply one): against float64 at T = 1, 37 and 100, and the
-    same bits run after run."""
-    module = rnncc.compile(cell, 48, hidden, batch, target="cuda", dtype=dtype)
+    same bits run after run. The knob mma asks for the plan: at batch 64 a half layer of W_hh
+    >= 16 MiB runs on the non-persistent schedule by default."""
+    module = rnncc.compile(cell, 48, hidden, batch, target="cuda", dtype=dtype,
+                           knobs={"mma": True})
     plan = module.metadata["schedule"]["persistent"]["plan"]
     assert plan["mma"] and plan["k_slices"] > 1
     check_across_steps(module, rng)
     check_repeats_exactly(module, rng, steps=30, repeats=5, entry="persistent")
+
+
+@pytest.mark.parametrize("cell, c, h, n, dtype, options", [
+    ("lstm", 1024, 1024, 128, "float16", {"lengths": True}),
+    ("gru", 512, 1024, 100, "bfloat16", {"directions": 2, "lengths": True}),
+    ("lstm", 512, 512, 256, "float16", {}),
+    ("gru", 1024, 1024, 96, "float16", {"lengths": True}),
+    (os.path.join(ROOT, "tests", "data", "coupled.py"), 512, 1024, 128, "float16", {})])
+def test_one_step_kernel_matches_reference(cell, c, h, n, dtype, options, rng):
+    """cuda.wgmma_step (one step's recurrent product with the cell as its epilogue, one kernel
+    a step) against float64 at T = 1 and 37: with lengths (y zero and the states kept past
+    them), both directions, two row tiles (a cluster), a user's cell."""
+    module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype, persistent="off",
+                           **options)
+    assert module.metadata["schedule"]["rules"]["step"] == "cuda.wgmma_step"
+    for steps in (1, 37):
+        assert check_against_reference(module, rng, steps, True,
+                                        lengths=bool(options.get("lengths"))) < TOL[dtype]
 
 
 def test_float16_persistent_ten_thousand_steps(rng):

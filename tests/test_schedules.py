@@ -1450,7 +1450,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
 
     def rules(dtype, batch, target, tf32=False, **options):
         problem = Problem(rnncc.cells.get("lstm"), 512, 1024, batch, dtype, allow_tf32=tf32)
-        found = sequence.build(problem, Options(persistent="off", **options), target).rules
+        found = sequence.build(problem, Options(persistent="off", fused_step=False, **options),
+                               target).rules
         return found["input_gemm"], found.get("recurrent_gemm_parts")
 
     wgmma, mma = "cuda.wgmma_gemm", "cuda.mma_gemm"
@@ -2051,3 +2052,114 @@ def test_cuda_step_that_reduces_is_one_kernel_a_batch_row(batch, hidden, backwar
         assert threads == ["1"]
     else:  # every sum, and the outputs
         assert threads == [str(min(1024, -(-hidden // 32) * 32))] * (sums + 1)
+
+
+def _step_case(cell, n, h, dtype, masked, rng, unit=None):
+    """(kernel, its arguments with poisoned outputs, float64 expected outputs by name) of one
+    step's kernel (cuda.wgmma_step) of ``cell`` at batch ``n``, hidden ``h``, operands
+    ``dtype`` ("tf32": float32 allowed TF32, h and the weights rounded as stored);
+    ``masked``: random samples past their lengths."""
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_step
+
+    g, tf32 = cell.gates, dtype == "tf32"
+    stored = "float32" if tf32 else dtype
+    func = comp.gemm((n,), h, g * h, "rows", stored, stored)
+    if tf32:
+        func = func.with_attr(_mma.TF32_ATTR, True).with_attr(_mma.TF32_ROUNDED_ATTR, "ab")
+    plan = cuda_wgmma_step.plan_of(cuda_mma_gemm.product_of(func, CUDA), g, unit)
+    step = cuda_wgmma_step.Step(plan, cell, h, n, stored, stored, masked)
+
+    def rounded(x):
+        return round_tf32(x) if tf32 else x.astype(dtype)
+
+    h_prev = rounded(rng.standard_normal((n, h)) * 0.5)
+    w = rounded(rng.uniform(-0.1, 0.1, (g * h, h)))
+    b = rounded(rng.uniform(-0.2, 0.2, g * h))
+    xp = rng.standard_normal((n, g * h)).astype(np.float32)
+    params = [rng.uniform(-0.5, 0.5, h).astype(np.float32) for _ in cell.params]
+    prev = [rng.standard_normal((n, h)).astype(np.float32) for _ in cell.states]
+    active = (rng.random(n) < 0.7).astype(np.int32)
+    sums = h_prev.astype(np.float64) @ w.astype(np.float64).T + b.astype(np.float64)
+    new = cell.reference_step([xp[:, i * h:(i + 1) * h].astype(np.float64) for i in range(g)],
+                              [sums[:, i * h:(i + 1) * h] for i in range(g)],
+                              [s.astype(np.float64) for s in prev],
+                              [p.astype(np.float64) for p in params])
+    live = active[:, None] != 0 if masked else np.ones((n, 1), bool)
+    want = {"y": np.where(live, new[0], 0)}  # in the kernel's outputs' order
+    want.update({f"{s}_next": np.where(live, v, p) for s, v, p in zip(cell.states, new, prev)})
+    want["h_operand"] = want["y"]
+    given = [h_prev, w, b, xp, *params, *prev] + ([active] if masked else [])
+    outputs = [np.full((n, h), np.nan, stored), *[np.full((n, h), np.nan, np.float32)
+                                                  for _ in cell.states],
+               np.full((n, h), np.nan, stored)]
+    return cuda_wgmma_step.kernel(plan, step), plan, given + outputs, want
+
+
+@pytest.mark.parametrize("cell", rnncc.cells.names())
+def test_one_step_kernel_matches_the_cell_on_the_simulator(cell, rng):
+    """cuda.wgmma_step, one step's recurrent product with the cell as its epilogue: every
+    registered cell whose step can be one (the others say why not), bfloat16 operands copied
+    by the warpgroups, N = 70 (a row tile of 128 rows, 58 past N), H = 128 in 32-unit tiles,
+    samples past their lengths (y zero, the states kept): y, the new states and h again
+    against the float64 step of the same operands."""
+    from rnncc.schedules import cuda_wgmma_step
+    from tir_sim import Simulator
+
+    cell = rnncc.cells.get(cell)
+    why = cuda_wgmma_step.takes(cell)
+    if why is not None:
+        assert cell.name in why
+        return
+    kernel, plan, args, want = _step_case(cell, 70, 128, "bfloat16", True, rng, unit=32)
+    assert not plan.tma and plan.cols == cell.gates * 32
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = dict(zip(want, args[-len(want):]))
+    for name, value in want.items():
+        bound = 8e-3 if name in ("y", "h_operand") else 1e-5
+        err = np.abs(got[name].astype(np.float64) - value).max() / np.abs(value).max()
+        assert err < bound, (name, err)
+
+
+@pytest.mark.parametrize("cell, dtype, n, h, unit, tma, cluster, box", [
+    ("lstm", "float16", 135, 1024, 16, True, 2, 16), ("gru", "float16", 135, 1024, 16, True, 2, 8),
+    ("lstm", "tf32", 100, 512, 8, True, 1, 8), ("lstm", "float16", 40, 128, 8, False, 1, 8)])
+def test_one_step_kernel_fed_by_the_tma_engine_on_the_simulator(cell, dtype, n, h, unit, tma,
+                                                                cluster, box, rng):
+    """The same step fed by the TMA engine (a block's K 16 chunks: halves of H 1024, TF32 of
+    H 512), N = 135 as a cluster of two row tiles, each block copying half of the tile's
+    boxes of W_hh (LSTM: two of its four gates'; GRU: three halves of its three gates') and
+    multicasting them; and, copied by the warpgroups, 64-row tiles (N <= 64)."""
+    from tir_sim import Simulator
+
+    kernel, plan, args, want = _step_case(rnncc.cells.get(cell), n, h, dtype, False, rng, unit)
+    assert (plan.tma, plan.cluster, plan.unit, plan.box) == (tma, cluster, unit, box)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    for name, got in zip(want, args[-len(want):]):
+        bound = TOL_F32 if name in ("h_next", "c_next") else 2e-3
+        err = np.abs(got.astype(np.float64) - want[name]).max() / np.abs(want[name]).max()
+        assert err < bound, (name, err)
+
+
+def test_one_step_kernel_where_it_is_faster():
+    """The layer's step is one kernel (no sums workspace hp) where the warpgroup MMA takes
+    its product and a thread's epilogue is short (16-bit operands, at most 16 sums a thread,
+    tiles at least 24 columns wide): float16 LSTM 1024 N128, bfloat16 GRU 512 -> 1024 N100
+    bidirectional with lengths; not LSTM 2048 N256 (64 sums a thread), TF32, an RNN's
+    16-column tiles, a cell with means, IEEE float32, Ampere, nor with fused_step off."""
+    def step(cell, c, h, n, dtype, target=CUDA, options=None, **given):
+        problem = Problem(rnncc.cells.get(cell), c, h, n, dtype, **given)
+        lowered = sequence.build(problem, Options(persistent="off", **(options or {})), target)
+        names = [s["name"] for s in lowered.signatures["forward"]]
+        assert ("hp" in names) == (lowered.rules.get("step") is None)
+        return lowered.rules.get("step")
+
+    fused = "cuda.wgmma_step"
+    assert step("lstm", 1024, 1024, 128, "float16") == fused
+    assert step("gru", 512, 1024, 100, "bfloat16", directions=2, lengths=True) == fused
+    assert step("lstm", 1024, 1024, 128, "float16", options={"fused_step": False}) is None
+    assert step("lstm", 2048, 2048, 256, "float16") is None
+    assert step("lstm", 1024, 1024, 96, "float32", allow_tf32=True) is None
+    assert step("rnn_tanh", 1024, 1024, 256, "float16") is None
+    assert step("ln_lstm", 1024, 1024, 128, "float16") is None
+    assert step("lstm", 1024, 1024, 128, "float32") is None
+    assert step("lstm", 1024, 1024, 128, "float16", target=AMPERE) is None

@@ -497,9 +497,10 @@ class Simulator:
                 value = np.where(np.asarray(size) > 0, self._load(src.buffer, flat + v), 0)
                 self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
             return None
-        if name in ("rnncc_ld_stream4", "rnncc_ld_stream4_keep", "rnncc_ld4_keep"):
-            dst, src = values[:2]  # 4 float32 (past L1; with an L2 policy's fraction)
-            for v in range(4):
+        if name in ("rnncc_ld_stream4", "rnncc_ld_stream4_keep", "rnncc_ld4_keep",
+                    "rnncc_ld2_early"):
+            dst, src = values[:2]  # 4 float32 (past L1; with an L2 policy's fraction), or 2
+            for v in range(2 if name == "rnncc_ld2_early" else 4):
                 self._write(dst.buffer, np.asarray(dst.flat) + v,
                             self._load(src.buffer, np.asarray(src.flat) + v), mask)
             return None

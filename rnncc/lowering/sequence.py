@@ -84,9 +84,10 @@ class _Builder:
         #: gemm components (by key) whose TF32 operands their callers round ("a", "b", "ab")
         self.rounded = {}
 
-    def scheduled(self, key: str, func, role: str):
-        if key in self._done:  # the same component in both entries (the input GEMM)
-            return self._done[key]
+    def marked(self, key: str, func, role: str):
+        """Component ``func`` with the attributes that let rules take its products in TF32
+        (``allow_tf32``; its operands' rounding as :attr:`rounded` says) or as three TF32
+        products (``tf32x3``)."""
         if self.p.allow_tf32 and role == "gemm" and self.target.kind.name == "cuda":
             # a rule may put it on tensor cores in TF32
             func = func.with_attr(schedules.TF32_ATTR, True)
@@ -95,6 +96,12 @@ class _Builder:
         elif self.options.tf32x3 and self.p.dtype == "float32" and role in (
                 "gemm", "reduction") and self.target.kind.name == "cuda":
             func = func.with_attr(schedules.TF32X3_ATTR, True)  # or as three TF32 products
+        return func
+
+    def scheduled(self, key: str, func, role: str):
+        if key in self._done:  # the same component in both entries (the input GEMM)
+            return self._done[key]
+        func = self.marked(key, func, role)
         self.lowered.components[key] = (func, role)
         result = schedules.schedule(func, self.target, role, self.database)
         self._done[key] = result.func
@@ -315,6 +322,37 @@ class _Builder:
                        out_of_gate(i)], 1)
                 for i in range(count_gates)]
 
+    def step_plan(self, h_dtype: str, h_form: str | None):
+        """The plan of one step as one kernel (:mod:`rnncc.schedules.cuda_wgmma_step`: the
+        recurrent product on warpgroup MMA, the cell as its epilogue), or None: where the
+        ``fused_step`` option is on, h is the products' copy (``h_form``, of type
+        ``h_dtype``), the gates combined in rows and the warpgroup-MMA rule takes the step's
+        product (else its kernel and the cell step's, as before)."""
+        p, layout = self.p, self.layout
+        if (not self.options.fused_step or not h_form or layout.gates != "combined"
+                or layout.weights != "rows" or not schedules.has_wgmma(self.target)
+                or schedules.cuda_wgmma_step.takes(p.cell) is not None):
+            return None
+        func = self.marked("recurrent_gemm", comp.gemm(
+            (p.batch,), p.hidden_size, p.gates * p.hidden_size, "rows", p.dtype, h_dtype),
+            "gemm")
+        found = schedules.cuda_mma_gemm.product_of(func, self.target)
+        if found is None or schedules.cuda_wgmma_gemm.one_step(found) is None:
+            return None
+        return schedules.cuda_wgmma_step.plan_of(found, p.gates)
+
+    def fused_step(self, plan, masked: bool):
+        """The kernel of one step (:meth:`step_plan`'s ``plan``; ``masked``: it reads the
+        samples' activity), built once for every direction."""
+        p = self.p
+        if "step" not in self._done:
+            h_dtype = "float32" if plan.product.op.tf32 else p.dtype
+            self._done["step"] = schedules.cuda_wgmma_step.kernel(
+                plan, schedules.cuda_wgmma_step.Step(plan, p.cell, p.hidden_size, p.batch,
+                                                     p.dtype, h_dtype, masked))
+            self.lowered.rules["step"] = "cuda.wgmma_step"
+        return self._done["step"]
+
     def row_ends(self, sig, x, lengths, lead):
         """With the samples' ``lengths``: (lengths, ``ends`` [N] int32) for the input GEMM
         of all steps (of ``lead``) to leave out the rows past the lengths, and the stage
@@ -440,7 +478,10 @@ class _Builder:
         rec_gates = g
         while rec_gates - 1 in products and (per_gate or layout.weights == "rows"):
             rec_gates -= 1
-        rec_parts = self.product_parts("recurrent_gemm", comp.gemm(
+        # one step as one kernel (the product's sums never stored), where it takes the step
+        step_plan = (None if history or proj or products
+                     else self.step_plan(h_dtype, h_form))
+        rec_parts = 1 if step_plan else self.product_parts("recurrent_gemm", comp.gemm(
             (n,), r, rec_gates * h, layout.weights, p.dtype, h_dtype))
         kept_parts = training.kept_parts(p.cell) if history else ()
         in_place = (history and options.input_gemm and not per_gate
@@ -448,7 +489,8 @@ class _Builder:
         xp = None if in_place else self.param(sig, "xp", per_direction(xp_shape), "workspace",
                                               acc)
         hp_shape = (g, n, h) if per_gate else comp.parts_shape(rec_parts, (n, rec_gates * h))
-        hp = self.param(sig, "hp", per_direction(hp_shape), "workspace", acc)
+        hp = (None if step_plan else
+              self.param(sig, "hp", per_direction(hp_shape), "workspace", acc))
         # the step's recurrent products of its values: the argument of one, then all of them
         argument = (self.param(sig, "product_argument", per_direction((n, h)), "workspace", acc)
                     if products else None)
@@ -545,6 +587,22 @@ class _Builder:
                       else [Region(xp, at(d, (ALL, ALL)))])
             h_prev = (Region(h_operand, at(d, (tirx.floormod(t, i64(2)), ALL, ALL)))
                       if h_form else Region(sw[0], at(d, (slot, ALL, ALL))))
+            own = sw[1:] if proj else sw  # with a projection, h is the projection's to write
+            per_unit_d = [Region(vectors[v.name], (slice(d * h, (d + 1) * h),))
+                          for v in per_unit]
+            out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
+                   if d == 0 else Region(y_rev, (t, ALL, ALL)))
+            h_next = ([Region(h_operand, at(d, (tirx.floormod(t + i64(1), i64(2)), ALL,
+                                                 ALL)))] if h_form else [])
+            if step_plan is not None:  # the product and the cell in one kernel
+                rows = slice(d * g * h, (d + 1) * g * h)
+                steps.append(Stage(f"step{suffix}", self.fused_step(step_plan, bool(active)), [
+                    h_prev, Region(w_hh, (rows, ALL)), Region(b_hh, (rows,)), *gi, *per_unit_d,
+                    *[Region(s, at(d, (slot, ALL, ALL))) for s in own],
+                    *[Region(a, (t, ALL)) for a in active], out,
+                    *[Region(s, at(d, (nxt, ALL, ALL))) for s in own], *h_next],
+                    2 + len(own)))
+                continue
             if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
                 parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
                     n, r, rec_gates * h, rec_parts, layout.weights, p.dtype, h_dtype), "gemm")
@@ -560,9 +618,6 @@ class _Builder:
                     Region(hp, at(d, (ALL, ALL))), d, rec_gates), suffix)
                 gh = ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(hp, at(d, (ALL, ALL)))])
-            own = sw[1:] if proj else sw  # with a projection, h is the projection's to write
-            per_unit_d = [Region(vectors[v.name], (slice(d * h, (d + 1) * h),))
-                          for v in per_unit]
             taken = []  # the step's products of its values so far
             for k, gate in enumerate(products):
                 steps += self.recurrent_product(
@@ -580,10 +635,6 @@ class _Builder:
                 "elementwise")
             kept = [Region(pre, (t, ALL, slice(i * h, (i + 1) * h)))
                     for i in range(len(kept_parts))]
-            out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
-                   if d == 0 else Region(y_rev, (t, ALL, ALL)))
-            h_next = ([Region(h_operand, at(d, (tirx.floormod(t + i64(1), i64(2)), ALL,
-                                                 ALL)))] if h_form else [])
             h_cell = None
             if proj:  # the cell's h' to hf
                 h_cell = (Region(hf, (t, ALL, ALL)) if history
@@ -612,7 +663,8 @@ class _Builder:
         projected = [w_hr] if proj else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *projected, *s0, *given, y, *sn,
                   *([] if in_place else [xp]),
-                  hp, *([argument, products_ws] if products else []),
+                  *([hp] if hp is not None else []),
+                  *([argument, products_ws] if products else []),
                   *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
                   *vector_copies,
                   *reversed_,

@@ -1,0 +1,240 @@
+"""CUDA on Hopper (sm_90): one step of a layer in one kernel, the recurrent product on warpgroup
+MMA (:mod:`.cuda_wgmma_gemm`'s kernel, fed by the TMA engine or by the warpgroups' copies) with
+the cell as its epilogue, so that the gate sums never leave the registers:
+
+    sums = h_{t-1} @ W_hh.T + b_hh                 [N, G*H]
+    y[t], states_t, h_t = cell(xp[t], sums, states_{t-1})
+
+A block's tile is a row tile of h (128 rows, 64 at N <= 64) by G gates x U units: its rows of
+B are W_hh's rows g*H + j*U .. g*H + j*U + U - 1 of each gate g (column tile j; see
+:attr:`.cuda_wgmma_gemm.Plan.unit`: the TMA engine copies a box a gate, or half of one where a
+cluster's two blocks share an odd count), so that gate g of the tile's unit u is its column
+g*U + u. A thread's sums are columns 8 n + 2 (t % 4) + {0, 1} of each 8-column tile n: with U
+a multiple of 8, the G sums of each of its units are its own. The epilogue adds b_hh, reads
+the units' input projections and previous states, evaluates the cell (the persistent kernel's
+fast exponential and division) and writes y, the new states and h again in the operands' type
+(the next step's A): neither the sums [N, G*H] in float32 nor a point-wise kernel of their own.
+
+The kernel takes a step whose recurrent product the warpgroup MMA multiplies whole (halves, or
+TF32 with h and the weights rounded as stored: not split float32), whose cell reads h only
+through that product (no products of other values, no row means), where some U of 64, 32, 16,
+8 divides H with G*U <= 256 (:func:`plan_of`). The layer takes it (option ``fused_step``, on by
+default) where it measured faster: 16-bit operands, at most 16 sums a thread, tiles 24
+columns wide or more. H200, us a step against a kernel each (cuDNN in brackets): float16 LSTM
+512 N256 9.41 -> 8.35 (8.39), bfloat16 10.13 -> 8.32 (8.44), float16 LSTM 1024 N128 11.57 ->
+10.04 (16.22), GRU 1024 N96 9.79 -> 8.70 (8.84).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.script import tirx as T
+
+from rnncc.cells import Cell, ops
+from rnncc.cells.autodiff import mean_levels, product_gates, trace
+
+from . import cuda_mma_gemm, cuda_wgmma_gemm
+from ._common import buffer_parameters
+from .cuda_wgmma_gemm import ONE_WAVE, Plan
+from .persistent.stages.cell import FAST_FUNCTIONS
+
+#: Units a tile (largest first): the first whose grid has ONE_WAVE[0] blocks or more, else
+#: the one with the most blocks. Fewer, wider tiles were slower (H200, float16, us a step,
+#: the first choice against the first unit with 60 blocks or more: LSTM 2048 N256 43.7 / 62.2,
+#: N96 22.1 / 25.8, LSTM 1024 N256 14.9 / 20.6, N128 9.9 / 11.7).
+UNITS = (64, 32, 16, 8)
+MAX_COLUMNS = 256  # wgmma's widest n
+#: The most gate sums a thread's epilogue may take (U / 2 units, G gates each) where the
+#: planner chooses: the epilogue runs after the products on one block an SM (9 warps), so its
+#: point-wise work and stores are latency-bound. H200, us a step (benchmarks/ab.py, T 100,
+#: a kernel each -> one step's kernel taken everywhere it can be; its sums a thread): float16
+#: LSTM 1024 N128 11.57 -> 10.04 (16), LSTM 512 N256 9.41 -> 8.34 (16), bfloat16 10.13 ->
+#: 8.34 (16), float16 GRU 1024 N96 9.79 -> 8.73 (12), LSTM 1024 N256 15.54 -> 14.90 (32),
+#: GRU 2048 N256 34.59 -> 32.00 (48); but LSTM 2048 N96 21.14 -> 22.21 (32), N256 42.45 ->
+#: 44.14 (64), LSTM 4096 N256 148.9 -> 165.2 (128, an earlier run).
+MAX_THREAD_SUMS = 16
+#: And within that: tiles at least this wide (G*U), and 16-bit operands: an RNN's 16 columns
+#: (float16 RNN-tanh 1024 N256 9.01 -> 9.72) and TF32 (LSTM 1024 N96 14.41 -> 15.71, LSTM 2048
+#: N256 65.60 -> 66.53) were slower.
+MIN_COLUMNS = 24
+
+#: Two float32 of a lane, loaded where the program puts the load (``volatile``, a memory
+#: clobber, not the read-only path): ptxas otherwise moves the prologue's loads past the
+#: products to their use in the epilogue (float16 LSTM 512 N256: all 16 loads of xp after the
+#: last HGMMA, ``ld.global.nc`` in volatile assembly too), where nothing hides their latency.
+LOAD2, LOAD2_SOURCE = "rnncc_ld2_early", """
+__device__ __forceinline__ void rnncc_ld2_early(float* dst, const float* src) {
+  float2 v;
+  asm volatile("ld.global.v2.f32 {%0, %1}, [%2];"
+               : "=f"(v.x), "=f"(v.y) : "l"(src) : "memory");
+  dst[0] = v.x;
+  dst[1] = v.y;
+}
+"""
+
+
+def takes(cell: Cell) -> str | None:
+    """Why ``cell``'s step cannot be an epilogue, or None: it must read h only through its
+    one recurrent product and reduce nothing over the units."""
+    if product_gates(trace(cell)):
+        return f"cell {cell.name!r} takes recurrent products of other values than h"
+    if mean_levels(cell):
+        return f"cell {cell.name!r} takes means over the hidden units"
+    return None
+
+
+def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
+            unit: int | None = None) -> Plan | None:
+    """The plan of one step's ``product`` (h [N, H] by W_hh [G*H, H]) with the cell as its
+    epilogue, tiles of G x U columns (``unit``: that U; by default :data:`UNITS`' choice,
+    where it is faster: :data:`MAX_THREAD_SUMS`, :data:`MIN_COLUMNS`), or None where this
+    kernel does not take it."""
+    if (product is None or product.rows is None or product.parts != 1 or product.op.split
+            or not product.pipelined or product.form != "projection"
+            or product.depth % Plan.chunk(product.op) or product.columns % gates):
+        return None
+    hidden = product.columns // gates
+    row_tiles = -(-product.rows // product.tile_rows)
+    threads = product.tile_rows // 64 * cuda_wgmma_gemm.WARPGROUP
+    tma = cuda_wgmma_gemm.tma_fed(product)
+    cluster = 2 if tma and row_tiles % 2 == 0 else 1
+    found = []
+    for u in (unit,) if unit else UNITS:
+        cols = gates * u
+        box = u if gates % cluster == 0 else u // cluster
+        if (cols > MAX_COLUMNS or hidden % u or u % 8
+                or (not tma and cols * 8 % threads) or (tma and box % 8)):
+            continue
+        found.append((u, row_tiles * hidden // u))
+    if not found:
+        return None
+    chosen = next((u for u, blocks in found if blocks >= ONE_WAVE[0]),
+                  max(found, key=lambda f: f[1])[0])
+    if unit is None and (gates * chosen // 2 > MAX_THREAD_SUMS or gates * chosen < MIN_COLUMNS
+                         or product.op.tf32):
+        return None
+    return Plan(product, gates * chosen, "tma" if tma else "copy", unit=chosen)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's epilogue: ``cell`` at batch N ``batch``, hidden H ``hidden``; y in
+    ``dtype``, the states and the input projections float32, h again as ``plan``'s operands
+    (halves, or float32 rounded to TF32); ``masked``: the step reads ``active`` [N] int32
+    (nonzero within the sample's length; past it y is zero and the states are kept)."""
+
+    plan: Plan
+    cell: Cell
+    hidden: int
+    batch: int
+    dtype: str
+    h_dtype: str
+    masked: bool = False
+
+    def specs(self) -> dict:
+        """The kernel's parameters (name: (shape, dtype)): h [N, H] and W_hh [G*H, H] (the
+        product's A and B), b_hh [G*H], xp [N, G*H], the cell's per-unit parameters [H]
+        each, the previous states [N, H] each, ``active`` [N] where masked, y [N, H], the new
+        states, h again [N, H]."""
+        g, h, n = self.cell.gates, self.hidden, self.batch
+        (a, a_shape, a_dtype), (w, w_shape, w_dtype) = self.plan.product.specs[:2]
+        specs = {a: (a_shape, a_dtype), w: (w_shape, w_dtype), "b_hh": ((g * h,), w_dtype),
+                 "xp": ((n, g * h), "float32")}
+        specs.update({f"param_{name}": ((h,), "float32") for name in self.cell.params})
+        specs.update({f"{s}_prev": ((n, h), "float32") for s in self.cell.states})
+        if self.masked:
+            specs["active"] = ((n,), "int32")
+        specs["y"] = ((n, h), self.dtype)
+        specs.update({f"{s}_next": ((n, h), "float32") for s in self.cell.states})
+        specs["h_operand"] = ((n, h), self.h_dtype)
+        return specs
+
+    def parameters(self):
+        """Inside the PrimFunc being built: its buffer parameters (:meth:`specs`)."""
+        return buffer_parameters(self.specs())
+
+    def _named(self, io) -> dict:
+        return dict(zip(self.specs(), io))
+
+    def _pairs(self, p: Plan, bi, bj, tx):
+        """The thread's (row, unit) pairs: (q, row, unit, its sums' index of gate 0 and the
+        sum's distance from one gate to the next), q counting them."""
+        lane, u_count = tx % 32, p.unit
+        first = bi * p.rows + tx // 32 * 16 + lane // 4
+        q = 0
+        for m in range(u_count // 8):
+            for half in range(2):
+                for v in range(2):
+                    yield (q, first + half * 8, bj * u_count + m * 8 + lane % 4 * 2 + v,
+                           m * 4 + half * 2 + v, u_count // 8 * 4)
+                    q += 1
+
+    def registers(self, p: Plan):
+        """Inside the root block: the thread's registers of its pairs' input projections
+        ([G * U/2]) and previous states ([states * U/2])."""
+        pairs = p.unit // 2
+        return (T.sblock_alloc_buffer((self.cell.gates * pairs,), "float32", scope="local"),
+                T.sblock_alloc_buffer((len(self.cell.states) * pairs,), "float32",
+                                      scope="local"))
+
+    def prologue(self, p: Plan, io, regs, bi, bj, tx):
+        """Before the products: the pairs' input projections and previous states loaded
+        into ``regs``, two units at once (:data:`LOAD2`; their latency hidden behind the
+        products)."""
+        named, (gi, st) = self._named(io), regs
+        h, pairs = self.hidden, p.unit // 2
+
+        def load(dst, index, src):
+            T.evaluate(T.cuda.func_call(LOAD2, T.address_of(dst[index]), T.address_of(src),
+                                        source_code=LOAD2_SOURCE))
+
+        for q, i, j, _, _ in self._pairs(p, bi, bj, tx):
+            if q % 2:  # the second unit of two, loaded with the first
+                continue
+            with T.If(i < self.batch):
+                with T.Then():
+                    for g in range(self.cell.gates):
+                        load(gi, g * pairs + q, named["xp"][i, g * h + j])
+                    for k, s in enumerate(self.cell.states):
+                        load(st, k * pairs + q, named[f"{s}_prev"][i, j])
+
+    def initial(self, p: Plan, io, bj, tx):
+        """The sums' first values, a function of the sum: its column's b_hh."""
+        b_hh, u_count, lane = self._named(io)["b_hh"], p.unit, tx % 32
+
+        def value(e):
+            column = e // 4 * 8 + lane % 4 * 2 + e % 2
+            gate, unit = column // u_count, bj * u_count + column % u_count
+            return T.Cast("float32", b_hh[gate * self.hidden + unit])
+        return value
+
+    def epilogue(self, p: Plan, io, acc, bi, bj, part, tx, regs):
+        """The cell on each of the thread's pairs below N (``part``: 0, the product is
+        whole)."""
+        cell, named, (gi, st) = self.cell, self._named(io), regs
+        pairs, g_count = p.unit // 2, self.cell.gates
+        for q, i, j, first, stride in self._pairs(p, bi, bj, tx):
+            with T.If(i < self.batch):
+                with T.Then():
+                    prev = [st[k * pairs + q] for k in range(len(cell.states))]
+                    gates_i = [gi[g * pairs + q] for g in range(g_count)]
+                    gates_h = [acc[first + g * stride] for g in range(g_count)]
+                    params = [named[f"param_{name}"][j] for name in cell.params]
+                    with ops.lowered_with(FAST_FUNCTIONS):
+                        new = [T.Bind(v) for v in cell.evaluate(gates_i, gates_h, prev,
+                                                                params)]
+                    out = new[0]
+                    if self.masked:
+                        live = named["active"][i] != 0
+                        out = T.Bind(T.if_then_else(live, new[0], T.float32(0)))
+                        new = [T.if_then_else(live, v, prev[k]) for k, v in enumerate(new)]
+                    T.buffer_store(named["y"], T.Cast(self.dtype, out), [i, j])
+                    for s, value in zip(cell.states, new):
+                        T.buffer_store(named[f"{s}_next"], value, [i, j])
+                    T.buffer_store(named["h_operand"], p.product.op.round(out), [i, j])
+
+
+def kernel(plan: Plan, step: Step):
+    """The PrimFunc: ``plan``'s product (:func:`plan_of`) with ``step``'s epilogue."""
+    return cuda_wgmma_gemm.kernel_of(plan, step)
