@@ -74,9 +74,8 @@ def test_schedule_variants(cell, options, target, rng):
     """cuDNN's optimisations switched off one by one compute the same function."""
     module = compiled(cell, 7, 33, 3, target, **options)
     assert module.metadata["schedule"]["options"] == {
-        "input_gemm": True, "gate_gemm": True, "fuse_pointwise": True, "persistent": "auto",
-        "tf32x3": True,
-        **options}
+        "input_gemm": True, "gate_gemm": True, "fuse_pointwise": True, "fused_step": True,
+        "persistent": "auto", "tf32x3": True, **options}
     err = check_against_reference(module, rng, 9, True)
     assert err < TOL_F32
 
