@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from rnncc.cells import Cell, ops
@@ -150,6 +151,22 @@ class Step:
         specs["h_operand"] = ((n, h), self.h_dtype)
         return specs
 
+    def read_states(self) -> tuple:
+        """The states whose previous values the step reads: those the cell reads, or all
+        where masked (a sample past its length keeps them)."""
+        if self.masked:
+            return tuple(range(len(self.cell.states)))
+
+        def values(name, count):
+            return [tirx.Var(f"{name}{k}", "float32") for k in range(count)]
+
+        cell = self.cell
+        previous = values("state", len(cell.states))
+        new = cell.evaluate(values("gi", cell.gates), values("gh", cell.gates), previous,
+                            values("param", len(cell.params)))
+        used = {v.name for value in new for v in tirx.analysis.undefined_vars(value, [])}
+        return tuple(k for k, v in enumerate(previous) if v.name in used)
+
     def parameters(self):
         """Inside the PrimFunc being built: its buffer parameters (:meth:`specs`)."""
         return buffer_parameters(self.specs())
@@ -181,7 +198,7 @@ class Step:
     def prologue(self, p: Plan, io, regs, bi, bj, tx):
         """Before the products: the pairs' input projections and previous states loaded
         into ``regs``, two units at once (:data:`LOAD2`; their latency hidden behind the
-        products)."""
+        products), the states only where the step reads them (:meth:`read_states`)."""
         named, (gi, st) = self._named(io), regs
         h, pairs = self.hidden, p.unit // 2
 
@@ -196,8 +213,8 @@ class Step:
                 with T.Then():
                     for g in range(self.cell.gates):
                         load(gi, g * pairs + q, named["xp"][i, g * h + j])
-                    for k, s in enumerate(self.cell.states):
-                        load(st, k * pairs + q, named[f"{s}_prev"][i, j])
+                    for k in self.read_states():
+                        load(st, k * pairs + q, named[f"{self.cell.states[k]}_prev"][i, j])
 
     def initial(self, p: Plan, io, bj, tx):
         """The sums' first values, a function of the sum: its column's b_hh."""
@@ -217,7 +234,9 @@ class Step:
         for q, i, j, first, stride in self._pairs(p, bi, bj, tx):
             with T.If(i < self.batch):
                 with T.Then():
-                    prev = [st[k * pairs + q] for k in range(len(cell.states))]
+                    read = self.read_states()
+                    prev = [st[k * pairs + q] if k in read else T.float32(0)
+                            for k in range(len(cell.states))]
                     gates_i = [gi[g * pairs + q] for g in range(g_count)]
                     gates_h = [acc[first + g * stride] for g in range(g_count)]
                     params = [named[f"param_{name}"][j] for name in cell.params]
