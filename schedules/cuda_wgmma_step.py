@@ -20,9 +20,9 @@ TF32 with h and the weights rounded as stored: not split float32), whose cell re
 through that product (no products of other values, no row means), where some U of 64, 32, 16,
 8 divides H with G*U <= 256 (:func:`plan_of`). The layer takes it (option ``fused_step``, on by
 default) where it measured faster: 16-bit operands, at most 16 sums a thread, tiles 24
-columns wide or more. H200, us a step against a kernel each (cuDNN in brackets): float16 LSTM
-512 N256 9.41 -> 8.35 (8.39), bfloat16 10.13 -> 8.32 (8.44), float16 LSTM 1024 N128 11.57 ->
-10.04 (16.22), GRU 1024 N96 9.79 -> 8.70 (8.84).
+columns wide or more, cells of more than one gate. H200, us a step against a kernel each
+(cuDNN in brackets): float16 LSTM 512 N256 9.41 -> 8.35 (8.39), bfloat16 10.13 -> 8.32
+(8.44), float16 LSTM 1024 N128 11.57 -> 10.04 (16.22), GRU 1024 N96 9.79 -> 8.70 (8.84).
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ MAX_COLUMNS = 256  # wgmma's widest n
 #: GRU 2048 N256 34.59 -> 32.00 (48); but LSTM 2048 N96 21.14 -> 22.21 (32), N256 42.45 ->
 #: 44.14 (64), LSTM 4096 N256 148.9 -> 165.2 (128, an earlier run).
 MAX_THREAD_SUMS = 16
-#: And within that: tiles at least this wide (G*U), and 16-bit operands: an RNN's 16 columns
-#: (float16 RNN-tanh 1024 N256 9.01 -> 9.72) and TF32 (LSTM 1024 N96 14.41 -> 15.71, LSTM 2048
-#: N256 65.60 -> 66.53) were slower.
+#: And within that: tiles at least this wide (G*U), cells of more than one gate and 16-bit
+#: operands: an RNN's 16 columns (float16 RNN-tanh 1024 N256 9.01 -> 9.72; one gate's cell
+#: kernel is little work, its 32-column tiles were not measured) and TF32 (LSTM 1024 N96 14.41
+#: -> 15.71, LSTM 2048 N256 65.60 -> 66.53) were slower.
 MIN_COLUMNS = 24
 
 #: Two float32 of a lane, loaded where the program puts the load (``volatile``, a memory
@@ -113,7 +114,7 @@ def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
     chosen = next((u for u, blocks in found if blocks >= ONE_WAVE[0]),
                   max(found, key=lambda f: f[1])[0])
     if unit is None and (gates * chosen // 2 > MAX_THREAD_SUMS or gates * chosen < MIN_COLUMNS
-                         or product.op.tf32):
+                         or gates == 1 or product.op.tf32):
         return None
     return Plan(product, gates * chosen, "tma" if tma else "copy", unit=chosen)
 
