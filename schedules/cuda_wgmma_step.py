@@ -28,12 +28,12 @@ columns wide or more, cells of more than one gate. H200, us a step against a ker
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from rnncc.cells import Cell, ops
-from rnncc.cells.autodiff import mean_levels, product_gates, trace
+from rnncc.cells.autodiff import mean_levels, product_gates, trace, uses
 
 from . import cuda_mma_gemm, cuda_wgmma_gemm
 from ._common import buffer_parameters
@@ -121,18 +121,23 @@ def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
 
 @dataclass(frozen=True)
 class Step:
-    """One step's epilogue: ``cell`` at batch N ``batch``, hidden H ``hidden``; y in
-    ``dtype``, the states and the input projections float32, h again as ``plan``'s operands
-    (halves, or float32 rounded to TF32); ``masked``: the step reads ``active`` [N] int32
-    (nonzero within the sample's length; past it y is zero and the states are kept)."""
+    """One step's epilogue: ``cell`` on ``plan``'s product (h [N, H] by W_hh [G*H, H], a
+    tile's columns its gates' units); y in the weights' type, the states and the input
+    projections float32, h again as the product's A (halves, or float32 rounded to TF32);
+    ``masked``: the step reads ``active`` [N] int32 (nonzero within the sample's length; past
+    it y is zero and the states are kept)."""
 
     plan: Plan
     cell: Cell
-    hidden: int
-    batch: int
-    dtype: str
-    h_dtype: str
     masked: bool = False
+
+    @cached_property
+    def hidden(self) -> int:
+        return self.plan.gate_rows
+
+    @cached_property
+    def batch(self) -> int:
+        return self.plan.product.rows
 
     def specs(self) -> dict:
         """The kernel's parameters (name: (shape, dtype)): h [N, H] and W_hh [G*H, H] (the
@@ -147,26 +152,21 @@ class Step:
         specs.update({f"{s}_prev": ((n, h), "float32") for s in self.cell.states})
         if self.masked:
             specs["active"] = ((n,), "int32")
-        specs["y"] = ((n, h), self.dtype)
+        specs["y"] = ((n, h), w_dtype)
         specs.update({f"{s}_next": ((n, h), "float32") for s in self.cell.states})
-        specs["h_operand"] = ((n, h), self.h_dtype)
+        specs["h_operand"] = ((n, h), a_dtype)
         return specs
 
+    @cached_property
     def read_states(self) -> tuple:
         """The states whose previous values the step reads: those the cell reads, or all
         where masked (a sample past its length keeps them)."""
+        count = len(self.cell.states)
         if self.masked:
-            return tuple(range(len(self.cell.states)))
-
-        def values(name, count):
-            return [tirx.Var(f"{name}{k}", "float32") for k in range(count)]
-
-        cell = self.cell
-        previous = values("state", len(cell.states))
-        new = cell.evaluate(values("gi", cell.gates), values("gh", cell.gates), previous,
-                            values("param", len(cell.params)))
-        used = {v.name for value in new for v in tirx.analysis.undefined_vars(value, [])}
-        return tuple(k for k, v in enumerate(previous) if v.name in used)
+            return tuple(range(count))
+        graph = trace(self.cell)
+        first = 2 * self.cell.gates
+        return tuple(k for k in range(count) if uses(graph, graph.inputs[first + k]))
 
     def parameters(self):
         """Inside the PrimFunc being built: its buffer parameters (:meth:`specs`)."""
@@ -214,7 +214,7 @@ class Step:
                 with T.Then():
                     for g in range(self.cell.gates):
                         load(gi, g * pairs + q, named["xp"][i, g * h + j])
-                    for k in self.read_states():
+                    for k in self.read_states:
                         load(st, k * pairs + q, named[f"{self.cell.states[k]}_prev"][i, j])
 
     def initial(self, p: Plan, io, bj, tx):
@@ -235,8 +235,7 @@ class Step:
         for q, i, j, first, stride in self._pairs(p, bi, bj, tx):
             with T.If(i < self.batch):
                 with T.Then():
-                    read = self.read_states()
-                    prev = [st[k * pairs + q] if k in read else T.float32(0)
+                    prev = [st[k * pairs + q] if k in self.read_states else T.float32(0)
                             for k in range(len(cell.states))]
                     gates_i = [gi[g * pairs + q] for g in range(g_count)]
                     gates_h = [acc[first + g * stride] for g in range(g_count)]
@@ -249,12 +248,12 @@ class Step:
                         live = named["active"][i] != 0
                         out = T.Bind(T.if_then_else(live, new[0], T.float32(0)))
                         new = [T.if_then_else(live, v, prev[k]) for k, v in enumerate(new)]
-                    T.buffer_store(named["y"], T.Cast(self.dtype, out), [i, j])
+                    T.buffer_store(named["y"], T.Cast(named["y"].dtype, out), [i, j])
                     for s, value in zip(cell.states, new):
                         T.buffer_store(named[f"{s}_next"], value, [i, j])
                     T.buffer_store(named["h_operand"], p.product.op.round(out), [i, j])
 
 
-def kernel(plan: Plan, step: Step):
-    """The PrimFunc: ``plan``'s product (:func:`plan_of`) with ``step``'s epilogue."""
-    return cuda_wgmma_gemm.kernel_of(plan, step)
+def kernel(step: Step):
+    """The PrimFunc: ``step``'s plan's product (:func:`plan_of`) with its epilogue."""
+    return cuda_wgmma_gemm.kernel_of(step.plan, step)

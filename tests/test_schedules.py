@@ -2068,7 +2068,7 @@ def _step_case(cell, n, h, dtype, masked, rng, unit=None):
     if tf32:
         func = func.with_attr(_mma.TF32_ATTR, True).with_attr(_mma.TF32_ROUNDED_ATTR, "ab")
     plan = cuda_wgmma_step.plan_of(cuda_mma_gemm.product_of(func, CUDA), g, unit)
-    step = cuda_wgmma_step.Step(plan, cell, h, n, stored, stored, masked)
+    step = cuda_wgmma_step.Step(plan, cell, masked)
 
     def rounded(x):
         return round_tf32(x) if tf32 else x.astype(dtype)
@@ -2093,7 +2093,7 @@ def _step_case(cell, n, h, dtype, masked, rng, unit=None):
     outputs = [np.full((n, h), np.nan, stored), *[np.full((n, h), np.nan, np.float32)
                                                   for _ in cell.states],
                np.full((n, h), np.nan, stored)]
-    return cuda_wgmma_step.kernel(plan, step), plan, given + outputs, want
+    return cuda_wgmma_step.kernel(step), plan, given + outputs, want
 
 
 @pytest.mark.parametrize("cell", rnncc.cells.names())

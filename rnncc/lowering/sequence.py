@@ -322,21 +322,19 @@ class _Builder:
                        out_of_gate(i)], 1)
                 for i in range(count_gates)]
 
-    def step_plan(self, h_dtype: str, h_form: str | None):
+    def step_plan(self, func, h_form: str | None):
         """The plan of one step as one kernel (:mod:`rnncc.schedules.cuda_wgmma_step`: the
-        recurrent product on warpgroup MMA, the cell as its epilogue), or None: where the
-        ``fused_step`` option is on, h is the products' copy (``h_form``, of type
-        ``h_dtype``), the gates combined in rows and the warpgroup-MMA rule takes the step's
+        recurrent product, gemm component ``func``, on warpgroup MMA, the cell as its
+        epilogue), or None: where the ``fused_step`` option is on, h is the products' copy
+        (``h_form``), the gates combined in rows and the warpgroup-MMA rule takes the step's
         product (else its kernel and the cell step's, as before)."""
         p, layout = self.p, self.layout
         if (not self.options.fused_step or not h_form or layout.gates != "combined"
                 or layout.weights != "rows" or not schedules.has_wgmma(self.target)
                 or schedules.cuda_wgmma_step.takes(p.cell) is not None):
             return None
-        func = self.marked("recurrent_gemm", comp.gemm(
-            (p.batch,), p.hidden_size, p.gates * p.hidden_size, "rows", p.dtype, h_dtype),
-            "gemm")
-        found = schedules.cuda_mma_gemm.product_of(func, self.target)
+        found = schedules.cuda_mma_gemm.product_of(
+            self.marked("recurrent_gemm", func, "gemm"), self.target)
         if found is None or schedules.cuda_wgmma_gemm.one_step(found) is None:
             return None
         return schedules.cuda_wgmma_step.plan_of(found, p.gates)
@@ -344,12 +342,9 @@ class _Builder:
     def fused_step(self, plan, masked: bool):
         """The kernel of one step (:meth:`step_plan`'s ``plan``; ``masked``: it reads the
         samples' activity), built once for every direction."""
-        p = self.p
         if "step" not in self._done:
-            h_dtype = "float32" if plan.product.op.tf32 else p.dtype
             self._done["step"] = schedules.cuda_wgmma_step.kernel(
-                plan, schedules.cuda_wgmma_step.Step(plan, p.cell, p.hidden_size, p.batch,
-                                                     p.dtype, h_dtype, masked))
+                schedules.cuda_wgmma_step.Step(plan, self.p.cell, masked))
             self.lowered.rules["step"] = "cuda.wgmma_step"
         return self._done["step"]
 
@@ -478,11 +473,10 @@ class _Builder:
         rec_gates = g
         while rec_gates - 1 in products and (per_gate or layout.weights == "rows"):
             rec_gates -= 1
+        recurrent = comp.gemm((n,), r, rec_gates * h, layout.weights, p.dtype, h_dtype)
         # one step as one kernel (the product's sums never stored), where it takes the step
-        step_plan = (None if history or proj or products
-                     else self.step_plan(h_dtype, h_form))
-        rec_parts = 1 if step_plan else self.product_parts("recurrent_gemm", comp.gemm(
-            (n,), r, rec_gates * h, layout.weights, p.dtype, h_dtype))
+        step_plan = None if history or proj or products else self.step_plan(recurrent, h_form)
+        rec_parts = 1 if step_plan else self.product_parts("recurrent_gemm", recurrent)
         kept_parts = training.kept_parts(p.cell) if history else ()
         in_place = (history and options.input_gemm and not per_gate
                     and sums_in_place(kept_parts))
