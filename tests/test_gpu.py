@@ -586,9 +586,10 @@ def test_tensor_core_step_product_matches_reference(cell, input_size, hidden, ba
     past N in the last 16-row tile, chunks of K of 32 to 256, one and two 8-row tiles a warp)
     and, at batch 32 and more where its slices fill the GPU, cuda.wgmma_gemm on sm_90 (one
     wave of slices of K; a partial last tile of 64 rows, at batch 33 31 of them empty, past
-    64 of 128 rows), cuda.mma_gemm before it."""
+    64 of 128 rows), cuda.mma_gemm before it; not the one-step kernel (cuda.wgmma_step, its
+    own test), which takes the product into the cell's kernel."""
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype="float16",
-                      persistent="off")
+                      persistent="off", fused_step=False)
     assert step_product_rule(module.metadata["schedule"]["rules"]) == on_this_gpu(rule)
     for steps, initial in ((1, True), (29, False)):
         err = check_against_reference(module, rng, steps, initial)
