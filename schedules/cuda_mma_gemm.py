@@ -123,6 +123,14 @@ def fits(outputs: int, depth: int, op: _mma.Operand) -> bool:
     return outputs % TILE == 0 and depth % (2 * chunk_k(op)) == 0
 
 
+def fits_with_tails(outputs: int, depth: int, op: _mma.Operand) -> bool:
+    """Whether a projection of all steps that does not :func:`fits` can be computed in whole
+    tiles past its edges (:mod:`.cuda_wgmma_gemm`'s kernels, both operands K-major: zeros
+    copied past K, columns past O computed and not stored): O a multiple of 8 (pairs of
+    columns a thread) and each row of K a whole count of 16-byte copies."""
+    return outputs % 8 == 0 and depth % (16 // (4 if op.tf32 else 2)) == 0
+
+
 @dataclass(frozen=True)
 class Product:
     """A product this rule computes: ``form`` "projection", "slices" or "gradient"; ``specs``
@@ -140,6 +148,12 @@ class Product:
     parts: int = 1
     #: the operands ("a", "b") that hold TF32 values already (:data:`._mma.TF32_ROUNDED_ATTR`)
     rounded: str = ""
+
+    @property
+    def tails(self) -> bool:
+        """Whether O or K is past whole tiles and chunks (:func:`fits_with_tails`)."""
+        return self.form != "gradient" and not fits(self.columns, self.depth * self.parts,
+                                                    self.op)
 
     def rounds(self, operand: int) -> bool:
         """Whether operand 0 (A) or 1 (B) is rounded to the operands' TF32 here (not split
@@ -186,6 +200,8 @@ def takes(found: Product) -> bool:
     """Whether this rule's grid takes ``found`` (:func:`product_of`'s): every product of all
     steps and gradient; one step's whole where its tiles give TARGET_BLOCKS, in slices where
     they are :func:`slices`' count (not another rule's)."""
+    if found.tails:  # cuda.wgmma_gemm's kernels compute past the edges; this one does not
+        return False
     if found.rows is None:  # all steps, or a gradient
         return True
     if found.form == "projection":
@@ -225,7 +241,9 @@ def slices(product: Product) -> int:
 
 def product_of(func, target) -> Product | None:
     """The product :func:`sizes` describes, whatever its grid (:func:`kernel` computes it
-    at any size; the grid's conditions choose where it is worth it)."""
+    at any size; the grid's conditions choose where it is worth it); also a projection of all
+    steps with weights as rows past whole tiles (:func:`fits_with_tails`), which only
+    :mod:`.cuda_wgmma_gemm` takes."""
     if not has_mma(target):
         return None
     specs = tuple((str(p.name), tuple(static(d) for d in p.shape), str(p.dtype))
@@ -255,7 +273,10 @@ def product_of(func, target) -> Product | None:
                 a_shape[0], depth * count, outputs):
             return None
         if not fits(outputs, depth * count, op) or depth % chunk_k(op):
-            return None
+            all_steps = sliced is None and None in a_shape
+            if not (all_steps and rows and not op.split
+                    and fits_with_tails(outputs, depth, op)):
+                return None
         form = "projection" if sliced is None else "slices"
         return Product(form, specs, (True, rows), outputs, depth, op, count, _mma.rounded(func))
     if block_named(sch, "weight_grad") is not None:

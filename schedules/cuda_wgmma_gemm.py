@@ -143,12 +143,13 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     found = cuda_mma_gemm.product_of(func, target)
     if found is None or (found.op.tf32 and not found.pipelined):
         return None
-    if found.form != "gradient" and found.depth % Plan.chunk(found.op):
+    if found.form != "gradient" and found.depth % Plan.chunk(found.op) and not found.tails:
         return None
     chosen = one_step(found)
     if chosen is not None:
         return found if found.parts == chosen[0] else None
-    return found if cuda_mma_gemm.takes(found) and found.tile_rows >= TILE else None
+    return (found if (found.tails or cuda_mma_gemm.takes(found)) and found.tile_rows >= TILE
+            else None)
 
 
 def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
@@ -200,7 +201,7 @@ def _tma_operands(product: cuda_mma_gemm.Product) -> bool:
 def tma_fed(product: cuda_mma_gemm.Product) -> bool:
     """Whether the TMA engine copies ``product``'s operands: where it can
     (:func:`_tma_operands`) and a block's part of K is at least TMA_CHUNKS chunks."""
-    return _tma_operands(product) and product.depth // Plan.chunk(product.op) >= TMA_CHUNKS
+    return _tma_operands(product) and -(-product.depth // Plan.chunk(product.op)) >= TMA_CHUNKS
 
 
 def columns(product: cuda_mma_gemm.Product) -> int:
@@ -212,6 +213,8 @@ def columns(product: cuda_mma_gemm.Product) -> int:
     chosen = one_step(product)
     if chosen is not None:
         return chosen[1]
+    if product.tails:  # WIDE unless its columns past O are over an eighth of O
+        return WIDE if -(-product.columns // WIDE) * WIDE <= product.columns * 9 // 8 else TILE
     if product.columns % WIDE:
         return TILE
     if product.form == "gradient":
@@ -303,8 +306,12 @@ class Plan:
         # defining accumulator registers"; a step's M is never 0, and zeros past it are added)
         self.chunks = (tirx.max(tirx.Cast("int32", tirx.floordiv(
             self.tile.m + (self.bk - 1), self.bk)), 1) if self.gradient
-            else product.depth // self.bk)
-        self.j_tiles = product.columns // cols
+            else -(-product.depth // self.bk))
+        #: K or O past whole chunks and tiles (:attr:`.cuda_mma_gemm.Product.tails`): copies
+        #: past K zero-filled (by the TMA engine past its tensor maps), B's rows past O read
+        #: its last, columns past O not stored
+        self.tail = product.tails
+        self.j_tiles = -(-product.columns // cols)
         self.tiles = self.grid = product.parts * self.tile.i_tiles * self.j_tiles
         self.rounds = 1  # tiles a block takes, at most
         if self.persistent:
@@ -362,15 +369,22 @@ class Plan:
 
     def source(self, io, op: int, i, k):
         """Element (i, k) of operand ``op`` as it is stored; a gradient's k past M reads row
-        M - 1 (:func:`_copy` zero-fills it, :meth:`value` reads zero)."""
+        M - 1, a k past K the last piece of its row (16 bytes, as a copy of the piece
+        would), B's rows past O its last (:func:`_copy` zero-fills past M or K,
+        :meth:`value` reads zero there)."""
         if self.gradient:  # g [M, O], a [M, K]
             return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
+        if self.tail:
+            depth, last = self.product.depth, self.product.columns - 1
+            k = tirx.min(k, depth - self.per + k % self.per)
+            i = i if op == 0 else tirx.min(i, last)
         return self.tile.source(io, op, i, k)
 
     def value(self, io, op: int, i, k):
-        """:meth:`source`, zero at a gradient's k past M."""
-        if self.gradient:
-            return tirx.if_then_else(k < self.tile.m, self.source(io, op, i, k),
+        """:meth:`source`, zero at a gradient's k past M and past a product's K."""
+        if self.gradient or self.tail:
+            end = self.tile.m if self.gradient else self.product.depth
+            return tirx.if_then_else(k < end, self.source(io, op, i, k),
                                      tirx.const(0, io[op].dtype))
         return self.source(io, op, i, k)
 
@@ -423,11 +437,12 @@ def _copy(p, io, op, smem, stage, k0, t, tx):
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
         i, k = T.meta_var(p.at(op, row, piece, t, k0))
-        if p.gradient:
+        if p.gradient or p.tail:
+            end = T.meta_var(p.tile.m if p.gradient else p.product.depth)
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),
                 T.address_of(p.source(io, op, i, k)), 16,
-                T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < p.tile.m, 16, 0)))
+                T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < end, 16, 0)))
         else:
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),
@@ -613,7 +628,7 @@ def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
             if p.gradient:
                 for v in T.vectorized(2):
                     io[2][i, j + v] = T.Cast(io[2].dtype, acc[n * 4 + h * 2 + v])
-            elif i < p.tile.m:
+            elif i < p.tile.m and (not p.tail or j < p.product.columns):
                 for v in T.vectorized(2):
                     if p.product.form == "projection":
                         T.buffer_store(io[3], acc[n * 4 + h * 2 + v] + T.Cast(

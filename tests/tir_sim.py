@@ -528,14 +528,18 @@ class Simulator:
         raise NotImplementedError(f"device function {name}")
 
     def _ptx_copy(self, args, mask):
-        """``cp.async`` of 16 bytes (done at once); its groups' commits and waits do
-        nothing."""
+        """``cp.async`` of 16 bytes (done at once; its source aligned to them, as the hardware
+        requires); its groups' commits and waits do nothing."""
         if any(type(a).__name__ == "StringImm" and a.value in ("commit_group", "wait_group")
                for a in args):
             return None
         dst, src, size = (self._expr(a) for a in args[:3])
-        count = int(size) // np.dtype(_np_dtype(src.buffer.ty.dtype)).itemsize
+        itemsize = np.dtype(_np_dtype(src.buffer.ty.dtype)).itemsize
+        count = int(size) // itemsize
         flat = np.broadcast_to(np.asarray(src.flat, np.int64), (self.lanes,))
+        if (flat[mask] * itemsize % int(size)).any():  # the hardware's misaligned address
+            raise ValueError(f"a cp.async of {int(size)} bytes from {src.buffer.name} at an "
+                             "address that is not a multiple of its size")
         # the src-size form: bytes past the source's size are zeros
         given = (np.broadcast_to(np.asarray(self._expr(args[3])), (self.lanes,))
                  if len(args) > 3 and type(args[3]).__name__ != "StringImm" else None)
