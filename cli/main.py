@@ -230,6 +230,21 @@ def _tf32(meta: dict) -> str:
     return f" ({', '.join(split)} as three TF32 products: tf32x3)"
 
 
+#: The CUDA rules that take any product, far slower than the others (dlight's, one thread
+#: an output): a product that falls to them is off the others' sizes.
+GENERIC_GEMMS = ("cuda.matmul", "cuda.gemm_simple")
+
+
+def _generic(meta: dict) -> str:
+    """The products on a generic GEMM rule (:data:`GENERIC_GEMMS`), as a clause; ''."""
+    slow = [key for key, rule in sorted(meta.get("schedule", {}).get("rules", {}).items())
+            if rule in GENERIC_GEMMS]
+    if not slow:
+        return ""
+    return (f"; {', '.join(slow)} on a generic GEMM rule (several times slower; the schedule's "
+            "notes name the rules that do not take it)")
+
+
 def _stage_line(kind: str, first: int, count: int) -> str:
     if kind == "layers":
         return f"layers {first}-{first + count - 1} as one wavefront launch"
@@ -277,8 +292,9 @@ def _summary(meta: dict) -> str:
         return (f"{head}: persistent kernel, {plan['blocks']} blocks x {plan['threads']} threads, "
                 f"{plan['sync']} exchange{extra} (planned for {persistent['planned_for']}); "
                 + ("non-persistent schedule as fallback" if "forward" in meta["functions"]
-                   else "no non-persistent schedule"))
-    return f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
+                   else "no non-persistent schedule") + _generic(meta))
+    return (f"{head}: non-persistent schedule ({persistent.get('reason', 'n/a')})"
+            + _generic(meta))
 
 
 def _tuning_line(meta: dict) -> str:

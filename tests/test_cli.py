@@ -112,6 +112,26 @@ def test_inspect_names_the_products_split_in_three_tf32_products():
     assert _tf32({"dtype": "float32", "schedule": {"rules": {"input_gemm": "cuda.sgemm"}}}) == ""
 
 
+def test_summary_names_products_on_a_generic_gemm_rule():
+    """The summary line names the products that fell to a generic GEMM rule (off the other
+    rules' sizes: float32 GRU 22 -> 897 at batch 91 on sm_90), and nothing where none did."""
+    from rnncc.cli.main import _generic
+
+    rules = {"input_gemm": "cuda.matmul", "recurrent_gemm": "cuda.gemm_simple",
+             "cell_step": "cuda.elementwise"}
+    assert _generic({"schedule": {"rules": rules}}).startswith(
+        "; input_gemm, recurrent_gemm on a generic GEMM rule (several times slower")
+    assert _generic({"schedule": {"rules": {"input_gemm": "cuda.sgemm"}}}) == ""
+    from rnncc.lowering import sequence
+    from rnncc.spec import Options, Problem
+    from rnncc.target import TargetSpec
+
+    problem = Problem(rnncc.cells.get("gru"), 22, 897, 91)
+    built = sequence.build(problem, Options(persistent="off"), TargetSpec("cuda").tvm_target())
+    assert "input_gemm, recurrent_gemm on a generic" in _generic({"schedule": {
+        "rules": built.rules}})
+
+
 def test_projection_and_per_unit_parameters(capsys, tmp_path):
     """--proj-size compiles an LSTMP module (W_hr among its weights) and a network file of
     such layers; bench takes a projection and a cell with per-unit parameters."""

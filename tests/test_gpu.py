@@ -457,12 +457,13 @@ def step_product_rule(rules: dict) -> str:
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype", [
     ("lstm", 128, 64, 33, "float16"), ("gru", 256, 128, 64, "bfloat16"),
-    ("rnn_tanh", 64, 128, 9, "bfloat16")])
+    ("rnn_tanh", 64, 128, 9, "bfloat16"), ("gru", 416, 416, 98, "bfloat16"),
+    ("lstm", 136, 64, 33, "float16")])
 def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_size, hidden,
                                                                     batch, dtype, rng):
     """float16 / bfloat16: the input projection of all steps on cuda.wgmma_gemm (sm_90;
-    flat rows in float16, T x N in bfloat16; a partial last row tile) and each step's on
-    cuda.mma_gemv."""
+    flat rows in float16, T x N in bfloat16; a partial last row tile; K and O past whole
+    chunks and tiles in the last two) and each step's on cuda.mma_gemv."""
     module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype, persistent="off")
     rules = module.metadata["schedule"]["rules"]
     assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
