@@ -126,9 +126,9 @@ def fits(outputs: int, depth: int, op: _mma.Operand) -> bool:
 def fits_with_tails(outputs: int, depth: int, op: _mma.Operand) -> bool:
     """Whether a projection of all steps that does not :func:`fits` can be computed in whole
     tiles past its edges (:mod:`.cuda_wgmma_gemm`'s kernels, both operands K-major: zeros
-    copied past K, columns past O computed and not stored): O a multiple of 8 (pairs of
-    columns a thread) and each row of K a whole count of 16-byte copies."""
-    return outputs % 8 == 0 and depth % (16 // (4 if op.tf32 else 2)) == 0
+    copied past K, columns past O computed and not stored): O even (a thread stores pairs
+    of columns) and each row of K a whole count of 16-byte copies."""
+    return outputs % 2 == 0 and depth % (16 // (4 if op.tf32 else 2)) == 0
 
 
 @dataclass(frozen=True)

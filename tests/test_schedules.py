@@ -163,14 +163,14 @@ def test_cuda_tensor_core_components_match_the_cpu_build_on_the_simulator(cell, 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 def test_products_of_all_steps_past_whole_tiles_match_the_cpu_build_on_the_simulator(
         dtype, feed, monkeypatch, rng):
-    """The products of all steps whose K and O are not whole chunks and tiles (GRU 40: K 40,
-    O 120; LSTM 136 -> 34: K 136, O 136) on warpgroup MMA, fed by the warpgroups' copies or
+    """The products of all steps whose K and O are not whole chunks and tiles (GRU 40 -> 50:
+    K 40, O 150; LSTM 136 -> 34: K 136, O 136) on warpgroup MMA, fed by the warpgroups' copies or
     (allowed at any K here) by the TMA engine: zeros past K, B's last row past O, nothing
     stored past O."""
     from rnncc.schedules import cuda_wgmma_gemm
 
     monkeypatch.setattr(cuda_wgmma_gemm, "TMA_CHUNKS", 1 if feed == "tma" else 10**6)
-    for cell, c, h in (("gru", 40, 40), ("lstm", 136, 34)):
+    for cell, c, h in (("gru", 40, 50), ("lstm", 136, 34)):
         problem = Problem(rnncc.cells.get(cell), c, h, 3,
                           "float32" if dtype == "tf32" else dtype, allow_tf32=dtype == "tf32")
         lowered = sequence.build(problem, Options(persistent="off"), CUDA)
@@ -1469,8 +1469,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     (halves, TF32) and each step's slices of K (but split float32's at batch 64 and less, and
     all of them on sm_80: cuda.mma_gemm's); w [K, O] in 16 bits is read MN-major (TF32
     is not); K off its 128-byte chunks goes to the next rule, but in a projection of all steps
-    whose weights are rows (tails: K a whole count of 16-byte copies), and so do IEEE float32
-    products unless split in three TF32 products (tf32x3, on by default)."""
+    whose weights are rows (tails: K a whole count of 16-byte copies, O even), and so do IEEE
+    float32 products unless split in three TF32 products (tf32x3, on by default)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
 
     def rules(dtype, batch, target, tf32=False, **options):
@@ -1495,6 +1495,7 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", "float32", "float32").with_attr(
             _mma.TF32_ATTR, True),
                  comp.gemm((t_len, 64), 1060, 4096, "rows", "float16", "float16"),
+                 comp.gemm((t_len, 64), 1056, 4099, "rows", "float16", "float16"),
                  comp.gemm((t_len, 64), 1056, 4096, "cols", "float16", "float16"),
                  comp.gemm((64,), 1056, 4096, "rows", "float16", "float16")):
         assert cuda_wgmma_gemm.apply(func, CUDA) is None
