@@ -1859,7 +1859,7 @@ def test_float16_input_projection_on_flat_rows_builds_on_tensor_cores():
     xp = next(p for p in module.metadata["functions"]["forward"] if p["name"] == "xp")
     assert xp["shape"] == ["T", 3, 132]  # the caller's view is unchanged
     source = module.source("cuda")
-    assert "mma_sync" in source and "x_rows" not in module.metadata["functions"]["forward"]
+    assert "wgmma.mma_async" in source and "x_rows" not in module.metadata["functions"]["forward"]
 
 
 def test_flat_row_views_compute_the_sequence(monkeypatch, rng):
