@@ -230,8 +230,8 @@ def _tf32(meta: dict) -> str:
     return f" ({', '.join(split)} as three TF32 products: tf32x3)"
 
 
-#: The CUDA rules that take any product, far slower than the others (dlight's, one thread
-#: an output): a product that falls to them is off the others' sizes.
+#: The CUDA rules that take any product, far slower than the others (dlight's Matmul, and
+#: one thread an output): a product that falls to them is off the others' sizes.
 GENERIC_GEMMS = ("cuda.matmul", "cuda.gemm_simple")
 
 
