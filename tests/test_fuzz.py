@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rnncc
-from helpers import TOL, sequence_loss_grads, state_error
+from helpers import TOL, TOL_TF32, sequence_loss_grads, state_error
 from rnncc import reference
 from rnncc.cells import Cell, ops
 
@@ -353,5 +353,65 @@ def test_random_networks_train_as_torch_in_float64(target, tmp_path, monkeypatch
         for name, value in want.items():
             err = reference.relative_error(mine[name], value)
             assert err < 1e-4, f"{name}: relative error {err:.3e} for {case}"
+
+    check()
+
+
+#: Sizes a GPU network of :func:`gpu_networks` draws its C and H from: odd ones, multiples of 8
+#: off the tensor-core rules' tiles, and whole tiles.
+GPU_SIZES = (1, 3, 33, 40, 64, 130, 136, 257, 416, 512, 700, 1000, 1024, 1536, 2048)
+
+
+@st.composite
+def gpu_networks(draw):
+    """:func:`networks` at the sizes and types users bring to a GPU: C and H from GPU_SIZES,
+    batch 1-256, T 1-40, float32, TF32, float16 or bfloat16."""
+    case = draw(networks())
+    hidden = draw(st.sampled_from(GPU_SIZES))
+    case.update(input_size=draw(st.sampled_from(GPU_SIZES)), hidden=hidden,
+                batch=draw(st.sampled_from([1, 3, 7, 8, 16, 33, 64, 100, 128, 256])),
+                steps=draw(st.sampled_from([1, 7, 40])),
+                dtype=draw(st.sampled_from(["float32", "tf32", "float16", "bfloat16"])))
+    if case["proj_size"]:
+        case["proj_size"] = (draw(st.integers(1, hidden - 1)) if hidden > 1 else 0)
+    # torch's float64 reference on the CPU in seconds: at most about 2e11 multiply-adds
+    gates = {"LSTM": 4, "GRU": 3}.get(case["kind"], 1)
+    directions = 2 if case["bidirectional"] else 1
+    for key, fewer in (("steps", 1), ("batch", 16)):
+        work = (gates * hidden * (case["input_size"] + hidden) * case["batch"] * case["steps"]
+                * case["layers"] * directions)
+        if work > 2e11:
+            case[key] = min(case[key], fewer)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_random_gpu_networks_match_torch_in_float64(tmp_path, monkeypatch):
+    """rnncc.nn on CUDA at the sizes, batches and types of :func:`gpu_networks` (the products'
+    rules past whole tiles, the persistent plans, batch groups, one kernel a step), against
+    torch's module in float64 on the CPU from the same weights and inputs rounded to the
+    type, within the type's bound (TF32: TOL_TF32)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("RNNCC_CACHE_DIR", str(tmp_path))
+
+    @SETTINGS
+    @hypothesis.given(gpu_networks())
+    def check(case):
+        dtype = case["dtype"]
+        stored = getattr(torch, "float32" if dtype == "tf32" else dtype)
+        theirs, _, x, lengths, hx = _network(torch, case, "cpu")
+        theirs = theirs.to(stored).double()  # the weights as the type holds them
+        ours = rnncc.nn.from_torch(theirs.to(stored), allow_tf32=dtype == "tf32").cuda()
+        theirs.double()
+        inputs = [t.to(stored).double() for t in (x, *hx)]
+        with torch.no_grad():
+            mine = _run(torch, ours, case, lengths, [t.to("cuda", stored) for t in inputs],
+                        "cuda", ours)
+            want = _run(torch, theirs, case, lengths, inputs, "cpu", ours)
+        bound = TOL_TF32 if dtype == "tf32" else TOL[dtype]
+        for a, b in zip((mine[0], *mine[1]), (want[0], *want[1])):
+            err = reference.relative_error(a.double().cpu().numpy(), b.numpy())
+            assert err < bound, f"relative error {err:.3e} for {case}"
 
     check()
