@@ -401,8 +401,8 @@ def test_random_gpu_networks_match_torch_in_float64(tmp_path, monkeypatch):
         dtype = case["dtype"]
         stored = getattr(torch, "float32" if dtype == "tf32" else dtype)
         theirs, _, x, lengths, hx = _network(torch, case, "cpu")
-        theirs = theirs.to(stored).double()  # the weights as the type holds them
-        ours = rnncc.nn.from_torch(theirs.to(stored), allow_tf32=dtype == "tf32").cuda()
+        theirs.to(stored)  # the weights as the type holds them, for both modules
+        ours = rnncc.nn.from_torch(theirs, allow_tf32=dtype == "tf32").cuda()
         theirs.double()
         inputs = [t.to(stored).double() for t in (x, *hx)]
         with torch.no_grad():
