@@ -190,6 +190,25 @@ def test_tensor_core_tiles_of_batch_rows_match_reference(cell, hidden, batch, dt
     assert check_against_reference(lengths, rng, 30, True, lengths=True) < TOL[dtype]
 
 
+@pytest.mark.parametrize("cell, c, h, n, dtype, mma", [
+    ("gru", 40, 64, 128, "float16", False), ("lstm", 16, 100, 64, "bfloat16", False),
+    ("lstm", 33, 200, 256, "float16", True), ("gru", 24, 320, 130, "bfloat16", True),
+    ("lstm", 40, 768, 80, "float16", True)])
+def test_half_layers_of_small_weights_in_batch_groups_match_reference(cell, c, h, n, dtype, mma,
+                                                                      rng):
+    """Layers of 16-bit weights of at most 4.5 MiB run persistently by default past 64 batch
+    rows too, in batch groups: on the CUDA cores where K is one chunk of the tensor cores'
+    (256 values; one row a group here), else on tensor cores through the barrier (5 groups
+    of 26 rows at batch 130); against float64 at T = 1, 37 and 100, the same bits run after
+    run."""
+    module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype)
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["mma"] == mma and plan["batch_groups"] > 1
+    assert plan["sync"] == "barrier" or not mma
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng, steps=100, entry="persistent")
+
+
 @pytest.mark.parametrize("cell, hidden, batch, dtype", [
     ("lstm", 2048, 32, "bfloat16"), ("gru", 2048, 64, "float16"), ("lstm", 1536, 64, "bfloat16")])
 def test_h_staged_in_slices_matches_reference(cell, hidden, batch, dtype, rng):
@@ -807,7 +826,8 @@ def test_lengths_match_reference(cell, input_size, hidden, batch, dtype, knobs, 
     ("gru", 512, 512, 4, "float32", None, "on"),  # batch groups by default
     ("lstm", 1024, 1024, 4, "float16", {"mma": True}, "on"),
     ("lstm", 1024, 1024, 2, "float32", None, "on"),
-    ("lstm", 24, 64, 5, "float16", None, "off")])
+    ("lstm", 24, 64, 5, "float16", None, "off"),
+    ("gru", 24, 128, 64, "float16", None, "on")])  # CUDA cores: K is one chunk
 @pytest.mark.parametrize("lengths", [False, True])
 def test_bidirectional_matches_reference(cell, input_size, hidden, batch, dtype, knobs,
                                          persistent, lengths, rng):

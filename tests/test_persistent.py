@@ -560,25 +560,58 @@ def test_mma_knob():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_layers_past_batch_64_are_not_persistent_by_default(dtype):
-    """A layer of 16-bit weights at batch 65 and more has no persistent plan by default (the
-    non-persistent schedule's tensor-core products are faster there), unless knobs ask for
-    one; batch 64, float32 and a wavefront of layers are unaffected."""
+def test_half_layers_past_batch_64_are_persistent_only_with_small_weights(dtype):
+    """A layer of 16-bit weights at batch 65 and more runs persistently by default, in batch
+    groups, only in one direction with W_hh of at most 4.5 MiB (the non-persistent schedule's
+    tensor-core products are as fast past it), unless knobs ask for a plan; float32 and a
+    wavefront of layers are unaffected."""
     from rnncc import cells
     from rnncc.schedules.persistent import knobs
     from rnncc.spec import Problem
 
-    lstm = Problem(cells.get("lstm"), 256, 256, 128, dtype)
-    with pytest.raises(Unfit, match=f"batch 128 in {dtype} is over 64, where the non-persistent"):
-        knobs.plan_for(lstm, H100, {}, 24)
-    assert knobs.plan_for(lstm, H100, {"batch_groups": 2}, 24).batch_groups == 2
-    assert knobs.plan_for(dataclasses.replace(lstm, batch=64), H100, {}, 24).mma
-    for other in (dataclasses.replace(lstm, dtype="float32"),
-                  dataclasses.replace(lstm, layers=2)):
+    small = Problem(cells.get("lstm"), 256, 256, 128, dtype)  # W_hh 0.5 MiB, K of one chunk
+    found = knobs.plan_for(small, H100, {}, 24)
+    assert not found.mma and found.batch_groups > 1
+    wider = dataclasses.replace(small, input_size=768, hidden_size=768)  # 4.5 MiB
+    found = knobs.plan_for(wider, H100, {}, 24)
+    assert found.mma and 128 // found.batch_groups <= 64 and found.sync == "barrier"
+    large = dataclasses.replace(small, input_size=800, hidden_size=800)  # 4.88 MiB
+    with pytest.raises(Unfit, match=f"batch 128 in {dtype} is over 64 with W_hh of 4.88 MiB "
+                                    r"\(over 4.5\), where the non-persistent"):
+        knobs.plan_for(large, H100, {}, 24)
+    assert knobs.plan_for(large, H100, {"batch_groups": 2}, 24).batch_groups == 2
+    with pytest.raises(Unfit, match=f"batch 128 in {dtype} is over 64 in two directions"):
+        knobs.plan_for(dataclasses.replace(small, directions=2), H100, {}, 24)
+    for other in (dataclasses.replace(large, dtype="float32"),
+                  dataclasses.replace(large, layers=2)):
         try:
             knobs.plan_for(other, H100, {}, 24)
         except Unfit as err:  # its own reasons (on-chip room), not this rule's
             assert "is over 64" not in str(err)
+
+
+@pytest.mark.parametrize("hidden, batch, mma", [(64, 64, False), (256, 64, False),
+                                                (256, 17, False), (257, 64, True),
+                                                (320, 48, True), (1024, 16, True)])
+def test_half_layers_take_tensor_cores_past_one_chunk_of_k_through_the_barrier(hidden, batch,
+                                                                              mma):
+    """By default a layer of 16-bit weights whose K is one chunk of the tensor cores' (256
+    values) runs on the CUDA cores where that plan fits on-chip; past it on tensor cores,
+    exchanging h through the barrier; knobs that ask for tensor cores get them, through the
+    barrier unless they set the exchange."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs, planner
+    from rnncc.spec import Problem
+
+    problem = Problem(cells.get("lstm"), 32, hidden, batch, "float16")
+    found = knobs.plan_for(problem, H100, {}, 24)
+    assert found.mma == mma
+    if mma:
+        assert found.sync == "barrier"
+    if hidden == 64:
+        asked = knobs.plan_for(problem, H100, {"mma": True}, 24)
+        assert asked.mma and asked.sync == "barrier" != planner.exchange(asked, batch)
+        assert knobs.plan_for(problem, H100, {"mma": True, "sync": "tagged"}, 24).sync == "tagged"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

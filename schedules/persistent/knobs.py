@@ -3,10 +3,13 @@
 :func:`plan_for` is what ``rnncc compile`` plans and ``rnncc tune`` searches over; it decides,
 one named step after another:
 
-0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows, or at it with W_hh of
+0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows (both directions, or
+   W_hh of more than :data:`HALF_GROUPS_MAX_WEIGHTS` bytes), or at it with W_hh of
    :data:`HALF_LARGE_WEIGHTS` bytes or more: none, unless knobs ask;
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
-   no: a plan of their own (the weights on-chip, the input projection a separate GEMM); else
+   no, or K is one chunk of theirs and the CUDA cores' plan fits on-chip
+   (:func:`cuda_cores_first`): a plan of their own (the weights on-chip, the input projection
+   a separate GEMM, h exchanged through the barrier); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
    with none (ptxas then says whether it spills), else streamed in part from L2;
 3. the knobs that only set a field (sync, unroll);
@@ -80,12 +83,19 @@ OVERLAP_ROOM = (0, 24, 48)
 #: 1.61).
 BIDIR_OVERLAP_MIN_INPUT, BIDIR_OVERLAP_MAX_BATCH = 384, 8
 BIDIR_OVERLAP_ROWS, MIN_STEPS = (16, 8, 12), 4
-#: A layer of 16-bit weights runs persistently by default only up to HALF_MAX_BATCH batch rows
-#: (past it only in batch groups, and tensor-core GEMMs a step of the non-persistent schedule,
-#: its slices of K filling the GPU, were faster; H200, us a step, persistent / not: float16
-#: LSTM 256 N128 30.6 / 12.1, GRU 1024 N128 30.6 / 17.1; at N64 LSTM 1024 8.6 / 13.4, LSTM 512
-#: 4.4 / 8.7, GRU 1024 11.8 / 11.0). Knobs that ask for a plan still get one.
+#: A layer of 16-bit weights runs persistently by default past HALF_MAX_BATCH batch rows
+#: (in batch groups) only in one direction with W_hh of at most HALF_GROUPS_MAX_WEIGHTS
+#: bytes: larger, one step's tensor-core GEMMs of the non-persistent schedule, their slices of
+#: K filling the GPU, were as fast (H200, float16, us a step, persistent / not, cuDNN: GRU
+#: 1024 N128 (6 MiB) 9.38 / 8.90 (9.19)). Below it the batch groups won, on tensor cores
+#: through the barrier: LSTM 256 N256 4.20 / 16.93 (6.70), GRU 320 N256 4.96 / 19.02 (6.78),
+#: LSTM 448 N192 6.32 / 20.07 (7.49), GRU 512 N128 4.29 / 11.44 (6.91), GRU 768 N256 11.29 /
+#: 14.14 (9.45), LSTM 768 N128 (4.5 MiB) 8.21 / 8.89 (14.93), LSTM 512 N256 7.95 / 8.32
+#: (8.32); and on the CUDA cores at K of one chunk (:func:`cuda_cores_first`): GRU 64 N256
+#: 1.83 / 8.37 (1.50), LSTM 128 N128 2.69 / 6.04 (2.03), GRU 200 N128 3.46 / 10.59 (5.66).
+#: Knobs that ask for a plan still get one.
 HALF_MAX_BATCH = 64
+HALF_GROUPS_MAX_WEIGHTS = 9 << 19  # 4.5 MiB
 #: At HALF_MAX_BATCH rows, a layer whose W_hh takes this many bytes or more is not persistent
 #: by default either: its step holds W_hh in 128 blocks whose warps each read all of h from
 #: shared memory, while one step's product on warpgroup MMA (one wave of slices of K) streams
@@ -173,22 +183,29 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     order of the decisions). ``tight``: a configuration that does not fit with ``reg_margin``
     registers kept free may be planned with none."""
     if problem.dtype in ("float16", "bfloat16") and problem.layers == 1 and not knobs:
-        if problem.batch > HALF_MAX_BATCH:
-            raise Unfit(f"batch {problem.batch} in {problem.dtype} is over {HALF_MAX_BATCH}, "
-                        "where the non-persistent schedule's tensor-core products are faster")
         weights = problem.gates * problem.hidden_size * (problem.proj_size
                                                          or problem.hidden_size) * 2
+        past = f"batch {problem.batch} in {problem.dtype} is over {HALF_MAX_BATCH}"
+        if problem.batch > HALF_MAX_BATCH and problem.directions > 1:
+            raise Unfit(f"{past} in two directions: past it the batch groups run one direction "
+                        "by default")
+        if problem.batch > HALF_MAX_BATCH and weights > HALF_GROUPS_MAX_WEIGHTS:
+            raise Unfit(f"{past} with W_hh of {weights / 2**20:.2f} MiB (over "
+                        f"{HALF_GROUPS_MAX_WEIGHTS / 2**20:.1f}), where the non-persistent "
+                        "schedule's tensor-core products are as fast")
         if (problem.batch == HALF_MAX_BATCH and problem.directions == 1
                 and weights >= HALF_LARGE_WEIGHTS):
             raise Unfit(f"batch {problem.batch} in {problem.dtype} with W_hh of "
                         f"{weights / 2**20:.1f} MiB (at least {HALF_LARGE_WEIGHTS >> 20}): the "
                         "non-persistent schedule's tensor-core products are faster")
     request = _Request(problem, gpu, knobs)
-    tensor = tensor_cores(request, reg_margin, tight)
-    if tensor is not None:
-        return tensor
-    found = one_row_groups(request, input_projection(request, weights_on_chip(
-        request, reg_margin, tight)))
+    found = cuda_cores_first(request, reg_margin, tight)
+    if found is None:
+        tensor = tensor_cores(request, reg_margin, tight)
+        if tensor is not None:
+            return tensor
+        found = weights_on_chip(request, reg_margin, tight)
+    found = one_row_groups(request, input_projection(request, found))
     if "sync" not in knobs:
         found = dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
     return block_sums(request, found)
@@ -247,11 +264,46 @@ def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None
     else:
         for margin in _margins(request, reg_margin, tight):
             try:
-                return request.weights(margin, mma=True)
+                found = request.weights(margin, mma=True)
             except Unfit as err:
                 why = str(err)
+                continue
+            if "sync" in knobs or problem.dtype == "float32":
+                return found
+            return dataclasses.replace(found, sync=MMA_SYNC)
     if mma:
         raise Unfit(f"mma=True, but the tensor-core products do not apply: {why}")
+    return None
+
+
+#: A layer of 16-bit weights runs on the CUDA cores by default, not the tensor cores, where K
+#: is under MMA_MIN_K (one chunk of theirs, 256 values) and that plan fits on-chip
+#: (:func:`cuda_cores_first`): a tensor-core block takes at least 8 units (4 warps of 8 rows),
+#: so a layer that small gets only a few. H200, float16, us a step, CUDA cores / tensor cores
+#: through the barrier: LSTM 64 N64 0.88 / 3.09, LSTM 256 N64 2.79 / 3.20, GRU 128 N128 2.20 /
+#: 3.34; it lost LSTM 256 N128 5.12 / 3.73, LSTM 128 N256 4.76 / 3.65 (K of two chunks: LSTM
+#: 320 N64 6.13 / 3.07).
+MMA_MIN_K = 257
+#: Tensor cores in 16 bits exchange h through the barrier by default: with tagged words each
+#: element of h is staged on its own (:func:`.planner.publishes_staged_h`). H200, float16, us
+#: a step, tagged / barrier (8-32 blocks, one batch group): LSTM 64 N64 13.03 / 3.09, LSTM 256
+#: N64 28.33 / 3.20, GRU 200 N64 28.58 / 3.34.
+MMA_SYNC = "barrier"
+
+
+def cuda_cores_first(request: _Request, reg_margin: int, tight: bool) -> Plan | None:
+    """The CUDA cores' plan, weights on-chip, of a layer of 16-bit weights whose K (H, or P)
+    is under :data:`MMA_MIN_K` and whose knobs are unset; else (or where that plan does not
+    fit) None: the tensor cores' plan is tried first."""
+    problem = request.problem
+    if (request.knobs or problem.dtype not in ("float16", "bfloat16") or problem.layers > 1
+            or (problem.proj_size or problem.hidden_size) >= MMA_MIN_K):
+        return None
+    for margin in _margins(request, reg_margin, tight):
+        try:
+            return request.weights(margin)
+        except Unfit:
+            continue
     return None
 
 
