@@ -1017,6 +1017,24 @@ def test_backward_plan_on_tensor_cores_splits_k(gates, hidden, batch, dtype, par
         planner.backward(4, 2048, 64, "bfloat16", H100, 2, mma=True)
 
 
+@pytest.mark.parametrize("gates, hidden, batch, dtype", [
+    (4, 128, 32, "float16"), (3, 64, 64, "float16"), (3, 256, 32, "bfloat16"),
+    (4, 256, 64, "float16"), (4, 512, 16, "bfloat16")])
+def test_backward_plan_on_tensor_cores_exchanges_through_the_barrier(gates, hidden, batch,
+                                                                     dtype):
+    """16-bit weights: the backward pass on tensor cores exchanges dGH through the barrier
+    on any grid (where the exchange the planner picks for its grid is the tagged one: 2-8
+    blocks in one group, or many small groups), so that it stages dGH as copies; on the CUDA
+    cores the planner's pick stands."""
+    from rnncc.schedules.persistent import planner
+
+    p = planner.backward(gates, hidden, batch, dtype, H100, 2, mma=True)
+    assert p.mma and p.sync == "barrier" and planner.publishes_staged_h(p, dtype)
+    assert planner.exchange(p, batch) == "tagged"
+    cores = planner.backward(gates, hidden, min(batch, 16), dtype, H100, 2)
+    assert not cores.mma and cores.sync == planner.exchange(cores, min(batch, 16))
+
+
 def test_forward_plan_stages_h_in_slices_of_k_where_it_does_not_fit_whole():
     """bfloat16 LSTM 2048 at batch 32: W_hh's chunks fill registers and most of shared memory,
     and h (32 x 2048 x 2 bytes) no longer fits beside them: h in slices, with the barrier (the

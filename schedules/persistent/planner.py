@@ -608,11 +608,22 @@ def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: 
     each of the cell's ``params`` per-unit parameters, its value and its gradient summed over
     the steps in registers. Batch groups as :func:`plan` decides them (default: chosen).
     ``mma``: the products on tensor cores, K split among a row group's warps where that fits
-    better, dGH staged in slices of K where nothing fits whole (16-bit weights)."""
-    return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
-                batch_groups=batch_groups, width=gates * hidden,
-                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
-                split_k=mma, slices=mma)
+    better, dGH staged in slices of K where nothing fits whole (16-bit weights), and exchanged
+    through the barrier (:data:`MMA_BACKWARD_SYNC`)."""
+    found = plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
+                 batch_groups=batch_groups, width=gates * hidden,
+                 pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
+                 split_k=mma, slices=mma)
+    return replace(found, sync=MMA_BACKWARD_SYNC) if mma and ELEMENT_BYTES[dtype] == 2 else found
+
+
+#: The backward pass on tensor cores in 16 bits exchanges dGH through the barrier, whatever
+#: the grid: with tagged words each element of dGH is staged on its own, copied whole through
+#: the barrier (:func:`publishes_staged_h`). H200, a training step (forward and backward), us
+#: a step, tagged / barrier (cuDNN): float16 LSTM 128 N32 (8 blocks) 24.7 / 4.1 (4.2), GRU
+#: 64 N64 (2 blocks) 31.2 / 10.5 (3.5), bfloat16 GRU 256 N32 48.9 / 6.2 (10.6), float16 LSTM
+#: 256 N64 (128 blocks, 32 groups) 7.4 / 7.1 (14.7), LSTM 512 N16 8.2 / 6.4 (5.3).
+MMA_BACKWARD_SYNC = "barrier"
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
