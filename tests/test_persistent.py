@@ -582,6 +582,8 @@ def test_half_layers_past_batch_64_are_persistent_only_with_small_weights(dtype)
     assert knobs.plan_for(large, H100, {"batch_groups": 2}, 24).batch_groups == 2
     with pytest.raises(Unfit, match=f"batch 128 in {dtype} is over 64 in two directions"):
         knobs.plan_for(dataclasses.replace(small, directions=2), H100, {}, 24)
+    with pytest.raises(Unfit, match=f"batch 128 in {dtype} is over 64 with a projection"):
+        knobs.plan_for(dataclasses.replace(small, proj_size=64), H100, {}, 24)
     for other in (dataclasses.replace(large, dtype="float32"),
                   dataclasses.replace(large, layers=2)):
         try:
@@ -595,10 +597,10 @@ def test_half_layers_past_batch_64_are_persistent_only_with_small_weights(dtype)
                                                 (320, 48, True), (1024, 16, True)])
 def test_half_layers_take_tensor_cores_past_one_chunk_of_k_through_the_barrier(hidden, batch,
                                                                               mma):
-    """By default a layer of 16-bit weights whose K is one chunk of the tensor cores' (256
-    values) runs on the CUDA cores where that plan fits on-chip; past it on tensor cores,
-    exchanging h through the barrier; knobs that ask for tensor cores get them, through the
-    barrier unless they set the exchange."""
+    """By default a layer of 16-bit weights whose K = H is one chunk of the tensor cores' (256
+    values; no projection) runs on the CUDA cores where that plan fits on-chip; past it on
+    tensor cores, exchanging h through the barrier; knobs that ask for tensor cores get them,
+    through the barrier unless they set the exchange."""
     from rnncc import cells
     from rnncc.schedules.persistent import knobs, planner
     from rnncc.spec import Problem
@@ -606,6 +608,9 @@ def test_half_layers_take_tensor_cores_past_one_chunk_of_k_through_the_barrier(h
     problem = Problem(cells.get("lstm"), 32, hidden, batch, "float16")
     found = knobs.plan_for(problem, H100, {}, 24)
     assert found.mma == mma
+    if hidden == 256 and batch == 64:  # a projection: the tensor cores, as before (unmeasured)
+        assert knobs.plan_for(dataclasses.replace(problem, hidden_size=512, proj_size=256),
+                              H100, {}, 24).mma
     if mma:
         assert found.sync == "barrier"
     if hidden == 64:

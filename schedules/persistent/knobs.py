@@ -3,11 +3,11 @@
 :func:`plan_for` is what ``rnncc compile`` plans and ``rnncc tune`` searches over; it decides,
 one named step after another:
 
-0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows (both directions, or
-   W_hh of more than :data:`HALF_GROUPS_MAX_WEIGHTS` bytes), or at it with W_hh of
-   :data:`HALF_LARGE_WEIGHTS` bytes or more: none, unless knobs ask;
+0. a layer of 16-bit weights past :data:`HALF_MAX_BATCH` batch rows (both directions, a
+   projection, or W_hh of more than :data:`HALF_GROUPS_MAX_WEIGHTS` bytes), or at it with
+   W_hh of :data:`HALF_LARGE_WEIGHTS` bytes or more: none, unless knobs ask;
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
-   no, or K is one chunk of theirs and the CUDA cores' plan fits on-chip
+   no, or H is one chunk of theirs and the CUDA cores' plan fits on-chip
    (:func:`cuda_cores_first`): a plan of their own (the weights on-chip, the input projection
    a separate GEMM, h exchanged through the barrier); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
@@ -84,16 +84,16 @@ OVERLAP_ROOM = (0, 24, 48)
 BIDIR_OVERLAP_MIN_INPUT, BIDIR_OVERLAP_MAX_BATCH = 384, 8
 BIDIR_OVERLAP_ROWS, MIN_STEPS = (16, 8, 12), 4
 #: A layer of 16-bit weights runs persistently by default past HALF_MAX_BATCH batch rows
-#: (in batch groups) only in one direction with W_hh of at most HALF_GROUPS_MAX_WEIGHTS
-#: bytes: larger, one step's tensor-core GEMMs of the non-persistent schedule, their slices of
-#: K filling the GPU, were as fast (H200, float16, us a step, persistent / not, cuDNN: GRU
-#: 1024 N128 (6 MiB) 9.38 / 8.90 (9.19)). Below it the batch groups won, on tensor cores
-#: through the barrier: LSTM 256 N256 4.20 / 16.93 (6.70), GRU 320 N256 4.96 / 19.02 (6.78),
-#: LSTM 448 N192 6.32 / 20.07 (7.49), GRU 512 N128 4.29 / 11.44 (6.91), GRU 768 N256 11.29 /
-#: 14.14 (9.45), LSTM 768 N128 (4.5 MiB) 8.21 / 8.89 (14.93), LSTM 512 N256 7.95 / 8.32
-#: (8.32); and on the CUDA cores at K of one chunk (:func:`cuda_cores_first`): GRU 64 N256
-#: 1.83 / 8.37 (1.50), LSTM 128 N128 2.69 / 6.04 (2.03), GRU 200 N128 3.46 / 10.59 (5.66).
-#: Knobs that ask for a plan still get one.
+#: (in batch groups) only in one direction, without a projection (neither measured), with W_hh
+#: of at most HALF_GROUPS_MAX_WEIGHTS bytes: larger, one step's tensor-core GEMMs of the
+#: non-persistent schedule, their slices of K filling the GPU, were as fast (H200, float16,
+#: us a step, persistent / not, cuDNN: GRU 1024 N128 (6 MiB) 9.38 / 8.90 (9.19)). Below it
+#: the batch groups won, on tensor cores through the barrier: LSTM 256 N256 4.20 / 16.93
+#: (6.70), GRU 320 N256 4.96 / 19.02 (6.78), LSTM 448 N192 6.32 / 20.07 (7.49), GRU 512 N128
+#: 4.29 / 11.44 (6.91), GRU 768 N256 11.29 / 14.14 (9.45), LSTM 768 N128 (4.5 MiB) 8.21 /
+#: 8.89 (14.93), LSTM 512 N256 7.95 / 8.32 (8.32); and on the CUDA cores where H is one chunk
+#: (:func:`cuda_cores_first`): GRU 64 N256 1.83 / 8.37 (1.50), LSTM 128 N128 2.69 / 6.04
+#: (2.03), GRU 200 N128 3.46 / 10.59 (5.66). Knobs that ask for a plan still get one.
 HALF_MAX_BATCH = 64
 HALF_GROUPS_MAX_WEIGHTS = 9 << 19  # 4.5 MiB
 #: At HALF_MAX_BATCH rows, a layer whose W_hh takes this many bytes or more is not persistent
@@ -186,9 +186,10 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
         weights = problem.gates * problem.hidden_size * (problem.proj_size
                                                          or problem.hidden_size) * 2
         past = f"batch {problem.batch} in {problem.dtype} is over {HALF_MAX_BATCH}"
-        if problem.batch > HALF_MAX_BATCH and problem.directions > 1:
-            raise Unfit(f"{past} in two directions: past it the batch groups run one direction "
-                        "by default")
+        if problem.batch > HALF_MAX_BATCH and (problem.directions > 1 or problem.proj_size):
+            raise Unfit(f"{past} "
+                        + ("in two directions" if problem.directions > 1 else "with a projection")
+                        + ": past it the batch groups run one direction without one by default")
         if problem.batch > HALF_MAX_BATCH and weights > HALF_GROUPS_MAX_WEIGHTS:
             raise Unfit(f"{past} with W_hh of {weights / 2**20:.2f} MiB (over "
                         f"{HALF_GROUPS_MAX_WEIGHTS / 2**20:.1f}), where the non-persistent "
@@ -276,8 +277,8 @@ def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None
     return None
 
 
-#: A layer of 16-bit weights runs on the CUDA cores by default, not the tensor cores, where K
-#: is under MMA_MIN_K (one chunk of theirs, 256 values) and that plan fits on-chip
+#: A layer of 16-bit weights runs on the CUDA cores by default, not the tensor cores, where H
+#: (its K) is under MMA_MIN_K (one chunk of theirs, 256 values) and that plan fits on-chip
 #: (:func:`cuda_cores_first`): a tensor-core block takes at least 8 units (4 warps of 8 rows),
 #: so a layer that small gets only a few. H200, float16, us a step, CUDA cores / tensor cores
 #: through the barrier: LSTM 64 N64 0.88 / 3.09, LSTM 256 N64 2.79 / 3.20, GRU 128 N128 2.20 /
@@ -292,12 +293,12 @@ MMA_SYNC = "barrier"
 
 
 def cuda_cores_first(request: _Request, reg_margin: int, tight: bool) -> Plan | None:
-    """The CUDA cores' plan, weights on-chip, of a layer of 16-bit weights whose K (H, or P)
-    is under :data:`MMA_MIN_K` and whose knobs are unset; else (or where that plan does not
-    fit) None: the tensor cores' plan is tried first."""
+    """The CUDA cores' plan, weights on-chip, of a layer of 16-bit weights whose K = H is
+    under :data:`MMA_MIN_K` (no projection: unmeasured) and whose knobs are unset; else (or
+    where that plan does not fit) None: the tensor cores' plan is tried first."""
     problem = request.problem
     if (request.knobs or problem.dtype not in ("float16", "bfloat16") or problem.layers > 1
-            or (problem.proj_size or problem.hidden_size) >= MMA_MIN_K):
+            or problem.proj_size or problem.hidden_size >= MMA_MIN_K):
         return None
     for margin in _margins(request, reg_margin, tight):
         try:
