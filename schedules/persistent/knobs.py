@@ -189,7 +189,8 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
         if problem.batch > HALF_MAX_BATCH and (problem.directions > 1 or problem.proj_size):
             raise Unfit(f"{past} "
                         + ("in two directions" if problem.directions > 1 else "with a projection")
-                        + ": past it the batch groups run one direction without one by default")
+                        + ": past it the batch groups run by default in one direction, without "
+                        "a projection")
         if problem.batch > HALF_MAX_BATCH and weights > HALF_GROUPS_MAX_WEIGHTS:
             raise Unfit(f"{past} with W_hh of {weights / 2**20:.2f} MiB (over "
                         f"{HALF_GROUPS_MAX_WEIGHTS / 2**20:.1f}), where the non-persistent "
