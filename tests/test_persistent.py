@@ -615,7 +615,8 @@ def test_half_layers_take_tensor_cores_past_one_chunk_of_k_through_the_barrier(h
         assert found.sync == "barrier"
     if hidden == 64:
         asked = knobs.plan_for(problem, H100, {"mma": True}, 24)
-        assert asked.mma and asked.sync == "barrier" != planner.exchange(asked, batch)
+        assert asked.mma and asked.sync == "barrier"  # a grid the tagged words would take:
+        assert planner.exchange(dataclasses.replace(asked, mma=False), batch) == "tagged"
         assert knobs.plan_for(problem, H100, {"mma": True, "sync": "tagged"}, 24).sync == "tagged"
 
 
@@ -1035,7 +1036,7 @@ def test_backward_plan_on_tensor_cores_exchanges_through_the_barrier(gates, hidd
 
     p = planner.backward(gates, hidden, batch, dtype, H100, 2, mma=True)
     assert p.mma and p.sync == "barrier" and planner.publishes_staged_h(p, dtype)
-    assert planner.exchange(p, batch) == "tagged"
+    assert planner.exchange(dataclasses.replace(p, mma=False), batch) == "tagged"
     cores = planner.backward(gates, hidden, min(batch, 16), dtype, H100, 2)
     assert not cores.mma and cores.sync == planner.exchange(cores, min(batch, 16))
 

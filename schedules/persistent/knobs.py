@@ -9,7 +9,7 @@ one named step after another:
 1. the products on tensor cores (:func:`tensor_cores`) where they apply, unless the knobs say
    no, or H is one chunk of theirs and the CUDA cores' plan fits on-chip
    (:func:`cuda_cores_first`): a plan of their own (the weights on-chip, the input projection
-   a separate GEMM, h exchanged through the barrier); else
+   a separate GEMM, h exchanged through the barrier: :data:`.planner.MMA_HALF_SYNC`); else
 2. where the weights live (:func:`weights_on_chip`): on-chip with the register margin, else
    with none (ptxas then says whether it spills), else streamed in part from L2;
 3. the knobs that only set a field (sync, unroll);
@@ -266,13 +266,9 @@ def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None
     else:
         for margin in _margins(request, reg_margin, tight):
             try:
-                found = request.weights(margin, mma=True)
+                return request.weights(margin, mma=True)
             except Unfit as err:
                 why = str(err)
-                continue
-            if "sync" in knobs or problem.dtype == "float32":
-                return found
-            return dataclasses.replace(found, sync=MMA_SYNC)
     if mma:
         raise Unfit(f"mma=True, but the tensor-core products do not apply: {why}")
     return None
@@ -286,11 +282,6 @@ def tensor_cores(request: _Request, reg_margin: int, tight: bool) -> Plan | None
 #: 3.34; it lost LSTM 256 N128 5.12 / 3.73, LSTM 128 N256 4.76 / 3.65 (K of two chunks: LSTM
 #: 320 N64 6.13 / 3.07).
 MMA_MIN_K = 257
-#: Tensor cores in 16 bits exchange h through the barrier by default: with tagged words each
-#: element of h is staged on its own (:func:`.planner.publishes_staged_h`). H200, float16, us
-#: a step, tagged / barrier (8-32 blocks, one batch group): LSTM 64 N64 13.03 / 3.09, LSTM 256
-#: N64 28.33 / 3.20, GRU 200 N64 28.58 / 3.34.
-MMA_SYNC = "barrier"
 
 
 def cuda_cores_first(request: _Request, reg_margin: int, tight: bool) -> Plan | None:

@@ -288,14 +288,27 @@ TAGGED_MAX_GROUP_LOAD = 32
 TAGGED_OVERLAPPED_MAX_LOAD = 128
 
 
+#: Tensor cores in 16 bits exchange h (the backward pass: dGH) through the barrier, whatever
+#: the grid: with tagged words each element is staged on its own, through the barrier copied
+#: whole (:func:`publishes_staged_h`). H200, us a step, tagged / barrier (cuDNN): float16
+#: LSTM 64 N64 (8 blocks, one batch group) 13.03 / 3.09 (1.20), LSTM 256 N64 (32) 28.33 /
+#: 3.20, GRU 200 N64 (25) 28.58 / 3.34; a training step (forward and backward): float16 LSTM
+#: 128 N32 (backward on 8 blocks) 24.7 / 4.1 (4.2), GRU 64 N64 (2 blocks) 31.2 / 10.5 (3.5),
+#: bfloat16 GRU 256 N32 48.9 / 6.2 (10.6), float16 LSTM 256 N64 (32 groups of 4 blocks) 7.4 /
+#: 7.1 (14.7), LSTM 512 N16 8.2 / 6.4 (5.3).
+MMA_HALF_SYNC = "barrier"
+
+
 def exchange(p: Plan, batch: int) -> str:
-    """How ``p`` (a whole plan at batch ``batch``) exchanges h unless a knob says: "tagged"
-    words on small grids, else "barrier" (a counter barrier), where every block polling every
-    word of h would load L2 more than one counter: never with h staged in slices of K; where
-    the input projection is overlapped, up to :data:`TAGGED_OVERLAPPED_MAX_LOAD` blocks times
-    rows; else on at most :data:`TAGGED_MAX_BLOCKS` blocks a grid, in batch groups only where
-    a group's blocks times its rows are at most :data:`TAGGED_MAX_GROUP_LOAD` (H200:
-    docs/benchmarks.md)."""
+    """How ``p`` (a whole plan at batch ``batch``) exchanges h unless a knob says: on tensor
+    cores in 16 bits :data:`MMA_HALF_SYNC`; else "tagged" words on small grids, else
+    "barrier" (a counter barrier), where every block polling every word of h would load L2
+    more than one counter: never with h staged in slices of K; where the input projection is
+    overlapped, up to :data:`TAGGED_OVERLAPPED_MAX_LOAD` blocks times rows; else on at most
+    :data:`TAGGED_MAX_BLOCKS` blocks a grid, in batch groups only where a group's blocks
+    times its rows are at most :data:`TAGGED_MAX_GROUP_LOAD` (H200: docs/benchmarks.md)."""
+    if p.mma and p.vec == 8:  # 16-bit operands, 8 a 16-byte vector
+        return MMA_HALF_SYNC
     load = p.group_blocks * (batch // p.batch_groups)
     if p.k_slices > 1:
         return "barrier"
@@ -608,22 +621,11 @@ def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: 
     each of the cell's ``params`` per-unit parameters, its value and its gradient summed over
     the steps in registers. Batch groups as :func:`plan` decides them (default: chosen).
     ``mma``: the products on tensor cores, K split among a row group's warps where that fits
-    better, dGH staged in slices of K where nothing fits whole (16-bit weights), and exchanged
-    through the barrier (:data:`MMA_BACKWARD_SYNC`)."""
-    found = plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
-                 batch_groups=batch_groups, width=gates * hidden,
-                 pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
-                 split_k=mma, slices=mma)
-    return replace(found, sync=MMA_BACKWARD_SYNC) if mma and ELEMENT_BYTES[dtype] == 2 else found
-
-
-#: The backward pass on tensor cores in 16 bits exchanges dGH through the barrier, whatever
-#: the grid: with tagged words each element of dGH is staged on its own, copied whole through
-#: the barrier (:func:`publishes_staged_h`). H200, a training step (forward and backward), us
-#: a step, tagged / barrier (cuDNN): float16 LSTM 128 N32 (8 blocks) 24.7 / 4.1 (4.2), GRU
-#: 64 N64 (2 blocks) 31.2 / 10.5 (3.5), bfloat16 GRU 256 N32 48.9 / 6.2 (10.6), float16 LSTM
-#: 256 N64 (128 blocks, 32 groups) 7.4 / 7.1 (14.7), LSTM 512 N16 8.2 / 6.4 (5.3).
-MMA_BACKWARD_SYNC = "barrier"
+    better, dGH staged in slices of K where nothing fits whole (16-bit weights)."""
+    return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
+                batch_groups=batch_groups, width=gates * hidden,
+                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
+                split_k=mma, slices=mma)
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).
