@@ -317,6 +317,9 @@ class Plan:
         #: past K zero-filled (by the TMA engine past its tensor maps), B's rows past O read
         #: its last, columns past O not stored
         self.tail = product.tails
+        #: the k from which the operands read zero (a gradient's M, a product's K past whole
+        #: chunks), else None
+        self.k_end = self.tile.m if self.gradient else product.depth if self.tail else None
         self.j_tiles = -(-product.columns // cols)
         self.tiles = self.grid = product.parts * self.tile.i_tiles * self.j_tiles
         self.rounds = 1  # tiles a block takes, at most
@@ -388,9 +391,8 @@ class Plan:
 
     def value(self, io, op: int, i, k):
         """:meth:`source`, zero at a gradient's k past M and past a product's K."""
-        if self.gradient or self.tail:
-            end = self.tile.m if self.gradient else self.product.depth
-            return tirx.if_then_else(k < end, self.source(io, op, i, k),
+        if self.k_end is not None:
+            return tirx.if_then_else(k < self.k_end, self.source(io, op, i, k),
                                      tirx.const(0, io[op].dtype))
         return self.source(io, op, i, k)
 
@@ -443,12 +445,11 @@ def _copy(p, io, op, smem, stage, k0, t, tx):
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
         i, k = T.meta_var(p.at(op, row, piece, t, k0))
-        if p.gradient or p.tail:
-            end = T.meta_var(p.tile.m if p.gradient else p.product.depth)
+        if p.k_end is not None:
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),
                 T.address_of(p.source(io, op, i, k)), 16,
-                T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < end, 16, 0)))
+                T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < p.k_end, 16, 0)))
         else:
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),
