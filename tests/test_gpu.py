@@ -209,6 +209,30 @@ def test_half_layers_of_small_weights_in_batch_groups_match_reference(cell, c, h
     check_repeats_exactly(module, rng, steps=100, entry="persistent")
 
 
+@pytest.mark.parametrize("cell, c, h, n, dtype, knobs, options", [
+    ("lstm", 32, 32, 512, "float16", {}, {}), ("gru", 24, 24, 400, "float16", {}, {}),
+    ("gru", 64, 64, 64, "float32", {}, {"lengths": True}), ("lstm", 20, 64, 1, "float32", {}, {}),
+    ("gru", 40, 64, 256, "float32", {}, {"lengths": True}),
+    ("gru_reset_before", 33, 33, 3, "float32", {}, {"lengths": True}),
+    ("ln_lstm", 33, 33, 4, "float32", {}, {}),
+    ("lstm", 16, 16, 64, "float16", {"mma": True, "max_blocks": 1}, {}),
+    ("gru", 40, 48, 6, "bfloat16", {}, {"directions": 2, "lengths": True})])
+def test_batch_groups_of_one_block_keep_h_within_it(cell, c, h, n, dtype, knobs, options, rng):
+    """Small H, a batch group a block (tensor cores too, a cell that exchanges a value or
+    means before h, both directions): h_t stays in the block's shared memory for the next
+    step (``sync="local"``), in chunks as narrow as K; against float64 at T = 1, 37 and 100,
+    lengths included, and the same bits run after run."""
+    module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype, knobs=knobs or None,
+                           tuning="off", **options)
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["sync"] == "local"
+    assert plan["blocks"] == plan["batch_groups"] * plan["directions"]
+    lengths = options.get("lengths", False)
+    check_across_steps(module, rng, lengths=lengths)
+    if not lengths:
+        check_repeats_exactly(module, rng, steps=100, entry="persistent")
+
+
 @pytest.mark.parametrize("cell, hidden, batch, dtype", [
     ("lstm", 2048, 32, "bfloat16"), ("gru", 2048, 64, "float16"), ("lstm", 1536, 64, "bfloat16")])
 def test_h_staged_in_slices_matches_reference(cell, hidden, batch, dtype, rng):

@@ -29,7 +29,7 @@ def test_plans_that_fit(gates, hidden, batch):
     assert p.threads * p.items >= p.units * batch  # every (unit, batch) pair has a thread
     weights = p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * p.vec
     assert weights >= gates * hidden * hidden  # the packed layout holds all of W_hh
-    assert p.sync == ("tagged" if p.blocks <= 32 else "barrier")
+    assert p.sync == ("local" if p.blocks == 1 else "tagged" if p.blocks <= 32 else "barrier")
 
 
 @pytest.mark.parametrize("gates, hidden, batch, groups, sync", [
@@ -116,10 +116,13 @@ def test_overlapped_projections_exchange_h_tagged_where_blocks_poll_little(cell,
 
 @pytest.mark.parametrize("gates, hidden, batch", [(4, 2048, 4), (3, 2048, 1), (4, 33, 7)])
 def test_float16_plans_hold_twice_the_weights(gates, hidden, batch):
-    """Half weights: 8 a 16-byte chunk, so a chunk of a row takes 4 registers, as in float32."""
+    """Half weights: 8 a 16-byte chunk, so a chunk of a row takes 4 registers, as in float32
+    (H 33: 2 a lane, a narrow chunk of 64)."""
     p = plan(gates, hidden, batch, "float16", H100, states=2)
-    assert p.vec == 8 and p.chunks == -(-hidden // 256)
-    assert p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * 8 >= gates * hidden * hidden
+    assert p.vec == (8 if hidden > 128 else 2) and p.chunks == -(-hidden // (32 * p.vec))
+    assert p.lane_bytes == 2 * p.vec
+    assert (p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * p.vec
+            >= gates * hidden * hidden)
     assert p.smem_bytes <= H100.smem_per_block and p.reg_estimate <= 255
 
 
@@ -645,7 +648,7 @@ def test_half_layers_of_large_weights_at_batch_64_are_not_persistent_by_default(
 
 @pytest.mark.parametrize("gates, input_size, hidden, batch, rows", [
     (4, 1024, 1024, 1, None), (4, 1024, 1024, 4, None), (3, 33, 257, 3, None),
-    (1, 7, 3, 1, None), (4, 100, 64, 7, 5), (3, 1024, 1024, 4, 200)])
+    (1, 7, 97, 1, None), (4, 100, 72, 7, 5), (3, 1024, 1024, 4, 200)])
 def test_fused_input_plans(gates, input_size, hidden, batch, rows):
     """A fused input projection keeps the plan, takes whole groups of 4 rows of x (``rows``
     rounded up, capped by the accumulators) and stays within shared memory."""
@@ -1079,3 +1082,67 @@ def test_backward_plan_stages_dgh_in_slices_of_k(dtype):
     assert plan(4, 1024, 64, dtype, H100, 2, batch_groups=None, mma=True).k_slices == 1
     with pytest.raises(Unfit, match="no split into batch groups of at most 16 fits"):
         planner.backward(4, 1024, 64, "float32", H100, 2)
+
+
+@pytest.mark.parametrize("hidden, dtype, vec", [
+    (32, "float16", 1), (24, "float16", 1), (56, "float16", 2), (128, "float16", 4),
+    (200, "float16", 8), (257, "float16", 8), (33, "float32", 2), (64, "float32", 2),
+    (100, "float32", 4), (1, "float32", 1), (3, "bfloat16", 1)])
+def test_cuda_core_chunks_narrow_to_k_under_one_chunk_a_lane(hidden, dtype, vec):
+    """Where K is under one 16-byte chunk of every lane, a lane's chunk is the fewest elements
+    that hold K in one (planner: "Narrow chunks"): its weights' registers and bytes shrink with
+    it; tensor cores keep 16 bytes, and a narrow plan fuses no input projection."""
+    from rnncc.schedules.persistent import planner
+
+    elem = planner.ELEMENT_BYTES[dtype]
+    p = plan(3, hidden, 2, dtype, H100)
+    assert p.vec == vec == planner.narrow_vec(hidden, elem) and p.lane_bytes == vec * elem
+    assert p.chunks == 1 if hidden <= 32 * 16 // elem else p.chunks > 1
+    assert p.chunk_bytes == p.warps * p.rows_per_warp * 32 * vec * elem
+    if vec * elem < 16:
+        assert fuse_input(p, 3, 1024, 2, H100) is None
+    if dtype != "float32" and hidden >= 64:
+        mma = plan(3, hidden, 64, dtype, H100, mma=True)
+        assert mma.vec == 8 and mma.lane_bytes == 16
+
+
+@pytest.mark.parametrize("cell, hidden, batch, dtype", [
+    ("lstm", 32, 512, "float16"), ("gru", 24, 400, "float16"), ("gru", 64, 64, "float32"),
+    ("lstm", 64, 1, "float32"), ("lstm", 128, 256, "float16")])
+def test_a_batch_group_of_one_block_exchanges_h_within_it(cell, hidden, batch, dtype):
+    """Small H at any batch: a batch group is one block, which keeps h in its own shared
+    memory ("local", counted in its plan); knobs may still ask for another exchange, and
+    "local" on groups of more blocks is refused, naming what it takes."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs, planner
+    from rnncc.spec import Problem
+
+    problem = Problem(cells.get(cell), hidden, hidden, batch, dtype=dtype)
+    p = knobs.plan_for(problem, H100, {}, 24)
+    local = planner.local_bytes(p, batch // p.batch_groups)
+    assert p.group_blocks == 1 and p.sync == "local" and local > 0
+    assert not planner.publishes_staged_h(p, dtype)
+    assert local == batch // p.batch_groups * p.chunks * 32 * p.vec * 4  # float32 h
+    assert knobs.plan_for(problem, H100, {"sync": "tagged"}, 24).sync == "tagged"
+    assert knobs.plan_for(problem, H100, {"sync": "local"}, 24).sync == "local"
+    wide = Problem(cells.get(cell), 512, 512, 4, dtype=dtype)
+    assert knobs.plan_for(wide, H100, {}, 24).sync != "local"
+    with pytest.raises(Unfit, match="sync='local' keeps h in one block: it takes a batch "
+                                    "group of one block"):
+        knobs.plan_for(wide, H100, {"sync": "local", "batch_groups": 1}, 24)
+
+
+def test_one_block_plans_count_the_local_exchange_in_shared_memory():
+    """A tensor-core plan of one block a group stages h in 16 bits for whole tiles: the
+    "local" exchange keeps as many bytes more; a backward plan of one block exchanges dGH so
+    too."""
+    from rnncc.schedules.persistent import planner
+
+    p = plan(4, 16, 64, "float16", H100, mma=True, max_blocks=1)
+    assert p.blocks == 1 and p.sync == "local"
+    assert planner.local_bytes(p, 64) == 64 * 256 * 2
+    assert p.smem_bytes == (planner.mma_staging_bytes(p, 64) + planner.local_bytes(p, 64)
+                            + p.smem_chunks * p.chunk_bytes)
+    back = planner.backward(3, 24, 4, "float32", H100, 1)
+    assert back.group_blocks == 1 and back.sync == "local" and back.vec == 4
+

@@ -42,12 +42,14 @@ H100 = gpu_for_arch("sm_90")
 
 
 def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, width=None,
-            **fields):
+            vec=None, **fields):
     """A plan of ``units`` a block and ``warps`` a block whose chunks of K (``width``,
     default H) are ``split`` (in registers, shared memory, global memory; default all in
     registers): the interpreter holds any split, whatever a GPU's registers and shared memory
-    would. ``rows_per_warp`` may exceed the block's rows (the last warp's past them zero)."""
-    vec = 16 // planner.ELEMENT_BYTES[dtype]
+    would. ``rows_per_warp`` may exceed the block's rows (the last warp's past them zero).
+    ``vec``: a lane's elements of a chunk, if not 16 bytes' (planner: "Narrow chunks")."""
+    vec = vec or 16 // planner.ELEMENT_BYTES[dtype]
+    fields.setdefault("lane_bytes", vec * planner.ELEMENT_BYTES[dtype])
     chunks = -(-(width or hidden) // (32 * vec))
     kr, ks, kg = split or (chunks, 0, 0)
     assert kr + ks + kg == chunks
@@ -57,6 +59,13 @@ def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, wid
         chunks=chunks, reg_chunks=kr,
         smem_chunks=ks, global_chunks=kg, items=-(-units * (batch // groups) // (32 * warps)),
         reg_estimate=0, smem_bytes=0, batch_groups=groups, **fields)
+
+
+def tagged(gates, hidden, batch, **fields):
+    """A float32 plan of 12 units a block (H 33: three blocks, the last of 9) that exchanges
+    tagged words: the planner's own plan at such H is one block a group, which keeps h to
+    itself (``"local"``)."""
+    return crafted(gates, hidden, batch, "float32", 12, 2, sync="tagged", **fields)
 
 
 def split_k(p, parts: int):
@@ -141,7 +150,8 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
     if p.sync == "tagged":
         args.update({"hw": made[count], **{f"aw{r}": made[count + 1 + r] for r in range(values)}})
     else:
-        args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
+        if p.sync != "local":
+            args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
         args.update({f"aw{r}": np.full((2, dirs * n, h), np.nan, np.float32)
                      for r in range(values)})
     if not folded:  # the kernel writes the final states
@@ -252,8 +262,17 @@ def _overlapped(base, gates, input_size, batch, steps):
 SMALL_SMEM = dataclasses.replace(H100, smem_per_block=16000)
 
 KERNELS = {
-    "tagged": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
+    "tagged": lambda: ("lstm", 5, 33, 3, "float32", tagged(4, 33, 3)),
+    "local, the planner's, narrow chunks": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
         4, 33, 3, "float32", H100, 2)),
+    "local, batch groups, chunks of one element": lambda: ("gru", 6, 20, 6, "float16", crafted(
+        3, 20, 6, "float16", 20, 2, groups=3, vec=1, sync="local")),
+    "local, tensor cores, tiles": lambda: ("lstm", 5, 16, 20, "float16", crafted(
+        4, 16, 20, "float16", 16, 8, mma=True, sync="local", rows_per_warp=8)),
+    "local, fused": lambda: ("gru", 37, 70, 2, "float32", _fused(crafted(
+        3, 70, 2, "float32", 70, 8, sync="local"), 3, 37, 2, 8)),
+    "local, overlapped": lambda: ("lstm", 64, 70, 2, "float32", _overlapped(crafted(
+        4, 70, 2, "float32", 70, 8, sync="local"), 4, 64, 2, 2)),
     "barrier, K in registers, shared and global memory": lambda: (
         "gru", 7, 300, 2, "float32", crafted(3, 300, 2, "float32", 40, 4, (1, 1, 1),
                                              sync="barrier")),
@@ -290,7 +309,7 @@ KERNELS = {
         crafted(3, 40, 4, "float32", 5, 2, sync="barrier"), 3, 37, 4, 3)),
     "overlapped, grid": lambda: ("rnn_relu", 16, 33, 4, "float32", _overlapped(
         crafted(1, 33, 4, "float32", 9, 1, sync="grid"), 1, 16, 4, 1)),
-    "bidirectional, tagged": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
+    "bidirectional, local": lambda: ("lstm", 5, 33, 3, "float32", planner.plan(
         4, 33, 3, "float32", H100, 2, directions=2)),
     "bidirectional, overlapped, asynchronous copies": lambda: ("lstm", 64, 33, 2, "float32",
                                                                _overlapped(crafted(
@@ -340,6 +359,7 @@ def test_kernel_variant_matches_reference(name, rng):
     cell, input_size, hidden, batch, dtype, p = KERNELS[name]()
     if name == "fused in slabs":
         assert p.input_slab > 0
+    assert (p.sync == "local") == ("local" in name)
     check_kernel(cell, p, input_size, hidden, batch, dtype, rng)
 
 
@@ -348,7 +368,8 @@ def test_kernel_variant_matches_reference(name, rng):
     "bidirectional, barrier, batch groups, K in three places")([
         "tagged", "barrier, K in registers, shared and global memory",
         "batch groups", "tensor cores", "fused, odd C", "overlapped, staged x, barrier",
-        "bidirectional, tagged", "bidirectional, overlapped, asynchronous copies",
+        "bidirectional, local", "bidirectional, overlapped, asynchronous copies",
+        "local, batch groups, chunks of one element", "local, tensor cores, tiles",
         "bidirectional, overlapped, staged x, batch groups",
         "bidirectional, barrier, batch groups, K in three places"]))
 def test_kernel_with_lengths_matches_reference(name, rng):
@@ -379,7 +400,7 @@ def test_kernel_of_a_cell_whose_new_state_reads_the_previous_h(rng):
 
 @pytest.mark.parametrize("name", ["tagged", "tensor cores", "fused, batch groups",
                                   "overlapped, asynchronous copies",
-                                  "bidirectional, tagged"])
+                                  "bidirectional, local"])
 def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
     """The peephole LSTM, whose step reads its peephole weights (one register a pair and
     parameter, loaded once): LSTM-shaped plan variants, lengths included."""
@@ -390,8 +411,8 @@ def test_kernel_of_a_cell_with_per_unit_parameters(name, rng):
                  lengths=True)
 
 
-@pytest.mark.parametrize("name", _slow("fused", "grid", "overlapped, barrier")([
-    "tagged", "tensor cores", "fused", "bidirectional", "barrier, batch groups", "grid",
+@pytest.mark.parametrize("name", _slow("fused", "grid", "overlapped, barrier", "tagged")([
+    "tagged", "local", "tensor cores", "fused", "bidirectional", "barrier, batch groups", "grid",
     "overlapped, barrier"]))
 def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
     """The GRU that resets before its product: each step evaluates the cell up to r * h,
@@ -399,8 +420,9 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
     multiplies the weights by it and then applies the cell (W_hn's rows the product), lengths
     included (T = 1 and 5)."""
     input_size, hidden, batch, dtype, p = {
-        "tagged": lambda: (6, 33, 3, "float32", planner.plan(3, 33, 3, "float32", H100, 1,
-                                                              batch_groups=None)),
+        "tagged": lambda: (6, 33, 3, "float32", tagged(3, 33, 3)),
+        "local": lambda: (6, 33, 3, "float32", planner.plan(3, 33, 3, "float32", H100, 1,
+                                                             batch_groups=None)),
         "tensor cores": lambda: (6, 64, 3, "float16", crafted(3, 64, 3, "float16", 8, 3,
                                                               mma=True)),
         "fused": lambda: (37, 33, 3, "float32", _fused(crafted(3, 33, 3, "float32", 5, 2), 3,
@@ -417,7 +439,7 @@ def test_kernel_of_a_step_that_takes_a_product_of_its_value(name, rng):
 
 
 @pytest.mark.parametrize("cell, name", [
-    ("ln_lstm", name) for name in ("tagged", "barrier, batch groups", "tensor cores")
+    ("ln_lstm", name) for name in ("tagged", "local", "barrier, batch groups", "tensor cores")
 ] + [pytest.param("ln_lstm", name, marks=pytest.mark.slow) for name in (
     "tensor cores, more batch rows than threads", "bidirectional")] + [("ln_gru", "tagged")] + [
     pytest.param("ln_gru", name, marks=pytest.mark.slow) for name in (
@@ -430,8 +452,9 @@ def test_kernel_of_a_step_that_takes_means(cell, name, rng):
     gates = rnncc.cells.get(cell).gates
     states = len(rnncc.cells.get(cell).states)
     input_size, hidden, batch, dtype, p = {
-        "tagged": lambda: (6, 33, 3, "float32", planner.plan(gates, 33, 3, "float32", H100,
-                                                              states, batch_groups=None)),
+        "tagged": lambda: (6, 33, 3, "float32", tagged(gates, 33, 3)),
+        "local": lambda: (6, 33, 3, "float32", planner.plan(gates, 33, 3, "float32", H100,
+                                                             states, batch_groups=None)),
         "barrier, batch groups": lambda: (6, 33, 4, "float32", crafted(
             gates, 33, 4, "float32", 8, 2, groups=2, sync="barrier")),
         "tensor cores": lambda: (6, 64, 3, "float16", crafted(gates, 64, 3, "float16", 8,
@@ -450,9 +473,8 @@ def test_kernel_takes_a_variance_exactly_far_from_zero(cell, name, rng):
     300): each block's sums are about a value of the row (its first unit's), as exact as the
     two rounds of mean then variance (2-6e-5 here, the float32 sums' own rounding at 300),
     where a mean of squares less the square of the mean gave 4e-3 to 6e-2."""
-    gates, states = rnncc.cells.get(cell).gates, len(rnncc.cells.get(cell).states)
-    p = {"tagged": lambda: planner.plan(gates, 33, 3, "float32", H100, states,
-                                        batch_groups=None),
+    gates = rnncc.cells.get(cell).gates
+    p = {"tagged": lambda: tagged(gates, 33, 3),
          "barrier": lambda: crafted(gates, 33, 4, "float32", 8, 2, groups=2, sync="barrier"),
          }[name]()
     check_kernel(cell, p, 6, 33, 4 if name == "barrier" else 3, "float32", rng, steps=(3,),
@@ -469,13 +491,11 @@ def test_kernel_takes_means_from_each_blocks_sums(cell, name, rng):
     their squares about it (one word a block, not a unit), weighted by the block's units
     (the last block's fewer at H 33), summed about the block's own mean: against float64
     with lengths, and with b_hh 300 as exact as the units' values."""
-    gates, states = rnncc.cells.get(cell).gates, len(rnncc.cells.get(cell).states)
-    p = {"tagged": lambda: planner.plan(gates, 33, 3, "float32", H100, states,
-                                        batch_groups=None),
+    gates = rnncc.cells.get(cell).gates
+    p = {"tagged": lambda: tagged(gates, 33, 3),
          "barrier, batch groups": lambda: crafted(gates, 33, 4, "float32", 8, 2, groups=2,
                                                   sync="barrier"),
-         "bidirectional": lambda: planner.plan(gates, 33, 3, "float32", H100, states,
-                                               directions=2),
+         "bidirectional": lambda: tagged(gates, 33, 3, directions=2),
          "tensor cores": lambda: crafted(gates, 64, 3, "float16", 8, gates, mma=True)}[name]()
     p = dataclasses.replace(p, mean_partials=True)
     if p.mma:  # float16 on tensor cores, H 64 in blocks of 8 units
@@ -523,7 +543,7 @@ def test_kernel_takes_a_round_of_more_vectors_than_a_batch_of_words(name, rng):
     try:
         levels, _ = one_round_levels(cell)
         assert len(levels) == 1 and len(levels[0]) == 10
-        p = {"tagged": lambda: planner.plan(2, 33, 3, "float32", H100, 1, batch_groups=None),
+        p = {"tagged": lambda: tagged(2, 33, 3),
              "barrier": lambda: crafted(2, 33, 3, "float32", 8, 2, sync="barrier")}[name]()
         assert p.sync == name
         check_kernel("many_norms", p, 6, 33, 3, "float32", rng, steps=(3,))
@@ -584,7 +604,7 @@ def kernel_args(spec, steps):
             args[f"s{k}_n"] = np.full((1, n, h), np.nan, spec.dtype)
     if spec.tagged:
         args["hw"] = np.zeros((2, n, h), np.uint64)
-    else:
+    elif not spec.local:
         args["cnt"] = np.zeros(p.batch_groups, np.uint32)
     if buffers.published_h(p, n, spec.dtype):
         shape, hx_dtype = buffers.published_h(p, n, spec.dtype)
@@ -1003,13 +1023,12 @@ def test_training_forward_of_a_step_that_takes_means_keeps_its_states_and_parts(
     means as in inference): y, every step's states and the projections' parts the backward
     pass takes, against float64 with random lengths."""
     cell = rnncc.cells.get(cell_name)
-    gates, states = cell.gates, len(cell.states)
-    p = {"tagged": lambda: planner.plan(gates, 33, 4, "float32", H100, states,
-                                        batch_groups=None),
+    gates = cell.gates
+    p = {"tagged": lambda: tagged(gates, 33, 4),
          "barrier, batch groups": lambda: crafted(gates, 33, 4, "float32", 8, 2, groups=2,
                                                   sync="barrier"),
-         "tagged, block sums": lambda: dataclasses.replace(planner.plan(
-             gates, 33, 4, "float32", H100, states, batch_groups=None), mean_partials=True),
+         "tagged, block sums": lambda: dataclasses.replace(tagged(gates, 33, 4),
+                                                           mean_partials=True),
          }[name]()
     kept, steps, batch, h = kept_parts(cell), 4, 4, 33
     weights = {k: v.astype("float32") for k, v in
@@ -1110,7 +1129,7 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
                                                     EMPTY_TAG, zero_h=True),
                                np.zeros((2, n, g * h), np.float32),
                                np.zeros((2, n, g * h), np.uint64))[1]
-        else:
+        elif p.sync != "local":
             args["cnt"] = np.zeros(p.batch_groups, np.uint32)
         if ln is not None:
             args["lengths"] = ln.astype(np.int32)
@@ -1134,8 +1153,14 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
 
 
 BACKWARD_KERNELS = {
-    "tagged, planned": lambda: ("lstm", 33, 3, "float32", planner.backward(
+    "tagged": lambda: ("lstm", 33, 3, "float32", crafted(1, 33, 3, "float32", 12, 2,
+                                                         width=132, sync="tagged")),
+    "local, planned": lambda: ("lstm", 33, 3, "float32", planner.backward(
         4, 33, 3, "float32", H100, 2, batch_groups=1)),
+    "local, chunks of two elements": lambda: ("gru", 20, 3, "float16", crafted(
+        1, 20, 3, "float16", 20, 2, width=60, vec=2, sync="local")),
+    "local, tensor cores, tiles": lambda: ("lstm", 16, 20, "float16", crafted(
+        1, 16, 20, "float16", 16, 2, width=64, sync="local", mma=True, rows_per_warp=8)),
     "barrier, K in registers and shared memory": lambda: (
         "gru", 50, 2, "float32", crafted(1, 50, 2, "float32", 8, 2, (1, 1, 0), width=150,
                                          sync="barrier")),
@@ -1177,8 +1202,8 @@ def test_backward_kernel_matches_reference(name, rng):
     check_backward_kernel(cell, p, hidden, batch, dtype, rng)
 
 
-@pytest.mark.parametrize("name", ["tagged, planned", "barrier, K in registers and shared memory",
-                                  "batch groups"])
+@pytest.mark.parametrize("name", ["tagged", "local, planned",
+                                  "barrier, K in registers and shared memory", "batch groups"])
 def test_backward_kernel_with_lengths_matches_reference(name, rng):
     """Past its sample's length a pair's projections get no gradient and its states' pass
     through (lengths 1 to T)."""
@@ -1186,7 +1211,7 @@ def test_backward_kernel_with_lengths_matches_reference(name, rng):
     check_backward_kernel(cell, p, hidden, batch, dtype, rng, lengths=True)
 
 
-@pytest.mark.parametrize("name", ["tagged, planned", "batch groups"])
+@pytest.mark.parametrize("name", ["local, planned", "batch groups"])
 def test_backward_kernel_of_a_cell_with_per_unit_parameters(name, rng):
     """The peephole LSTM: the parameters' gradients summed over the steps (a batch row each)
     and the other gradients through them, lengths 1 to T."""

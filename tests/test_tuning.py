@@ -39,7 +39,7 @@ def test_round_trip_applies_knobs_and_names_log(root):
     assert plan["sync"] == "barrier" and plan["blocks"] <= 4
     off = rnncc.compile("lstm", 16, 16, 2, gpu="h200", tuning="off")
     assert off.metadata["tuning"]["log"] is None
-    assert off.metadata["schedule"]["persistent"]["plan"]["sync"] == "tagged"
+    assert off.metadata["schedule"]["persistent"]["plan"]["sync"] == "local"
 
 
 def test_nearby_configuration_gives_its_knobs(root):

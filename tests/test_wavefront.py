@@ -67,7 +67,7 @@ def test_what_does_not_fit_or_is_not_a_stack_is_refused():
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc")
 def test_a_wavefront_module_takes_every_layers_weights_and_states():
     module = rnncc.compile("gru", 24, 24, 3, arch="sm_90", layers=3, lengths=True,
-                           tuning="off")
+                           tuning="off", knobs={"sync": "tagged"})
     assert module.layers == 3 and module.metadata["layers"] == 3
     assert module.weight_names == tuple(f"{w}_l{k}" for k in range(3) for w in (
         "weight_ih", "weight_hh", "bias_ih", "bias_hh"))
@@ -76,7 +76,8 @@ def test_a_wavefront_module_takes_every_layers_weights_and_states():
     assert "forward" not in module.metadata["functions"]  # no fallback: the wavefront only
     assert "+wavefront" in module.metadata["schedule"]["rules"]["persistent"]
     # the layers read input projections they wrote: relaxed loads of the tagged words, whose
-    # acquire would have invalidated L1 every step (the progress counters stay acquire loads)
+    # acquire would have invalidated L1 every step (the progress counters stay acquire loads;
+    # a layer of one block would keep h to itself, sync="local", without the knob)
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "tagged"
     source = module.source("cuda")
     assert "ld.relaxed.gpu.global.u64" in source and "ld.acquire.gpu.global.u64" not in source

@@ -714,11 +714,12 @@ class _Builder:
 
     def persistent_entry(self, plan, history: bool = False):
         """The persistent entry: one kernel that readies the states' workspaces and the tagged
-        words, the input GEMM of all steps (both directions' at once), then the kernel, which
-        writes y and the final states. With two directions the states' workspaces and the
-        tagged h are [2, D*N, H] (direction d's sample n at row d*N + n) and the kernel runs
-        the reverse direction backwards. With L layers (a wavefront) the same with L for D, the
-        y of the layers below the last in a workspace [T, N, (L-1)*H]. ``history`` (one
+        words (or the counters; nothing of the kind for the "local" exchange), the input GEMM
+        of all steps (both directions' at once), then the kernel, which writes y and the final
+        states. With two directions the states' workspaces and the tagged h are [2, D*N, H]
+        (direction d's sample n at row d*N + n) and the kernel runs the reverse direction
+        backwards. With L layers (a wavefront) the same with L for D, the y of the layers below
+        the last in a workspace [T, N, (L-1)*H]. ``history`` (one
         direction, one layer): ``persistent_train_forward``, the training forward on the
         kernel: it takes ``train_forward``'s packed weights (W_hh packed for the kernel each
         call; the input GEMM before the kernel, whatever the plan says) and has its outputs.
@@ -780,6 +781,9 @@ class _Builder:
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             more_sync = exchanged("tagged", "uint64")
             sync_stages, words = [], [sync, *more_sync]
+        elif plan.sync == "local":  # h within the block; the values ordered by its barrier
+            sync, more_sync = None, exchanged("exchanged", "float32")
+            sync_stages, words = [], []
         else:
             counters = dirs * plan.batch_groups
             sync = self.param(sig, "counter", (counters,), "workspace", "uint32")
@@ -843,7 +847,8 @@ class _Builder:
             more = [progress]
         outputs = [Region(b, (ALL,) * 3) for b in (
             folded.h_cell if proj else y, *below, *sw, *([] if proj else sn), *kept)]
-        outputs += [Region(b, (ALL,) * len(b.shape)) for b in (sync, *more_sync, *more)]
+        synced = ([] if sync is None else [sync]) + more_sync
+        outputs += [Region(b, (ALL,) * len(b.shape)) for b in (*synced, *more)]
         prologue.append(Stage("persistent", k_func, inputs + outputs,
                               len(outputs) + plan.fused))
         # the kernel writes the final states (with a projection, h'_T: W_hr h'_T after it)
@@ -851,8 +856,8 @@ class _Builder:
         given = [lengths] if lengths is not None else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
                   *given, y, *sn, *kept, *([packed] if history else []),
-                  *([] if in_place else [xp]), *sw, *(folded.params if proj else []), sync,
-                  *more_sync, *(skipping or ())[1:],
+                  *([] if in_place else [xp]), *sw, *(folded.params if proj else []),
+                  *synced, *(skipping or ())[1:],
                   *below, *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)

@@ -474,9 +474,12 @@ class _Backward:
         else:
             prologue.append(self.elementwise("zero_exchanged", comp.zeros(shape, dtype),
                                              [Region(xch, (ALL,) * len(shape))]))
-            sync = b.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
-            prologue.append(self.elementwise("zero_counter_backward", comp.zeros(
-                (plan.batch_groups,), "uint32"), [Region(sync, (ALL,))]))
+            sync = None  # the "local" exchange keeps dGH within the block
+            if plan.sync != "local":
+                sync = b.param(sig, "counter", (plan.batch_groups,), "workspace", "uint32")
+                prologue.append(self.elementwise("zero_counter_backward", comp.zeros(
+                    (plan.batch_groups,), "uint32"), [Region(sync, (ALL,))]))
+        exchanges = [xch] + ([] if sync is None else [sync])
         func = backward.kernel(autodiff.trace(p.cell), io.parts, h, n, plan, p.dtype,
                                io.lengths is not None)
         self.b.lowered.rules["persistent_backward"] = f"persistent.{plan.sync}"
@@ -491,11 +494,10 @@ class _Backward:
         sums = (b.param(sig, "dparam_sums", (len(io.per_unit), n, h), "workspace", "float32")
                 if io.per_unit else None)
         outputs += [Region(sums, (ALL,) * 3)] if sums is not None else []
-        outputs += [Region(xch, (ALL,) * len(xch.shape)), Region(sync, (ALL,) * len(sync.shape))]
+        outputs += [Region(v, (ALL,) * len(v.shape)) for v in exchanges]
         prologue.append(Stage("persistent_backward", func, inputs + outputs, len(outputs)))
         grads, views, spaces = self._weight_grads(io, sig)
         grads = self._param_sums(io, sums) + grads
-        params = [*io.params, w_t, xch, sync,
-                  *([sums] if sums is not None else []), *spaces]
+        params = [*io.params, w_t, *exchanges, *([sums] if sums is not None else []), *spaces]
         b.add("persistent_backward", sequence_function(
             "persistent_backward", params, prologue, None, None, [], grads, views), sig)

@@ -47,11 +47,14 @@ def recurrent_sums(spec, b, g, staged, store, t, bx, tx, blk, warp, lane):
     if spec.plan.k_slices > 1:
         sliced_gate_sums(spec, b, partial(exchange.copy_slice, spec, g.hx, b.hs16, t, bx=bx,
                                           tx=tx), warp, lane)
+    elif spec.reads_hn:
+        gate_sums(spec, b, g.w, blk, warp, lane, b.hn)
     else:
         if g.hx is not None:
             exchange.stage_copied(spec, g.hx, staged, t, bx, tx)
         else:
-            exchange.stage_h(spec, g.xch, g.hw, b.tv, store, t, bx, tx)
+            exchange.stage_h(spec, g.xch, g.hw, b.tv, store, t, bx, tx, staged=staged,
+                             hn=b.hn)
         T.tvm_storage_sync("shared.dyn")
         gate_sums(spec, b, g.w, blk, warp, lane)
 
@@ -82,8 +85,7 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
             r = T.meta_var(buffers.backward_pairs(spec, len(kept)))
             staged = T.meta_var(b.hs16 if p.mma else b.hs)
             store = T.meta_var(partial(products.store_h, spec, staged, 0))
-            published = T.meta_var(partial(products.store_h, spec, g.hx)
-                                   if g.hx is not None else None)
+            published = T.meta_var(exchange.published_by(spec, products, g.hx, b.hn))
             for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
@@ -92,6 +94,8 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
                     cell_backward.load_constants(spec, g.d_final, g.lengths, g.params, r, b.ln,
                                                  bx, tx)
+                    if spec.local:
+                        exchange.init_local(spec, None, b.hn, bx, tx)
                     for t in range(g.T_len):
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)

@@ -55,10 +55,10 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     final states [1,N,H] each, in the kernel's dtype), (a training forward's,
     ``spec.kept``: the states of every step [T+1,N,H] each and the kept parts ``pre`` [T,N,P*H],
     float32), then the tagged h [2,N,H] uint64, or the barrier counters [NG] uint32, one a batch
-    group, (h as published for the next step's staging ``hx``, where the planner says so:
-    :func:`published_h`), (the values of the step it exchanges before h, its product's argument
-    or each of its means', [2,N,H] each, uint64 tagged as h, else float32). T is the symbolic
-    length ``T_len``.
+    group (neither with the ``"local"`` exchange), (h as published for the next step's
+    staging ``hx``, where the planner says so: :func:`published_h`), (the values of the step
+    it exchanges before h, its product's argument or each of its means', [2,N,H] each, uint64
+    tagged as h, else float32). T is the symbolic length ``T_len``.
     With D = 2 directions (planner: "Directions"), both directions side by side: xp [T,N,D*G*H],
     W_hh [D*B/(D*NG), ...], b_hh [D*G*H], y [T,N,D*H], the states and the tagged h [2,D*N,H],
     the final states [D,N,H], the counters [D*NG] (with a fused input projection W_ih
@@ -77,7 +77,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += [f"s{k}" for k in range(spec.states)]
     names += [f"n{k}" for k in range(spec.states)] if spec.finals else []
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
-    names += ["hw"] if spec.tagged else ["cnt"]
+    names += ["hw"] if spec.tagged else [] if spec.local else ["cnt"]
     published = published_h(p, n, dt)
     names += ["hx"] if published else []
     values = spec.means or spec.rounds  # a buffer a mean, or the product's
@@ -123,7 +123,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("pre", "pre", (t_len, n, len(spec.kept) * spec.hidden), "float32")
     if spec.tagged:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
-    else:
+    elif not spec.local:
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
     if published:
         match("hx", "hx", *published)
@@ -147,7 +147,7 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     float32), and the exchange: the published dGH [2,N,G*H] float32 (``xch``; or, where the
     planner says so, dGH as published for the next step's staging ``hx``, :func:`published_h`,
     all zeros before the launch), then the tagged words [2,N,G*H] uint64 or the barrier
-    counters [NG] uint32."""
+    counters [NG] uint32 (neither with the ``"local"`` exchange)."""
     p, dt, n, h = spec.plan, spec.dtype, spec.batch, spec.hidden
     states, gh = spec.states, gates * h
     per_unit = [f"p{k}" for k in range(spec.params)]
@@ -156,7 +156,7 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     names += [f"d0{k}" for k in range(states)] + ["dgi"] + ([] if summed else ["dgh"])
     published = published_h(p, n, dt)
     names += (["dps"] if spec.params else []) + (["hx"] if published else ["xch"])
-    names += ["hw" if spec.tagged else "cnt"]
+    names += ["hw"] if spec.tagged else [] if spec.local else ["cnt"]
     handles = {a: T.arg(f"{a}_h", T.handle()) for a in names}
     t_len = tirx.Var("T_len", "int64")
     out = SimpleNamespace(T_len=t_len, lengths=None, dgh=None, dps=None, xch=None, hw=None,
@@ -187,7 +187,7 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
         out.xch = match("xch", "xch", (2, n, gh), "float32")
     if spec.tagged:
         out.hw = match("hw", "hw", (2, n, gh), "uint64")
-    else:
+    elif not spec.local:
         out.cnt = match("cnt", "cnt", (p.batch_groups,), "uint32")
     return out
 
@@ -219,7 +219,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
       are :func:`backward_pairs`); ``pv``: their units' per-unit parameters of the cell;
       ``ln``: their samples' lengths; ``tv``: tagged words in flight; ``gs``: the pairs'
       recurrent gate sums of h, kept while a step's product of a value is taken; ``mv``: the
-      step's row means (``red``, ``racc``: their sums in the making, about ``shift``);
+      step's row means (``red``, ``racc``: their sums in the making, about ``shift``); ``hn``:
+      h_t as the ``"local"`` exchange keeps it for the next step's staging;
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -236,7 +237,7 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         setattr(out, name, buffer)
 
     names = ("wreg", "af", "wb", "dacc", "hs16", "acc", "hv", "ln", "tv", "wsm", "pacc", "xv",
-             "wq", "xs", "wis", "xsl", "pv")
+             "wq", "xs", "wis", "xsl", "pv", "hn")
     for name in names:
         setattr(out, name, None)
     if p.reg_chunks:
@@ -271,6 +272,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc("ln", p.items, "int32")
     if spec.tagged:
         alloc("tv", exchange.WAIT_BATCH, "uint64")
+    if spec.local:  # h_t for the next step's staging, in its order and type
+        alloc("hn", spec.staged_size, dt if p.mma else "float32", "shared")
     if p.smem_chunks:
         alloc("wsm", p.warps * p.smem_chunks * rw * 32 * vec, dt, "shared.dyn")
     fused_floats = _fused(spec, alloc) if p.fused else 0

@@ -8,9 +8,10 @@ computes its own input projections (all of them, or overlapped: the first group 
 then, per step, it
 
 1. prefetches the input projections of its (unit, batch) pairs for step t (``cell``);
-2. stages h_{t-1} [N, H] in shared memory, as the other blocks published it (``exchange``),
-   in the layout its products read (``cuda_cores`` or ``tensor_cores``); in slices of K
-   where the plan says so (:func:`sliced_gate_sums`: 2 to 4 a slice at a time);
+2. stages h_{t-1} [N, H] in shared memory, as the other blocks published it (``exchange``;
+   a batch group of one block from its own shared memory), in the layout its products read
+   (``cuda_cores`` or ``tensor_cores``); in slices of K where the plan says so
+   (:func:`sliced_gate_sums`: 2 to 4 a slice at a time);
 3. multiplies every chunk of its weights (``weights`` says where each lives: registers, shared
    memory, or global memory for a streaming plan) by h's, accumulating in float32;
 4. sums over the lanes (``reduction``; tensor cores sum in the instruction) into shared memory,
@@ -24,8 +25,9 @@ then, per step, it
    overlapped input projection computes a slab of a later group of steps between the two.
 
 Block-wide barriers are TVM storage syncs, written here in the skeleton (and in the stages that
-need one of their own). Every variant waits on other blocks, so the launch is cooperative: all
-blocks resident, or the driver refuses the launch (never a hang). With batch groups (planner:
+need one of their own). Every variant but ``"local"`` (a batch group of one block) waits on
+other blocks, so the launch is cooperative: all blocks resident, or the driver refuses the
+launch (never a hang). With batch groups (planner:
 "Batch groups") block bx holds the weights of block bx % (B/NG) and runs batch rows
 bx // (B/NG) * N/NG + n: staging, the tagged words and the counter stay within its group.
 With layers (planner: "Layers as a wavefront") the grid is one grid a layer, and layer l > 0
@@ -62,9 +64,11 @@ from .stages import (
 
 
 @T.macro
-def gate_sums(spec, b, w, blk, warp, lane):
+def gate_sums(spec, b, w, blk, warp, lane, h=None):
     """Steps 3 and 4: the block's gate sums [Wn*RW, N/NG] in ``hs``, from h_{t-1} staged
-    (``b``: the on-chip buffers; ``w``: W_hh, whose streamed chunks are read every step)."""
+    (``b``: the on-chip buffers; ``w``: W_hh, whose streamed chunks are read every step), or
+    on the CUDA cores from ``h`` where it is kept (:attr:`.spec.KernelSpec.reads_hn`; the sums
+    then need not wait for every warp to have read it)."""
     if spec.plan.mma:
         tensor_cores.zero(spec, b.dacc)
         weights.each_chunk(spec, partial(tensor_cores.chunk, spec, b.hs16, b.af, b.wb, b.wv,
@@ -76,10 +80,12 @@ def gate_sums(spec, b, w, blk, warp, lane):
             tensor_cores.add_parts(spec, b.hs, warp * 32 + lane)
     else:
         cuda_cores.zero(spec, b.acc)
-        weights.each_chunk(spec, partial(cuda_cores.chunk, spec, b.hs, b.hv, b.wv, b.acc, lane),
-                           b.wv, b.wreg, b.wsm, w, blk, warp, lane)
+        weights.each_chunk(spec, partial(cuda_cores.chunk, spec, b.hs if h is None else h, b.hv,
+                                         b.wv, b.acc, lane), b.wv, b.wreg, b.wsm, w, blk, warp,
+                           lane)
         reduction.butterfly(spec, b.acc, lane)
-        T.tvm_storage_sync("shared.dyn")  # every warp has read h_{t-1}: the sums take its place
+        if h is None:
+            T.tvm_storage_sync("shared.dyn")  # every warp has read h_{t-1}: the sums take its place
         reduction.store_sums(spec, b.hs, b.acc, warp, lane)
     T.tvm_storage_sync("shared.dyn")
 
@@ -155,9 +161,9 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
         with T.sblock("root"):
             b = T.meta_var(buffers.on_chip(spec))
             io = T.meta_var(buffers.projection(g, b) if p.fused else None)
-            staged = T.meta_var(b.hs16 if p.mma else b.hs)
-            published = T.meta_var(partial(products.store_h, spec, g.hx)
-                                   if g.hx is not None else None)
+            staged = T.meta_var(b.hn if spec.reads_hn else b.hs16 if p.mma else b.hs)
+            held = T.meta_var(b.hn if spec.reads_hn else None)  # where the products read h
+            published = T.meta_var(exchange.published_by(spec, products, g.hx, b.hn))
             for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
@@ -168,6 +174,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                         tensor_cores.prepare(spec, b.hs16, b.af, tx)
                     if g.hx is not None:
                         exchange.zero_unpublished(spec, published, bx, tx)
+                    if spec.local:
+                        exchange.init_local(spec, g.s[0], b.hn, bx, tx)
                     cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
                                               bx, tx, g.params, b.pv)
                     if len(spec.kept) > 0:
@@ -184,10 +192,12 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                                 exchange.start_slice, spec, g.s[0], g.hx, staged,
                                 partial(products.store_h, spec, staged), t, bx=bx, tx=tx),
                                 warp, lane)
+                        elif spec.reads_hn:
+                            gate_sums(spec, b, g.w, blk, warp, lane, held)
                         else:
                             exchange.stage_h(spec, g.s[0], g.hw, b.tv,
                                              partial(products.store_h, spec, staged, 0), t, bx,
-                                             tx, g.hx, staged)
+                                             tx, g.hx, staged, b.hn)
                             T.tvm_storage_sync("shared.dyn")
                             gate_sums(spec, b, g.w, blk, warp, lane)
                         if spec.product >= 0:
@@ -198,7 +208,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                             exchange.stage_values(spec, [g.aw[0]], b.tv, [partial(
                                 products.store_h, spec, staged, 0)], t, bx, tx)
                             T.tvm_storage_sync("shared.dyn")
-                            gate_sums(spec, b, g.w, blk, warp, lane)
+                            gate_sums(spec, b, g.w, blk, warp, lane, held)
                         means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)
                         cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
                             exchange.publish, spec, g.s[0], g.hw, t, published=published), t,

@@ -45,7 +45,7 @@ from .planner import Plan, Unfit
 #: as each block's sums rather than its units' values (``mean_partials``).
 KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
          "batch_groups", "mma", "mean_partials")
-SYNCS = ("tagged", "barrier", "grid")
+SYNCS = ("tagged", "barrier", "grid", "local")
 WARPS = (4, 8, 16)
 
 #: The persistent kernel computes its input projections itself by default (float32, where
@@ -165,7 +165,9 @@ class _Request:
                              pair_regs=(2 * p.gates + len(p.cell.states) + len(p.cell.params)
                                         if p.cell.params else None), mma=mma,
                              # slices copy h as published after a barrier: not tagged
-                             slices=mma and one_product(p.cell) and k.get("sync") != "tagged")
+                             slices=mma and one_product(p.cell) and k.get("sync") != "tagged",
+                             # a fused input projection asked for takes 16-byte chunks
+                             narrow=not (k.get("input_rows") or k.get("input_steps")))
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll",
                                                                 "mean_partials") if f in k})
 
@@ -210,6 +212,12 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     found = one_row_groups(request, input_projection(request, found))
     if "sync" not in knobs:
         found = dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
+    elif found.sync == "local" and not planner.local_bytes(
+            found, problem.batch // found.batch_groups):
+        raise Unfit(f"sync='local' keeps h in one block: it takes a batch group of one block "
+                    f"and h staged whole, got {found.group_blocks} blocks a group and "
+                    f"{found.k_slices} slice(s) of K (give 'tagged', 'barrier' or 'grid', or "
+                    "fewer blocks: max_blocks, batch_groups)")
     return block_sums(request, found)
 
 

@@ -108,6 +108,20 @@ multiply the one before. The blocks publish h (dGH) in the slices' order
 (:mod:`.stages.tensor_cores`), so that a slice is one contiguous copy; the forward's step 0
 stages h_0 slice by slice, element by element.
 
+Narrow chunks (``lane_bytes`` < 16): on the CUDA cores, where K is under one 16-byte chunk of
+every lane (H under 256 in 16 bits, 128 in float32), a lane's chunk is the fewest elements (a
+power of two) that still hold K in one chunk: K = 32 in float16 is one element a lane, not 8
+of which 7 are zeros, so a lane's products and registers of weights shrink as K does. No
+fused input projection there (its chunks are 16 bytes).
+
+One block a group (``sync="local"``): where a batch group is one block (small H, or many batch
+groups) and h is staged whole, the block keeps its h_t in shared memory of its own (as
+staging wants it, at most :data:`LOCAL_MAX_BYTES`), where after a block barrier the next
+step's products read it (CUDA cores) or its staging copies it (tensor cores): no global
+memory, no waiting on other blocks, two block barriers a step on the CUDA cores where four
+were (:mod:`.stages.exchange`). Its shared memory is counted in every plan of one block a
+group, and the estimate (:func:`estimate_ns`) takes :data:`LOCAL_NS` for its exchange.
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -184,6 +198,7 @@ class Plan:
     k_parts: int = 1  # KQ, warps that split each row group's K (tensor cores; "K split")
     k_slices: int = 1  # KL, slices of K staged one after another ("Slices of K")
     mean_partials: bool = False  # a step's means exchanged as a block's sums (stages.means)
+    lane_bytes: int = 16  # bytes of a lane's chunk of a row (VEC elements; see "Narrow chunks")
 
     @property
     def warp_chunks(self) -> int:
@@ -222,7 +237,7 @@ class Plan:
     @property
     def chunk_bytes(self) -> int:
         """Bytes of one chunk of every row of a block."""
-        return _chunk_bytes(self.warps, self.rows_per_warp)
+        return _chunk_bytes(self.warps, self.rows_per_warp, self.lane_bytes)
 
     @property
     def streamed_bytes(self) -> int:
@@ -297,16 +312,33 @@ TAGGED_OVERLAPPED_MAX_LOAD = 128
 #: bfloat16 GRU 256 N32 48.9 / 6.2 (10.6), float16 LSTM 256 N64 (32 groups of 4 blocks) 7.4 /
 #: 7.1 (14.7), LSTM 512 N16 8.2 / 6.4 (5.3).
 MMA_HALF_SYNC = "barrier"
+#: The estimated cost of a step's exchange within one block (see "One block a group"): a
+#: block barrier, against about 800 ns of a grid's; where the block holds at most
+#: LOCAL_MAX_WEIGHTS bytes of weights (more, a whole layer's products on one multiprocessor
+#: cost more than the estimate says). H200, us a step, several blocks / one: float32 GRU 64
+#: at batch 8 (48 KiB) 0.89 / 0.55, RNN 64 at 32 0.76 / 0.38, LSTM 64 at 1 (64 KiB) 0.74 /
+#: 0.62, RNN 128 at 1 (64 KiB) 0.66 / 0.49, bfloat16 LSTM 64 at 16 0.85 / 0.60; past it
+#: float16 RNN 256 at 1 (128 KiB) 0.78 / 1.10, LSTM 96 at 1 (96 KiB) 0.88 / 0.94.
+LOCAL_NS = 100
+LOCAL_MAX_WEIGHTS = 64 << 10
+#: Most bytes of h the "local" exchange keeps: its buffer is static shared memory (TVM merges
+#: the dynamic buffers into one, in which it took the cell's reads of the sums and its stores
+#: of h_t for a hazard), which a block has 48 KiB of.
+LOCAL_MAX_BYTES = 48 << 10
 
 
 def exchange(p: Plan, batch: int) -> str:
-    """How ``p`` (a whole plan at batch ``batch``) exchanges h unless a knob says: on tensor
-    cores in 16 bits :data:`MMA_HALF_SYNC`; else "tagged" words on small grids, else
-    "barrier" (a counter barrier), where every block polling every word of h would load L2
-    more than one counter: never with h staged in slices of K; where the input projection is
-    overlapped, up to :data:`TAGGED_OVERLAPPED_MAX_LOAD` blocks times rows; else on at most
-    :data:`TAGGED_MAX_BLOCKS` blocks a grid, in batch groups only where a group's blocks
-    times its rows are at most :data:`TAGGED_MAX_GROUP_LOAD` (H200: docs/benchmarks.md)."""
+    """How ``p`` (a whole plan at batch ``batch``) exchanges h unless a knob says: within the
+    block where a batch group is one block and h is staged whole ("local", see "One block a
+    group"); on tensor cores in 16 bits :data:`MMA_HALF_SYNC`; else "tagged" words on small
+    grids, else "barrier" (a counter barrier), where every block polling every word of h
+    would load L2 more than one counter: never with h staged in slices of K; where the input
+    projection is overlapped, up to :data:`TAGGED_OVERLAPPED_MAX_LOAD` blocks times rows; else
+    on at most :data:`TAGGED_MAX_BLOCKS` blocks a grid, in batch groups only where a group's
+    blocks times its rows are at most :data:`TAGGED_MAX_GROUP_LOAD` (H200:
+    docs/benchmarks.md)."""
+    if local_bytes(p, batch // p.batch_groups):
+        return "local"
     if p.mma and p.vec == 8:  # 16-bit operands, 8 a 16-byte vector
         return MMA_HALF_SYNC
     load = p.group_blocks * (batch // p.batch_groups)
@@ -320,12 +352,30 @@ def exchange(p: Plan, batch: int) -> str:
     return "tagged" if tagged else "barrier"
 
 
-def _chunk_bytes(warps: int, rows_per_warp: int) -> int:
-    return warps * rows_per_warp * 32 * 16  # 32 lanes, 16 bytes a lane
+def _chunk_bytes(warps: int, rows_per_warp: int, lane_bytes: int = 16) -> int:
+    return warps * rows_per_warp * 32 * lane_bytes  # 32 lanes, 16 bytes a lane or fewer
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
+
+
+def narrow_vec(width: int, elem_bytes: int) -> int:
+    """VEC of the CUDA cores' plans for K = ``width`` (see "Narrow chunks"): a 16-byte chunk's
+    elements, or where K is under one chunk of every lane, the fewest (a power of two) that
+    still hold K in one."""
+    return min(16 // elem_bytes, _next_pow2(-(-width // 32)))
+
+
+def local_bytes(p: Plan, batch: int) -> int:
+    """Shared memory of the "local" exchange's h_t (see "One block a group"): h as a block of
+    ``p`` stages it for ``batch`` rows a group, in the staging's type, where a batch group is
+    one block and h is not staged in slices of K; else 0."""
+    if p.group_blocks != 1 or p.k_slices > 1:
+        return 0
+    rows = mma_staged_rows(batch) if p.mma else batch
+    size = rows * p.chunks * 32 * p.vec * (p.lane_bytes // p.vec if p.mma else 4)
+    return size if size <= LOCAL_MAX_BYTES else 0
 
 
 def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> int:
@@ -334,8 +384,9 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> i
 
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
-         stream=False, width=None, pair_regs=None, mma=False, k_parts=1, slices=False):
-    vec = 16 // elem_bytes
+         stream=False, width=None, pair_regs=None, mma=False, k_parts=1, slices=False,
+         narrow=True):
+    vec = narrow_vec(width or hidden, elem_bytes) if narrow and not mma else 16 // elem_bytes
     chunks = -(-(width or hidden) // (32 * vec))
     rows = gates * units
     if mma:  # MMA_ROWS rows a warp (the last warp's past R zero), K_PARTS warps a row group
@@ -354,10 +405,10 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     limit = min(gpu.max_regs_per_thread, gpu.regs_per_sm // threads) - margin
     if limit <= fixed:
         return None
-    per_chunk = rpw * vec * elem_bytes // 4  # 32-bit registers one chunk of every row takes
+    per_chunk = rpw * -(-vec * elem_bytes // 4)  # 32-bit registers a chunk of every row takes
     reg_chunks = max(0, min(chunks // k_parts, (limit - fixed) // per_chunk))
     smem_chunks = chunks // k_parts - reg_chunks
-    chunk_bytes = _chunk_bytes(warps, rpw)
+    chunk_bytes = _chunk_bytes(warps, rpw, vec * elem_bytes)
     staging = (_mma_staging_bytes(batch, chunks, vec, warps, rpw) if mma
                else _staging_bytes(batch, chunks, vec, warps, rpw))
     k_slices = 1
@@ -376,7 +427,9 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
                  vec=vec, chunks=chunks, reg_chunks=reg_chunks, smem_chunks=smem_chunks,
                  items=items, reg_estimate=fixed + reg_chunks * per_chunk,
                  smem_bytes=smem_chunks * chunk_bytes + staging, reg_margin=margin,
-                 global_chunks=global_chunks, mma=mma, k_parts=k_parts, k_slices=k_slices)
+                 global_chunks=global_chunks, mma=mma, k_parts=k_parts, k_slices=k_slices,
+                 lane_bytes=vec * elem_bytes)
+    found = replace(found, smem_bytes=found.smem_bytes + local_bytes(found, batch))
     if found.smem_bytes > gpu.smem_per_block or found.streamed_bytes > gpu.l2_bytes // 2:
         return None
     return found
@@ -386,7 +439,8 @@ def estimate_ns(p: Plan, batch: int) -> float:
     """A rough per-step time: the grid barrier, the shared-memory weight reads, the FMAs and
     the staging of h. Only used to rank plans (measured times decide in tuning)."""
     clock = 1.9  # GHz
-    barrier = 800 + 4 * p.blocks
+    held = (p.reg_chunks + p.smem_chunks + p.global_chunks) * p.chunk_bytes
+    barrier = LOCAL_NS if p.blocks == 1 and held <= LOCAL_MAX_WEIGHTS else 800 + 4 * p.blocks
     smem_weights = p.smem_chunks * p.chunk_bytes
     if p.mma:  # an instruction: 2 clocks of the tensor cores, its A fragments from shared memory
         staged = mma_staged_rows(batch) // MMA_ROWS  # 8 or 16 rows: 256 or 512 bytes
@@ -431,8 +485,8 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     and SN rows of x a group (``rows``, rounded up to a multiple of 4, or the most that
     :data:`FUSED_ACCUMULATORS` allows), fewer where shared memory holds fewer; None when it
     holds fewer than :data:`FUSED_MIN_ROWS`, slabs would be narrower than
-    :data:`FUSED_MIN_SLAB`, or the plan streams weights."""
-    if p.global_chunks:
+    :data:`FUSED_MIN_SLAB`, the plan streams weights or its chunks are narrow."""
+    if p.global_chunks or p.lane_bytes < 16:
         return None
     rl = fused_row_split(p, gates)
     in_chunks = -(-input_size // p.vec)  # 16-byte chunks of a row of x or of W_ih
@@ -458,7 +512,7 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     if found is None:
         return None
     return replace(p, input_rows=found[0], input_chunks=in_chunks, input_slab=slab,
-                   smem_bytes=found[1])
+                   smem_bytes=found[1] + local_bytes(p, batch // p.batch_groups))
 
 
 #: Rows of x a group of the overlapped input projection aims at (S*N): more rows give each
@@ -512,7 +566,7 @@ def overlap_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     staged = max(_staging_bytes(local, p.chunks, p.vec, p.warps, p.rows_per_warp),
                  4 * sn * p.warps * (rl * ROW_GROUPS + 1))  # h, or the warps' sums
     smem = (p.smem_chunks * p.chunk_bytes + in_chunks * rl * ROW_GROUPS * 16 + staged
-            + 4 * sn * (width * p.vec + 4))  # and x's slab
+            + 4 * sn * (width * p.vec + 4) + local_bytes(p, local))  # and x's slab
     # the accumulators stay live through the step; x's and W_ih's values of a chunk take
     # the place of the products' sums and h's values
     regs = (p.reg_estimate + rl * sn // X_GROUPS
@@ -603,7 +657,7 @@ def publishes_staged_h(p: Plan, dtype: str) -> bool:
     7.63 / 6.73, bfloat16 LSTM 1024 N16 3.42 / 3.26. Staged in float32 (CUDA cores, TF32) the
     copies were 1-5% slower: LSTM 512 N64 8.95-9.11 / 9.25-9.32, in TF32 6.88-6.95 /
     7.22-7.26, GRU 512 N64 TF32 6.02-6.11 / 6.26-6.27, GRU 1024 N16 8.17-8.24 / 8.06-8.14."""
-    return p.mma and p.sync != "tagged" and ELEMENT_BYTES[dtype] == 2
+    return p.mma and p.sync in ("barrier", "grid") and ELEMENT_BYTES[dtype] == 2
 
 
 def mma_staging_bytes(p: Plan, batch: int) -> int:
@@ -640,7 +694,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
          directions: int = 1, layers: int = 1, width: int | None = None,
          pair_regs: int | None = None, mma: bool = False, split_k: bool = False,
-         slices: bool = False) -> Plan:
+         slices: bool = False, narrow: bool = True) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -657,7 +711,9 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     products on tensor cores (see "Tensor cores"; batch groups by default: the most whose
     weights fit in registers, else the fewest that fit); ``split_k``: there a row group's K
     may be split among warps (:data:`K_PARTS`; the backward pass's). ``slices``: where no
-    plan fits whole, h staged in slices of K (:data:`K_SLICES`; see "Slices of K")."""
+    plan fits whole, h staged in slices of K (:data:`K_SLICES`; see "Slices of K").
+    ``narrow``: chunks narrower than 16 bytes where K is small (see "Narrow chunks"; never
+    for a wavefront, whose layers fuse their input projections)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
@@ -668,7 +724,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     if batch_groups is None:
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
         more = {"directions": directions, "layers": layers, "width": width,
-                "pair_regs": pair_regs, "mma": mma, "split_k": split_k, "slices": slices}
+                "pair_regs": pair_regs, "mma": mma, "split_k": split_k, "slices": slices,
+                "narrow": narrow}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
 
         def fitting(tried):  # the plans that fit, up to the first with every weight in registers
@@ -739,7 +796,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
             for wn, parts in ([(warps, q) for q in (K_PARTS if split_k else (1,))] if mma
                               else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
                 found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin,
-                             stream, width, pair_regs, mma, parts, sliced)
+                             stream, width, pair_regs, mma, parts, sliced,
+                             narrow and layers == 1)
                 if found is None or found.blocks > cap:
                     continue
                 if best is None or estimate_ns(found, local) < estimate_ns(best, local):

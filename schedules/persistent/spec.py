@@ -162,6 +162,17 @@ class KernelSpec:
         return self.plan.sync == "tagged"
 
     @property
+    def local(self) -> bool:
+        """A batch group of one block keeps h in its shared memory (planner: ``sync="local"``)."""
+        return self.plan.sync == "local"
+
+    @property
+    def reads_hn(self) -> bool:
+        """The products read h_{t-1} where the ``"local"`` exchange keeps it (``hn``), not from
+        a staging: on the CUDA cores, whose staging is a plain copy."""
+        return self.local and not self.plan.mma
+
+    @property
     def means(self) -> int:
         """How many row means the step takes."""
         return sum(len(level) for level in self.levels)

@@ -1,7 +1,7 @@
 """Stage: the exchange of h between blocks, and the barrier that orders it.
 
 Each step a block needs every block's h_{t-1} [N, H] (all of its batch group's), staged in
-shared memory as the product stage wants it (its ``store_h``). Three variants (the plan's
+shared memory as the product stage wants it (its ``store_h``). Four variants (the plan's
 ``sync``):
 
 - ``"tagged"``: h travels as 8-byte words, the value and the step that wrote it. A thread
@@ -13,6 +13,12 @@ shared memory as the product stage wants it (its ``store_h``). Three variants (t
   (every h_t stored), thread 0 arrives (a release) and waits for the group's count (an
   acquire); then the block reads h past L1.
 - ``"grid"``: cooperative groups' grid sync (the whole grid), then as ``"barrier"``.
+- ``"local"``: a batch group of one block (planner: "One block a group") keeps h to itself:
+  each h_t goes to shared memory ``hn`` as staging wants it (the products' ``store_h``, zero
+  where none is published), and after a block barrier the next step's products read it
+  there (CUDA cores) or its staging copies it in 16-byte vectors (tensor cores); no global
+  memory, no other block. The values of a step's rounds go through global memory as with
+  the barrier, ordered by the block barrier alone.
 
 With the barriers where the planner says so (on tensor cores in 16 bits:
 :func:`..planner.publishes_staged_h`), a block publishes each h_t it computes a second time,
@@ -246,19 +252,64 @@ def start_slice(spec, s0, hx, staged, store_at, t, sl, bx, tx):
 
 
 @T.macro
-def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None):
+def copy_local(spec, hn, staged, tx):
+    """The ``"local"`` exchange's h_{t-1}: ``hn`` into ``staged``, 16-byte vectors spread over
+    the block's threads (a block barrier must follow)."""
+    per = T.meta_var(_per_copy(staged))
+    count = T.meta_var(spec.staged_size // per)
+    for i in spec.spread(count):
+        if i * spec.plan.threads + tx < count:
+            for v in T.vectorized(per):
+                staged[(i * spec.plan.threads + tx) * per + v] = hn[
+                    (i * spec.plan.threads + tx) * per + v]
+
+
+@T.macro
+def _store_local(hn, e, value):
+    hn[e] = value
+
+
+@T.macro
+def init_local(spec, s0, hn, bx, tx):
+    """Once, before the time loop, the ``"local"`` exchange's ``hn``: on the CUDA cores, whose
+    products read h where the cell leaves it (:attr:`.spec.KernelSpec.reads_hn`), h_0 from
+    the states' buffer ``s0`` (the backward kernel's dGH after the last step: zeros, ``s0``
+    None); on tensor cores zeros (what no h_t takes stays so; staging copies ``hn`` from step
+    1 on). Then a block barrier: the first step reads what other threads wrote."""
+    if spec.reads_hn and s0 is not None:
+        _stage_plain(spec, [s0], [partial(_store_local, hn)], 0, bx, tx)
+    else:
+        for i in spec.spread(spec.staged_size):
+            if i * spec.plan.threads + tx < spec.staged_size:
+                hn[i * spec.plan.threads + tx] = T.Cast(hn.dtype, 0)
+    T.tvm_storage_sync("shared.dyn")
+
+
+@T.macro
+def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None, hn=None):
     """Stage h_{t-1} (the exchanged vector of K = ``spec.exchange_width``): ``store(e, value)``
-    for element e = n*KP + k (zero past K); with the published h ``hx``, after step 0 a copy
-    of it into ``staged``."""
+    for element e = n*KP + k (zero past K); with the published h ``hx`` (or the ``"local"``
+    exchange's ``hn``), after step 0 a copy of it into ``staged``."""
     if spec.tagged:
         _stage_tagged(spec, [hw], tv, [store], t, bx, tx)
-    elif hx is None:
+    elif hx is None and hn is None:
         _stage_plain(spec, [s0], [store], t, bx, tx)
     else:
         if t == 0:
             _stage_plain(spec, [s0], [store], t, bx, tx)
+        elif hn is not None:
+            copy_local(spec, hn, staged, tx)
         else:
             stage_copied(spec, hx, staged, t, bx, tx)
+
+
+def published_by(spec, products, hx, hn):
+    """Where a block's h_t goes for the next step's staging besides the states' buffer, as
+    ``published(base, e, value)`` (the products' ``store_h``): ``hx``, the ``"local"``
+    exchange's ``hn``, or nowhere (None)."""
+    if hx is not None:
+        return partial(products.store_h, spec, hx)
+    return partial(products.store_h, spec, hn) if spec.local else None
 
 
 @T.macro
@@ -298,10 +349,10 @@ def publish(spec, s0, hw, t, value, row, j, published=None):
         s0[(t + 1) % 2, row, j] = value
     if spec.tagged:
         publish_tagged(hw, t, value, row, j)
-    elif published is not None:
+    elif published is not None:  # the next staging's: in hx, or the "local" exchange's hn
         n_ = T.meta_var(spec.local_batch)
-        published(((t + 1) % 2 * spec.replicas + row // n_) * spec.staged_size,
-                  row % n_ * spec.width + j, value)
+        published(0 if spec.local else ((t + 1) % 2 * spec.replicas + row // n_)
+                  * spec.staged_size, row % n_ * spec.width + j, value)
 
 
 @T.macro
@@ -317,12 +368,13 @@ def arrive(spec, cnt, bx, tx):
 @T.macro
 def wait(spec, cnt, t, bx, tx):
     """Every block of the group has h_t out: the tagged exchange waits in the next step's
-    staging (a block barrier here only); the barriers wait, then the block for thread 0."""
-    if spec.plan.sync == "tagged":
+    staging, and the ``"local"`` one has (a block barrier here only, after the work between
+    arriving and waiting); the barriers wait, then the block for thread 0."""
+    if spec.plan.sync in ("tagged", "local"):
         T.tvm_storage_sync("shared.dyn")
     elif spec.plan.sync == "grid":
         T.cuda.grid_sync()
-    else:
+    elif spec.plan.sync == "barrier":
         if tx == 0:
             device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
                               T.Cast("uint32", spec.arrivals(t)))
@@ -339,6 +391,8 @@ def arrive_and_wait(spec, cnt, t, bx, tx):
             device.arrive(T.address_of(cnt[spec.group_of(bx)]))
             device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
                               T.Cast("uint32", spec.arrivals(t)))
+        T.tvm_storage_sync("shared.dyn")
+    elif spec.local:
         T.tvm_storage_sync("shared.dyn")
     else:
         wait(spec, cnt, t, bx, tx)
