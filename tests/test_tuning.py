@@ -52,6 +52,16 @@ def test_nearby_configuration_gives_its_knobs(root):
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "grid"
 
 
+def test_a_log_of_a_size_far_off_gives_no_knobs(root):
+    """A nearby log passes its knobs on within a ratio of 2 of H: LSTM 64's, not LSTM 16's
+    (a plan of 16 blocks exchanging tagged words does not fit one of 16 units)."""
+    _write(root, logs.LogKey("h200", "lstm", 64, 64, 2, "float32"), {"sync": "barrier"})
+    for size, log in ((33, True), (31, False)):
+        info = rnncc.compile("lstm", size, size, 2, gpu="h200").metadata["tuning"]
+        assert (info["log"] is not None) == log, size
+        assert info.get("match", "nearby") == "nearby"
+
+
 def test_bidirectional_layers_take_their_own_log_else_one_directions(root):
     """A bidirectional layer's log (rnncc tune --bidirectional) is its own: a bidirectional
     module takes it and a one-direction module does not; without it, a bidirectional module

@@ -33,6 +33,11 @@ SIZE_KNOBS = ("input_rows", "input_steps")
 #: own. Measured on an H100 with the H200 logs (us a step): GRU 1024 float16 at batch 64 7.07
 #: against 11.14 without, GRU 2048 at batch 4 9.34 against 9.88; none more than 4% slower.
 SIBLINGS = {"h100": "h200", "h200": "h100"}
+#: A nearby size's log passes its knobs on only within this ratio of hidden sizes: a plan
+#: tuned for H 512 is not one for H 64 (H200, us a step: float32 GRU 64 at batch 64 with GRU
+#: 512's sync="grid" 1.64, its own plan 0.66; LSTM 64 at batch 1 with LSTM 256's
+#: sync="tagged" and 8 blocks 0.83, one block that keeps h to itself 0.55).
+NEARBY_RATIO = 2
 
 
 @dataclass
@@ -101,8 +106,9 @@ def _for_device(problem, tspec, device: str) -> Applied:
 
 
 def _lookup(problem, key: logs.LogKey, records: bool = True) -> Applied:
-    """The exact log of ``key``, else the nearest size's knobs, else none; ``records``: an
-    exact log's component records too (its MetaSchedule database, read only then)."""
+    """The exact log of ``key``, else the nearest size's knobs (H within
+    :data:`NEARBY_RATIO`), else none; ``records``: an exact log's component records too (its
+    MetaSchedule database, read only then)."""
     device = key.device
     exact, others = logs.find(key)
     refused = {}
@@ -112,7 +118,10 @@ def _lookup(problem, key: logs.LogKey, records: bool = True) -> Applied:
         except logs.LogError as err:
             warnings.warn(f"rnncc: {err}; compiling without it", stacklevel=3)
             refused = {"refused": exact, "reason": str(err)}
-    for other, path in sorted(others, key=lambda o: _distance(o[0], key)):
+    near = [(o, p) for o, p in others
+            if max(o.hidden_size, key.hidden_size) <= NEARBY_RATIO * min(o.hidden_size,
+                                                                        key.hidden_size)]
+    for other, path in sorted(near, key=lambda o: _distance(o[0], key)):
         try:
             near = logs.read(path, other)
         except logs.LogError as err:
