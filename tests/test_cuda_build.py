@@ -14,6 +14,7 @@ from rnncc.compiler.cuda_binary import (
     kernel_bodies,
     library_device_code,
     parse_ptxas,
+    persistent_kernels,
 )
 from rnncc.errors import BuildError
 from rnncc.runtime import metadata as md
@@ -38,18 +39,37 @@ def test_cuda_module_carries_cubin(cell, tmp_path):
     # fast forms by name
     bodies = kernel_bodies(source)
     assert any(name.startswith("forward_kernel") for name in bodies)
-    persistent = cooperative_kernels(source)
+    persistent = persistent_kernels(source)
     assert len(persistent) == 1
     assert all("__expf" not in b and "__fdividef" not in b for name, b in bodies.items()
                if name not in persistent)
-    # programmatic dependent launch (sm_90): every kernel but the cooperative one waits for
-    # the kernel ahead of it first, and is launched with the tag
+    # a batch group a block here (H 33, batch 3): it keeps h to itself, waits on no block,
+    # and needs no cooperative launch
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "local"
+    assert cooperative_kernels(source) == []
+    # programmatic dependent launch (sm_90): every kernel but a cooperative one waits for the
+    # kernel ahead of it first, and is launched with the tag
     for name, body in bodies.items():
-        waits = body.lstrip().startswith("rnncc_dependent_wait();")
-        assert waits == (name not in persistent), name
+        assert body.lstrip().startswith("rnncc_dependent_wait();"), name
     assert "griddepcontrol.launch_dependents" not in source
     with open(path, "rb") as f:
         assert b"tirx.use_programtic_dependent_launch" in f.read()
+
+
+def test_a_cooperative_persistent_kernel_is_launched_without_a_wait():
+    """Blocks that exchange h with each other (tagged words here) are one cooperative kernel:
+    the one kernel that programmatic dependent launch does not let start early (it waits for
+    no kernel ahead of it: every block must be resident at once), with the cell's fast
+    exponential; every other kernel waits first."""
+    module = rnncc.compile("lstm", 17, 33, 3, target="cuda", arch="sm_90", tuning="off",
+                           knobs={"sync": "tagged", "max_blocks": 2})
+    source = module.source("cuda")
+    persistent = cooperative_kernels(source)
+    assert len(persistent) == 1 and persistent == persistent_kernels(source)
+    for name, body in kernel_bodies(source).items():
+        waits = body.lstrip().startswith("rnncc_dependent_wait();")
+        assert waits == (name not in persistent), name
+        assert ("__expf" in body) == (name in persistent), name
 
 
 @pytest.mark.parametrize("cell", ["lstm", pytest.param("gru", marks=pytest.mark.slow)])

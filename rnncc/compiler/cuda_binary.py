@@ -86,13 +86,26 @@ def kernel_bodies(source: str) -> dict[str, str]:
             for head, after in zip(heads, heads[1:] + [None])}
 
 
+#: What marks a kernel that waits on other blocks: rnncc's grid exchange or barrier, or
+#: cooperative groups' grid sync (which TVM 0.27 calls through a helper of its own).
+COOPERATIVE_MARKS = ("rnncc_grid_", "this_grid().sync()", "tvm_builtin_cuda_grid_sync()")
+#: What marks a persistent kernel whose batch groups are one block each: the shared memory in
+#: which a block keeps its own h (the "local" exchange's ``hn``, which waits on no block).
+LOCAL_MARK = " hn_ptr["
+
+
 def cooperative_kernels(source: str) -> list[str]:
-    """Names of the kernels in CUDA ``source`` that wait on other blocks (rnncc's grid
-    exchange or barrier, or cooperative groups' grid sync): the persistent kernels."""
-    # TVM 0.27 calls cooperative groups' grid sync through a helper of its own
+    """Names of the kernels in CUDA ``source`` that wait on other blocks: the persistent
+    kernels but those of the "local" exchange."""
     return [name for name, body in kernel_bodies(source).items()
-            if any(m in body for m in ("rnncc_grid_", "this_grid().sync()",
-                                       "tvm_builtin_cuda_grid_sync()"))]
+            if any(m in body for m in COOPERATIVE_MARKS)]
+
+
+def persistent_kernels(source: str) -> list[str]:
+    """Names of the persistent kernels in CUDA ``source``: the cooperative ones and those
+    whose batch groups keep h to themselves."""
+    return [name for name, body in kernel_bodies(source).items()
+            if LOCAL_MARK in body or any(m in body for m in COOPERATIVE_MARKS)]
 
 
 def compile_cubin(source: str, arch: str) -> tuple[bytes, dict]:

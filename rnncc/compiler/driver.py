@@ -317,10 +317,10 @@ def _fitting(applied, problem, opts, tspec, sms, knobs):
 
 def _persistent_spills(module) -> list[str]:
     """The persistent kernels of ``module`` that ptxas reports spilling or using a stack."""
-    from .cuda_binary import cooperative_kernels
+    from .cuda_binary import persistent_kernels
 
     ptxas = module.metadata.get("ptxas", {})
-    return sorted(k for k in cooperative_kernels(module.source("cuda"))
+    return sorted(k for k in persistent_kernels(module.source("cuda"))
                   if ptxas.get(k, {}).get("spill_stores") or ptxas.get(k, {}).get("stack"))
 
 
