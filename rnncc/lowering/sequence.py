@@ -8,10 +8,10 @@ shapes with "T" for the run-time length and "T+1" for one more, and "input", "ou
   optimisations as switchable stages (input GEMM of all steps, one GEMM over all gates, fused
   point-wise step). Always present: it fits every size, and is the fallback.
 - ``persistent_pack_w_hh``, ``persistent_forward``: the persistent kernel (CUDA, when its
-  planner says the weights fit on-chip): the input GEMM of all steps, then one cooperative
-  kernel for all T steps. It shares ``pack_w_ih`` (PyTorch's [G*H, C] rows), or, with the
-  input projection fused into the kernel (the plan's ``input_rows``), has its own
-  ``persistent_pack_w_ih`` and no input GEMM.
+  planner says the weights fit on-chip): the input GEMM of all steps, then one kernel for
+  all T steps (cooperative, unless each batch group is one block). It shares ``pack_w_ih``
+  (PyTorch's [G*H, C] rows), or, with the input projection fused into the kernel (the plan's
+  ``input_rows``), has its own ``persistent_pack_w_ih`` and no input GEMM.
 
 forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each state s,
         y [T,N,H], <s>_n [1,N,H] for each state, xp, hp, <s>_ws [2,N,H] for each state)

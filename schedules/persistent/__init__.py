@@ -3,10 +3,10 @@
 ``planner`` decides from the cell, the sizes, the dtype and the GPU whether the weights fit in
 the registers and shared memory of one block a multiprocessor, and picks the grid and the
 split (``knobs``: the same under tuning knobs, with the input projection and the products
-decided in turn); ``kernel`` composes the cooperative kernel that loops over time from the stages in
-``stages``. The input projection
-of all steps runs first, as one GEMM (the non-persistent schedule's stage), or inside the
-kernel: before its time loop, or overlapped with it (planner: "Fused input projection").
+decided in turn); ``kernel`` composes the kernel that loops over time from the stages in
+``stages`` (cooperative, unless each batch group is one block). The input projection of all
+steps runs first, as one GEMM (the non-persistent schedule's stage), or inside the kernel:
+before its time loop, or overlapped with it (planner: "Fused input projection").
 """
 
 from . import knobs
