@@ -233,6 +233,22 @@ def test_batch_groups_of_one_block_keep_h_within_it(cell, c, h, n, dtype, knobs,
         check_repeats_exactly(module, rng, steps=100, entry="persistent")
 
 
+@pytest.mark.parametrize("cell, c, h, n, dtype", [
+    ("gru", 24, 24, 400, "float16"), ("lstm", 32, 32, 512, "float16"),
+    ("gru", 64, 64, 64, "float32"), ("lstm", 20, 128, 7, "bfloat16"),
+    ("rnn_tanh", 3, 3, 5, "float32")])
+def test_lane_groups_match_reference(cell, c, h, n, dtype, rng):
+    """The knob ``lane_groups`` (CUDA cores): K over groups of lanes, each group its own rows,
+    the sums over the group's lanes only; against float64 at T = 1, 37 and 100 and the same
+    bits run after run."""
+    module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype, tuning="off",
+                           knobs={"lane_groups": True, "mma": False})
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["lane_groups"] > 1 and not plan["mma"]
+    check_across_steps(module, rng)
+    check_repeats_exactly(module, rng, steps=100, entry="persistent")
+
+
 @pytest.mark.parametrize("cell, hidden, batch, dtype", [
     ("lstm", 2048, 32, "bfloat16"), ("gru", 2048, 64, "float16"), ("lstm", 1536, 64, "bfloat16")])
 def test_h_staged_in_slices_matches_reference(cell, hidden, batch, dtype, rng):

@@ -1146,3 +1146,22 @@ def test_one_block_plans_count_the_local_exchange_in_shared_memory():
     back = planner.backward(3, 24, 4, "float32", H100, 1)
     assert back.group_blocks == 1 and back.sync == "local" and back.vec == 4
 
+
+
+@pytest.mark.parametrize("gates, hidden, dtype, groups", [
+    (3, 24, "float16", 8), (4, 32, "float16", 8), (3, 64, "float32", 2), (4, 128, "float16", 2),
+    (1, 3, "float32", 32), (4, 256, "float16", 1), (3, 200, "float32", 1)])
+def test_lane_groups_hold_k_in_16_byte_chunks_of_the_fewest_lanes(gates, hidden, dtype, groups):
+    """The knob ``lane_groups``: 16-byte chunks over KL = 32 / LG lanes, the fewest that hold
+    K, each group of lanes its own RW rows (planner: "Lane groups"); none on tensor cores, and
+    no fused input projection with them."""
+    from rnncc.schedules.persistent import planner
+
+    p = plan(gates, hidden, 2, dtype, H100, lane_groups=True)
+    elem = planner.ELEMENT_BYTES[dtype]
+    assert (p.lane_groups, p.vec, p.lane_bytes) == (groups, 16 // elem, 16)
+    assert p.k_lanes == 32 // groups and p.chunks == -(-hidden // (p.k_lanes * p.vec))
+    assert p.warps * p.warp_rows >= gates * p.units > p.warps * (p.warp_rows - groups)
+    if groups > 1:
+        assert fuse_input(p, gates, 1024, 2, H100) is None
+    assert plan(gates, hidden, 2, dtype, H100).lane_groups == 1

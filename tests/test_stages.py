@@ -42,20 +42,22 @@ H100 = gpu_for_arch("sm_90")
 
 
 def crafted(gates, hidden, batch, dtype, units, warps, split=None, groups=1, width=None,
-            vec=None, **fields):
+            vec=None, lane_groups=1, **fields):
     """A plan of ``units`` a block and ``warps`` a block whose chunks of K (``width``,
     default H) are ``split`` (in registers, shared memory, global memory; default all in
     registers): the interpreter holds any split, whatever a GPU's registers and shared memory
     would. ``rows_per_warp`` may exceed the block's rows (the last warp's past them zero).
-    ``vec``: a lane's elements of a chunk, if not 16 bytes' (planner: "Narrow chunks")."""
+    ``vec``: a lane's elements of a chunk, if not 16 bytes' (planner: "Narrow chunks");
+    ``lane_groups``: groups of a warp's lanes, each its own rows (planner: "Lane groups")."""
     vec = vec or 16 // planner.ELEMENT_BYTES[dtype]
     fields.setdefault("lane_bytes", vec * planner.ELEMENT_BYTES[dtype])
-    chunks = -(-(width or hidden) // (32 * vec))
+    chunks = -(-(width or hidden) // (32 // lane_groups * vec))
     kr, ks, kg = split or (chunks, 0, 0)
     assert kr + ks + kg == chunks
     return planner.Plan(
         blocks=-(-hidden // units) * groups * fields.get("directions", 1), units=units, warps=warps,
-        rows_per_warp=fields.pop("rows_per_warp", -(-gates * units // warps)), vec=vec,
+        rows_per_warp=fields.pop("rows_per_warp", -(-gates * units // (warps * lane_groups))),
+        vec=vec, lane_groups=lane_groups,
         chunks=chunks, reg_chunks=kr,
         smem_chunks=ks, global_chunks=kg, items=-(-units * (batch // groups) // (32 * warps)),
         reg_estimate=0, smem_bytes=0, batch_groups=groups, **fields)
@@ -273,6 +275,13 @@ KERNELS = {
         3, 70, 2, "float32", 70, 8, sync="local"), 3, 37, 2, 8)),
     "local, overlapped": lambda: ("lstm", 64, 70, 2, "float32", _overlapped(crafted(
         4, 70, 2, "float32", 70, 8, sync="local"), 4, 64, 2, 2)),
+    # lanes in groups (planner: "Lane groups"): K over 4, 16 and 1 lanes of each group
+    "lane groups of 4 lanes, float16, local": lambda: ("gru", 6, 20, 6, "float16", crafted(
+        3, 20, 6, "float16", 20, 2, groups=3, lane_groups=8, sync="local")),
+    "lane groups of 16 lanes, tagged": lambda: ("lstm", 5, 40, 3, "float32", crafted(
+        4, 40, 3, "float32", 20, 2, lane_groups=2, sync="tagged")),
+    "lane groups of one lane, local": lambda: ("lstm", 2, 3, 2, "float32", crafted(
+        4, 3, 2, "float32", 3, 1, lane_groups=32, sync="local")),
     "barrier, K in registers, shared and global memory": lambda: (
         "gru", 7, 300, 2, "float32", crafted(3, 300, 2, "float32", 40, 4, (1, 1, 1),
                                              sync="barrier")),
@@ -623,7 +632,7 @@ def block_rows(spec, w_hh, b):
     """The rows of W_hh that block ``b`` holds, [Wn*RW, H]: row r is W_hh[g*H + j] with g =
     r // U and j = b*U + r % U (zero outside)."""
     p = spec.plan
-    out = np.zeros((p.warps * p.rows_per_warp, spec.hidden), np.float64)
+    out = np.zeros((p.warps * p.warp_rows, spec.hidden), np.float64)
     for r in range(min(spec.gates * p.units, len(out))):
         j = b % p.group_blocks * p.units + r % p.units
         if j < spec.hidden:
@@ -690,6 +699,8 @@ PRODUCTS = {  # gates, batch, plan
     "one sum a lane": (1, 1, lambda: crafted(1, 40, 1, "float32", 4, 4)),
     "32 sums a lane, batch groups": (4, 16, lambda: crafted(4, 64, 16, "float32", 8, 4,
                                                             groups=2)),
+    "groups of 8 lanes, 2 sums a lane each": (3, 2, lambda: crafted(3, 30, 2, "float32", 30, 3,
+                                                                   lane_groups=4)),
 }
 
 
@@ -722,7 +733,7 @@ def test_cuda_core_products_and_reduction(name, rng):
 def _check_sums(spec, hs, w_hh, hv, rtol):
     """Each block's gate sums in ``hs`` [Wn*RW, N/NG] against its W_hh rows by h."""
     p, n = spec.plan, spec.local_batch
-    rows = p.warps * p.rows_per_warp
+    rows = p.warps * p.warp_rows
     for b in range(p.blocks):
         group = b // p.group_blocks
         expect = block_rows(spec, w_hh, b) @ hv[group * n:(group + 1) * n].astype(np.float64).T
@@ -1161,6 +1172,8 @@ BACKWARD_KERNELS = {
         1, 20, 3, "float16", 20, 2, width=60, vec=2, sync="local")),
     "local, tensor cores, tiles": lambda: ("lstm", 16, 20, "float16", crafted(
         1, 16, 20, "float16", 16, 2, width=64, sync="local", mma=True, rows_per_warp=8)),
+    "local, lane groups": lambda: ("gru", 20, 3, "float16", crafted(
+        1, 20, 3, "float16", 20, 2, width=60, lane_groups=4, sync="local")),
     "barrier, K in registers and shared memory": lambda: (
         "gru", 50, 2, "float32", crafted(1, 50, 2, "float32", 8, 2, (1, 1, 0), width=150,
                                          sync="barrier")),

@@ -582,7 +582,9 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
     """W_hh [G*H, H] into the persistent kernel's layout [B, Wn, KI, RW, 32, VEC] (B: the
     blocks of one batch group, which all groups share): block b,
     warp w, chunk i, row q of the warp, lane l, element v holds W_hh[g*H + j, k] with
-    r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside).
+    r = w*RW + q, g = r // U, j = b*U + r % U and k = (i*32 + l)*VEC + v (zero outside); with
+    lane groups (``plan.lane_groups`` LG, KL = 32 / LG lanes a group) r = w*LG*RW + (l //
+    KL)*RW + q and k = (i*KL + l % KL)*VEC + v.
     A plan on tensor cores (``plan.mma``, RW = 8) keeps the shape and holds the mma's B
     fragments instead: with e = q*VEC + v, its f = e // 4 (of the chunk's 2*VEC k-steps) and
     c = e % 4, row r = w*RW + l // 4 and k = i*32*VEC + f*16 + (l % 4)*2 + c % 2 + 8*(c // 2);
@@ -624,8 +626,9 @@ def pack_persistent(gates: int, hidden: int, plan, dtype: str, transposed: bool 
             k = i * (32 * vec) + e // 4 * 16 + lane % 4 * 2 + c % 2 + c // 2 * 8
             w_ = _block_row(at, rows, hidden, depth, u, b, wp * rw + lane // 4, k, dtype)
             return round_tf32(w_) if dtype == "float32" else w_
-        return _block_row(at, rows, hidden, depth, u, b, wp * rw + q, (i * 32 + lane) * vec + v,
-                          dtype)
+        kl = plan.k_lanes  # lane groups: lane g*KL + kl holds rows g*RW + q of the warp's
+        return _block_row(at, rows, hidden, depth, u, b, wp * plan.warp_rows + lane // kl * rw + q,
+                          (i * kl + lane % kl) * vec + v, dtype)
 
     return te.create_prim_func([*inputs, te.compute(shape, value, name="pack")])
 

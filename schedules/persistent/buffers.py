@@ -278,7 +278,7 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc("wsm", p.warps * p.smem_chunks * rw * 32 * vec, dt, "shared.dyn")
     fused_floats = _fused(spec, alloc) if p.fused else 0
     staged = 0 if p.mma else n * spec.width  # with tensor cores, h goes to hs16 instead
-    alloc("hs", max(staged, p.warps * rw * n, fused_floats), "float32", "shared.dyn")
+    alloc("hs", max(staged, p.warps * p.warp_rows * n, fused_floats), "float32", "shared.dyn")
     return out
 
 

@@ -41,10 +41,12 @@ from .planner import Plan, Unfit
 #: the fused input projection before the time loop (0: the input projection is a separate
 #: GEMM), the steps a group of the fused input projection overlapped with the time loop (0:
 #: not overlapped), the batch groups (a divisor of N: the grid split into that many groups, a
-#: slice of the batch each), the products on tensor cores, and a step's row means exchanged
-#: as each block's sums rather than its units' values (``mean_partials``).
+#: slice of the batch each), the products on tensor cores, a step's row means exchanged
+#: as each block's sums rather than its units' values (``mean_partials``), and at small K the
+#: CUDA cores' chunks of 16 bytes over groups of lanes (``lane_groups``; planner: "Lane
+#: groups") rather than narrower chunks.
 KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
-         "batch_groups", "mma", "mean_partials")
+         "batch_groups", "mma", "mean_partials", "lane_groups")
 SYNCS = ("tagged", "barrier", "grid", "local")
 WARPS = (4, 8, 16)
 
@@ -116,7 +118,7 @@ def check_knobs(knobs) -> dict:
         raise ConfigError(f"sync must be one of {list(SYNCS)}, got {knobs['sync']!r}")
     if knobs.get("warps", 8) not in WARPS or isinstance(knobs.get("warps"), bool):
         raise ConfigError(f"warps must be one of {list(WARPS)}, got {knobs['warps']!r}")
-    for name in ("mma", "mean_partials"):
+    for name in ("mma", "mean_partials", "lane_groups"):
         if not isinstance(knobs.get(name, False), bool):
             raise ConfigError(f"{name} must be true or false, got {knobs[name]!r}")
     for name, low in (("max_blocks", 1), ("reg_margin", 0), ("unroll", 1), ("input_rows", 0),
@@ -167,7 +169,8 @@ class _Request:
                              # slices copy h as published after a barrier: not tagged
                              slices=mma and one_product(p.cell) and k.get("sync") != "tagged",
                              # a fused input projection asked for takes 16-byte chunks
-                             narrow=not (k.get("input_rows") or k.get("input_steps")))
+                             narrow=not (k.get("input_rows") or k.get("input_steps")),
+                             lane_groups=k.get("lane_groups", False))
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll",
                                                                 "mean_partials") if f in k})
 
@@ -294,11 +297,12 @@ MMA_MIN_K = 257
 
 def cuda_cores_first(request: _Request, reg_margin: int, tight: bool) -> Plan | None:
     """The CUDA cores' plan, weights on-chip, of a layer of 16-bit weights whose K = H is
-    under :data:`MMA_MIN_K` (no projection: unmeasured) and whose knobs are unset; else (or
-    where that plan does not fit) None: the tensor cores' plan is tried first."""
+    under :data:`MMA_MIN_K` (no projection: unmeasured) and whose knobs are unset (but
+    ``lane_groups``, which only shapes that plan); else (or where that plan does not fit)
+    None: the tensor cores' plan is tried first."""
     problem = request.problem
-    if (request.knobs or problem.dtype not in ("float16", "bfloat16") or problem.layers > 1
-            or problem.proj_size or problem.hidden_size >= MMA_MIN_K):
+    if (set(request.knobs) - {"lane_groups"} or problem.dtype not in ("float16", "bfloat16")
+            or problem.layers > 1 or problem.proj_size or problem.hidden_size >= MMA_MIN_K):
         return None
     for margin in _margins(request, reg_margin, tight):
         try:

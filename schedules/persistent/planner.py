@@ -114,6 +114,13 @@ power of two) that still hold K in one chunk: K = 32 in float16 is one element a
 of which 7 are zeros, so a lane's products and registers of weights shrink as K does. No
 fused input projection there (its chunks are 16 bytes).
 
+Lane groups (``lane_groups`` LG > 1, the knob ``lane_groups``; CUDA cores): where K is under
+one 16-byte chunk of every lane, the warp's lanes split into LG groups of KL = 32 / LG lanes
+(the fewest that hold K in 16-byte chunks); group g's lanes hold rows g*RW .. g*RW + RW - 1 of
+the warp's LG*RW, lane g*KL + kl the k of (i*KL + kl)*VEC + v of chunk i. A lane's products
+are as many as with narrow chunks, and the sums over the lanes take log2(KL) exchanges of RW*N
+values instead of 5 of LG times as many.
+
 One block a group (``sync="local"``): where a batch group is one block (small H, or many batch
 groups) and h is staged whole, the block keeps its h_t in shared memory of its own (as
 staging wants it, at most :data:`LOCAL_MAX_BYTES`), where after a block barrier the next
@@ -199,6 +206,7 @@ class Plan:
     k_slices: int = 1  # KL, slices of K staged one after another ("Slices of K")
     mean_partials: bool = False  # a step's means exchanged as a block's sums (stages.means)
     lane_bytes: int = 16  # bytes of a lane's chunk of a row (VEC elements; see "Narrow chunks")
+    lane_groups: int = 1  # LG, groups of a warp's lanes, each its own rows ("Lane groups")
 
     @property
     def warp_chunks(self) -> int:
@@ -233,6 +241,16 @@ class Plan:
         """Blocks of one batch group of one grid (B / (D*L*NG)): the blocks one direction's or
         one layer's weights are packed for."""
         return self.blocks // (self.batch_groups * self.grids)
+
+    @property
+    def k_lanes(self) -> int:
+        """KL = 32 / LG: the lanes that share a row's K (see "Lane groups")."""
+        return 32 // self.lane_groups
+
+    @property
+    def warp_rows(self) -> int:
+        """LG * RW: a warp's rows (RW: the rows a lane holds)."""
+        return self.lane_groups * self.rows_per_warp
 
     @property
     def chunk_bytes(self) -> int:
@@ -374,20 +392,26 @@ def local_bytes(p: Plan, batch: int) -> int:
     if p.group_blocks != 1 or p.k_slices > 1:
         return 0
     rows = mma_staged_rows(batch) if p.mma else batch
-    size = rows * p.chunks * 32 * p.vec * (p.lane_bytes // p.vec if p.mma else 4)
+    size = rows * p.chunks * p.k_lanes * p.vec * (p.lane_bytes // p.vec if p.mma else 4)
     return size if size <= LOCAL_MAX_BYTES else 0
 
 
-def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int) -> int:
-    """Shared memory for h_{t-1} (float32), then in its place the gates' sums."""
-    return 4 * max(batch * chunks * 32 * vec, warps * rpw * batch)
+def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int,
+                   groups: int = 1) -> int:
+    """Shared memory for h_{t-1} (float32; ``groups`` LG of lanes), then in its place the
+    gates' sums."""
+    return 4 * max(batch * chunks * 32 // groups * vec, warps * groups * rpw * batch)
 
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
          stream=False, width=None, pair_regs=None, mma=False, k_parts=1, slices=False,
-         narrow=True):
+         narrow=True, lane_groups=False):
     vec = narrow_vec(width or hidden, elem_bytes) if narrow and not mma else 16 // elem_bytes
-    chunks = -(-(width or hidden) // (32 * vec))
+    groups = 1
+    if lane_groups and not mma:  # 16-byte chunks, K over the fewest lanes that hold it
+        vec = 16 // elem_bytes
+        groups = 32 // min(32, _next_pow2(-(-(width or hidden) // vec)))
+    chunks = -(-(width or hidden) // (32 // groups * vec))
     rows = gates * units
     if mma:  # MMA_ROWS rows a warp (the last warp's past R zero), K_PARTS warps a row group
         need = -(-rows // MMA_ROWS) * k_parts
@@ -397,7 +421,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
         warps = need
     elif k_parts != 1:
         return None
-    rpw = MMA_ROWS if mma else -(-rows // warps)
+    rpw = MMA_ROWS if mma else -(-rows // (warps * groups))
     threads = 32 * warps
     items = -(-(units * batch) // threads)
     products = mma_regs(batch) if mma else _next_pow2(rpw * batch) + batch * 4
@@ -410,7 +434,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
     smem_chunks = chunks // k_parts - reg_chunks
     chunk_bytes = _chunk_bytes(warps, rpw, vec * elem_bytes)
     staging = (_mma_staging_bytes(batch, chunks, vec, warps, rpw) if mma
-               else _staging_bytes(batch, chunks, vec, warps, rpw))
+               else _staging_bytes(batch, chunks, vec, warps, rpw, groups))
     k_slices = 1
     if slices and mma and elem_bytes == 2 and batch > MMA_ROWS:
         held = smem_chunks * chunk_bytes  # the fewest slices that fit next to the weights
@@ -428,7 +452,7 @@ def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG
                  items=items, reg_estimate=fixed + reg_chunks * per_chunk,
                  smem_bytes=smem_chunks * chunk_bytes + staging, reg_margin=margin,
                  global_chunks=global_chunks, mma=mma, k_parts=k_parts, k_slices=k_slices,
-                 lane_bytes=vec * elem_bytes)
+                 lane_bytes=vec * elem_bytes, lane_groups=groups)
     found = replace(found, smem_bytes=found.smem_bytes + local_bytes(found, batch))
     if found.smem_bytes > gpu.smem_per_block or found.streamed_bytes > gpu.l2_bytes // 2:
         return None
@@ -452,7 +476,7 @@ def estimate_ns(p: Plan, batch: int) -> float:
         products += (p.k_slices - 1) * SLICE_NS  # a barrier a slice, the first copy exposed
     else:
         products = p.threads * p.chunks * p.rows_per_warp * p.vec * batch / (128 * clock)
-    stage = batch * p.chunks * 32 * p.vec * 4
+    stage = batch * p.chunks * p.k_lanes * p.vec * 4
     streamed = p.streamed_bytes / p.blocks  # from L2, about 20 bytes a clock a multiprocessor
     return (barrier + smem_weights / (128 * clock) + products + stage / (64 * clock)
             + streamed / (20 * clock))
@@ -486,7 +510,7 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     :data:`FUSED_ACCUMULATORS` allows), fewer where shared memory holds fewer; None when it
     holds fewer than :data:`FUSED_MIN_ROWS`, slabs would be narrower than
     :data:`FUSED_MIN_SLAB`, the plan streams weights or its chunks are narrow."""
-    if p.global_chunks or p.lane_bytes < 16:
+    if p.global_chunks or p.lane_bytes < 16 or p.lane_groups > 1:
         return None
     rl = fused_row_split(p, gates)
     in_chunks = -(-input_size // p.vec)  # 16-byte chunks of a row of x or of W_ih
@@ -495,7 +519,7 @@ def fuse_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     cap = X_GROUPS * max(1, min(FUSED_ACCUMULATORS // rl, FUSED_MAX_ROWS // X_GROUPS))
     want = min(cap, -(-rows // X_GROUPS) * X_GROUPS) if rows else cap
     staging = _staging_bytes(batch // p.batch_groups, p.chunks, p.vec, p.warps,
-                             p.rows_per_warp)
+                             p.rows_per_warp, p.lane_groups)
 
     def rows_for(width, held):  # SN for staged rows of ``width`` chunks, or None
         # a staged row of x (float32, padded by 16 bytes), then in its place the warps' sums
@@ -557,7 +581,7 @@ def overlap_input(p: Plan, gates: int, input_size: int, batch: int, gpu: GPU,
     registers do not hold them, or the plan streams weights."""
     local = batch // p.batch_groups
     steps = steps or overlap_steps(local)
-    if p.vec != 4 or p.global_chunks or steps * local % X_GROUPS:
+    if p.vec != 4 or p.global_chunks or p.lane_groups > 1 or steps * local % X_GROUPS:
         return None
     rl = fused_row_split(p, gates)
     sn = steps * local
@@ -694,7 +718,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
          directions: int = 1, layers: int = 1, width: int | None = None,
          pair_regs: int | None = None, mma: bool = False, split_k: bool = False,
-         slices: bool = False, narrow: bool = True) -> Plan:
+         slices: bool = False, narrow: bool = True, lane_groups: bool = False) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -713,7 +737,8 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     may be split among warps (:data:`K_PARTS`; the backward pass's). ``slices``: where no
     plan fits whole, h staged in slices of K (:data:`K_SLICES`; see "Slices of K").
     ``narrow``: chunks narrower than 16 bytes where K is small (see "Narrow chunks"; never
-    for a wavefront, whose layers fuse their input projections)."""
+    for a wavefront, whose layers fuse their input projections); ``lane_groups``: instead,
+    16-byte chunks over groups of lanes (see "Lane groups"; one layer)."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
@@ -725,7 +750,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
         args = (gates, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps)
         more = {"directions": directions, "layers": layers, "width": width,
                 "pair_regs": pair_regs, "mma": mma, "split_k": split_k, "slices": slices,
-                "narrow": narrow}
+                "narrow": narrow, "lane_groups": lane_groups}
         divisors = [d for d in range(batch, 1, -1) if batch % d == 0]
 
         def fitting(tried):  # the plans that fit, up to the first with every weight in registers
@@ -797,7 +822,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
                               else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
                 found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin,
                              stream, width, pair_regs, mma, parts, sliced,
-                             narrow and layers == 1)
+                             narrow and layers == 1, lane_groups and layers == 1)
                 if found is None or found.blocks > cap:
                     continue
                 if best is None or estimate_ns(found, local) < estimate_ns(best, local):

@@ -100,9 +100,9 @@ class KernelSpec:
 
     @property
     def width(self) -> int:
-        """KP = KI*32*VEC: a row of h (the exchanged vector) as staged, K padded to whole
-        chunks."""
-        return self.plan.chunks * 32 * self.plan.vec
+        """KP = KI*KL*VEC: a row of h (the exchanged vector) as staged, K padded to whole
+        chunks (KL = 32 lanes a chunk, fewer with lane groups)."""
+        return self.plan.chunks * self.plan.k_lanes * self.plan.vec
 
     @property
     def gate_rows(self) -> int:

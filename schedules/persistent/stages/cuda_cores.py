@@ -4,6 +4,8 @@ h_{t-1} is staged in shared memory as float32 [N, KP] (``hs``, zeros past H). Fo
 chunks i (the weights stage says where each lives), lane l loads the chunk of h of every batch
 row (``hv``), then for each of its RW rows the chunk of weights (``wv``) and adds the products
 to its sums ``acc`` [RW*N] (float32). The sums over the 32 lanes are the reduction stage's.
+With lane groups (planner: "Lane groups") lane l's chunk i of h is k = (i*KL + l % KL)*VEC ..,
+its rows those of its group, and the sums run over the group's KL lanes.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ def zero(spec, acc):
 @T.macro
 def chunk(spec, hs, hv, wv, acc, lane, i, read):
     """Chunk i of the lane's rows (``read(q)`` puts row q's in ``wv``) by h's."""
-    n_, vec = T.meta_var((spec.local_batch, spec.plan.vec))
+    n_, vec, kl = T.meta_var((spec.local_batch, spec.plan.vec, spec.plan.k_lanes))
     for n in T.unroll(n_):
         for v in T.vectorized(vec):
-            hv[n * vec + v] = hs[n * spec.width + (i * 32 + lane) * vec + v]
+            hv[n * vec + v] = hs[n * spec.width + (i * kl + lane % kl) * vec + v]
     for q in T.unroll(spec.plan.rows_per_warp):
         read(q)
         for n in T.unroll(n_):
