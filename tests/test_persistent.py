@@ -887,7 +887,8 @@ def test_knob_candidates_follow_the_driver():
     assert {"batch_groups": 2, "reg_margin": 48} in both  # room for the overlap (spills: 24)
     stacked = candidates(Problem(rnncc.cells.get("lstm"), 512, 512, 4, layers=2), H100)
     assert {"sync": "barrier"} in stacked and {"sync": "grid"} not in stacked  # no grid sync
-    assert {"mean_partials": True} not in small
+    assert {"mean_partials": True} not in small and {"lane_groups": True} not in small
+    assert {"lane_groups": True} in candidates(Problem(rnncc.cells.get("gru"), 64, 64, 8), H100)
     assert {"mean_partials": True} in candidates(Problem(rnncc.cells.get("ln_gru"), 256, 256,
                                                          4), H100)
 
