@@ -95,7 +95,7 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                     cell_backward.load_constants(spec, g.d_final, g.lengths, g.params, r, b.ln,
                                                  bx, tx)
                     if spec.local:
-                        exchange.init_local(spec, None, b.hn, bx, tx)
+                        exchange.init_local(spec, None, b.hn, None, bx, tx)
                     for t in range(g.T_len):
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)

@@ -175,7 +175,8 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                     if g.hx is not None:
                         exchange.zero_unpublished(spec, published, bx, tx)
                     if spec.local:
-                        exchange.init_local(spec, g.s[0], b.hn, bx, tx)
+                        exchange.init_local(spec, g.s[0], b.hn,
+                                            partial(products.store_h, spec, b.hn, 0), bx, tx)
                     cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
                                               bx, tx, g.params, b.pv)
                     if len(spec.kept) > 0:

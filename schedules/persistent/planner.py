@@ -406,11 +406,11 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int,
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
          stream=False, width=None, pair_regs=None, mma=False, k_parts=1, slices=False,
          narrow=True, lane_groups=False):
-    vec = narrow_vec(width or hidden, elem_bytes) if narrow and not mma else 16 // elem_bytes
-    groups = 1
+    vec, groups = 16 // elem_bytes, 1
     if lane_groups and not mma:  # 16-byte chunks, K over the fewest lanes that hold it
-        vec = 16 // elem_bytes
         groups = 32 // min(32, _next_pow2(-(-(width or hidden) // vec)))
+    elif narrow and not mma:
+        vec = narrow_vec(width or hidden, elem_bytes)
     chunks = -(-(width or hidden) // (32 // groups * vec))
     rows = gates * units
     if mma:  # MMA_ROWS rows a warp (the last warp's past R zero), K_PARTS warps a row group

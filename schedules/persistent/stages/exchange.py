@@ -265,19 +265,15 @@ def copy_local(spec, hn, staged, tx):
 
 
 @T.macro
-def _store_local(hn, e, value):
-    hn[e] = value
-
-
-@T.macro
-def init_local(spec, s0, hn, bx, tx):
+def init_local(spec, s0, hn, store, bx, tx):
     """Once, before the time loop, the ``"local"`` exchange's ``hn``: on the CUDA cores, whose
     products read h where the cell leaves it (:attr:`.spec.KernelSpec.reads_hn`), h_0 from
-    the states' buffer ``s0`` (the backward kernel's dGH after the last step: zeros, ``s0``
-    None); on tensor cores zeros (what no h_t takes stays so; staging copies ``hn`` from step
-    1 on). Then a block barrier: the first step reads what other threads wrote."""
+    the states' buffer ``s0`` (``store(e, value)``: the products' ``store_h`` into ``hn``;
+    the backward kernel's dGH after the last step: zeros, ``s0`` None); on tensor cores zeros
+    (what no h_t takes stays so; staging copies ``hn`` from step 1 on). Then a block barrier:
+    the first step reads what other threads wrote."""
     if spec.reads_hn and s0 is not None:
-        _stage_plain(spec, [s0], [partial(_store_local, hn)], 0, bx, tx)
+        _stage_plain(spec, [s0], [store], 0, bx, tx)
     else:
         for i in spec.spread(spec.staged_size):
             if i * spec.plan.threads + tx < spec.staged_size:
@@ -391,8 +387,6 @@ def arrive_and_wait(spec, cnt, t, bx, tx):
             device.arrive(T.address_of(cnt[spec.group_of(bx)]))
             device.wait_count(T.address_of(cnt[spec.group_of(bx)]),
                               T.Cast("uint32", spec.arrivals(t)))
-        T.tvm_storage_sync("shared.dyn")
-    elif spec.local:
         T.tvm_storage_sync("shared.dyn")
     else:
         wait(spec, cnt, t, bx, tx)
