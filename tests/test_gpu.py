@@ -220,7 +220,7 @@ def test_half_layers_of_small_weights_in_batch_groups_match_reference(cell, c, h
 def test_batch_groups_of_one_block_keep_h_within_it(cell, c, h, n, dtype, knobs, options, rng):
     """Small H, a batch group a block (tensor cores too, a cell that exchanges a value or
     means before h, both directions): h_t stays in the block's shared memory for the next
-    step (``sync="local"``), in chunks as narrow as K; against float64 at T = 1, 37 and 100,
+    step (``sync="local"``), K over groups of lanes; against float64 at T = 1, 37 and 100,
     lengths included, and the same bits run after run."""
     module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype, knobs=knobs or None,
                            tuning="off", **options)
@@ -233,18 +233,21 @@ def test_batch_groups_of_one_block_keep_h_within_it(cell, c, h, n, dtype, knobs,
         check_repeats_exactly(module, rng, steps=100, entry="persistent")
 
 
-@pytest.mark.parametrize("cell, c, h, n, dtype", [
-    ("gru", 24, 24, 400, "float16"), ("lstm", 32, 32, 512, "float16"),
-    ("gru", 64, 64, 64, "float32"), ("lstm", 20, 128, 7, "bfloat16"),
-    ("rnn_tanh", 3, 3, 5, "float32")])
-def test_lane_groups_match_reference(cell, c, h, n, dtype, rng):
-    """The knob ``lane_groups`` (CUDA cores): K over groups of lanes, each group its own rows,
-    the sums over the group's lanes only; against float64 at T = 1, 37 and 100 and the same
-    bits run after run."""
+@pytest.mark.parametrize("cell, c, h, n, dtype, groups", [
+    ("gru", 24, 24, 400, "float16", True), ("lstm", 32, 32, 512, "float16", True),
+    ("gru", 64, 64, 64, "float32", True), ("lstm", 20, 128, 7, "bfloat16", True),
+    ("rnn_tanh", 3, 3, 5, "float32", True), ("gru", 24, 24, 400, "float16", False),
+    ("lstm", 20, 33, 7, "float32", False)])
+def test_small_k_on_cuda_cores_matches_reference(cell, c, h, n, dtype, groups, rng):
+    """K under a 16-byte chunk of every lane (CUDA cores, planner: "Small K on the CUDA
+    cores"): by default over groups of lanes, each group its own rows, the sums over the
+    group's lanes only; with ``lane_groups=False`` in narrow chunks over all 32. Against
+    float64 at T = 1, 37 and 100 and the same bits run after run."""
     module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype, tuning="off",
-                           knobs={"lane_groups": True, "mma": False})
+                           knobs=None if groups else {"lane_groups": False})
     plan = module.metadata["schedule"]["persistent"]["plan"]
-    assert plan["lane_groups"] > 1 and not plan["mma"]
+    assert (plan["lane_groups"] > 1) == groups and not plan["mma"]
+    assert plan["lane_bytes"] == 16 if groups else plan["lane_bytes"] < 16
     check_across_steps(module, rng)
     check_repeats_exactly(module, rng, steps=100, entry="persistent")
 

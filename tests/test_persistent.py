@@ -21,8 +21,8 @@ H100 = gpu_for_arch("sm_90")
 def test_plans_that_fit(gates, hidden, batch):
     p = plan(gates, hidden, batch, "float32", H100, states=2)
     assert p.blocks <= H100.sms and p.blocks * p.units >= hidden > (p.blocks - 1) * p.units
-    assert p.warps * p.rows_per_warp >= gates * p.units  # every row has a warp
-    assert p.reg_chunks + p.smem_chunks == p.chunks == -(-hidden // (32 * p.vec))
+    assert p.warps * p.warp_rows >= gates * p.units  # every row has a warp
+    assert p.reg_chunks + p.smem_chunks == p.chunks == -(-hidden // (p.k_lanes * p.vec))
     assert p.global_chunks == 0 and p.streamed_bytes == 0
     assert p.smem_bytes <= H100.smem_per_block
     assert p.reg_estimate <= H100.max_regs_per_thread
@@ -117,10 +117,10 @@ def test_overlapped_projections_exchange_h_tagged_where_blocks_poll_little(cell,
 @pytest.mark.parametrize("gates, hidden, batch", [(4, 2048, 4), (3, 2048, 1), (4, 33, 7)])
 def test_float16_plans_hold_twice_the_weights(gates, hidden, batch):
     """Half weights: 8 a 16-byte chunk, so a chunk of a row takes 4 registers, as in float32
-    (H 33: 2 a lane, a narrow chunk of 64)."""
+    (H 33: K over 8 lanes, 4 groups of them a warp)."""
     p = plan(gates, hidden, batch, "float16", H100, states=2)
-    assert p.vec == (8 if hidden > 128 else 2) and p.chunks == -(-hidden // (32 * p.vec))
-    assert p.lane_bytes == 2 * p.vec
+    assert p.vec == 8 and p.chunks == -(-hidden // (p.k_lanes * p.vec)) and p.lane_bytes == 16
+    assert p.k_lanes == (32 if hidden > 128 else 8)
     assert (p.blocks * p.warps * p.chunks * p.rows_per_warp * 32 * p.vec
             >= gates * hidden * hidden)
     assert p.smem_bytes <= H100.smem_per_block and p.reg_estimate <= 255
@@ -887,8 +887,8 @@ def test_knob_candidates_follow_the_driver():
     assert {"batch_groups": 2, "reg_margin": 48} in both  # room for the overlap (spills: 24)
     stacked = candidates(Problem(rnncc.cells.get("lstm"), 512, 512, 4, layers=2), H100)
     assert {"sync": "barrier"} in stacked and {"sync": "grid"} not in stacked  # no grid sync
-    assert {"mean_partials": True} not in small and {"lane_groups": True} not in small
-    assert {"lane_groups": True} in candidates(Problem(rnncc.cells.get("gru"), 64, 64, 8), H100)
+    assert {"mean_partials": True} not in small and {"lane_groups": False} not in small
+    assert {"lane_groups": False} in candidates(Problem(rnncc.cells.get("gru"), 64, 64, 8), H100)
     assert {"mean_partials": True} in candidates(Problem(rnncc.cells.get("ln_gru"), 256, 256,
                                                          4), H100)
 
@@ -1090,13 +1090,14 @@ def test_backward_plan_stages_dgh_in_slices_of_k(dtype):
     (200, "float16", 8), (257, "float16", 8), (33, "float32", 2), (64, "float32", 2),
     (100, "float32", 4), (1, "float32", 1), (3, "bfloat16", 1)])
 def test_cuda_core_chunks_narrow_to_k_under_one_chunk_a_lane(hidden, dtype, vec):
-    """Where K is under one 16-byte chunk of every lane, a lane's chunk is the fewest elements
-    that hold K in one (planner: "Narrow chunks"): its weights' registers and bytes shrink with
-    it; tensor cores keep 16 bytes, and a narrow plan fuses no input projection."""
+    """``lane_groups=False``: where K is under one 16-byte chunk of every lane, a lane's chunk
+    is the fewest elements that hold K in one (planner: "Narrow chunks"): its weights'
+    registers and bytes shrink with it; tensor cores keep 16 bytes, and a narrow plan fuses no
+    input projection."""
     from rnncc.schedules.persistent import planner
 
     elem = planner.ELEMENT_BYTES[dtype]
-    p = plan(3, hidden, 2, dtype, H100)
+    p = plan(3, hidden, 2, dtype, H100, lane_groups=False)
     assert p.vec == vec == planner.narrow_vec(hidden, elem) and p.lane_bytes == vec * elem
     assert p.chunks == 1 if hidden <= 32 * 16 // elem else p.chunks > 1
     assert p.chunk_bytes == p.warps * p.rows_per_warp * 32 * vec * elem
@@ -1123,7 +1124,7 @@ def test_a_batch_group_of_one_block_exchanges_h_within_it(cell, hidden, batch, d
     local = planner.local_bytes(p, batch // p.batch_groups)
     assert p.group_blocks == 1 and p.sync == "local" and local > 0
     assert not planner.publishes_staged_h(p, dtype)
-    assert local == batch // p.batch_groups * p.chunks * 32 * p.vec * 4  # float32 h
+    assert local == batch // p.batch_groups * p.chunks * p.k_lanes * p.vec * 4  # float32 h
     assert knobs.plan_for(problem, H100, {"sync": "tagged"}, 24).sync == "tagged"
     assert knobs.plan_for(problem, H100, {"sync": "local"}, 24).sync == "local"
     wide = Problem(cells.get(cell), 512, 512, 4, dtype=dtype)
@@ -1153,16 +1154,18 @@ def test_one_block_plans_count_the_local_exchange_in_shared_memory():
     (3, 24, "float16", 8), (4, 32, "float16", 8), (3, 64, "float32", 2), (4, 128, "float16", 2),
     (1, 3, "float32", 32), (4, 256, "float16", 1), (3, 200, "float32", 1)])
 def test_lane_groups_hold_k_in_16_byte_chunks_of_the_fewest_lanes(gates, hidden, dtype, groups):
-    """The knob ``lane_groups``: 16-byte chunks over KL = 32 / LG lanes, the fewest that hold
-    K, each group of lanes its own RW rows (planner: "Lane groups"); none on tensor cores, and
-    no fused input projection with them."""
+    """By default: 16-byte chunks over KL = 32 / LG lanes, the fewest that hold K, each group
+    of lanes its own RW rows (planner: "Lane groups"); none on tensor cores, none with
+    ``lane_groups=False``, and no fused input projection with them."""
     from rnncc.schedules.persistent import planner
 
-    p = plan(gates, hidden, 2, dtype, H100, lane_groups=True)
+    p = plan(gates, hidden, 2, dtype, H100)
     elem = planner.ELEMENT_BYTES[dtype]
     assert (p.lane_groups, p.vec, p.lane_bytes) == (groups, 16 // elem, 16)
     assert p.k_lanes == 32 // groups and p.chunks == -(-hidden // (p.k_lanes * p.vec))
     assert p.warps * p.warp_rows >= gates * p.units > p.warps * (p.warp_rows - groups)
     if groups > 1:
         assert fuse_input(p, gates, 1024, 2, H100) is None
-    assert plan(gates, hidden, 2, dtype, H100).lane_groups == 1
+    assert plan(gates, hidden, 2, dtype, H100, lane_groups=False).lane_groups == 1
+    if dtype == "float16" and hidden >= 64:
+        assert plan(gates, hidden, 64, dtype, H100, mma=True).lane_groups == 1

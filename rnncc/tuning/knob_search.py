@@ -60,8 +60,8 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
     tries += [{"input_steps": 0}, {"input_steps": 4}, {"input_steps": 8}]
     tries += [{"mma": not base.mma}, {"warps": 4, "mma": True}]
-    if not base.mma and base.lane_bytes < 16:  # small K: 16-byte chunks over lane groups
-        tries += [{"lane_groups": True}]
+    if base.lane_groups > 1 or base.lane_bytes < 16:  # small K: lane groups or narrow chunks
+        tries += [{"lane_groups": base.lane_groups == 1}]
     if mean_levels(problem.cell):  # a step's means as each block's sums, or as units' values
         tries += [{"mean_partials": not base.mean_partials}]
     if fuses_input(problem):  # W_hh's chunks moved to make room for the overlap, by groups

@@ -43,8 +43,8 @@ from .planner import Plan, Unfit
 #: not overlapped), the batch groups (a divisor of N: the grid split into that many groups, a
 #: slice of the batch each), the products on tensor cores, a step's row means exchanged
 #: as each block's sums rather than its units' values (``mean_partials``), and at small K the
-#: CUDA cores' chunks of 16 bytes over groups of lanes (``lane_groups``; planner: "Lane
-#: groups") rather than narrower chunks.
+#: CUDA cores' chunks of 16 bytes over groups of lanes (``lane_groups``, the default) or
+#: narrower chunks over all 32 (planner: "Small K on the CUDA cores").
 KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
          "batch_groups", "mma", "mean_partials", "lane_groups")
 SYNCS = ("tagged", "barrier", "grid", "local")
@@ -170,7 +170,7 @@ class _Request:
                              slices=mma and one_product(p.cell) and k.get("sync") != "tagged",
                              # a fused input projection asked for takes 16-byte chunks
                              narrow=not (k.get("input_rows") or k.get("input_steps")),
-                             lane_groups=k.get("lane_groups", False))
+                             lane_groups=k.get("lane_groups", True))
         return dataclasses.replace(found, **{f: k[f] for f in ("sync", "unroll",
                                                                 "mean_partials") if f in k})
 

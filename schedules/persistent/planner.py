@@ -108,18 +108,20 @@ multiply the one before. The blocks publish h (dGH) in the slices' order
 (:mod:`.stages.tensor_cores`), so that a slice is one contiguous copy; the forward's step 0
 stages h_0 slice by slice, element by element.
 
-Narrow chunks (``lane_bytes`` < 16): on the CUDA cores, where K is under one 16-byte chunk of
-every lane (H under 256 in 16 bits, 128 in float32), a lane's chunk is the fewest elements (a
-power of two) that still hold K in one chunk: K = 32 in float16 is one element a lane, not 8
-of which 7 are zeros, so a lane's products and registers of weights shrink as K does. No
-fused input projection there (its chunks are 16 bytes).
+Small K on the CUDA cores: where K is under one 16-byte chunk of every lane (H under 256 in 16
+bits, 128 in float32), most of a lane's chunk would be zeros (K = 32 in float16: 4 lanes of
+8). Two ways out, both with a lane's products and registers of weights shrinking as K does,
+neither with a fused input projection (its chunks are 16 bytes of every lane):
 
-Lane groups (``lane_groups`` LG > 1, the knob ``lane_groups``; CUDA cores): where K is under
-one 16-byte chunk of every lane, the warp's lanes split into LG groups of KL = 32 / LG lanes
-(the fewest that hold K in 16-byte chunks); group g's lanes hold rows g*RW .. g*RW + RW - 1 of
-the warp's LG*RW, lane g*KL + kl the k of (i*KL + kl)*VEC + v of chunk i. A lane's products
-are as many as with narrow chunks, and the sums over the lanes take log2(KL) exchanges of RW*N
-values instead of 5 of LG times as many.
+- Lane groups (``lane_groups`` LG > 1, the default): the warp's lanes split into LG groups of
+  KL = 32 / LG lanes (the fewest that hold K in 16-byte chunks); group g's lanes hold rows
+  g*RW .. g*RW + RW - 1 of the warp's LG*RW, lane g*KL + kl the k of (i*KL + kl)*VEC + v of
+  chunk i. The sums over the lanes take log2(KL) exchanges of RW*N values, not 5 of LG times
+  as many. H200, us a step, against narrow chunks: float16 GRU 24 N400 0.88 -> 0.59, LSTM 32
+  N512 1.06 -> 0.59, GRU 64 N256 0.89 -> 0.64; float32 LSTM 32 N1 0.54 -> 0.40, GRU 64 N64
+  0.56 -> 0.51; none slower (docs/benchmarks.md, "Seventy-third session").
+- Narrow chunks (``lane_bytes`` < 16; the knob ``lane_groups=False``): every lane one chunk
+  of the fewest elements (a power of two) that still hold K, all 32 lanes a row's.
 
 One block a group (``sync="local"``): where a batch group is one block (small H, or many batch
 groups) and h is staged whole, the block keeps its h_t in shared memory of its own (as
@@ -405,9 +407,9 @@ def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int,
 
 def _try(gates, hidden, batch, elem_bytes, gpu, units, warps, states, margin=REG_MARGIN,
          stream=False, width=None, pair_regs=None, mma=False, k_parts=1, slices=False,
-         narrow=True, lane_groups=False):
+         narrow=True, lane_groups=True):
     vec, groups = 16 // elem_bytes, 1
-    if lane_groups and not mma:  # 16-byte chunks, K over the fewest lanes that hold it
+    if narrow and lane_groups and not mma:  # 16-byte chunks, K over the fewest lanes holding it
         groups = 32 // min(32, _next_pow2(-(-(width or hidden) // vec)))
     elif narrow and not mma:
         vec = narrow_vec(width or hidden, elem_bytes)
@@ -718,7 +720,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
          warps: int | None = None, stream: bool = False, batch_groups: int | None = 1,
          directions: int = 1, layers: int = 1, width: int | None = None,
          pair_regs: int | None = None, mma: bool = False, split_k: bool = False,
-         slices: bool = False, narrow: bool = True, lane_groups: bool = False) -> Plan:
+         slices: bool = False, narrow: bool = True, lane_groups: bool = True) -> Plan:
     """The persistent plan of least estimated step time whose weights fit, or raise
     :class:`Unfit` saying why none does. ``max_blocks`` caps the grid, ``warps`` fixes the
     block size, ``reg_margin``: registers kept free under the limit (raised when ptxas reports
@@ -736,9 +738,9 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
     weights fit in registers, else the fewest that fit); ``split_k``: there a row group's K
     may be split among warps (:data:`K_PARTS`; the backward pass's). ``slices``: where no
     plan fits whole, h staged in slices of K (:data:`K_SLICES`; see "Slices of K").
-    ``narrow``: chunks narrower than 16 bytes where K is small (see "Narrow chunks"; never
-    for a wavefront, whose layers fuse their input projections); ``lane_groups``: instead,
-    16-byte chunks over groups of lanes (see "Lane groups"; one layer)."""
+    ``narrow``: where K is small, fewer elements of K a lane (see "Small K on the CUDA
+    cores"; never for a wavefront, whose layers fuse their input projections), 16-byte chunks
+    over groups of lanes (``lane_groups``) or else narrower chunks."""
     if dtype not in ELEMENT_BYTES:
         raise Unfit(f"the persistent kernel takes {' or '.join(ELEMENT_BYTES)}, not {dtype}")
     elem = ELEMENT_BYTES[dtype]
