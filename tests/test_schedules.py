@@ -233,15 +233,19 @@ def test_cuda_tf32x3_components_match_the_cpu_build_on_the_simulator(training, m
         assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
 
 
-def test_cuda_gradient_sums_match_the_cpu_build_on_the_simulator(rng):
-    """Training's sums over all steps' rows: the biases' (a column sum) and a float32 weight
-    gradient, over whole tiles of rows and part of one."""
+def test_cuda_gradient_sums_match_the_cpu_build_on_the_simulator(rng, monkeypatch):
+    """Training's sums over all steps' rows: the biases' (a column sum) and float32 weight
+    gradients (O off whole tiles, and of one tile), over whole tiles of rows and part of
+    one; M in 16 slices (the simulator's time)."""
+    from rnncc.schedules import cuda_weight_grad
+
+    monkeypatch.setattr(cuda_weight_grad, "MANY_SPLITS", cuda_weight_grad.MAX_SPLITS)
     rules = {_simulated_against_cpu_build(func, "reduction", rng) for func in (
         comp.column_sum(comp.i64(300), 132, "float32"), comp.column_sum(comp.i64(33), 20,
                                                                          "float32"),
         comp.weight_gradient(comp.i64(300), 132, 40, "float32", "float32"),
         comp.weight_gradient(comp.i64(64), 128, 64, "float32", "float32"))}
-    assert rules == {"cuda.column_sum", "cuda.matmul"}
+    assert rules == {"cuda.column_sum", "cuda.weight_grad"}
 
 
 def test_unfused_step_is_several_kernels():
@@ -875,14 +879,14 @@ def test_sgemm_of_all_steps_splits_k_where_t_leaves_few_tiles(batch, depth, outp
 
 
 @pytest.mark.parametrize("outputs, depth, splits", [(4096, 1024, 1), (2048, 512, 4),
-                                                   (384, 128, 16)])
+                                                   (384, 128, 32), (1024, 256, 16)])
 def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs, depth,
                                                                          splits):
     """A weight's gradient over the T*N rows of all steps: 128 x 128 tiles of dw, M in
     double-buffered chunks (one barrier a chunk, 16-byte loads and stores, registers for two
     blocks of 256 threads, no spills), sliced along M into a workspace summed by a second
-    kernel where the tiles alone fill too few blocks; sizes off the tiles, other dtypes and the
-    biases' column sums go to the next rule."""
+    kernel where the tiles alone fill too few blocks (past 16 slices only while they take at
+    most 8 MiB); float64 and the biases' column sums go to the next rule."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_weight_grad
 
@@ -904,9 +908,8 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     kernel = report["wg_kernel"]
     assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
     assert kernel["registers"] <= 65536 // (2 * cuda_weight_grad.THREADS)
-    for args in ((outputs, depth + 8, "float32", "float32"), (outputs, depth, "float16",
-                                                              "float16")):
-        assert cuda_weight_grad.apply(comp.weight_gradient(m, *args), CUDA) is None
+    assert cuda_weight_grad.apply(comp.weight_gradient(m, outputs, depth, "float64",
+                                                       "float64"), CUDA) is None
     assert cuda_weight_grad.apply(comp.column_sum(m, outputs, "float32"), CUDA) is None
 
 
@@ -915,14 +918,16 @@ def test_weight_grad_tiles_the_gradient_and_splits_m_where_tiles_are_few(outputs
     pytest.param(5, [5] * 3, 128, 128, marks=pytest.mark.slow),
     pytest.param(6, [1] * 5, 128, 128, marks=pytest.mark.slow), (4, [30, 1, 4, 2], 128, 128)])
 def test_weight_grad_with_lengths_sums_only_their_rows_on_the_simulator(steps, lengths, outputs,
-                                                                       depth, rng):
+                                                                       depth, rng, monkeypatch):
     """A weight's gradient given the samples' lengths sums only the rows m = t*N + n with
     t < lengths[n] (located by bisection of ``ends``, M sliced over blocks): it matches
     float64 over those rows, while every other row of both operands holds NaN (never read).
     Unsorted lengths with 1 and T among them; all samples full; every sample of length 1; a
-    length past T (counted as T)."""
+    length past T (counted as T). M in 16 slices (the simulator's time)."""
     from rnncc.schedules import cuda_weight_grad
     from tir_sim import Simulator
+
+    monkeypatch.setattr(cuda_weight_grad, "MANY_SPLITS", cuda_weight_grad.MAX_SPLITS)
 
     batch = len(lengths)
     func = comp.weight_gradient(tirx.Var("M", "int64"), outputs, depth, "float32", "float32",
@@ -940,6 +945,52 @@ def test_weight_grad_with_lengths_sums_only_their_rows_on_the_simulator(steps, l
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     want = g[inside].astype(np.float64).T @ a[inside].astype(np.float64)
     assert np.abs(dw - want).max() / np.abs(want).max() < TOL_F32
+
+
+@pytest.mark.parametrize("outputs, depth, rows, dtypes, lengths, splits", [
+    (99, 33, 37, ("float32",) * 3, None, 16), (128, 32, 50, ("float16",) * 3, None, 256),
+    (130, 12, 0, ("float16", "float32", "float16"), [3, 7, 1, 5], 16),
+    pytest.param(260, 257, 19, ("float32", "float16", "float32"), None, 16,
+                 marks=pytest.mark.slow)])
+def test_weight_grad_of_any_size_and_16_bit_operands_on_the_simulator(
+        outputs, depth, rows, dtypes, lengths, splits, rng, monkeypatch):
+    """O and K off whole tiles (past a tile's last column, and rows that are not whole
+    4-vectors), 16-bit operands widened as they are staged, dw in its own type, M split in
+    256 slices where the tiles are few (elsewhere 16 here, the simulator's time), the samples'
+    lengths: against float64 of the rounded operands, dw poisoned, M's rows past the sum (or
+    past the lengths) NaN."""
+    from rnncc.schedules import cuda_weight_grad
+    from tir_sim import Simulator
+
+    if splits <= cuda_weight_grad.MAX_SPLITS:
+        monkeypatch.setattr(cuda_weight_grad, "MANY_SPLITS", cuda_weight_grad.MAX_SPLITS)
+
+    g_dtype, a_dtype, dw_dtype = dtypes
+    batch = len(lengths) if lengths else None
+    func = comp.weight_gradient(tirx.Var("M", "int64"), outputs, depth, dw_dtype, a_dtype,
+                                g_dtype, batch)
+    found = cuda_weight_grad.sizes(func)
+    assert (found.outputs, found.depth, found.g_dtype, found.a_dtype) == (outputs, depth,
+                                                                          g_dtype, a_dtype)
+    assert found.splits == splits
+    kernel = cuda_weight_grad.apply(func, CUDA).mod["main"]
+    if lengths:
+        steps = max(lengths)
+        lens = np.array(lengths, np.int32)
+        inside = (np.arange(steps)[:, None] < lens[None, :]).reshape(-1)
+        rows = steps * batch
+    else:
+        inside = np.ones(rows, bool)
+    g = rng.standard_normal((rows, outputs)).astype(g_dtype)
+    a = rng.standard_normal((rows, depth)).astype(a_dtype)
+    g[~inside], a[~inside] = np.nan, np.nan
+    dw = np.full((outputs, depth), np.nan, dw_dtype)
+    given = (lens, np.cumsum(lens).astype(np.int32)) if lengths else ()
+    args = (g, a, *given, dw)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    want = g[inside].astype(np.float64).T @ a[inside].astype(np.float64)
+    tol = TOL_F32 if dw_dtype == "float32" else 2e-3
+    assert np.abs(dw.astype(np.float64) - want).max() / np.abs(want).max() < tol
 
 
 def test_tf32_rounding_to_nearest_ties_away(rng):
@@ -1585,10 +1636,10 @@ def test_a_stages_scratch_buffers_are_parameters_the_caller_allocates():
                                                      for b in (g, a, dw)], 1)
     func = sequence_function("grads", [g, a, dw], [stage], None, None, [])
     assert len(func.params) == 4
-    assert scratch_signature(func, 3) == [{"name": "scratch_0_slices", "shape": [16, 256, 128],
+    assert scratch_signature(func, 3) == [{"name": "scratch_0_slices", "shape": [64, 256, 128],
                                            "dtype": "float32", "kind": "workspace"}]
     script = func.script()
-    assert 'slices: T.Buffer((16, 256, 128), "float32"' in script  # a parameter
+    assert 'slices: T.Buffer((64, 256, 128), "float32"' in script  # a parameter
     assert "alloc_buffer(" not in script and "alloc_local((64,)" in script  # not allocated
 
 
