@@ -815,9 +815,9 @@ def test_half_weight_grad_on_tensor_cores_matches_reference(torch, outputs, dept
     (4096, "bfloat16", "bfloat16")])
 def test_column_sum_matches_reference(torch, outputs, dtype, g_dtype, rng):
     """A bias's gradient db = sum of g's rows over M = 1, 7, 100 and 3001 rows (fewer rows than
-    lanes, part of an unrolled round, many rounds), db poisoned, against float64; nothing
-    written past O; g in float32 or, as a half training step writes it, in the layer's
-    dtype."""
+    lanes, part of an unrolled round, many rounds; M in 2, 64, 32 and 2 slices, most of them
+    empty at small M), db poisoned, against float64; nothing written past O; g in float32
+    or, as a half training step writes it, in the layer's dtype."""
     import tvm
     import tvm_ffi
     from tvm import tirx

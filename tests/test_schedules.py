@@ -1590,26 +1590,37 @@ def test_wgmma_gemm_kernels_compile_without_spills(form):
         assert report["wg_kernel"]["spill_stores"] == report["wg_kernel"]["stack"] == 0
 
 
-@pytest.mark.parametrize("outputs, dtype", [(4096, "float32"), (4, "float32"),
-                                            (132, "float16")])
-def test_column_sum_spreads_the_columns_over_blocks_and_the_rows_over_lanes(outputs, dtype):
+@pytest.mark.parametrize("outputs, dtype, splits", [(8448, "float32", 1), (4096, "float32", 2),
+                                                   (4, "float32", 64), (132, "float16", 32)])
+def test_column_sum_spreads_the_columns_over_blocks_and_the_rows_over_lanes(outputs, dtype,
+                                                                            splits):
     """A bias's gradient over the T*N rows of all steps: 32 columns a block (a warp reads a
     row's contiguous floats), rows over 32 lanes, 4 in flight a thread, the lanes' sums added in
-    shared memory (no atomics), columns past O guarded; no spills; weight gradients and other
-    shapes go to the other rules."""
+    shared memory (no atomics), columns past O guarded; where the columns' blocks are few, M
+    in slices too, each block's sums into a workspace that a second kernel adds in order; no
+    spills; weight gradients and other shapes go to the other rules."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_column_sum
 
     m = tirx.Var("M", "int64")
-    result = schedules.schedule(comp.column_sum(m, outputs, dtype), CUDA, "reduction")
+    func = comp.column_sum(m, outputs, dtype)
+    assert cuda_column_sum.sizes(func).splits == splits
+    result = schedules.schedule(func, CUDA, "reduction")
     assert result.rule == "cuda.column_sum"
     source = tvm.compile(tvm.IRModule({"main": result.func.with_attr("global_symbol", "cs")}),
                          target=CUDA).mod.imports[0].inspect_source()
-    body = kernel_bodies(source)["cs_kernel"]
+    bodies = kernel_bodies(source)
+    body = bodies["cs_kernel"]
     assert "__launch_bounds__(1024)" in source and "atomic" not in body
     assert body.count("__syncthreads()") == 1 and body.count("g_ptr[") == 4
-    assert body.count("< M)") == 4  # rows past M
-    assert body.count("if (") == 5 + (2 if outputs % 32 else 0)  # and columns past O
+    assert len(bodies) == (1 if splits == 1 else 2)
+    if splits == 1:
+        assert body.count("< M)") == 4  # rows past M
+        assert body.count("if (") == 5 + (2 if outputs % 32 else 0)  # and columns past O
+    else:  # rows past the slice's (the last slice's past M); the slices summed in order
+        assert body.count("< (M - ") == 4
+        assert "blockIdx.y" in body and "db_ptr" not in body and "partial_ptr" in body
+        assert "db_ptr" in bodies["cs_kernel_1"] and "partial_ptr" in bodies["cs_kernel_1"]
     _, report = compile_cubin(source, "sm_90")
     kernel = report["cs_kernel"]
     assert kernel["spill_stores"] == kernel["spill_loads"] == kernel["stack"] == 0
