@@ -103,6 +103,11 @@ SPLIT_ALL_STEPS_BATCH = 16
 #: GPU. H200, a training step of float32 LSTM 512 N64 (dW 2048 x 512: 64 tiles), us a step:
 #: 23.7 on cuda.weight_grad, 27.4 split from 32 tiles.
 SPLIT_GRADIENT_TILES = 128
+#: The fewest tiles of a 16-bit weight gradient on tensor cores (a block a tile, M not
+#: split): fewer stay with cuda.weight_grad, which splits M over the GPU on the CUDA cores.
+#: H200, float16 LSTM 128 at batch 256 (dW 512 x 128: 4 tiles, M = 25600): 162 us each on
+#: tensor cores, a sixth of a training step.
+HALF_GRADIENT_MIN_TILES = 8
 #: In 64-row tiles up to STEP_TILE_PARTS slices: the backward pass's product dGH W_hh (O = H
 #: columns, K = G*H deep) has few tiles. H200, bfloat16 LSTM 1024 N64, a training step, us a
 #: step (the product's kernel alone 10.8 / 6.8 / 5.8): at most 8 slices 35.9, 16 32.4, 32
@@ -198,11 +203,15 @@ def sizes(func, target) -> Product | None:
 
 def takes(found: Product) -> bool:
     """Whether this rule's grid takes ``found`` (:func:`product_of`'s): every product of all
-    steps and gradient; one step's whole where its tiles give TARGET_BLOCKS, in slices where
-    they are :func:`slices`' count (not another rule's)."""
+    steps, a gradient of at least :data:`HALF_GRADIENT_MIN_TILES` tiles; one step's whole
+    where its tiles give TARGET_BLOCKS, in slices where they are :func:`slices`' count (not
+    another rule's)."""
     if found.tails:  # cuda.wgmma_gemm's kernels compute past the edges; this one does not
         return False
-    if found.rows is None:  # all steps, or a gradient
+    if found.form == "gradient":  # few tiles: cuda.weight_grad splits M to fill the GPU
+        dw_shape = found.specs[2][1]
+        return (dw_shape[0] // TILE) * (dw_shape[1] // TILE) >= HALF_GRADIENT_MIN_TILES
+    if found.rows is None:  # all steps
         return True
     if found.form == "projection":
         return _tiles(found) >= TARGET_BLOCKS

@@ -993,6 +993,24 @@ def test_weight_grad_of_any_size_and_16_bit_operands_on_the_simulator(
     assert np.abs(dw.astype(np.float64) - want).max() / np.abs(want).max() < tol
 
 
+@pytest.mark.parametrize("arch, tensor_cores", [("sm_80", "cuda.mma_gemm"),
+                                                 ("sm_90", "cuda.wgmma_gemm")])
+def test_half_weight_gradients_of_few_tiles_split_m_on_the_cuda_cores(arch, tensor_cores):
+    """A 16-bit weight gradient of under 8 tiles (a block a tile on tensor cores, M not
+    split: float16 LSTM 128's 512 x 128, 4 tiles) goes to cuda.weight_grad, which splits M
+    over the GPU; from 8 tiles on, tensor cores."""
+    from rnncc.target import TargetSpec
+
+    target = TargetSpec("cuda", arch=arch).tvm_target()
+    m = tirx.Var("M", "int64")
+    for (outputs, depth), rule in (((512, 128), "cuda.weight_grad"),
+                                   ((384, 128), "cuda.weight_grad"),
+                                   ((1024, 128), tensor_cores), ((1024, 256), tensor_cores)):
+        for dtype in ("float16", "bfloat16"):
+            func = comp.weight_gradient(m, outputs, depth, dtype, dtype, dtype)
+            assert schedules.schedule(func, target, "reduction").rule == rule
+
+
 def test_tf32_rounding_to_nearest_ties_away(rng):
     """``rnncc.dtypes.round_tf32`` built for this CPU: normal floats to the nearest value of 10
     mantissa bits, ties away from zero (computed here from frexp), the largest float to
