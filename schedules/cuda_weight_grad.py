@@ -18,8 +18,9 @@ that a second kernel sums in order (deterministic, unlike atomics).
 O and K need not be whole tiles, nor the operands float32: a tile's columns past O or K read
 zeros and are not written (16-byte loads and stores where a row is whole 4-vectors, single
 elements where it is not), and 16-bit operands (float16, bfloat16: a half layer whose sizes
-the tensor-core rules refuse, K under 64 among them) are read 8 bytes a 4-vector and widened
-to float32 as they go to shared memory; dw is written in its own type. A gradient of few
+the tensor-core rules refuse, K under 64 among them, or whose tiles are too few for them,
+:data:`.cuda_mma_gemm.HALF_GRADIENT_MIN_TILES`) are read 8 bytes a 4-vector and widened to
+float32 as they go to shared memory; dw is written in its own type. A gradient of few
 tiles splits M further than :data:`MAX_SPLITS`, up to :data:`MANY_SPLITS`, while its slices
 take at most :data:`SLICE_BYTES`: dlight's Matmul, which took these before, spent 2.6 ms on
 float16 LSTM 32's dW_ih at batch 512 and T = 100 (one output tile, M = 51200; H200), where
