@@ -129,8 +129,7 @@ def _block_sum(sums, first, span, count, g, store, bx, lane, tx):
 def _into(buffer, *lead):
     """A store of a column's float32 sum into ``buffer``[*lead, column], in its type."""
     def store(column, value):
-        cast = value if buffer.dtype == "float32" else T.Cast(buffer.dtype, value)
-        T.buffer_store(buffer, cast, [*lead, column])
+        T.buffer_store(buffer, T.Cast(buffer.dtype, value), [*lead, column])
     return store
 
 

@@ -154,11 +154,6 @@ def _summed(splits: int):
     return T.unroll(1, splits) if splits <= MAX_SPLITS else T.serial(1, splits)
 
 
-def _as(value, given: str, dtype: str):
-    """``value`` (of type ``given``) in ``dtype``: cast where they differ."""
-    return value if given == dtype else tirx.Cast(dtype, value)
-
-
 def _within(*pairs):
     """Whether each index lies under its extent ((index, extent, whole) pairs; ``whole``: the
     extent is whole tiles, nothing to check): True, or the condition."""
@@ -186,17 +181,17 @@ def _columns(x, regs, inside, row, col, width):
     where not ``inside`` or past ``width`` (a row that is not whole tiles)."""
     if width % TILE == 0:
         for v in T.vectorized(4):
-            regs[v] = T.if_then_else(inside, _as(x[row, col + v], x.dtype, "float32"),
+            regs[v] = T.if_then_else(inside, T.Cast("float32", x[row, col + v]),
                                      T.float32(0))
     elif width % 4 == 0:
         for v in T.vectorized(4):
             regs[v] = T.if_then_else(tirx.all(inside, col < width),
-                                     _as(x[row, T.min(col, width - 4) + v], x.dtype, "float32"),
+                                     T.Cast("float32", x[row, T.min(col, width - 4) + v]),
                                      T.float32(0))
     else:
         for v in T.unroll(4):
             regs[v] = T.if_then_else(tirx.all(inside, col + v < width),
-                                     _as(x[row, T.min(col + v, width - 1)], x.dtype, "float32"),
+                                     T.Cast("float32", x[row, T.min(col + v, width - 1)]),
                                      T.float32(0))
 
 
@@ -269,7 +264,7 @@ def _tile(t, io, slices, bz, bo, bk, tx):
                 k0 = T.meta_var(bk * TILE + h * t.half["w"] + t.tq(tx) * 4)
                 if _within((o, o_, o_ % TILE == 0), (k0 + v, k_, k_ % TILE == 0)):
                     if slices is None:
-                        dw[o, k0 + v] = _as(acc[r * 8 + h * 4 + v], "float32", dw.dtype)
+                        dw[o, k0 + v] = T.Cast(dw.dtype, acc[r * 8 + h * 4 + v])
                     else:
                         slices[bz, o, k0 + v] = acc[r * 8 + h * 4 + v]
 
@@ -293,7 +288,7 @@ def _sum_slices(t, io, slices):
                     for v in T.vectorized(vec):
                         s[v] = s[v] + slices[z, e // k_, e % k_ + v]
                 for v in T.vectorized(vec):
-                    dw[e // k_, e % k_ + v] = _as(s[v], "float32", dw.dtype)
+                    dw[e // k_, e % k_ + v] = T.Cast(dw.dtype, s[v])
 
 
 def kernel(gradient: Gradient):

@@ -824,7 +824,7 @@ def plan(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int 
                               else [(wn, 1) for wn in ((warps,) if warps else WARPS)]):
                 found = _try(gates, hidden, local, elem, gpu, units, wn, states, reg_margin,
                              stream, width, pair_regs, mma, parts, sliced,
-                             narrow and layers == 1, lane_groups and layers == 1)
+                             narrow and layers == 1, lane_groups)
                 if found is None or found.blocks > cap:
                     continue
                 if best is None or estimate_ns(found, local) < estimate_ns(best, local):
