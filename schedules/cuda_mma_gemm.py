@@ -103,8 +103,9 @@ SPLIT_ALL_STEPS_BATCH = 16
 #: GPU. H200, a training step of float32 LSTM 512 N64 (dW 2048 x 512: 64 tiles), us a step:
 #: 23.7 on cuda.weight_grad, 27.4 split from 32 tiles.
 SPLIT_GRADIENT_TILES = 128
-#: The fewest tiles of a 16-bit weight gradient on tensor cores (a block a tile, M not
-#: split): fewer stay with cuda.weight_grad, which splits M over the GPU on the CUDA cores.
+#: The fewest tiles of a 16-bit weight gradient on this rule's tensor cores (a block a tile,
+#: M not split; cuda.wgmma_gemm splits M instead): fewer stay with cuda.weight_grad, which
+#: splits M over the GPU on the CUDA cores.
 #: H200, float16 LSTM 128 at batch 256 (dW 512 x 128: 4 tiles, M = 25600): 162 us each on
 #: tensor cores, a sixth of a training step.
 HALF_GRADIENT_MIN_TILES = 8

@@ -56,6 +56,7 @@ The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from tvm import s_tir, tirx
@@ -117,6 +118,10 @@ SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 #: 8192 16.8 / 17.5; 256 x 2048 x 6144 16.2 / 16.7); TF32 keeps 256 first (256 x 2048 x 8192:
 #: 2 slices of 256 31.7, whole in 128 34.5).
 WIDE, WIDE_DEPTH, ONE_WAVE = 256, 1024, (96, 132)
+#: A 16-bit weight gradient of few tiles splits its M (a run-time size) in S slices: the most
+#: (a power of two up to GRADIENT_MAX_SPLITS) within GRADIENT_BLOCKS blocks whose [S, O, K]
+#: float32 workspace takes at most GRADIENT_SLICE_BYTES; a second kernel adds them in order.
+GRADIENT_MAX_SPLITS, GRADIENT_BLOCKS, GRADIENT_SLICE_BYTES = 32, 132, 8 << 20
 
 #: 16 bytes of shared memory (4 float32) split in three TF32 products' two parts: the TF32 part
 #: (``cvt.rna.tf32.f32``) in place, the rest (exact) 16 bytes at ``small``.
@@ -143,7 +148,8 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     operand whose k runs along its buffer's rows in 16 bits only: TF32 is K-major), but for
     one step's product of split float32 in N <= 64 rows (:mod:`.cuda_mma_gemm`'s is faster
     there); float32 split into three TF32 products where pipelined (a weight gradient split:
-    cuda.mma_gemm's alone); else None."""
+    cuda.mma_gemm's alone); a 16-bit gradient of any count of tiles (few: M split,
+    :func:`gradient_splits`); else None."""
     if not has_wgmma(target):
         return None
     found = cuda_mma_gemm.product_of(func, target)
@@ -154,8 +160,9 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     chosen = one_step(found)
     if chosen is not None:
         return found if found.parts == chosen[0] else None
-    return (found if (found.tails or cuda_mma_gemm.takes(found)) and found.tile_rows >= TILE
-            else None)
+    takes = found.tails or (found.form == "gradient" and not found.op.split
+                            ) or cuda_mma_gemm.takes(found)  # a gradient of few tiles split
+    return found if takes and found.tile_rows >= TILE else None
 
 
 def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
@@ -310,9 +317,11 @@ class Plan:
         # a gradient's chunks of its run-time M, at least one (ptxas serialized the
         # warpgroup MMA of a loop that might run no time: "C7515 ... non wgmma instructions
         # defining accumulator registers"; a step's M is never 0, and zeros past it are added)
+        #: (split in S slices, :func:`gradient_splits`: a slice's, every slice's the same,
+        #: the last ones' past M zeros)
         self.chunks = (tirx.max(tirx.Cast("int32", tirx.floordiv(
-            self.tile.m + (self.bk - 1), self.bk)), 1) if self.gradient
-            else -(-product.depth // self.bk))
+            self.tile.m + (self.bk * product.parts - 1), self.bk * product.parts)), 1)
+            if self.gradient else -(-product.depth // self.bk))
         #: K or O past whole chunks and tiles (:attr:`.cuda_mma_gemm.Product.tails`): copies
         #: past K zero-filled (by the TMA engine past its tensor maps), B's rows past O read
         #: its last, columns past O not stored
@@ -334,6 +343,11 @@ class Plan:
         self.instruction = getattr(getattr(shape, ptx), ptx)
         #: scale-a, scale-b (and for halves: A's and B's transposition, 1 where MN-major)
         self.flags = (1, 1) if op.tf32 else (1, 1, *(int(outer) for outer in self.outer))
+
+    def k_first(self, part):
+        """The first k of slice ``part``: of K (one step's product in slices), or of M (a
+        gradient's, :func:`gradient_splits`)."""
+        return part * self.chunks * self.bk if self.gradient else part * self.product.depth
 
     def tile_of(self, bx):
         """(slice, row tile, column tile) of block ``bx``: the column tiles fastest (the
@@ -625,14 +639,18 @@ def _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx):
 @T.macro
 def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
     """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are; a
-    gradient's (every row) in its type (``step_regs``: a fused step's, None here)."""
+    gradient's (every row) in its type, or split, its slice of M's into the workspace
+    ``io``[3] (``step_regs``: a fused step's, None here)."""
     lane = T.meta_var(tx % 32)
     first = T.meta_var(bi * p.rows + tx // 32 * 16 + lane // 4)
     for n in T.unroll(p.cols // 8):
         for h in T.unroll(2):
             i = T.meta_var(first + h * 8)
             j = T.meta_var(bj * p.cols + n * 8 + lane % 4 * 2)
-            if p.gradient:
+            if p.gradient and p.product.parts > 1:  # its slice of M's sums, as they are
+                for v in T.vectorized(2):
+                    io[3][part, i, j + v] = acc[n * 4 + h * 2 + v]
+            elif p.gradient:
                 for v in T.vectorized(2):
                     io[2][i, j + v] = T.Cast(io[2].dtype, acc[n * 4 + h * 2 + v])
             elif i < p.tile.m and (not p.tail or j < p.product.columns):
@@ -644,6 +662,47 @@ def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
                         io[2][part, i, j + v] = acc[n * 4 + h * 2 + v]
 
 
+def gradient_splits(product: cuda_mma_gemm.Product, cols: int) -> int:
+    """S, the slices of M of a 16-bit weight gradient in tiles ``cols`` wide (1: not split;
+    nor is split float32, whose tiles are 128 blocks and more)."""
+    if product.form != "gradient" or product.op.split:
+        return 1
+    outputs, depth = product.specs[2][1]
+    tiles = outputs // TILE * -(-depth // cols)
+    splits = 1
+    while (splits * 2 <= GRADIENT_MAX_SPLITS and tiles * splits * 2 <= GRADIENT_BLOCKS
+           and splits * 2 * outputs * depth * 4 <= GRADIENT_SLICE_BYTES):
+        splits *= 2
+    return splits
+
+
+@T.macro
+def _sum_gradient(p, io):
+    """The second kernel of a gradient split along M: dw = its slices ``io``[3] added in
+    order, in dw's type; 4 a thread."""
+    dw, slices = io[2], io[3]
+    o_, k_ = T.meta_var(p.product.specs[2][1])
+    for bx in T.thread_binding(o_ * k_ // 1024, thread="blockIdx.x"):
+        for tx in T.thread_binding(256, thread="threadIdx.x"):
+            s = T.alloc_buffer((4,), "float32", scope="local")
+            e = T.meta_var((bx * 256 + tx) * 4)
+            for v in T.vectorized(4):
+                s[v] = slices[0, e // k_, e % k_ + v]
+            for z in T.unroll(1, p.product.parts):
+                for v in T.vectorized(4):
+                    s[v] = s[v] + slices[z, e // k_, e % k_ + v]
+            for v in T.vectorized(4):
+                dw[e // k_, e % k_ + v] = T.Cast(dw.dtype, s[v])
+
+
+def _with_slices(p: Plan, io):
+    """The kernel's buffers: the component's, and a gradient split along M's [S, O, K] float32
+    workspace (allocated in the PrimFunc being built)."""
+    if not (p.gradient and p.product.parts > 1):
+        return io
+    return (*io, T.sblock_alloc_buffer((p.product.parts, *p.product.specs[2][1]), "float32"))
+
+
 def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | None = None,
            persistent: int = 0):
     """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
@@ -652,8 +711,11 @@ def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | 
     makes the TMA-fed kernel's blocks loop over tiles (to compare them)."""
     if feed not in (None, "tma", "copy"):
         raise ValueError(f"feed is 'tma', 'copy' or None (the rule's choice), got {feed!r}")
-    p = Plan(product, TILE if product.op.split else cols or columns(product), feed, persistent)
-    return kernel_of(p)
+    cols = TILE if product.op.split else cols or columns(product)
+    splits = gradient_splits(product, cols)
+    if splits > 1:
+        product = dataclasses.replace(product, parts=splits)
+    return kernel_of(Plan(product, cols, feed, persistent))
 
 
 def kernel_of(p: Plan, step=None):
@@ -755,8 +817,9 @@ def _copying_kernel(p: Plan, step=None):
     @T.prim_func(s_tir=True)
     def wgmma_gemm():
         T.func_attr({"tirx.noalias": True})
-        io = T.meta_var(parameters())
+        given = T.meta_var(parameters())
         with T.sblock("root"):
+            io = T.meta_var(_with_slices(p, given))
             step_regs = T.meta_var(step.registers(p) if step is not None else None)
             smem = T.sblock_alloc_buffer((p.smem_bytes // p.esize,), dtype,
                                          scope="shared.dyn", align=SWIZZLE_ROWS * ROW_BYTES)
@@ -768,7 +831,7 @@ def _copying_kernel(p: Plan, step=None):
             for bx in T.thread_binding(p.grid, thread="blockIdx.x"):
                 for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
                     part, bi, bj = T.meta_var(p.tile_of(bx))
-                    k0 = T.meta_var(part * product.depth)
+                    k0 = T.meta_var(p.k_first(part))
                     regs = T.meta_var((ra, rb))
                     if step is not None:
                         step.prologue(p, io, step_regs, bi, bj, tx)
@@ -783,6 +846,8 @@ def _copying_kernel(p: Plan, step=None):
                     if p.split:
                         _add(p, acc, sums)
                     epilogue(p, io, acc, bi, bj, part, tx, step_regs)
+            if p.gradient and product.parts > 1:
+                _sum_gradient(p, io)
 
     return wgmma_gemm
 

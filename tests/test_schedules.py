@@ -993,22 +993,53 @@ def test_weight_grad_of_any_size_and_16_bit_operands_on_the_simulator(
     assert np.abs(dw.astype(np.float64) - want).max() / np.abs(want).max() < tol
 
 
-@pytest.mark.parametrize("arch, tensor_cores", [("sm_80", "cuda.mma_gemm"),
-                                                 ("sm_90", "cuda.wgmma_gemm")])
-def test_half_weight_gradients_of_few_tiles_split_m_on_the_cuda_cores(arch, tensor_cores):
-    """A 16-bit weight gradient of under 8 tiles (a block a tile on tensor cores, M not
-    split: float16 LSTM 128's 512 x 128, 4 tiles) goes to cuda.weight_grad, which splits M
-    over the GPU; from 8 tiles on, tensor cores."""
+@pytest.mark.parametrize("arch, tensor_cores, few", [
+    ("sm_80", "cuda.mma_gemm", "cuda.weight_grad"),
+    ("sm_90", "cuda.wgmma_gemm", "cuda.wgmma_gemm")])
+def test_half_weight_gradients_of_few_tiles_split_m_on_the_cuda_cores(arch, tensor_cores,
+                                                                     few):
+    """Before sm_90, a 16-bit weight gradient of under 8 tiles (a block a tile on tensor
+    cores, M not split: float16 LSTM 128's 512 x 128, 4 tiles) goes to cuda.weight_grad,
+    which splits M over the GPU; from 8 tiles on, tensor cores. On sm_90 warpgroup MMA takes
+    them all, splitting M where the tiles are few."""
     from rnncc.target import TargetSpec
 
     target = TargetSpec("cuda", arch=arch).tvm_target()
     m = tirx.Var("M", "int64")
-    for (outputs, depth), rule in (((512, 128), "cuda.weight_grad"),
-                                   ((384, 128), "cuda.weight_grad"),
+    for (outputs, depth), rule in (((512, 128), few), ((384, 128), few),
                                    ((1024, 128), tensor_cores), ((1024, 256), tensor_cores)):
         for dtype in ("float16", "bfloat16"):
             func = comp.weight_gradient(m, outputs, depth, dtype, dtype, dtype)
             assert schedules.schedule(func, target, "reduction").rule == rule
+
+
+@pytest.mark.parametrize("outputs, depth, rows, splits", [(512, 128, 300, 32),
+                                                        (256, 512, 1500, 16)])
+def test_wgmma_gradient_of_few_tiles_splits_m_on_the_simulator(outputs, depth, rows, splits,
+                                                                rng):
+    """A half weight gradient of few tiles on warpgroup MMA splits M in slices (each slice
+    the same count of chunks, those past M zeros) into a float32 workspace that a second
+    kernel adds in order: against float64 of the rounded operands, dw poisoned; no spills."""
+    from rnncc.compiler.cuda_binary import compile_cubin
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    func = comp.weight_gradient(tirx.Var("M", "int64"), outputs, depth, "float16", "float16",
+                                "float16")
+    product = cuda_mma_gemm.product_of(func, CUDA)
+    cols = cuda_wgmma_gemm.columns(product)
+    assert cuda_wgmma_gemm.gradient_splits(product, cols) == splits
+    kernel = cuda_wgmma_gemm.kernel(product)
+    g = rng.standard_normal((rows, outputs)).astype("float16")
+    a = rng.standard_normal((rows, depth)).astype("float16")
+    args = [g, a, np.full((outputs, depth), np.nan, "float16")]
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    want = g.astype(np.float64).T @ a.astype(np.float64)
+    assert np.abs(args[-1].astype(np.float64) - want).max() / np.abs(want).max() < 2.0 ** -11
+    source = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "wg")}),
+                         target=CUDA).mod.imports[0].inspect_source()
+    _, report = compile_cubin(source, "sm_90a")
+    assert all(k["spill_stores"] == k["stack"] == 0 for k in report.values()), report
 
 
 def test_tf32_rounding_to_nearest_ties_away(rng):
