@@ -377,27 +377,58 @@ def test_half_network_gradients_on_cuda_match_float64(half, bound, c, h, n, rng)
         assert _err(got.float().cpu(), want.numpy()) < bound
 
 
+@pytest.mark.parametrize("kind, h, n, dtype, mma", [
+    ("gru", 64, 64, "float16", False), ("gru", 256, 32, "bfloat16", False),
+    ("lstm", 257, 13, "float16", False), ("gru", 256, 64, "float16", False),
+    ("lstm", 128, 128, "float16", True), ("gru", 128, 128, "bfloat16", True),
+    ("lstm", 1024, 64, "bfloat16", True),
+    ("gru", 64, 64, "float32", False)])
+def test_half_backward_on_tensor_cores_only_on_enough_blocks(kind, h, n, dtype, mma):
+    """A 16-bit training module's backward recurrence runs on tensor cores where their plan
+    takes at least MMA_BACKWARD_MIN_BLOCKS blocks (at small K = G*H a block's 8 units leave
+    few), else on the CUDA cores' plan (one block a batch group there); float32 on the CUDA
+    cores."""
+    from rnncc.compiler.driver import _backward_plan
+    from rnncc.lowering.training import kept_parts
+    from rnncc.schedules.persistent import planner
+    from rnncc.spec import Options, Problem
+    from rnncc.target import TargetSpec
+
+    problem = Problem(cells.get(kind), h, h, n, dtype, training=True)
+    plan, why = _backward_plan(problem, Options(), TargetSpec("cuda", arch="sm_90"), None,
+                               planner.REG_MARGIN)
+    assert why is None and plan.mma == mma
+    if not mma and dtype != "float32":  # the tensor cores' plan would take few blocks
+        tensor = planner.backward(problem.gates, h, n, dtype, planner.gpu_for_arch("sm_90"),
+                                  len(problem.cell.states), len(kept_parts(problem.cell)),
+                                  mma=True)
+        assert tensor.blocks < planner.MMA_BACKWARD_MIN_BLOCKS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, h, n, half, parts, slices", [
     ("LSTM", 1024, 32, torch.bfloat16, 4, 1),  # K = 4096 split among 4 warps, dGH copied
     ("GRU", 1024, 64, torch.bfloat16, 4, 1),  # 2 groups of 32 rows: 2 tiles a group
     ("LSTM", 1024, 64, torch.bfloat16, 4, 4),  # dGH staged in 4 slices of K
     ("LSTM", 1024, 64, torch.float16, 4, 4),
-    ("GRU", 256, 32, torch.float16, 1, 1),
-    ("LSTM", 257, 13, torch.float16, 1, 1),
+    ("LSTM", 128, 128, torch.float16, 2, 1),
+    ("GRU", 257, 13, torch.float16, 4, 1),
+    ("GRU", 64, 64, torch.float16, 0, 1),  # the CUDA cores: tensor cores on 2 blocks only
+    ("LSTM", 257, 13, torch.float16, 0, 1),
 ])
-def test_half_gradients_through_the_tensor_core_backward_kernel(kind, h, n, half, parts, slices,
-                                                                rng):
-    """16-bit layers whose backward recurrence is the persistent kernel on tensor cores (its
-    plan says so, K split among ``parts`` warps, dGH staged in ``slices`` slices of K): every
-    gradient within half precision of torch's float64 ones from the same rounded weights,
-    inputs and loss, over 30 steps."""
+def test_half_gradients_through_the_persistent_backward_kernel(kind, h, n, half, parts, slices,
+                                                               rng):
+    """16-bit layers whose backward recurrence is the persistent kernel, on tensor cores (its
+    plan says so, K split among ``parts`` warps, dGH staged in ``slices`` slices of K) or on
+    the CUDA cores (``parts`` 0): every gradient within half precision of torch's float64
+    ones from the same rounded weights, inputs and loss, over 30 steps."""
     from rnncc.compiler import cache
 
     module = cache.compiled(kind.lower(), h, h, n, dtype=str(half).replace("torch.", ""),
                             training=True)
     plan = module.metadata["schedule"]["persistent_backward"]["plan"]
-    assert plan["mma"] and (plan["k_parts"], plan["k_slices"]) == (parts, slices)
+    assert plan["mma"] == (parts > 0)
+    assert not plan["mma"] or (plan["k_parts"], plan["k_slices"]) == (parts, slices)
     torch.manual_seed(int(rng.integers(1 << 30)))
     theirs = getattr(torch.nn, kind)(h, h).to(half)
     ours = rnncc.nn.from_torch(theirs).cuda()

@@ -112,18 +112,24 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
                       "(ops.mean): the persistent backward kernel does not take them (the "
                       "forward does)")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
-    why = ""
+    why, few = "", None
     # 16-bit weights: the products on tensor cores where they fit (K split among a row
-    # group's warps: a block's units are few, their K = G*H deep), else on CUDA cores
+    # group's warps: a block's units are few, their K = G*H deep) on enough blocks, else on
+    # CUDA cores (planner.MMA_BACKWARD_MIN_BLOCKS)
     for mma in (True, False) if problem.dtype in ("float16", "bfloat16") else (False,):
         try:
-            return persistent.planner.backward(
+            found = persistent.planner.backward(
                 problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
                 len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin,
-                params=len(problem.cell.params), mma=mma), None
+                params=len(problem.cell.params), mma=mma)
         except persistent.Unfit as err:
             why = why or str(err)
-    return None, why
+            continue
+        if mma and found.blocks < persistent.planner.MMA_BACKWARD_MIN_BLOCKS:
+            few = found  # the CUDA cores' plan first, if one fits
+            continue
+        return found, None
+    return (few, None) if few is not None else (None, why)
 
 
 def _not_persistent(problem: Problem) -> str:

@@ -691,6 +691,19 @@ def mma_staging_bytes(p: Plan, batch: int) -> int:
     return _mma_staging_bytes(batch, p.chunks, p.vec, p.warps, p.rows_per_warp, p.k_slices)
 
 
+#: Fewest blocks of a 16-bit backward plan on tensor cores (a block takes at least 8 units,
+#: and at small K = G*H the batch groups are few) that a training module takes; on fewer, the
+#: CUDA cores' plan where one fits. H200, a training step, us a time step, tensor cores /
+#: CUDA cores (docs/benchmarks.md, "Seventy-fourth session"): float16 GRU 64 N64 (2 blocks)
+#: 5.5 / 1.7, GRU 64 N256 (8) 6.8 / 3.4, LSTM 128 N32 (8) 3.9 / 2.5, bfloat16 GRU 256 N32 (8)
+#: 6.1 / 3.8, float16 LSTM 128 N40 (16) 4.2 / 2.8, GRU 128 N64 (16) 4.3 / 2.9, LSTM 257 N52
+#: (18) 18.9 / 15.6, LSTM 96 N128 (24) 5.9 / 4.2; from 32 the tensor cores won: LSTM 128 N128
+#: (32) 4.9 / 12.7, bfloat16 GRU 128 N128 (32) 4.6 / 10.9, float16 LSTM 256 N64 (128) 6.3 /
+#: 7.1, LSTM 512 N16 (128) 6.4 / 8.4, GRU 1024 N16 (128) 7.5 / 14.2; but for LSTM 128 N256
+#: (64) 6.5 / 5.5.
+MMA_BACKWARD_MIN_BLOCKS = 32
+
+
 def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
              kept: int | None = None, reg_margin: int = REG_MARGIN,
              batch_groups: int | None = None, warps: int | None = None,
