@@ -160,8 +160,8 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     chosen = one_step(found)
     if chosen is not None:
         return found if found.parts == chosen[0] else None
-    takes = found.tails or (found.form == "gradient" and not found.op.split
-                            ) or cuda_mma_gemm.takes(found)  # a gradient of few tiles split
+    takes = (found.tails or (found.form == "gradient" and not found.op.split)  # few tiles: split
+             or cuda_mma_gemm.takes(found))
     return found if takes and found.tile_rows >= TILE else None
 
 
@@ -663,9 +663,9 @@ def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
 
 
 def gradient_splits(product: cuda_mma_gemm.Product, cols: int) -> int:
-    """S, the slices of M of a 16-bit weight gradient in tiles ``cols`` wide (1: not split;
-    nor is split float32, whose tiles are 128 blocks and more)."""
-    if product.form != "gradient" or product.op.split:
+    """S, the slices of M of a 16-bit weight gradient of whole tiles ``cols`` wide (1: not
+    split; nor is split float32, whose tiles are 128 blocks and more)."""
+    if product.form != "gradient" or product.op.split or product.tails:
         return 1
     outputs, depth = product.specs[2][1]
     tiles = outputs // TILE * -(-depth // cols)
