@@ -405,6 +405,37 @@ def test_half_backward_on_tensor_cores_only_on_enough_blocks(kind, h, n, dtype, 
         assert tensor.blocks < planner.MMA_BACKWARD_MIN_BLOCKS
 
 
+@pytest.mark.parametrize("tensor_spills", [False, True])
+def test_a_spilling_cuda_core_backward_falls_back_to_the_tensor_cores(monkeypatch,
+                                                                      tensor_spills):
+    """Where the CUDA cores' backward plans (taken over the tensor cores' of few blocks)
+    spill with every margin tried, the tensor cores' plan is built, not none; where those
+    spill too, none (ptxas's report stubbed: every CUDA-core plan spills, and every
+    tensor-core one with ``tensor_spills``)."""
+    from types import SimpleNamespace
+
+    from rnncc.compiler import driver
+    from rnncc.schedules.persistent.planner import MMA_BACKWARD_MIN_BLOCKS
+
+    built = []
+
+    def build(problem, opts, tspec, plan, why, notes, applied, backward=None):
+        built.append(backward[0])
+        return SimpleNamespace(notes=notes)
+
+    monkeypatch.setattr(driver, "_build", build)
+    monkeypatch.setattr(driver, "_persistent_spills", lambda module: (
+        [] if built[-1] is None or (built[-1].mma and not tensor_spills)
+        else ["persistent_backward"]))
+    module = driver.compile_module("gru", 64, 64, 64, dtype="float16", arch="sm_90",
+                                   training=True, tuning="off")
+    assert not any(plan.mma for plan in built[:4])
+    assert built[4].mma and built[4].blocks < MMA_BACKWARD_MIN_BLOCKS
+    assert any("tensor cores' few blocks" in note for note in module.notes)
+    assert len(built) == (9 if tensor_spills else 5)  # then every margin again, and none
+    assert (built[-1] is None) == tensor_spills
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, h, n, half, parts, slices", [
     ("LSTM", 1024, 32, torch.bfloat16, 4, 1),  # K = 4096 split among 4 warps, dGH copied

@@ -97,8 +97,12 @@ def _persistent_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, re
         return None, str(err)
 
 
-def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin):
-    """(plan or None, why not) for the persistent backward kernel of a training module."""
+def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_margin,
+                   min_blocks: int | None = None):
+    """(plan or None, why not) for the persistent backward kernel of a training module; in 16
+    bits on tensor cores where their plan takes at least ``min_blocks`` blocks (default
+    :data:`~rnncc.schedules.persistent.planner.MMA_BACKWARD_MIN_BLOCKS`), else the CUDA
+    cores' plan where one fits."""
     from ..lowering.training import kept_parts
     from ..schedules import persistent
 
@@ -113,9 +117,11 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
                       "forward does)")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     why, few = "", None
+    if min_blocks is None:
+        min_blocks = persistent.planner.MMA_BACKWARD_MIN_BLOCKS
     # 16-bit weights: the products on tensor cores where they fit (K split among a row
     # group's warps: a block's units are few, their K = G*H deep) on enough blocks, else on
-    # CUDA cores (planner.MMA_BACKWARD_MIN_BLOCKS)
+    # CUDA cores
     for mma in (True, False) if problem.dtype in ("float16", "bfloat16") else (False,):
         try:
             found = persistent.planner.backward(
@@ -125,7 +131,7 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
         except persistent.Unfit as err:
             why = why or str(err)
             continue
-        if mma and found.blocks < persistent.planner.MMA_BACKWARD_MIN_BLOCKS:
+        if mma and found.blocks < min_blocks:
             few = found  # the CUDA cores' plan first, if one fits
             continue
         return found, None
@@ -208,7 +214,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
                        sms, knobs)
     knobs = {**applied.knobs, **knobs}
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
-    back_margin = REG_MARGIN
+    back_margin, min_blocks = REG_MARGIN, None  # the backward plan's (None: the planner's)
     backward = _backward_plan(problem, opts, tspec, sms, back_margin) if training else None
     for _ in range(16):
         plan, gpu_or_reason = _persistent_plan(problem, opts, tspec, sms, margin, knobs, tight)
@@ -222,10 +228,17 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
             notes.append(f"persistent backward plan with {backward[0].reg_estimate} estimated "
                          f"registers spilled")
             back_margin += 24
-            backward = _backward_plan(problem, opts, tspec, sms, back_margin)
+            backward = _backward_plan(problem, opts, tspec, sms, back_margin, min_blocks)
             if back_margin > REG_MARGIN + 3 * 24 and backward[0] is not None:
-                backward = (None, "the persistent backward kernel spilled registers with every "
-                                  "plan tried")
+                tensor = _backward_plan(problem, opts, tspec, sms, REG_MARGIN, min_blocks=0)
+                if (min_blocks is None and not backward[0].mma and tensor[0] is not None
+                        and tensor[0].mma):  # once
+                    notes.append("persistent backward plans on the CUDA cores spilled; planned "
+                                 "on the tensor cores' few blocks")
+                    min_blocks, back_margin, backward = 0, REG_MARGIN, tensor
+                else:
+                    backward = (None, "the persistent backward kernel spilled registers with "
+                                      "every plan tried")
             continue
         if plan is None or not spills:
             return module
