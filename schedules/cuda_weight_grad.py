@@ -149,9 +149,9 @@ def _lanes(vector: bool):
     return T.vectorized(4) if vector else T.unroll(4)
 
 
-def _summed(splits: int):
-    """The loop over the slices past the first: unrolled up to :data:`MAX_SPLITS`."""
-    return T.unroll(1, splits) if splits <= MAX_SPLITS else T.serial(1, splits)
+def _summed(splits: int, unrolled: bool):
+    """The loop over the slices past the first (``unrolled`` or not)."""
+    return T.unroll(1, splits) if unrolled else T.serial(1, splits)
 
 
 def _within(*pairs):
@@ -270,11 +270,12 @@ def _tile(t, io, slices, bz, bo, bk, tx):
 
 
 @T.macro
-def _sum_slices(t, io, slices):
-    """The second kernel of a split gradient: dw = the slices summed in order; 4 a thread (1
-    where K is not whole 4-vectors)."""
-    g, a, dw = T.meta_var(io)
-    o_, k_ = T.meta_var((t.gradient.outputs, t.gradient.depth))
+def sum_slices(dw, slices, splits, unrolled):
+    """The second kernel of a weight gradient split along M (this rule's, and
+    :mod:`.cuda_wgmma_gemm`'s): dw [O, K] = its ``splits`` slices [S, O, K] (float32) summed in
+    order (the loop ``unrolled`` or not), in dw's type; 4 a thread (1 where K is not whole
+    4-vectors)."""
+    o_, k_ = T.meta_var((int(dw.shape[0]), int(dw.shape[1])))
     vec = T.meta_var(4 if k_ % 4 == 0 else 1)
     items = T.meta_var(o_ * k_ // vec)
     for bx in T.thread_binding(-(-items // 256), thread="blockIdx.x"):
@@ -284,7 +285,7 @@ def _sum_slices(t, io, slices):
                 e = T.meta_var((bx * 256 + tx) * vec)
                 for v in T.vectorized(vec):
                     s[v] = slices[0, e // k_, e % k_ + v]
-                for z in _summed(t.splits):
+                for z in _summed(splits, unrolled):
                     for v in T.vectorized(vec):
                         s[v] = s[v] + slices[z, e // k_, e % k_ + v]
                 for v in T.vectorized(vec):
@@ -314,7 +315,7 @@ def kernel(gradient: Gradient):
                         for bk in T.thread_binding(k_tiles, thread="blockIdx.x"):
                             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                                 _tile(t, io, slices, bz, bo, bk, tx)
-                _sum_slices(t, io, slices)
+                sum_slices(io[2], slices, t.splits, t.splits <= MAX_SPLITS)
 
     return weight_grad
 

@@ -61,8 +61,9 @@ from functools import partial
 
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
-from . import _tma, cuda_mma_gemm
+from . import _tma, cuda_mma_gemm, cuda_weight_grad
 from ._common import COMPACT_ATTR, has_wgmma
 from ._rule import Rule
 
@@ -676,31 +677,14 @@ def gradient_splits(product: cuda_mma_gemm.Product, cols: int) -> int:
     return splits
 
 
-@T.macro
-def _sum_gradient(p, io):
-    """The second kernel of a gradient split along M: dw = its slices ``io``[3] added in
-    order, in dw's type; 4 a thread."""
-    dw, slices = io[2], io[3]
-    o_, k_ = T.meta_var(p.product.specs[2][1])
-    for bx in T.thread_binding(o_ * k_ // 1024, thread="blockIdx.x"):
-        for tx in T.thread_binding(256, thread="threadIdx.x"):
-            s = T.alloc_buffer((4,), "float32", scope="local")
-            e = T.meta_var((bx * 256 + tx) * 4)
-            for v in T.vectorized(4):
-                s[v] = slices[0, e // k_, e % k_ + v]
-            for z in T.unroll(1, p.product.parts):
-                for v in T.vectorized(4):
-                    s[v] = s[v] + slices[z, e // k_, e % k_ + v]
-            for v in T.vectorized(4):
-                dw[e // k_, e % k_ + v] = T.Cast(dw.dtype, s[v])
-
-
 def _with_slices(p: Plan, io):
     """The kernel's buffers: the component's, and a gradient split along M's [S, O, K] float32
     workspace (allocated in the PrimFunc being built)."""
     if not (p.gradient and p.product.parts > 1):
         return io
-    return (*io, T.sblock_alloc_buffer((p.product.parts, *p.product.specs[2][1]), "float32"))
+    slices = T.sblock_alloc_buffer((p.product.parts, *p.product.specs[2][1]), "float32")
+    IRBuilder.name("slices", slices)
+    return (*io, slices)
 
 
 def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | None = None,
@@ -847,7 +831,7 @@ def _copying_kernel(p: Plan, step=None):
                         _add(p, acc, sums)
                     epilogue(p, io, acc, bi, bj, part, tx, step_regs)
             if p.gradient and product.parts > 1:
-                _sum_gradient(p, io)
+                cuda_weight_grad.sum_slices(io[2], io[3], product.parts, True)
 
     return wgmma_gemm
 
