@@ -47,23 +47,27 @@ def _as_keras(p, hidden, suffix=""):
             "bias": reorder(p[f"bias_ih_l0{suffix}"] + p[f"bias_hh_l0{suffix}"])}
 
 
-@pytest.mark.parametrize("hidden, batch, steps", [(33, 3, 7), (1, 1, 1)])
-def test_gru_reset_before_is_keras_reset_after_false_and_trains(hidden, batch, steps):
+@pytest.mark.parametrize("device, hidden, batch, steps", [
+    ("cpu", 33, 3, 7), ("cpu", 1, 1, 1),
+    pytest.param("cuda", 257, 6, 37, marks=pytest.mark.gpu),
+    pytest.param("cuda", 1024, 4, 100, marks=pytest.mark.gpu)])
+def test_gru_reset_before_is_keras_reset_after_false_and_trains(device, hidden, batch, steps):
     """rnncc.nn in float32 against Keras' equations in float64, two directions, unsorted
     lengths with a length-1 sample: outputs, final states and the gradients of the input, the
-    initial state and every weight and bias (torch's autograd through the equations)."""
+    initial state and every weight and bias (torch's autograd through the equations). On CUDA
+    the training forward runs on the persistent kernel."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    module = rnncc.nn.Recurrent("gru_reset_before", 5, hidden, bidirectional=True)
-    x = torch.randn(steps, batch, 5, requires_grad=True)
-    h0 = torch.randn(2, batch, hidden, requires_grad=True)
-    lengths = torch.tensor([steps, 1, max(1, steps - 2)][:batch])
+    module = rnncc.nn.Recurrent("gru_reset_before", 5, hidden, bidirectional=True).to(device)
+    x = torch.randn(steps, batch, 5, device=device, requires_grad=True)
+    h0 = torch.randn(2, batch, hidden, device=device, requires_grad=True)
+    lengths = torch.tensor([steps, 1, max(1, steps - 2)] + [steps - 1] * (batch - 3))[:batch]
     y, h_n = module(x, h0, lengths=lengths)
     dy, dh = torch.randn_like(y), torch.randn_like(h_n)
     (y * dy).sum().add((h_n * dh).sum()).backward()
 
-    p = {k: v.detach().double().requires_grad_() for k, v in module.named_parameters()}
-    x64, h64 = x.detach().double().requires_grad_(), h0.detach().double().requires_grad_()
+    p = {k: v.detach().cpu().double().requires_grad_() for k, v in module.named_parameters()}
+    x64, h64 = (v.detach().cpu().double().requires_grad_() for v in (x, h0))
     forward, h_f = _keras(x64, h64[0], lengths, _as_keras(p, hidden))
     t = torch.arange(steps)[:, None]  # each sample's own steps reversed (the rest in place)
     own = torch.where(t < lengths, lengths - 1 - t, t)
@@ -71,10 +75,10 @@ def test_gru_reset_before_is_keras_reset_after_false_and_trains(hidden, batch, s
     back, h_b = _keras(x64[own, columns], h64[1], lengths, _as_keras(p, hidden, "_reverse"))
     back = back[own, columns]
     ref, ref_n = torch.cat([forward, back], 2), torch.stack([h_f, h_b])
-    (ref * dy.double()).sum().add((ref_n * dh.double()).sum()).backward()
+    (ref * dy.cpu().double()).sum().add((ref_n * dh.cpu().double()).sum()).backward()
 
     def err(a, b):
-        return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
+        return float((a.detach().cpu().double() - b.detach()).norm() / b.detach().norm())
 
     assert err(y, ref) < 1e-5 and err(h_n, ref_n) < 1e-5
     assert err(x.grad, x64.grad) < 1e-4 and err(h0.grad, h64.grad) < 1e-4
@@ -102,11 +106,24 @@ def test_a_step_that_takes_products_wrongly_is_refused(step, message):
     assert "bad_products" not in cells.names()
 
 
-def test_persistent_kernel_takes_a_product_in_inference_only_and_says_why():
+@pytest.mark.skipif(not has_nvcc(), reason="nvcc not found")
+def test_persistent_kernel_takes_a_product_in_the_training_forward_not_the_backward():
+    """A training module of a cell with a product of a value: the forward on the persistent
+    kernel, the backward on per-step kernels, and its metadata says why."""
+    module = rnncc.compile("gru_reset_before", 8, 16, 2, target="cuda", persistent="on",
+                           training=True)
+    schedule = module.metadata["schedule"]
+    assert schedule["kind"] == "persistent"
+    assert "persistent_train_forward" in module.metadata["functions"]
+    assert "takes a recurrent product of a value of its step (ops.recurrent): the persistent " \
+           "backward kernel does not take it" in schedule["persistent_backward"]["reason"]
+
+
+def test_persistent_kernel_takes_a_product_one_layer_a_module_and_says_why():
     with pytest.raises(ConfigError, match="cell 'gru_reset_before' takes 1 recurrent "
                                           "product.s. of values of its step .ops.recurrent.; "
-                                          "the persistent kernel takes one, in inference"):
-        rnncc.compile("gru_reset_before", 8, 8, 1, persistent="on", training=True)
+                                          "the persistent kernel takes one, one layer a module"):
+        rnncc.compile("gru_reset_before", 8, 8, 1, target="cuda", layers=2)
 
 
 def test_persistent_kernel_refuses_means_beside_a_product_and_says_why():

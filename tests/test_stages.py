@@ -1027,12 +1027,14 @@ def test_training_forward_keeps_every_steps_states_and_parts(name, rng):
 
 @pytest.mark.parametrize("cell_name, name", [
     ("ln_lstm", "tagged"), ("ln_gru", "barrier, batch groups"),
+    ("gru_reset_before", "tagged"), ("gru_reset_before", "barrier, batch groups"),
     pytest.param("ln_gru", "tagged, block sums", marks=pytest.mark.slow)])
-def test_training_forward_of_a_step_that_takes_means_keeps_its_states_and_parts(
+def test_training_forward_of_a_step_that_reduces_keeps_its_states_and_parts(
         cell_name, name, rng):
-    """The layer-normalised cells' training forward on the persistent kernel (its rounds of
-    means as in inference): y, every step's states and the projections' parts the backward
-    pass takes, against float64 with random lengths."""
+    """The training forward on the persistent kernel of the layer-normalised cells (their
+    rounds of means as in inference) and of a step that takes a recurrent product of a value
+    (its second round): y, every step's states and the projections' parts the backward pass
+    takes (the product's value among them), against float64 with random lengths."""
     cell = rnncc.cells.get(cell_name)
     gates = cell.gates
     p = {"tagged": lambda: tagged(gates, 33, 4),
@@ -1062,8 +1064,14 @@ def test_training_forward_of_a_step_that_takes_means_keeps_its_states_and_parts(
             break
         gi = x[t].astype(np.float64) @ f64["weight_ih_l0"].T + f64["bias_ih_l0"]
         gh = found[cell.states[0]] @ f64["weight_hh_l0"].T + f64["bias_hh_l0"]
+        graph = autodiff.trace(cell)
+        values = autodiff.forward(graph, [gi[:, g * h:(g + 1) * h] for g in range(gates)] + [
+            gh[:, g * h:(g + 1) * h] for g in range(gates)] + [found[s] for s in cell.states] + [
+            np.broadcast_to(f64[f"{name}_l0"], (batch, h)) for name in cell.params],
+            autodiff.NumPy(f64["weight_hh_l0"], f64["bias_hh_l0"]))
         parts = {"sum": gi + gh, "gi": gi, "gh": gh}
-        want = np.concatenate([parts[part][:, g * h:(g + 1) * h] for g, part in kept], axis=1)
+        want = np.concatenate([values[id(graph.products[g])] if part == "product" else
+                               parts[part][:, g * h:(g + 1) * h] for g, part in kept], axis=1)
         assert reference.relative_error(pre[t], want) < TOL["float32"], f"step {t}"
 
 

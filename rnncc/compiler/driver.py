@@ -115,6 +115,10 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
         return None, (f"cell {problem.cell.name!r} takes means over the hidden units "
                       "(ops.mean): the persistent backward kernel does not take them (the "
                       "forward does)")
+    if trace(problem.cell).products:
+        return None, (f"cell {problem.cell.name!r} takes a recurrent product of a value of its "
+                      "step (ops.recurrent): the persistent backward kernel does not take it "
+                      "(the forward does)")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     why, few = "", None
     if min_blocks is None:
@@ -150,10 +154,10 @@ def _not_persistent(problem: Problem) -> str:
     if products and means:
         return (f"cell {problem.cell.name!r} takes means and a recurrent product of a value; "
                 "the persistent kernel takes one or the other")
-    if products and (problem.training or len(products) > 1 or problem.layers > 1):
+    if products and (len(products) > 1 or problem.layers > 1):
         return (f"cell {problem.cell.name!r} takes {len(products)} recurrent product(s) "
-                "of values of its step (ops.recurrent); the persistent kernel takes one, in "
-                "inference, one layer a module")
+                "of values of its step (ops.recurrent); the persistent kernel takes one, one "
+                "layer a module")
     return ""
 
 

@@ -67,10 +67,8 @@ class KernelSpec:
 
     def __post_init__(self):
         p = self.plan
-        if (self.product >= 0 and self.kept) or ((self.product >= 0 or self.means)
-                                                 and p.layers > 1):
-            raise ValueError("a step that reduces over the hidden units runs one layer (and a "
-                             "product of a value in inference)")
+        if (self.product >= 0 or self.means) and p.layers > 1:
+            raise ValueError("a step that reduces over the hidden units runs one layer")
         if self.product >= 0 and self.means:
             raise ValueError("a step takes means or a recurrent product of a value here, not "
                              "both")

@@ -166,7 +166,8 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
     ``publish(h_t, row, j)`` (the exchange); the states stay in registers. With lengths
     (``ln``), past its sample's length a pair keeps its states (and publishes them) and writes
     zero to y. y[t] is the pair's sequence step (the reverse direction's runs back).
-    ``keep(gates_i, gates_h, new, step, row, j)``: a training forward's (:mod:`.history`).
+    ``keep(gates_i, gates_h, products, new, step, row, j)``: a training forward's
+    (:mod:`.history`).
     ``pv``: the pairs' per-unit parameters of the cell (:func:`load_constants`). ``gs``: the
     second round of a step that takes a recurrent product of a value (:func:`argument`): the
     sums of h are there, ``hs`` holds those of the value (the product: its gate's, b_hh
@@ -206,7 +207,8 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
                  spec.step(bx, t, t_len, _length(spec, ln, it)), spec.batch_row(bx, n), bx, j)
         publish(new[0], spec.state_row(bx, n), j)
         if keep is not None:
-            keep(gates_i, gates_h, new, spec.step(bx, t, t_len, _length(spec, ln, it)),
+            taken = [] if gs is None else [_sum(spec, hs, bh, it, n, u, spec.product)]
+            keep(gates_i, gates_h, taken, new, spec.step(bx, t, t_len, _length(spec, ln, it)),
                  spec.batch_row(bx, n), j)
         for k in range(states):
             store(st, new[k], it * states + k)

@@ -3,8 +3,9 @@
 
 Every step, each pair stores its new states, ``<s>_steps[t + 1]`` [T+1, N, H] (the initial
 ones at 0, once), and the parts of its gate projections the cell's derivative needs, ``pre``
-[T, N, P*H], part i at columns i*H ..: gate g's ``gi + gh`` ("sum"), ``gi`` or ``gh`` (biases
-included). The backward kernel reads them; nothing of a step is computed twice.
+[T, N, P*H], part i at columns i*H ..: gate g's ``gi + gh`` ("sum"), ``gi`` or ``gh``, or the
+value of the step's recurrent product of a value ("product"; biases included). The backward
+pass reads them; nothing of a step is computed twice.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ def keep_initial(spec, steps, st, bx, tx):
     each_pair(spec, bx, tx, body)
 
 
-def keep(spec, pre, steps, gates_i, gates_h, new, step, row, j):
-    """A pair's step ``step``: its kept parts of ``gates_i`` and ``gates_h`` (lists of G values)
-    and its ``new`` states (after its length's mask)."""
+def keep(spec, pre, steps, gates_i, gates_h, products, new, step, row, j):
+    """A pair's step ``step``: its kept parts of ``gates_i`` and ``gates_h`` (lists of G
+    values) and ``products`` (the values of its recurrent products of values, in the step's
+    order), and its ``new`` states (after its length's mask)."""
     h = spec.hidden
     for i, (g, part) in enumerate(spec.kept):
         value = {"sum": lambda g=g: gates_i[g] + gates_h[g], "gi": lambda g=g: gates_i[g],
-                 "gh": lambda g=g: gates_h[g]}[part]()
+                 "gh": lambda g=g: gates_h[g], "product": lambda g=g: products[g]}[part]()
         store(pre, value, step, row, i * h + j)
     for k, value in enumerate(new):
         store(steps[k], value, step + 1, row, j)
