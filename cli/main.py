@@ -264,7 +264,7 @@ def _cmd_cells(args) -> int:
                          "and a training forward, one layer a module")
         if trace(cell).products:
             notes.append("a recurrent product of a value of its step (ops.recurrent): "
-                         "persistent in inference and a training forward, one layer a module")
+                         "persistent in inference and training, one layer a module")
         print(f"{cell.name:<12} G={cell.gates} states={','.join(cell.states):<6} {cell.doc}"
               + "".join(f"; {note}" for note in notes))
     return 0

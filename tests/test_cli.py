@@ -29,8 +29,8 @@ def test_cells(capsys):
                                      "(ops.mean): persistent in inference and a training "
                                      "forward, one layer a module")
     assert lines["gru_reset_before"].endswith("a recurrent product of a value of its step "
-                                              "(ops.recurrent): persistent in inference and a "
-                                              "training forward, one layer a module")
+                                              "(ops.recurrent): persistent in inference and "
+                                              "training, one layer a module")
     assert ";" not in lines["lstm"]
 
 

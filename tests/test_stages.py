@@ -1078,30 +1078,37 @@ def test_training_forward_of_a_step_that_reduces_keeps_its_states_and_parts(
 # -- the backward kernel ----------------------------------------------------------------------
 
 def backward_reference(cell, kept, pre, states, w_hh, dy, d_final, lengths, params=()):
-    """dGI, dGH [T, N, G*H], the initial states' gradients and the per-unit parameters' (of
-    ``params`` [H] each) summed over the steps [N, H] each, in float64: the steps backwards,
-    the cell's derivative (autodiff, NumPy) from the kept parts ``pre`` and the previous
-    states, dh through the recurrence dGH_t W_hh."""
-    graph, backend = autodiff.trace(cell), autodiff.NumPy()
+    """dGI, dGH [T, N, G*H], the initial states' gradients, the per-unit parameters' (of
+    ``params`` [H] each) summed over the steps [N, H] each and, for each recurrent product of
+    a value the step takes, the gradient of its value and its argument [T, N, H] each, in
+    float64: the steps backwards, the cell's derivative (autodiff, NumPy) from the kept parts
+    ``pre`` and the previous states, dh through the recurrence dGH_t W_hh."""
+    graph, backend = autodiff.trace(cell), autodiff.NumPy(w_hh, np.zeros(len(w_hh)))
     steps, n, h = dy.shape
     g = cell.gates
     carry = [d[0] for d in d_final]
     rec = np.zeros((n, h))
     dgi, dgh = np.zeros((steps, n, g * h)), np.zeros((steps, n, g * h))
     sums = [np.zeros((n, h)) for _ in params]
+    gates = autodiff.product_gates(graph)
+    products = [(np.zeros((steps, n, h)), np.zeros((steps, n, h))) for _ in gates]
     for t in reversed(range(steps)):
+        found = {}
         proj, prev, of_params = autodiff.kept_vjp(
             graph, kept, lambda i, t=t: pre[t][:, i * h:(i + 1) * h], [s[t] for s in states],
             [dy[t] + rec + carry[0]] + carry[1:], backend, [np.broadcast_to(v, (n, h))
-                                                            for v in params])
+                                                            for v in params], found)
         live = (t < np.asarray(lengths))[:, None] if lengths is not None else np.True_
+        for k, gate in enumerate(gates):  # dP: gi's gradient (p is summed with gi)
+            products[k][0][t] = np.where(live, proj[gate], 0.0)
+            products[k][1][t] = found[k]
         proj = [np.where(live, v, 0.0) for v in proj]
         sums = [s + np.where(live, v, 0.0) for s, v in zip(sums, of_params)]
         carry = [np.where(live, v, p) for v, p in zip(prev, [rec + carry[0]] + carry[1:])]
         dgi[t] = np.concatenate(proj[:g], axis=1)
         dgh[t] = np.concatenate(proj[g:] or proj[:g], axis=1)
         rec = dgh[t] @ w_hh
-    return dgi, dgh, [carry[0] + rec] + carry[1:], sums
+    return dgi, dgh, [carry[0] + rec] + carry[1:], sums, products
 
 
 def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5), lengths=False):
@@ -1156,10 +1163,14 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
         args.update({f"p{k}": v for k, v in enumerate(params)})
         if count:
             args["dps"] = np.full((count, n, h), np.nan, np.float32)
+        taken = autodiff.product_gates(autodiff.trace(cell))
+        for k in range(len(taken)):
+            args[f"dprod{k}"] = np.full((t_len, n, h), np.nan, np.float32)
+            args[f"parg{k}"] = np.full((t_len, n, h), np.nan, np.float32)
         func = backward_kernel.kernel(autodiff.trace(cell), kept, h, n, p, dtype, ln is not None)
         Simulator(func, args).run()
         f64 = [a.astype(np.float64) for a in states]
-        dgi, dgh, d0, dps = backward_reference(
+        dgi, dgh, d0, dps, products = backward_reference(
             cell, kept, pre.astype(np.float64), f64, w_hh.astype(np.float64),
             dy.astype(np.float64), [d.astype(np.float64) for d in d_final], ln,
             [v.astype(np.float64) for v in params])
@@ -1168,6 +1179,8 @@ def check_backward_kernel(cell_name, p, hidden, batch, dtype, rng, steps=(1, 5),
         errors += [reference.relative_error(args[f"d{k}_0"], d0[k])
                    for k in range(len(cell.states))]
         errors += [reference.relative_error(args["dps"][k], dps[k]) for k in range(count)]
+        errors += [reference.relative_error(args[f"{a}{k}"], want) for k, pair in
+                   enumerate(products) for a, want in zip(("dprod", "parg"), pair)]
         assert max(errors) < TOL[dtype], f"T={t_len}: relative errors {errors}"
 
 
@@ -1190,6 +1203,7 @@ BACKWARD_KERNELS = {
                                                width=150, sync="grid", unroll=2)),
     "batch groups": lambda: ("lstm", 24, 4, "float32", crafted(
         1, 24, 4, "float32", 5, 2, groups=2, width=96, sync="barrier")),
+
     "float16": lambda: ("gru", 30, 2, "float16", crafted(1, 30, 2, "float16", 7, 2, width=90,
                                                          sync="barrier")),
     "tensor cores, half a tile": lambda: ("lstm", 32, 3, "bfloat16", crafted(
@@ -1240,6 +1254,28 @@ def test_backward_kernel_of_a_cell_with_per_unit_parameters(name, rng):
     lstm, hidden, batch, dtype, p = BACKWARD_KERNELS[name]()
     assert lstm == "lstm"
     check_backward_kernel(cell.name, p, hidden, batch, dtype, rng, lengths=True)
+
+
+THREE_GATES = {  # backward plans of GRUs, as BACKWARD_KERNELS' of LSTMs
+    "tagged, three gates": lambda: ("gru", 33, 3, "float32", crafted(
+        1, 33, 3, "float32", 12, 2, width=99, sync="tagged")),
+    "batch groups, three gates": lambda: ("gru", 24, 4, "float32", crafted(
+        1, 24, 4, "float32", 6, 2, groups=2, width=72, sync="barrier")),
+}
+
+
+@pytest.mark.parametrize("name, lengths", [
+    ("barrier, K in registers and shared memory", True), ("tagged, three gates", True),
+    ("local, chunks of two elements", False), ("tensor cores, tiles", True),
+    pytest.param("batch groups, three gates", True, marks=pytest.mark.slow),
+    pytest.param("tensor cores, tiles, K split", False, marks=pytest.mark.slow)])
+def test_backward_kernel_of_a_step_that_takes_a_product_of_a_value(name, lengths, rng):
+    """The GRU that resets before its product: two exchanges a step (dP, then dGH), W_hn^T dP
+    through the second product; dGI, dGH, the initial state's gradient and, for W_hn's
+    gradient, dP and the product's argument r * h of every step, lengths 1 to T."""
+    gru, hidden, batch, dtype, p = {**BACKWARD_KERNELS, **THREE_GATES}[name]()
+    assert gru == "gru"
+    check_backward_kernel("gru_reset_before", p, hidden, batch, dtype, rng, lengths=lengths)
 
 
 @pytest.mark.parametrize("cell", persistent_cells())

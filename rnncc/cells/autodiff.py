@@ -202,8 +202,8 @@ def trace_order(roots) -> list:
 
 def reduces(cell: Cell) -> bool:
     """Whether ``cell``'s step reduces over the hidden units: row means, or recurrent products
-    of its values (:func:`rnncc.cells.ops.recurrent`); the persistent kernel takes them one
-    layer a module, in inference and a training forward (not its backward kernel)."""
+    of its values (:func:`rnncc.cells.ops.recurrent`); the persistent kernels take them one
+    layer a module (means: not the backward kernel)."""
     return takes_means(cell) or bool(trace(cell).products)
 
 

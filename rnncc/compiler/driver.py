@@ -115,10 +115,6 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
         return None, (f"cell {problem.cell.name!r} takes means over the hidden units "
                       "(ops.mean): the persistent backward kernel does not take them (the "
                       "forward does)")
-    if trace(problem.cell).products:
-        return None, (f"cell {problem.cell.name!r} takes a recurrent product of a value of its "
-                      "step (ops.recurrent): the persistent backward kernel does not take it "
-                      "(the forward does)")
     gpu = persistent.gpu_for_arch(tspec.arch, sms)
     why, few = "", None
     if min_blocks is None:
@@ -131,7 +127,8 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
             found = persistent.planner.backward(
                 problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
                 len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin,
-                params=len(problem.cell.params), mma=mma)
+                params=len(problem.cell.params), mma=mma,
+                product=bool(trace(problem.cell).products))
         except persistent.Unfit as err:
             why = why or str(err)
             continue

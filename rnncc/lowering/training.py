@@ -490,6 +490,7 @@ class _Backward:
         inputs += [Region(v, (ALL,)) for v in io.per_unit]
         outputs = [Region(d, (ALL,) * 3) for d in io.d_initial]
         outputs += [Region(d, (ALL,) * 3) for d in ((io.dgi,) if io.summed else (io.dgi, io.dgh))]
+        outputs += [Region(d, (ALL,) * 3) for _, *pair in io.products for d in pair]
         # the per-unit parameters' gradients, summed over the steps a batch row each
         sums = (b.param(sig, "dparam_sums", (len(io.per_unit), n, h), "workspace", "float32")
                 if io.per_unit else None)

@@ -24,6 +24,12 @@ T - 1 - t; in it the block
 After the last step one more product, dGH_0 by W_hh^T, completes dh_0 (``store_initial``,
 which also writes the parameters' sums, a batch row each). The
 weight gradients are products over all steps after the kernel (:mod:`rnncc.lowering.training`).
+
+A step that takes a recurrent product of a value (``ops.recurrent``; the GRU that resets
+before its product) exchanges twice: after 3, the derivative up to the product publishes the
+gradient of its value dP (gate g's part of the vector, the others zero; ``cell_backward.
+argument``), and 2 and 3 again give W_g^T dP for the block's units before 4. The exchange's
+steps are then rounds, two a step (its slots, tags and counts go by the round).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from __future__ import annotations
 from functools import partial
 
 from tvm.script import tirx as T
+
+from rnncc.cells.autodiff import product_gates
 
 from . import buffers
 from .kernel import gate_sums, sliced_gate_sums
@@ -59,6 +67,11 @@ def recurrent_sums(spec, b, g, staged, store, t, bx, tx, blk, warp, lane):
         gate_sums(spec, b, g.w, blk, warp, lane)
 
 
+def _argument_buffer(g):
+    """Where the step's product's argument goes (its first's; None without one)."""
+    return g.products[0][1] if g.products else None
+
+
 def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
            lengths: bool = False):
     """The backward kernel of a cell's traced step ``graph`` (:mod:`rnncc.cells.autodiff`) for
@@ -71,18 +84,24 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
     if plan.fused or plan.grids > 1 or plan.global_chunks:
         raise ValueError("the backward kernel runs one direction of one layer, its weights "
                          "on-chip")
+    taken = product_gates(graph)
+    if len(taken) > 1 or (taken and plan.k_slices > 1):
+        raise ValueError(f"cell {cell.name!r} takes {len(taken)} recurrent products of its "
+                         "values; the backward kernel takes one, dGH staged whole")
     spec = KernelSpec(plan, 1, len(cell.states), hidden, batch, dtype, lengths=lengths,
                       exchanged=cell.gates * hidden, params=len(cell.params))
     summed = all(which == "sum" for _, which in kept)
     p, products = plan, tensor_cores if plan.mma else cuda_cores
+    rounds = 2 if taken else 1  # the exchange's rounds a step
 
     @T.prim_func(s_tir=True)
     def persistent_backward():
         T.func_attr({"tirx.noalias": True})
-        g = T.meta_var(buffers.backward_parameters(spec, cell.gates, len(kept), summed))
+        g = T.meta_var(buffers.backward_parameters(spec, cell.gates, len(kept), summed,
+                                                   len(taken)))
         with T.sblock("root"):
             b = T.meta_var(buffers.on_chip(spec, pairs=False))
-            r = T.meta_var(buffers.backward_pairs(spec, len(kept)))
+            r = T.meta_var(buffers.backward_pairs(spec, len(kept), bool(taken)))
             staged = T.meta_var(b.hs16 if p.mma else b.hs)
             store = T.meta_var(partial(products.store_h, spec, staged, 0))
             published = T.meta_var(exchange.published_by(spec, products, g.hx, b.hn))
@@ -97,14 +116,25 @@ def kernel(graph, kept: tuple, hidden: int, batch: int, plan: Plan, dtype: str =
                     if spec.local:
                         exchange.init_local(spec, None, b.hn, None, bx, tx)
                     for t in range(g.T_len):
+                        v = T.meta_var(rounds * t)  # the exchange's round
                         cell_backward.prefetch(spec, len(kept), g.pre, g.s, g.dy, r, t,
                                                g.T_len, bx, tx)
-                        recurrent_sums(spec, b, g, staged, store, t, bx, tx, blk, warp, lane)
+                        recurrent_sums(spec, b, g, staged, store, v, bx, tx, blk, warp, lane)
+                        if len(taken) > 0:
+                            cell_backward.argument(
+                                spec, graph, kept, taken[0], g.products[0][0], b.hs, r, b.ln,
+                                partial(exchange.publish, spec, g.xch, g.hw, v,
+                                        published=published), t, g.T_len, bx, tx)
+                            exchange.arrive_and_wait(spec, g.cnt, v, bx, tx)
+                            recurrent_sums(spec, b, g, staged, store, v + 1, bx, tx, blk, warp,
+                                           lane)
                         cell_backward.apply(spec, graph, kept, g.dgi, g.dgh, b.hs, r, b.ln,
-                                            partial(exchange.publish, spec, g.xch, g.hw, t,
-                                                    published=published), t, g.T_len, bx, tx)
-                        exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
-                    recurrent_sums(spec, b, g, staged, store, g.T_len, bx, tx, blk, warp, lane)
+                                            partial(exchange.publish, spec, g.xch, g.hw,
+                                                    v + rounds - 1, published=published), t,
+                                            g.T_len, bx, tx, _argument_buffer(g))
+                        exchange.arrive_and_wait(spec, g.cnt, v + rounds - 1, bx, tx)
+                    recurrent_sums(spec, b, g, staged, store, rounds * g.T_len, bx, tx, blk,
+                                   warp, lane)
                     cell_backward.store_initial(spec, g.d_initial, g.dps, b.hs, r, bx, tx)
 
     return persistent_backward

@@ -134,15 +134,17 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     return out
 
 
-def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
-                        ) -> SimpleNamespace:
+def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool,
+                        products: int = 0) -> SimpleNamespace:
     """Declare the backward kernel's parameters (:mod:`..backward`; ``spec``: one row a unit,
     K = G*H), inputs first: W_hh^T packed [B/NG, Wn, KI, RW, 32, VEC], ``pre`` [T,N,P*H]
     (``parts`` P), the states of every step [T+1,N,H] each (float32), (the samples' lengths
     [N] int32), dy [T,N,H], the final states' gradients [1,N,H] each, (the cell's per-unit
     parameters p0 ... [H] each, where it has them); then the outputs: the initial states'
     gradients [1,N,H] each, dGI [T,N,G*H] (16-bit where the weights are, else float32; and
-    dGH, unless ``summed``: every gate kept as a sum, where the two are equal), (the per-unit
+    dGH, unless ``summed``: every gate kept as a sum, where the two are equal), (for each of
+    the step's ``products`` recurrent products of a value, the gradient of its value dP and its
+    argument X [T,N,H] float32, as W_hh's gradient takes them), (the per-unit
     parameters' gradients summed over the steps, a batch row each, ``dps`` [params, N, H]
     float32), and the exchange: the published dGH [2,N,G*H] float32 (``xch``; or, where the
     planner says so, dGH as published for the next step's staging ``hx``, :func:`published_h`,
@@ -154,6 +156,7 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     names = ["w", "pre", *[f"s{k}" for k in range(states)]] + (["len"] if spec.lengths else [])
     names += ["dy", *[f"dn{k}" for k in range(states)], *per_unit]
     names += [f"d0{k}" for k in range(states)] + ["dgi"] + ([] if summed else ["dgh"])
+    names += [f"{a}{k}" for k in range(products) for a in ("dprod", "parg")]
     published = published_h(p, n, dt)
     names += (["dps"] if spec.params else []) + (["hx"] if published else ["xch"])
     names += ["hw"] if spec.tagged else [] if spec.local else ["cnt"]
@@ -179,6 +182,8 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     grads = projection_grad_dtype(dt)
     out.dgi = match("dgi", "dgi", (t_len, n, gh), grads)
     out.dgh = out.dgi if summed else match("dgh", "dgh", (t_len, n, gh), grads)
+    out.products = [tuple(match(f"{a}{k}", f"{a}{k}", (t_len, n, h), "float32")
+                          for a in ("dprod", "parg")) for k in range(products)]
     if spec.params:
         out.dps = match("dps", "dps", (spec.params, n, h), "float32")
     if published:
@@ -192,14 +197,17 @@ def backward_parameters(spec: KernelSpec, gates: int, parts: int, summed: bool
     return out
 
 
-def backward_pairs(spec: KernelSpec, parts: int) -> SimpleNamespace:
+def backward_pairs(spec: KernelSpec, parts: int, product: bool = False) -> SimpleNamespace:
     """The backward kernel's registers for a thread's pairs: ``pre`` (P values a pair),
     ``sp`` (the previous states), ``dy``, ``carry`` (the states' gradients through the cell,
-    from step to step) and, for a cell with per-unit parameters, ``pv`` (their values at the
-    pair's unit) and ``dp`` (their gradients summed over the steps so far)."""
-    out = SimpleNamespace(pv=None, dp=None)
+    from step to step), for a step that takes a recurrent product of a value (``product``)
+    ``rec`` (dh's part through the recurrence, kept while the product's transposed is taken)
+    and, for a cell with per-unit parameters, ``pv`` (their values at the pair's unit) and
+    ``dp`` (their gradients summed over the steps so far)."""
+    out = SimpleNamespace(pv=None, dp=None, rec=None)
     items, states, params = spec.plan.items, spec.states, spec.params
     regs = (("pre", parts), ("sp", states), ("dy", 1), ("carry", states))
+    regs += (("rec", 1),) if product else ()
     for name, per in regs + ((("pv", params), ("dp", params)) if params else ()):
         buffer = T.sblock_alloc_buffer((items * per,), "float32", scope="local")
         IRBuilder.name(f"{name}_r", buffer)

@@ -707,18 +707,21 @@ MMA_BACKWARD_MIN_BLOCKS = 32
 def backward(gates: int, hidden: int, batch: int, dtype: str, gpu: GPU, states: int = 1,
              kept: int | None = None, reg_margin: int = REG_MARGIN,
              batch_groups: int | None = None, warps: int | None = None,
-             max_blocks: int | None = None, params: int = 0, mma: bool = False) -> Plan:
+             max_blocks: int | None = None, params: int = 0, mma: bool = False,
+             product: bool = False) -> Plan:
     """The plan of the backward recurrence of a layer of ``gates`` G (see "Backward through
     time"): one row a unit, K = G*H; a pair keeps ``kept`` P values of the step's projections
     (default G), the previous states, the gradients carried through the cell, dy and, for
     each of the cell's ``params`` per-unit parameters, its value and its gradient summed over
     the steps in registers. Batch groups as :func:`plan` decides them (default: chosen).
     ``mma``: the products on tensor cores, K split among a row group's warps where that fits
-    better, dGH staged in slices of K where nothing fits whole (16-bit weights)."""
+    better, dGH staged in slices of K where nothing fits whole (16-bit weights). ``product``:
+    the step takes a recurrent product of a value (two exchanges a step; a pair keeps dh's
+    recurrent part between them; dGH staged whole)."""
     return plan(1, hidden, batch, dtype, gpu, states, max_blocks, reg_margin, warps,
                 batch_groups=batch_groups, width=gates * hidden,
-                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params, mma=mma,
-                split_k=mma, slices=mma)
+                pair_regs=(kept or gates) + 2 * states + 2 + 2 * params + int(product), mma=mma,
+                split_k=mma, slices=mma and not product)
 
 
 #: Storage dtypes the kernel takes, and their bytes (products and sums are float32).

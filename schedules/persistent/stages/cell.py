@@ -112,8 +112,9 @@ def prefetch(spec, xp, gi, ln, t, t_len, bx, tx, first=None):
     each_pair(spec, bx, tx, body)
 
 
-class _Reached(Exception):
-    """The step reached its recurrent product (:func:`argument`), of this value."""
+class Reached(Exception):
+    """The step reached its recurrent product (:func:`argument`; or, in its derivative, that
+    product's transposed), of this value."""
 
     def __init__(self, value):
         super().__init__()
@@ -133,7 +134,7 @@ def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
     g_count = spec.gates
 
     def taken(gate, x):
-        raise _Reached(x)
+        raise Reached(x)
 
     def body(it, n, j):
         u = j - spec.place(bx) * spec.plan.units
@@ -143,7 +144,7 @@ def argument(spec, cell, hs, gi, bh, st, pv, gs, publish, bx, tx):
             with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(None, taken):
                 evaluate(spec, cell, gi, [gs[it * g_count + g] for g in range(g_count)], st,
                          pv, it)
-        except _Reached as found:
+        except Reached as found:
             publish(found.value, spec.state_row(bx, n), j)
             return
         raise ValueError(f"cell {cell.name!r} took no recurrent product")
