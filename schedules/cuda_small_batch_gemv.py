@@ -48,6 +48,9 @@ MAX_ROWS_PER_WARP, MAX_SUMS = 8, 64
 #: Fewest blocks the grid should have (about one a multiprocessor of an H100/H200, which
 #: holds two): fewer rows a warp where more would leave the grid smaller.
 TARGET_BLOCKS = 128
+#: Chunks of K a warp takes where the grid is small, past which K is split among warps, and
+#: the most it then takes (:func:`k_split`).
+SPLIT_MIN_CHUNKS, MAX_WARP_CHUNKS = 16, 8
 #: Bytes of h past which a block stages its chunks in shared memory (module docstring).
 SHARED_H_MIN_BYTES = 128 * 1024
 
@@ -140,8 +143,29 @@ def rows_per_warp(batch: int, rows: int) -> int:
     return rw
 
 
-def apply(func, target, rw: int | None = None):
-    """The rule; ``rw`` fixes the rows a warp (benchmarks), else :func:`rows_per_warp`."""
+def k_split(rows: int, depth: int, rw: int, vec: int) -> int:
+    """S, the warps that share a row's K (each its own chunks, their sums added across them
+    as the lanes' are), where the grid at one warp a row group is at most about one block a
+    multiprocessor (:data:`TARGET_BLOCKS`) and a warp would take more than
+    :data:`SPLIT_MIN_CHUNKS` chunks of K: the fewest warps to a block's row group, up to
+    :data:`WARPS`, that bring a warp's chunks to :data:`MAX_WARP_CHUNKS` (1: none; h is not
+    staged then, :func:`apply`). The backward's dh = dGH W_hh (O = H rows, K = G*H) was
+    latency-bound so. H200, kernel alone, us, S = 1 -> split (N K O): 4 4096 1024 11.5 -> 5.5
+    (S = 4), 8 4096 1024 13.2 -> 8.2, 4 3072 1024 9.1 -> 4.7, 1 4096 1024 4.1 -> 3.6, 4 8192
+    2048 29.0 -> 17.1; but 16 4096 1024 (h staged) 17.9 -> 25.0, and 1 2048 512 (16 chunks)
+    3.2 -> 3.8."""
+    chunks, split = -(-depth // (32 * vec)), 1
+    if rows // (WARPS * rw) > TARGET_BLOCKS or chunks <= SPLIT_MIN_CHUNKS:
+        return 1
+    while (split < WARPS and -(-chunks // split) > MAX_WARP_CHUNKS
+           and rows % (WARPS // (2 * split) * rw) == 0):
+        split *= 2
+    return split
+
+
+def apply(func, target, rw: int | None = None, split: int | None = None):
+    """The rule; ``rw`` and ``split`` fix the rows a warp and the warps a row's K (benchmarks),
+    else :func:`rows_per_warp` and :func:`k_split`."""
     sch = s_tir.Schedule(func)
     blocks = gemm_blocks(sch)
     if blocks is None:
@@ -163,7 +187,9 @@ def apply(func, target, rw: int | None = None):
                   if rows % (w * rw) == 0), 1)
     if rows % (warps * rw):
         return None
-    k_outer, lane, v = sch.split(k, [None, 32, vec])
+    split = split or (k_split(rows, depth, rw, vec) if warps == WARPS and not staged else 1)
+    warps //= split  # warps a block along O; each of them ``split`` warps along K
+    k_outer, lane, v = sch.split(k, [None, 32 * split, vec])
     rf = sch.rfactor(lane, factor_axis=0)
     n_rf, o_rf, ko_rf, lane_rf, v_rf = sch.get_loops(rf)
     o_b, o_t, *o_r = sch.split(o_rf, [None, warps, rw] if rw > 1 else [None, warps])
@@ -182,7 +208,7 @@ def apply(func, target, rw: int | None = None):
         copy = sch.get_loops(h_shared)[4:]  # under o_b, o_t, lane_rf and ko_rf
         if copy:  # (none where the chunk is one value)
             _, warp, thread, v_s = sch.split(sch.fuse(*copy) if len(copy) > 1 else copy[0],
-                                             [None, warps, 32, vec])
+                                             [None, warps, 32 * split, vec])
             sch.bind(warp, "threadIdx.y")
             sch.bind(thread, "threadIdx.x")
             if vec > 1:

@@ -46,7 +46,7 @@ def _as_haste(kind, module):
     """haste's weights of ``module`` (rnncc.nn, layer 0): gates in haste's order."""
     import torch
 
-    p = {k: v.detach().double() for k, v in module.named_parameters()}
+    p = {k: v.detach().cpu().double() for k, v in module.named_parameters()}
     ours = "ifgo" if kind == "lstm" else "rzn"
     theirs = "igfo" if kind == "lstm" else "zrn"
     hidden = module.hidden_size
@@ -68,20 +68,32 @@ def _as_haste(kind, module):
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_layer_norm_cells_are_haste_without_the_projections_biases(kind):
+@pytest.mark.parametrize("device, hidden, batch, steps", [
+    ("cpu", 33, 3, 9), pytest.param("cuda", 1024, 4, 20, marks=pytest.mark.gpu)])
+def test_layer_norm_cells_are_haste_without_the_projections_biases(kind, device, hidden, batch,
+                                                                    steps):
     """ln_lstm / ln_gru with bias=False against haste's equations in float64 (its gate order),
-    the parameters made random (not their initial ones)."""
+    the parameters made random (not their initial ones): y and x's gradient (through every
+    step's dh; the weights' gradients: test_training, test_projection)."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    module = rnncc.nn.Recurrent(f"ln_{kind}", 5, 33, bias=False)
+    module = rnncc.nn.Recurrent(f"ln_{kind}", 5, hidden, bias=False)
     with torch.no_grad():
         for p in module.parameters():
             p.uniform_(-1.0, 1.0)
-    x = torch.randn(9, 3, 5)
-    with torch.no_grad():  # the forward alone (the gradients: test_training, test_projection)
-        y, _ = module(x)
-    ref = _haste(kind, x.double(), _as_haste(kind, module), 33)
-    assert float((y.detach().double() - ref).norm() / ref.norm()) < 1e-5
+    module = module.to(device)
+    x = torch.randn(steps, batch, 5, device=device, requires_grad=True)
+    y, _ = module(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    ref = _haste(kind, x64, _as_haste(kind, module), hidden)
+    ref.backward(dy.cpu().double())
+
+    def err(a, b):
+        return float((a.detach().cpu().double() - b.detach()).norm() / b.detach().norm())
+
+    assert err(y, ref) < 1e-5 and err(x.grad, x64.grad) < 1e-4
 
 
 @pytest.mark.parametrize("cell", ["ln_lstm", "ln_gru"])

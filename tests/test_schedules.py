@@ -531,6 +531,29 @@ def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, 
     _matches_numpy_on_the_simulator(sch, batch, depth, outputs, rng)
 
 
+@pytest.mark.parametrize("batch, depth, outputs, split", [
+    (4, 4096, 64, 4), (1, 4096, 16, 4), (3, 2200, 40, 4), (2, 2048, 64, 1), (4, 3072, 64, 4)])
+def test_small_batch_gemv_splits_long_k_among_warps_on_the_simulator(batch, depth, outputs,
+                                                                     split, rng):
+    """Where the grid is small and K long (the backward's dh = dGH W_hh: O = H, K = G*H), S
+    warps share each row's K, their sums added across them: on the NumPy interpreter of TIR
+    against float64 (K past whole chunks masked), the output poisoned. At full size: LN-LSTM
+    1024's dh at batch 4 (O 1024, K 4096) takes S = 4, not where h is staged (batch 16), nor
+    the forward's products."""
+    from rnncc.schedules import cuda_small_batch_gemv
+
+    assert cuda_small_batch_gemv.k_split(1024, 4096, 1, 4) == 4
+    assert cuda_small_batch_gemv.k_split(512, 2048, 1, 4) == 1  # 16 chunks
+    assert cuda_small_batch_gemv.k_split(4096, 1024, 4, 4) == 1
+    assert cuda_small_batch_gemv.k_split(16384, 4096, 1, 4) == 1
+    staged = cuda_small_batch_gemv.apply(comp.gemm((16,), 4096, 1024, "rows", "float32"), CUDA)
+    assert 'T.int64(32), thread="threadIdx.x"' in staged.mod.script()
+    sch = cuda_small_batch_gemv.apply(comp.gemm((batch,), depth, outputs, "rows", "float32"),
+                                      CUDA)
+    assert f'T.int64({32 * split}), thread="threadIdx.x"' in sch.mod.script()
+    _matches_numpy_on_the_simulator(sch, batch, depth, outputs, rng)
+
+
 @pytest.mark.parametrize("batch, staged, streamed", [(4, False, False), (16, False, True),
                                                      (3, True, True)])
 def test_small_batch_gemv_keeps_part_of_weights_past_l2_on_the_simulator(batch, staged,
