@@ -275,6 +275,8 @@ def test_backward_checks_its_inputs(rng):
     ("LSTM", 48, 64, 1, False, 40, 20),  # batch >= 32: the sums kept over the projections
     ("LSTM", 128, 128, 2, False, 37, 25),  # dx and the weights' gradients of whole tiles: only
     # the rows within the lengths (cuda.sgemm, cuda.weight_grad)
+    ("LSTM", 64, 2048, 1, False, 4, 6),  # per-step kernels: dh = dGH W_hh with K = 8192
+    # split among warps (cuda.small_batch_gemv)
 ])
 def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirectional, n, steps,
                                                  rng):
