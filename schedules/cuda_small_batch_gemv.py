@@ -12,7 +12,9 @@ those bound the kernel instead (H200, LSTM 2048 at batch 16: 178.9 us a step in 
 cuDNN's 79). At batch 1 it streams the weights at 4.1 TB/s on an H200 (LSTM 4096: 66.0 us,
 kernel alone), where dlight's GEMV, the rule it replaced there, took 89.4 and cuBLAS 76.2. K
 need not be a multiple of 128 (the last chunk's lanes past K masked; 16-byte vectors where K is
-a multiple of 4): LSTM 1500 at batch 4, 10.4 us where dlight's Matmul took 94.4.
+a multiple of 4): LSTM 1500 at batch 4, 10.4 us where dlight's Matmul took 94.4. Where the
+rows are few and K long (the backward's dh = dGH W_hh: O = H, K = G*H), several warps share a
+row's K (:func:`k_split`), so that no warp runs a long chain of dependent loads.
 
 Where h is larger than L1 keeps beside the weights streaming through it (N*K values over
 :data:`SHARED_H_MIN_BYTES`), the block stages each chunk of K of h in shared memory (N * 128

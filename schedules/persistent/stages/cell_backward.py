@@ -66,8 +66,8 @@ def prefetch(spec, parts, pre, s, dy, r, t, t_len, bx, tx):
 
 
 def _vjp(spec, graph, kept, r, it, seeds, transposed=None, found=None):
-    """The cell's derivative at pair ``it`` (:func:`rnncc.cells.autodiff.kept_vjp`), the
-    transposed of its product of a value ``transposed(gate, dp)``."""
+    """The cell's derivative at pair ``it`` (:func:`rnncc.cells.autodiff.kept_vjp`);
+    ``transposed(gate, dp)``: the transposed product of a step's product of a value."""
     parts, states, count = len(kept), spec.states, spec.params
     with ops.lowered_with(FAST_FUNCTIONS), ops.reducing_with(None, transposed):
         return autodiff.kept_vjp(
