@@ -32,8 +32,8 @@ def persistent_cells() -> list[str]:
     """The registered cells the persistent kernels run in every form (inference, training,
     layers as a wavefront): all but those whose step reduces over the hidden units, by means
     (``ops.mean``) or a recurrent product of a value (``ops.recurrent``): the persistent
-    kernel takes those one layer a module, in inference and a training forward (tested on
-    their own)."""
+    kernels take those one layer a module (means: not the backward kernel; tested on their
+    own)."""
     return [name for name in rnncc.cells.names() if not reduces(rnncc.cells.get(name))]
 
 
