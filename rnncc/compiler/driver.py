@@ -119,6 +119,7 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
     why, few = "", None
     if min_blocks is None:
         min_blocks = persistent.planner.MMA_BACKWARD_MIN_BLOCKS
+    kept, product = len(kept_parts(problem.cell)), bool(trace(problem.cell).products)
     # 16-bit weights: the products on tensor cores where they fit (K split among a row
     # group's warps: a block's units are few, their K = G*H deep) on enough blocks, else on
     # CUDA cores
@@ -126,9 +127,8 @@ def _backward_plan(problem: Problem, opts: Options, tspec: TargetSpec, sms, reg_
         try:
             found = persistent.planner.backward(
                 problem.gates, problem.hidden_size, problem.batch, problem.dtype, gpu,
-                len(problem.cell.states), len(kept_parts(problem.cell)), reg_margin,
-                params=len(problem.cell.params), mma=mma,
-                product=bool(trace(problem.cell).products))
+                len(problem.cell.states), kept, reg_margin, params=len(problem.cell.params),
+                mma=mma, product=product)
         except persistent.Unfit as err:
             why = why or str(err)
             continue
