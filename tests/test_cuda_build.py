@@ -212,9 +212,33 @@ ptxas info    : Compiling entry function 'k2' for 'sm_90a'"""
 
 def test_the_pack_entries_say_where_a_packed_weight_is_the_given_one():
     """CUDA's packed weights are PyTorch's [G*H, K] as they are: the pack entries name the
-    given weight (pack(copy=False) then lends its memory); the CPU's are transposed."""
-    for target, same in (("cuda", True), ("llvm", False)):
-        module = compiled("lstm", 17, 33, 3, target)
-        for which in ("ih", "hh"):
+    given weight (pack(copy=False) then lends its memory); the CPU's are transposed, and so
+    is CUDA's W_ih where C is padded (17 float32 values: 20)."""
+    for target, size, same in (("cuda", 16, (True, True)), ("llvm", 16, (False, False)),
+                               ("cuda", 17, (False, True))):
+        module = compiled("lstm", size, 33, 3, target)
+        for which, given in zip(("ih", "hh"), same):
             out = module._signature(f"pack_w_{which}")[-1]
-            assert out.get("same_as") == (f"weight_{which}_l0" if same else None), target
+            assert out.get("same_as") == (f"weight_{which}_l0" if given else None), target
+    assert out["shape"] == [132, 33] and module._signature("pack_w_ih")[-1]["shape"] == [132, 20]
+
+
+@pytest.mark.parametrize("dtype, size, padded, batch", [
+    ("float32", 161, 164, 40), ("float16", 13, 16, 3), ("bfloat16", 257, 264, 64)])
+def test_an_input_size_off_whole_copies_is_padded_for_the_products(dtype, size, padded, batch):
+    """C whose rows are not whole 16-byte copies (speech features: 13, 161, 257): W_ih is
+    packed [G*H, C'] with zeros past C and x copied so before the input projection of all
+    steps, which then takes a GEMM rule of its own, not dlight's generic one; so does dx's
+    product in training (a float32 layer's: the 16-bit layers' C' is off whole tiles)."""
+    module = rnncc.compile("gru", size, 64, batch, dtype=dtype, target="cuda", tuning="off",
+                           training=True)
+    rules = module.metadata["schedule"]["rules"]
+    assert rules["pad_x"] == "cuda.elementwise" and rules["input_gemm"] != "cuda.matmul"
+    if dtype == "float32":
+        assert rules["input_gemm_backward"] != "cuda.matmul"
+    assert module._signature("pack_w_ih")[-1]["shape"] == [192, padded]
+    for entry in ("forward", "train_forward"):
+        assert [p["shape"] for p in module._signature(entry) if p["name"] == "x_padded"] == [
+            ["T", batch, padded]]
+    dx = {p["name"]: p["shape"] for p in module._signature("backward_input")}
+    assert dx["dx"] == ["T", batch, size] and dx["dx_acc"] == ["T", batch, padded]

@@ -537,6 +537,29 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
         assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
+    ("lstm", 161, 256, 40, "float32", {"persistent": "off", "lengths": True}),
+    ("gru", 13, 512, 4, "float32", {}),  # persistent, the input GEMM before the kernel
+    ("lstm", 257, 1024, 64, "float16", {}),
+    ("gru", 39, 128, 9, "bfloat16", {"directions": 2, "lengths": True}),
+    ("rnn_tanh", 161, 64, 3, "float32", {"persistent": "off", "allow_tf32": True})])
+def test_input_sizes_off_whole_copies_match_reference(cell, input_size, hidden, batch, dtype,
+                                                      options, rng):
+    """C whose rows are not whole 16-byte copies: x copied with zeros past C and W_ih packed
+    so for the input projection of all steps (both schedules, both directions, lengths,
+    TF32), within the dtype's bound of float64 (TF32's: past float32's)."""
+    module = rnncc.compile(cell, input_size, hidden, batch, dtype=dtype, target="cuda",
+                           tuning="off", **options)
+    rules = module.metadata["schedule"]["rules"]
+    product = rules["input_gemm_lengths" if "input_gemm_lengths" in rules else "input_gemm"]
+    assert rules["pad_x"] == "cuda.elementwise" and product != "cuda.matmul"
+    bound = TOL_TF32 if options.get("allow_tf32") else TOL[dtype]
+    for steps, initial in ((1, True), (37, False)):
+        err = check_against_reference(module, rng, steps, initial,
+                                      lengths=options.get("lengths", False))
+        assert err < bound, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, step_rule", [
     ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.wgmma_gemm"),

@@ -2342,3 +2342,27 @@ def test_one_step_kernel_where_it_is_faster():
     assert step("ln_lstm", 1024, 1024, 128, "float16") is None
     assert step("lstm", 1024, 1024, 128, "float32") is None
     assert step("lstm", 1024, 1024, 128, "float16", target=AMPERE) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_padding_of_x_and_w_ih_leaves_zeros_past_c(dtype, rng):
+    """The copies that pad an input projection's K (:func:`sequence.padded_input_size`): x
+    [T, N, 13] into [T, N, 16] and W_ih [G*H, 13] packed [G*H, 16], zeros past C, on the CPU
+    and as CUDA's rule schedules them (the simulator, outputs poisoned)."""
+    t_len = tirx.Var("T", "int64")
+    funcs = [comp.padded_steps(3, 13, 16, dtype, t_len),
+             comp.pack_weight(4, 5, 13, comp.Layout("rows"), dtype, padded=16)]
+    for func, shape in zip(funcs, [(5, 3, 13), (20, 13)]):
+        assert _simulated_against_cpu_build(func, "elementwise", rng) == "cuda.elementwise"
+        given = rng.standard_normal(shape).astype(dtype)
+        out = tvm.runtime.tensor(np.full(shape[:-1] + (16,), np.nan, dtype), tvm.cpu())
+        tvm.compile(func, target="llvm")(tvm.runtime.tensor(given, tvm.cpu()), out)
+        np.testing.assert_array_equal(out.numpy(), np.pad(given, [(0, 0)] * (len(shape) - 1)
+                                                          + [(0, 3)]))
+    with pytest.raises(ValueError, match="combined rows"):
+        comp.pack_weight(4, 5, 13, comp.Layout("cols"), dtype, padded=16)
+    gru = rnncc.cells.get("gru")
+    assert sequence.padded_input_size(CUDA, Options(), Problem(gru, 13, 5, 3, "float16")) == 16
+    assert sequence.padded_input_size(CUDA, Options(), Problem(gru, 12, 5, 3)) == 12
+    assert sequence.padded_input_size(TargetSpec("llvm").tvm_target(), Options(),
+                                      Problem(gru, 13, 5, 3)) == 13

@@ -277,6 +277,8 @@ def test_backward_checks_its_inputs(rng):
     # the rows within the lengths (cuda.sgemm, cuda.weight_grad)
     ("LSTM", 64, 2048, 1, False, 4, 6),  # per-step kernels: dh = dGH W_hh with K = 8192
     # split among warps (cuda.small_batch_gemv)
+    ("GRU", 161, 256, 2, True, 40, 20),  # C padded: dx's product of O = 164, its rows within
+    # the lengths
 ])
 def test_network_gradients_on_cuda_match_float64(kind, c, h, layers, bidirectional, n, steps,
                                                  rng):
@@ -347,7 +349,8 @@ def test_float32_gradients_with_products_split_in_three_tf32_products(kind, c, h
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c, h, n", [(128, 128, 40), (40, 40, 128), (1000, 1000, 7)])
+@pytest.mark.parametrize("c, h, n", [(128, 128, 40), (40, 40, 128), (1000, 1000, 7),
+                                     (161, 64, 37)])
 @pytest.mark.parametrize("half, bound", [(torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
 def test_half_network_gradients_on_cuda_match_float64(half, bound, c, h, n, rng):
     """float16 / bfloat16 on the GPU, bidirectional with unequal lengths: every gradient
@@ -355,7 +358,7 @@ def test_half_network_gradients_on_cuda_match_float64(half, bound, c, h, n, rng)
     loss. C = H = 128 at batch 40: no persistent kernel, the products of all steps and the
     weight gradients on tensor cores; C = H = 40 at batch 128 and 1000 at 7: K and O not
     whole tiles (the input projections of all steps past their edges; dx's product, its
-    weights read MN-major, on another rule)."""
+    weights read MN-major, on another rule); C = 161: x and W_ih padded to 168."""
     torch.manual_seed(int(rng.integers(1 << 30)))
     steps = 20
     theirs = torch.nn.LSTM(c, h, bidirectional=True).to(half).double()

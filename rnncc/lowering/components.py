@@ -509,12 +509,18 @@ def projected_state(batch: int, width: int, dtype: str, masked: bool,
 
 
 def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str,
-                tf32: bool = False) -> tirx.PrimFunc:
+                tf32: bool = False, padded: int | None = None) -> tirx.PrimFunc:
     """A PyTorch weight [G*H, K] into the layout's packed shape (``tf32``: its values
-    rounded to TF32, what the layer's TF32 products take)."""
+    rounded to TF32, what the layer's TF32 products take). ``padded`` K' > K (combined rows
+    only): packed [G*H, K'], zeros past K (the input projection's rows in whole copies,
+    :func:`rnncc.lowering.sequence.padded_input_size`)."""
     given = te.placeholder((i64(gates * hidden), i64(k)), dtype, "w")
     w = (te.compute(given.shape, lambda o, kk: round_tf32(given[o, kk]), name="rounded")
          if tf32 else given)
+    if padded is not None and padded != k:
+        if layout.gates != "combined" or layout.weights != "rows":
+            raise ValueError(f"a weight packed with K padded takes combined rows, not {layout}")
+        return te.create_prim_func([given, _padded_columns(w, padded, dtype, "pack")])
     shape = tuple(i64(d) for d in layout.weight_shape(gates, hidden, k))
     if layout.gates == "combined":
         if layout.weights == "rows":
@@ -526,6 +532,24 @@ def pack_weight(gates: int, hidden: int, k: int, layout: Layout, dtype: str,
     else:
         packed = te.compute(shape, lambda g, kk, o: w[g * hidden + o, kk], name="pack")
     return te.create_prim_func([given, packed])
+
+
+def _padded_columns(a: te.Tensor, padded: int, dtype: str, name: str) -> te.Tensor:
+    """``a`` [..., W] as [..., W'] (W' = ``padded``), zeros past W."""
+    width = a.shape[-1]
+
+    def value(*i):
+        f = i[-1]
+        return tvm.tirx.if_then_else(f < width, a[i[:-1] + (tvm.tirx.min(f, width - 1),)],
+                                     tirx.const(0, dtype))
+    return te.compute(tuple(a.shape[:-1]) + (i64(padded),), value, name=name)
+
+
+def padded_steps(batch: int, width: int, padded: int, dtype: str, t_len) -> tirx.PrimFunc:
+    """``out[t, n, f] = a[t, n, f]`` for f < F (``width``), zero up to F' (``padded``): a
+    [T, N, F], out [T, N, F'] (x for an input projection whose K is padded)."""
+    a = te.placeholder((t_len, i64(batch), i64(width)), dtype, "a")
+    return te.create_prim_func([a, _padded_columns(a, padded, dtype, "padded")])
 
 
 def reverse_steps(batch: int, width: int, dtype: str, t_len, lengths: bool) -> tirx.PrimFunc:

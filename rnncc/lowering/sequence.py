@@ -57,6 +57,24 @@ class Lowered:
     components: dict = field(default_factory=dict)
 
 
+#: Bytes a row of an operand is copied in by the GEMM rules (cp.async, the TMA engine)
+COPY_BYTES = 16
+
+
+def padded_input_size(target, options: Options, problem: Problem) -> int:
+    """K of the input projection of all steps: C, or, on CUDA where a row of C values is not
+    a whole count of 16-byte copies (C = 13, 161 or 257 in float32, any odd C in 16 bits: the
+    sizes of speech features), C rounded up to one: W_ih is packed [G*H, C'] with zeros past
+    C, and x copied so before the product (each call; memory T*N*C'). Unaligned, the product
+    fell to cuda.matmul (dlight's generic rule), forward and dx. One layer, gates combined."""
+    per_copy = COPY_BYTES // (4 if problem.dtype == "float32" else 2)
+    c = problem.input_size
+    if (target.kind.name != "cuda" or not options.input_gemm or not options.gate_gemm
+            or problem.layers > 1 or c % per_copy == 0):
+        return c
+    return -(-c // per_copy) * per_copy
+
+
 def layout_for(target, options: Options, problem: Problem) -> Layout:
     """CUDA keeps PyTorch's [O, K] rows (coalesced along K); CPUs want [K, O] to vectorise.
     On CUDA the input projections of all steps in half precision go as flat rows where
@@ -79,6 +97,8 @@ class _Builder:
         self.p, self.options, self.target = problem, options, target
         self.database = database
         self.layout = layout_for(target, options, problem)
+        #: K of the input projections of all steps (:func:`padded_input_size`)
+        self.input_k = padded_input_size(target, options, problem)
         self.lowered = Lowered(tvm.IRModule(), {}, self.layout)
         self._done = {}
         #: gemm components (by key) whose TF32 operands their callers round ("a", "b", "ab")
@@ -142,14 +162,15 @@ class _Builder:
         self.lowered.mod[name] = func
         self.lowered.signatures[name] = sig
 
-    def pack(self, name, which, k, layout_or_func, rule_key=None, rows=None, tf32=False):
+    def pack(self, name, which, k, layout_or_func, rule_key=None, rows=None, tf32=False,
+             padded=None):
         """The entry that packs a [G*H, K] weight (``rows``: (G, H) if not the cell's; with two
         directions, ``_reverse``'s too, stacked along the packed shape's first dimension;
-        ``tf32``: rounded to TF32 as packed)."""
+        ``tf32``: rounded to TF32 as packed; ``padded``: K' > K, zeros past K)."""
         p = self.p
         g, h = rows or (p.gates, p.hidden_size)
         if isinstance(layout_or_func, Layout):
-            func = comp.pack_weight(g, h, k, layout_or_func, p.dtype, tf32)
+            func = comp.pack_weight(g, h, k, layout_or_func, p.dtype, tf32, padded)
         else:
             func = layout_or_func
         shape = tuple(int(d) for d in func.params[1].shape)
@@ -159,7 +180,7 @@ class _Builder:
         srcs = [self.param(sig, f"weight_{which}_{tag}", (g * h, k), "input") for tag in tags]
         dst = self.param(sig, f"w_{which}", (len(tags) * shape[0], *shape[1:]), "output")
         if (len(tags) == 1 and isinstance(layout_or_func, Layout)
-                and layout_or_func.packs_as_given and not tf32):
+                and layout_or_func.packs_as_given and not tf32 and padded in (None, k)):
             sig[-1]["same_as"] = sig[0]["name"]  # a copy: the runtime may use the given one
         if len(tags) == 1:
             self.add(name, standalone_function(name, _rename_params(func, [*srcs, dst])), sig)
@@ -249,8 +270,8 @@ class _Builder:
             return (d * shape[0], *shape[1:])
 
         x = self.param(sig, "x", (t_len, n, c), "input")
-        w_ih = self.param(sig, "w_ih", stacked(w_ih_shape or layout.weight_shape(g, h, c)),
-                          "input")
+        w_ih = self.param(sig, "w_ih", stacked(w_ih_shape or layout.weight_shape(
+            g, h, self.input_k)), "input")
         w_hh = self.param(sig, "w_hh", stacked(w_hh_shape), "input")
         b_ih = self.param(sig, "b_ih", (d * g * h,), "input")
         b_hh = self.param(sig, "b_hh", (d * g * h,), "input")
@@ -401,6 +422,19 @@ class _Builder:
         return (Region(x_rows, (ALL,) * 2), (tirx.Var("M", "int64"),),
                 Region(xp_rows, (ALL,) * 2), [(x_rows, x), (xp_rows, xp)])
 
+    def padded_x(self, sig, x):
+        """(what the input GEMM of all steps reads of x, the stages that make it): x itself,
+        or, where its K is padded (:attr:`input_k`), a workspace [T, N, C'] that a stage
+        copies x into, zeros past C."""
+        p, c, k = self.p, self.p.input_size, self.input_k
+        if k == c:
+            return x, []
+        padded = self.param(sig, "x_padded", (x.shape[0], p.batch, k), "workspace")
+        func = self.scheduled("pad_x", comp.padded_steps(p.batch, c, k, p.dtype, x.shape[0]),
+                              "elementwise")
+        return padded, [Stage("pad_x", func, [Region(x, (ALL,) * 3),
+                                              Region(padded, (ALL,) * 3)], 1)]
+
     def step_tiles(self, x, xp, d: int):
         """CPU modules at batch N of 1 or 2: direction ``d``'s input GEMM of all steps in two
         parts, the first T - T mod S steps as [T/S, R, C] and [T/S, R, G*H] views of x and of
@@ -442,7 +476,7 @@ class _Builder:
         per_gate = layout.gates == "per_gate"
         h_form = h_for_products(self.target, p, options)
         if not history:  # the training forward takes the same packed weights
-            self.pack("pack_w_ih", "ih", c, layout, tf32=h_form == "tf32")
+            self.pack("pack_w_ih", "ih", c, layout, tf32=h_form == "tf32", padded=self.input_k)
             self.pack("pack_w_hh", "hh", r, layout, tf32=h_form == "tf32")
         if proj:
             self.pack("pack_w_hr", "hr", h, layout.matrix, rows=(1, proj))
@@ -452,6 +486,8 @@ class _Builder:
         sig = []
         x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn = self.io(
             sig, t_len, layout.weight_shape(g, h, r))
+        x_in, padding = self.padded_x(sig, x)
+        c_in = self.input_k
 
         def per_direction(shape):
             return shape if dirs == 1 else (dirs, *shape)
@@ -508,7 +544,7 @@ class _Builder:
         vectors = {v.name: r for v, r in zip(given_vectors, read)}
         x_rev = y_rev = None
         if dirs > 1:
-            x_rev = self.param(sig, "x_reversed", (t_len, n, c), "workspace")
+            x_rev = self.param(sig, "x_reversed", (t_len, n, c_in), "workspace")
             y_rev = self.param(sig, "y_reversed", (t_len, n, r), "workspace")
         # with a projection: the cell's h' (its y; the training forward keeps every step's,
         # ``h_cell_steps`` [T, N, H]), then W_hr h'
@@ -532,7 +568,7 @@ class _Builder:
                 "init_h_operand", [Region(s0[0], (d, ALL, ALL))],
                 [Region(h_operand, at(d, (0, ALL, ALL)))], f"init_h_operand{_SUFFIX[d]}",
                 tf32=h_form == "tf32")]
-        prologue += casts
+        prologue += casts + padding
         active = []
         if lengths is not None:  # active[t, n]: step t within sample n's length
             active = [self.param(sig, "active", (t_len, n), "workspace", "int32")]
@@ -543,7 +579,7 @@ class _Builder:
                             else (None, []))
         prologue += stages
         if x_rev is not None:
-            prologue.append(self.reversed_steps("x", Region(x, (ALL,) * 3),
+            prologue.append(self.reversed_steps("x", Region(x_in, (ALL,) * 3),
                                                 Region(x_rev, (ALL,) * 3), lengths))
         if zero is not None:
             prologue.append(Stage("zero_bias", self.scheduled(
@@ -553,13 +589,13 @@ class _Builder:
         slot = t if history else tirx.floormod(t, i64(2))
         nxt = t + i64(1) if history else tirx.floormod(t + i64(1), i64(2))
         for d in range(dirs):
-            xs, suffix = (x, "") if d == 0 else (x_rev, _SUFFIX[d])
+            xs, suffix = (x_in, "") if d == 0 else (x_rev, _SUFFIX[d])
             if options.input_gemm and self.tiles_steps(history, skipping):
                 parts, more = self.step_tiles(xs, xp, d)
                 views += more
                 for x_region, lead, xp_region, key in parts:
-                    prologue += _named(self.projections(key, x_region, lead, c, w_ih, b_ih,
-                                                        None, xp_region, d), suffix)
+                    prologue += _named(self.projections(key, x_region, lead, c_in, w_ih,
+                                                        b_ih, None, xp_region, d), suffix)
                 gi = [Region(xp, at(d, (t, ALL, ALL)))]
             elif options.input_gemm:
                 x_region, lead, xp_region, more = self.input_operands(xs, xp, flat=dirs == 1)
@@ -567,14 +603,14 @@ class _Builder:
                 if dirs > 1:
                     xp_region = Region(xp, at(d, (ALL,) * len(xp_shape)))
                 prologue += _named(self.projections(
-                    "input_gemm", x_region, lead, c, w_ih, b_ih,
+                    "input_gemm", x_region, lead, c_in, w_ih, b_ih,
                     lambda i, d=d: Region(xp, at(d, (i, ALL, ALL, ALL))), xp_region, d,
                     lengths=skipping), suffix)
                 gi = ([Region(xp, at(d, (i, t, ALL, ALL))) for i in range(g)] if per_gate
                       else [Region(xp, at(d, (t, ALL, ALL)))])
             else:
                 steps += _named(self.projections(
-                    "input_gemm", Region(xs, (t, ALL, ALL)), (n,), c, w_ih, b_ih,
+                    "input_gemm", Region(xs, (t, ALL, ALL)), (n,), c_in, w_ih, b_ih,
                     lambda i, d=d: Region(xp, at(d, (i, ALL, ALL))),
                     Region(xp, at(d, (ALL, ALL))), d), suffix)
                 gi = ([Region(xp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
@@ -656,7 +692,7 @@ class _Builder:
         reversed_ = [x_rev, y_rev] if x_rev is not None else []
         projected = [w_hr] if proj else []
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *projected, *s0, *given, y, *sn,
-                  *([] if in_place else [xp]),
+                  *([x_in] if padding else []), *([] if in_place else [xp]),
                   *([hp] if hp is not None else []),
                   *([argument, products_ws] if products else []),
                   *sw, *([pre] if pre is not None else []), *([h_operand] if h_form else []),
@@ -816,16 +852,17 @@ class _Builder:
             prologue += folded.initial
             recurrent.append(Region(folded.first, (ALL, ALL)))
         xp_whole = Region(xp, (ALL,) * len(xp_shape))
-        skipping = None
+        skipping, x_in, padding = None, x, []
         if plan.fused:  # the kernel reads x and W_ih and writes xp
             inputs = [Region(x, (ALL,) * 3), Region(w_ih, (ALL,) * 5), Region(b_ih, (ALL,)),
                       *recurrent, xp_whole]
         else:
-            x_region, lead, xp_region, views = self.input_operands(x, xp)
+            x_in, padding = self.padded_x(sig, x)
+            x_region, lead, xp_region, views = self.input_operands(x_in, xp)
             skipping, stages = self.row_ends(sig, x, lengths, lead)
-            prologue += stages + self.projections(
-                "persistent_input_gemm" if dirs > 1 else "input_gemm", x_region, lead, c, w_ih,
-                b_ih, None, xp_region, lengths=skipping)
+            prologue += padding + stages + self.projections(
+                "persistent_input_gemm" if dirs > 1 else "input_gemm", x_region, lead,
+                self.input_k, w_ih, b_ih, None, xp_region, lengths=skipping)
             inputs = [xp_whole, *recurrent]
         if lengths is not None:
             inputs.append(Region(lengths, (ALL,)))
@@ -857,7 +894,7 @@ class _Builder:
         params = [x, w_ih, w_hh, b_ih, b_hh, *per_unit, *([w_hr] if proj else []), *s0,
                   *given, y, *sn, *kept, *([packed] if history else []),
                   *([] if in_place else [xp]), *sw, *(folded.params if proj else []),
-                  *synced, *(skipping or ())[1:],
+                  *synced, *([x_in] if padding else []), *(skipping or ())[1:],
                   *below, *more]
         self.add(name, sequence_function(name, params, prologue, None, None, [], epilogue,
                                          views), sig)

@@ -111,26 +111,29 @@ class _Backward:
         whose x needs no gradient skips it); given the samples' lengths, on CUDA in IEEE
         float32 from batch :data:`DX_ROWS_WITHIN_MIN_BATCH`, the product computes only the rows
         within them and dx is zero past them (smaller, the product of all rows: dGI is zero
-        past the lengths, and so is their product)."""
+        past the lengths, and so is their product). Where W_ih is packed with K padded
+        (:func:`rnncc.lowering.sequence.padded_input_size`), the product's O is too: dx's
+        first C columns of it are copied out."""
         b, p, layout, acc = self.b, self.p, self.layout, self.acc
-        n, c, h, g = p.batch, p.input_size, p.hidden_size, p.gates
+        n, c, h, g, k = p.batch, p.input_size, p.hidden_size, p.gates, b.input_k
         t_len = tirx.Var("T", "int64")
         sig = []
         dgi = b.param(sig, "dgi", (t_len, n, g * h), "input", self.dg)
-        w_ih = b.param(sig, "w_ih", layout.weight_shape(g, h, c), "input")
+        w_ih = b.param(sig, "w_ih", layout.weight_shape(g, h, k), "input")
         lengths = (b.param(sig, "lengths", (n,), "input", "int32") if p.lengths
                    and b.sums_rows_within_lengths() and n >= DX_ROWS_WITHIN_MIN_BATCH else None)
         dx = b.param(sig, "dx", (t_len, n, c), "output")
-        zero = b.param(sig, "zero_bias_c", (c,), "workspace")
-        dx_acc = (b.param(sig, "dx_acc", (t_len, n, c), "workspace", acc)
-                  if acc != p.dtype else None)
-        stages = [self.elementwise("zero_bias_c", comp.zeros((c,), p.dtype),
+        zero = b.param(sig, "zero_bias_c", (k,), "workspace")
+        dx_acc = (b.param(sig, "dx_acc", (t_len, n, k), "workspace", acc)
+                  if acc != p.dtype or k != c else None)
+        out = dx_acc if dx_acc is not None else dx  # the product's
+        stages = [self.elementwise("zero_bias_c", comp.zeros((k,), p.dtype),
                                    [Region(zero, (ALL,))])]
         given, ends = [], None
         if lengths is not None:  # dx's rows past the lengths are zeros, the others the product's
             ends, stage = b.length_ends(sig, dgi, lengths, "length_ends_dgi")
-            stages += [stage, self.elementwise("zero_dx", comp.zeros((t_len, n, c), p.dtype),
-                                               [Region(dx, (ALL,) * 3)])]
+            stages += [stage, self.elementwise("zero_dx", comp.zeros((t_len, n, k), out.dtype),
+                                               [Region(out, (ALL,) * 3)])]
             given = [Region(lengths, (ALL,)), Region(ends, (ALL,))]
         # W_ih as the product's [O, K] (C, G*H): packed so, or as rows [G*H, C] transposed
         # first where the product is on tensor cores but for warpgroup MMA's 16-bit operands
@@ -143,17 +146,17 @@ class _Backward:
         if layout.weights == "rows" and schedules.has_mma(b.target) and (
                 (p.allow_tf32 or split) if p.dtype == "float32"
                 else not schedules.has_wgmma(b.target)):
-            w_t = b.param(sig, "w_ih_t", (c, g * h), "workspace")
-            stages.append(self.transposed("w_ih", w_ih, w_t, c))
+            w_t = b.param(sig, "w_ih_t", (k, g * h), "workspace")
+            stages.append(self.transposed("w_ih", w_ih, w_t, k))
         stages.append(self.gemm(
-            "input_gemm_backward" + ("_lengths" if given else ""), (t_len, n), g * h, c, self.dg,
+            "input_gemm_backward" + ("_lengths" if given else ""), (t_len, n), g * h, k, self.dg,
             [Region(dgi, (ALL, ALL, ALL)), Region(w_t if w_t is not None else w_ih, (ALL, ALL)),
-             Region(zero, (ALL,)), *given,
-             Region(dx_acc if dx_acc is not None else dx, (ALL, ALL, ALL))],
+             Region(zero, (ALL,)), *given, Region(out, (ALL, ALL, ALL))],
             "rows" if w_t is not None or layout.weights == "cols" else "cols", bool(given)))
         if dx_acc is not None:
             stages.append(self.elementwise("dx_cast", comp.copy_steps(n, c, acc, t_len, p.dtype),
-                                           [Region(dx_acc, (ALL,) * 3), Region(dx, (ALL,) * 3)]))
+                                           [Region(dx_acc, (ALL, ALL, slice(0, c))),
+                                            Region(dx, (ALL,) * 3)]))
         params = [dgi, w_ih, *([lengths] if lengths is not None else []), dx, zero,
                   *([dx_acc] if dx_acc is not None else []),
                   *([ends] if ends is not None else []), *([w_t] if w_t is not None else [])]
