@@ -194,6 +194,23 @@ def test_products_of_all_steps_past_whole_tiles_match_the_cpu_build_on_the_simul
         assert rule == lowered.rules["input_gemm"] == "cuda.wgmma_gemm"
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dx_of_an_input_size_off_whole_tiles_matches_the_cpu_build_on_the_simulator(dtype, rng):
+    """A 16-bit training layer whose C is off whole tiles (GRU 13 -> 24, C padded to 16; 40
+    -> 24): dx = dGI W_ih on warpgroup MMA past its edges, W_ih transposed first (k last in
+    both operands; read as packed it fell to cuda.matmul), and x padded for the input
+    projection of all steps."""
+    for c in (13, 40):
+        problem = Problem(rnncc.cells.get("gru"), c, 24, 3, dtype, training=True)
+        lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+        assert lowered.rules["input_gemm_backward"] == "cuda.wgmma_gemm"
+        for key in ("transpose_w_ih", "input_gemm_backward", "input_gemm", "dx_cast") + (
+                ("pad_x",) if c == 13 else ()):
+            func, role = lowered.components[key]
+            assert _simulated_against_cpu_build(func, role, rng, tol=TOL[dtype]) == (
+                lowered.rules[key]), key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "tf32"])
 def test_tma_fed_components_of_a_layer_match_the_cpu_build_on_the_simulator(dtype, rng):

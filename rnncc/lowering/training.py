@@ -139,13 +139,16 @@ class _Backward:
         # first where the product is on tensor cores but for warpgroup MMA's 16-bit operands
         # (cuda.mma_gemm's pipelined kernel and TF32 take k last in both operands; H200,
         # bfloat16 LSTM 1024, T*N = 6400: 451 us -> 161, and 26 for the copy; float32 split
-        # in three TF32 products where its batch has enough rows); else read as packed, [K, O]
+        # in three TF32 products where its batch has enough rows; and warpgroup MMA's where C
+        # is off whole tiles: it takes those past its edges with k last in both, where they
+        # fell to cuda.matmul); else read as packed, [K, O]
         w_t = None
         split = (b.options.tf32x3 and n >= schedules.cuda_mma_gemm.SPLIT_ALL_STEPS_BATCH
                  and lengths is None)  # (a split product declines the lengths)
+        tails = k % schedules.cuda_mma_gemm.TILE != 0
         if layout.weights == "rows" and schedules.has_mma(b.target) and (
                 (p.allow_tf32 or split) if p.dtype == "float32"
-                else not schedules.has_wgmma(b.target)):
+                else not schedules.has_wgmma(b.target) or tails):
             w_t = b.param(sig, "w_ih_t", (k, g * h), "workspace")
             stages.append(self.transposed("w_ih", w_ih, w_t, k))
         stages.append(self.gemm(
