@@ -199,7 +199,7 @@ def test_dx_of_an_input_size_off_whole_tiles_matches_the_cpu_build_on_the_simula
     """A 16-bit training layer whose C is off whole tiles (GRU 13 -> 24, C padded to 16; 40
     -> 24): dx = dGI W_ih on warpgroup MMA past its edges, W_ih transposed first (k last in
     both operands; read as packed it fell to cuda.matmul), and x padded for the input
-    projection of all steps."""
+    projection of all steps; and dW_ih of C = 80 over x padded to a whole tile."""
     for c in (13, 40):
         problem = Problem(rnncc.cells.get("gru"), c, 24, 3, dtype, training=True)
         lowered = sequence.build(problem, Options(persistent="off"), CUDA)
@@ -209,6 +209,13 @@ def test_dx_of_an_input_size_off_whole_tiles_matches_the_cpu_build_on_the_simula
             func, role = lowered.components[key]
             assert _simulated_against_cpu_build(func, role, rng, tol=TOL[dtype]) == (
                 lowered.rules[key]), key
+    # GRU 80 -> 128 (G*H 384): dW_ih over x padded to 128 columns, its first 80 copied out
+    problem = Problem(rnncc.cells.get("gru"), 80, 128, 3, dtype, training=True)
+    lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+    for key, rule in (("pad_x_grad", "cuda.elementwise"), ("weight_grad_ih", "cuda.wgmma_gemm"),
+                      ("dweight_ih_copy", "cuda.elementwise")):
+        func, role = lowered.components[key]
+        assert _simulated_against_cpu_build(func, role, rng, tol=TOL[dtype]) == rule, key
 
 
 @pytest.mark.slow

@@ -43,6 +43,10 @@ from . import components as comp
 from .assemble import Region, Stage, sequence_function
 from .components import ALL, i64
 
+#: The smallest C whose half dW_ih is taken over x padded to whole tiles where C is off them
+#: (the padding's products at most double the FLOPs)
+WEIGHT_GRAD_PADDED_MIN_C = 64
+
 #: The smallest batch whose dx leaves out the rows past the lengths: that product does not
 #: split K, and smaller batches' T*N rows leave most of the GPU idle without the split (H200,
 #: LSTM 1024 at batch 4, T = 100, lengths T to T/4: dx 474 us over the rows within them, 105
@@ -259,12 +263,34 @@ class _Backward:
             views.append((h_rows, io.kept[0]))
         views.append((x_rows, io.x))
         m = tirx.Var("M", "int64")
-        for which, grads, inputs, k in (("ih", dgi_rows, x_rows, c), ("hh", dgh_rows, h_rows, h)):
+        # dW_ih of a half layer whose C is off whole tiles: over x padded to them, on warpgroup
+        # MMA, its first C columns copied out (else the CUDA cores' cuda.weight_grad: H200,
+        # float16 LSTM 161 -> 1024, T*N = 6400, 400 us)
+        tiles = schedules.cuda_mma_gemm.TILE
+        padded = -(-c // tiles) * tiles
+        dw_ih = io.dw["ih"]
+        if (self.dg != self.acc and schedules.has_wgmma(b.target) and not given
+                and gh % tiles == 0 and c % tiles and c >= WEIGHT_GRAD_PADDED_MIN_C):
+            x_padded = b.param(sig, "x_padded", (io.t_len, n, padded), "workspace")
+            dw_ih = b.param(sig, "dweight_ih_padded", (gh, padded), "workspace")
+            workspaces += [x_padded, dw_ih]
+            stages.append(self.elementwise("pad_x_grad", comp.padded_steps(
+                n, c, padded, p.dtype, io.t_len), [Region(io.x, (ALL,) * 3),
+                                                   Region(x_padded, (ALL,) * 3)]))
+            x_rows = view(x_padded, (rows, padded), "x_rows_padded")
+            views.append((x_rows, x_padded))
+        for which, grads, inputs, out in (("ih", dgi_rows, x_rows, dw_ih),
+                                          ("hh", dgh_rows, h_rows, io.dw["hh"])):
+            k = int(inputs.shape[1])
             stages.append(self.reduction(
                 f"weight_grad_{which}" + ("_lengths" if given else ""), comp.weight_gradient(
                     m, gh, k, p.dtype, inputs.dtype, grads.dtype, n if given else None),
                 [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)), *given,
-                 Region(io.dw[which], (ALL, ALL))]))
+                 Region(out, (ALL, ALL))]))
+            if not out.same_as(io.dw[which]):
+                stages.append(self.elementwise("dweight_ih_copy", comp.copy(
+                    1, gh, c, p.dtype, p.dtype), [Region(out, (ALL, slice(0, c))),
+                                                  Region(io.dw[which], (ALL, ALL))]))
             if which == "hh" and io.summed:  # dGH is dGI: db_hh is db_ih, copied (a column
                 # sum over the T*N rows: H200, bfloat16 LSTM 1024 N64, 26 us)
                 stages.append(self.elementwise("bias_grad_hh", comp.cast(gh, p.dtype, p.dtype),
