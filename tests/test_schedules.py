@@ -787,7 +787,8 @@ def test_sgemm_of_all_steps_with_lengths_writes_only_their_rows_on_the_simulator
     (64, 1000, 4000, 8, 64), (33, 116, 132, 4, 64), (256, 1024, 4096, 4, 128),
     (128, 1024, 4096, 8, 128), (192, 1024, 3072, 4, 64), (200, 512, 2048, 8, 128),
     (256, 4096, 16384, 1, 128), (256, 256, 1024, 8, 128), (256, 512, 1536, 16, 128),
-    (64, 256, 4096, 8, 64), (64, 1024, 256, 32, 64), (64, 768, 3072, 16, 64)])
+    (64, 256, 4096, 8, 64), (64, 1024, 256, 32, 64), (64, 768, 3072, 16, 64),
+    (178, 1008, 1008, 16, 64), (64, 1008, 4032, 8, 64)])
 def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     """One step's product: 64-row tiles of 128 threads, or from batch 128 tiles of 128 rows
     (256 threads, two a multiprocessor) where they pad no more rows (192: three of 64, not two
@@ -798,8 +799,10 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
     tiles would be deeper than DEEP_SLICE (LSTM 2048 at batch 32 and 64: 8 of 256, not 4 of
     512), down to SHALLOW_SLICE deep where slices of MIN_SLICE leave fewer than FEW_BLOCKS
     blocks (LSTMP 1024/256 at batch 64: W_hh's product in 8 slices of 32, W_hr's in 32; LSTM
-    768: 16 of 48; LSTM 256 at batch 256: 8 of 32, 128 blocks, so 128 rows); the slices go to
-    a workspace that a second kernel sums in order with the bias."""
+    768: 16 of 48; LSTM 256 at batch 256: 8 of 32, 128 blocks, so 128 rows); K of whole
+    pairs that no count divides so (1008: 63 pairs) in slices whose last is partly past K
+    (tanh RNN 1008 at batch 178, LSTM 1008 at 64); the slices go to a workspace that a second
+    kernel sums in order with the bias."""
     from rnncc.schedules import cuda_sgemm
 
     product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
@@ -825,6 +828,29 @@ def test_sgemm_splits_one_step_along_k(batch, depth, outputs, splits, rows):
         assert "blockIdx.z" in bodies["step_kernel"]
         (total,) = [body for name, body in bodies.items() if name != "step_kernel"]
         assert total.count("slices_ptr[") == splits and "b_ptr" in total
+
+
+@pytest.mark.parametrize("batch, depth, outputs", [(33, 144, 132), (40, 80, 256)])
+def test_sgemm_of_one_step_in_uneven_slices_matches_numpy_on_the_simulator(
+        batch, depth, outputs, rng):
+    """One step's product whose K is whole pairs of chunks that no count of slices divides
+    (9 and 5 pairs): 2 slices, the last partly past K (its loads there zeros), summed in
+    order with the bias by the second kernel; against float64, the output and the slices'
+    workspace poisoned. (The interpreter runs each kernel on its own grid.)"""
+    from rnncc.schedules import cuda_sgemm
+    from tir_sim import Simulator
+
+    product = cuda_sgemm.sizes(comp.gemm((batch,), depth, outputs, "rows", "float32"))
+    assert product.splits == 2 and not product.whole
+    assert product.slice_chunks(2) * cuda_sgemm.BK * 2 > depth
+    kernel = cuda_sgemm.kernel(product)
+    a = rng.standard_normal((batch, depth)).astype(np.float32)
+    w = rng.standard_normal((outputs, depth)).astype(np.float32)
+    b = rng.standard_normal(outputs).astype(np.float32)
+    out = np.full((batch, outputs), np.nan, np.float32)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, (a, w, b, out))}).run()
+    want = a.astype(np.float64) @ w.T.astype(np.float64) + b
+    assert np.abs(out - want).max() / np.abs(want).max() < TOL_F32
 
 
 @pytest.mark.parametrize("lead, pairs, weights", [
