@@ -560,6 +560,23 @@ def test_input_sizes_off_whole_copies_match_reference(cell, input_size, hidden, 
         assert err < bound, f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("rnn_tanh", 64, 1008, 178), ("gru", 80, 720, 48)])
+def test_one_step_sgemm_in_uneven_slices_matches_reference(cell, input_size, hidden, batch,
+                                                           rng):
+    """IEEE float32, not persistent: each step's product on cuda.sgemm in slices of K whose
+    last is partly past K (1008 and 720: odd counts of 16-value pairs), summed by its second
+    kernel, within float32's bound of float64; T 1 and 37, with lengths."""
+    for lengths in (False, True):
+        module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", tuning="off",
+                               persistent="off", tf32x3=False, lengths=lengths)
+        rules = module.metadata["schedule"]["rules"]
+        assert rules["recurrent_gemm"] == "cuda.sgemm"
+        for steps, initial in ((1, True), (37, False)):
+            err = check_against_reference(module, rng, steps, initial, lengths=lengths)
+            assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, step_rule", [
     ("lstm", 64, 256, 16, "cuda.mma_gemv"), ("gru", 96, 512, 64, "cuda.mma_gemv"),
     ("rnn_tanh", 32, 1024, 9, "cuda.mma_gemv"), ("gru", 128, 1024, 130, "cuda.wgmma_gemm"),
