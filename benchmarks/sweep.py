@@ -10,7 +10,8 @@ T = 100, each side captured in a CUDA graph, median of
     python3 benchmarks/sweep.py --plot sweep.json [sweep2.json ...] --out docs/sweep.png
 
 Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and their ratio
-(cuDNN / rnncc: above 1, rnncc is faster), and which schedule ran. ``--part k/n`` times the
+(cuDNN / rnncc: above 1, rnncc is faster), and which schedule ran; the JSON's rows also name
+the rules that took the layer's products (``rules``). ``--part k/n`` times the
 k-th of n slices of the configurations (a GPU session's command has a time limit). ``--plot``
 draws the ratio over hidden size, one curve a batch size, a panel a cell and dtype; a later
 file's row replaces an earlier file's of the same configuration (a partial re-run on top).
@@ -101,9 +102,11 @@ def _row(config, path, repeat):
     if schedule == "persistent" and plan.get("global_chunks"):
         schedule += " (streaming)"
     per = 1e3 / STEPS
+    rules = {key: rule for key, rule in module.metadata["schedule"]["rules"].items()
+             if "gemm" in key or key in ("step", "persistent")}
     return {**row, "schedule": schedule, "rnncc_us": result["rnncc"] * per,
             "cudnn_us": result["cudnn"] * per, "ratio": result["cudnn"] / result["rnncc"],
-            "device": result["device"]}
+            "device": result["device"], "rules": rules}
 
 
 def _selected(config, where) -> bool:
