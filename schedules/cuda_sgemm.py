@@ -262,9 +262,9 @@ class Product:
             deep = self.slice_chunks(s) * BK
             return s == 1 or (deep >= shallowest and (s - 1) * deep < self.depth)
 
-        fits = even if self._even(1) else uneven
-        if self._even(1) and not self.all_steps and not any(even(s) for s in counts[1:]):
-            fits = uneven
+        paired = self._even(1)
+        fits = (even if paired and (self.all_steps or any(even(s) for s in counts[1:]))
+                else uneven)
         return tuple(s for s in counts if fits(s))
 
 

@@ -67,7 +67,7 @@ def padded_input_size(target, options: Options, problem: Problem) -> int:
     sizes of speech features), C rounded up to one: W_ih is packed [G*H, C'] with zeros past
     C, and x copied so before the product (each call; memory T*N*C'). Unaligned, the product
     fell to cuda.matmul (dlight's generic rule), forward and dx. One layer, gates combined."""
-    per_copy = COPY_BYTES // (4 if problem.dtype == "float32" else 2)
+    per_copy = COPY_BYTES * 8 // tvm.DataType(problem.dtype).bits
     c = problem.input_size
     if (target.kind.name != "cuda" or not options.input_gemm or not options.gate_gemm
             or problem.layers > 1 or c % per_copy == 0):

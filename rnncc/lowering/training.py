@@ -267,10 +267,10 @@ class _Backward:
         # MMA, its first C columns copied out (else the CUDA cores' cuda.weight_grad: H200,
         # float16 LSTM 161 -> 1024, T*N = 6400, 400 us)
         tiles = schedules.cuda_mma_gemm.TILE
-        padded = -(-c // tiles) * tiles
         dw_ih = io.dw["ih"]
         if (self.dg != self.acc and schedules.has_wgmma(b.target) and not given
                 and gh % tiles == 0 and c % tiles and c >= WEIGHT_GRAD_PADDED_MIN_C):
+            padded = -(-c // tiles) * tiles
             x_padded = b.param(sig, "x_padded", (io.t_len, n, padded), "workspace")
             dw_ih = b.param(sig, "dweight_ih_padded", (gh, padded), "workspace")
             workspaces += [x_padded, dw_ih]
@@ -287,10 +287,6 @@ class _Backward:
                     m, gh, k, p.dtype, inputs.dtype, grads.dtype, n if given else None),
                 [Region(grads, (ALL, ALL)), Region(inputs, (slice(0, rows), ALL)), *given,
                  Region(out, (ALL, ALL))]))
-            if not out.same_as(io.dw[which]):
-                stages.append(self.elementwise("dweight_ih_copy", comp.copy(
-                    1, gh, c, p.dtype, p.dtype), [Region(out, (ALL, slice(0, c))),
-                                                  Region(io.dw[which], (ALL, ALL))]))
             if which == "hh" and io.summed:  # dGH is dGI: db_hh is db_ih, copied (a column
                 # sum over the T*N rows: H200, bfloat16 LSTM 1024 N64, 26 us)
                 stages.append(self.elementwise("bias_grad_hh", comp.cast(gh, p.dtype, p.dtype),
@@ -301,6 +297,10 @@ class _Backward:
                                          comp.column_sum(m, gh, p.dtype, grads.dtype),
                                          [Region(grads, (ALL, ALL)),
                                           Region(io.db[which], (ALL,))]))
+        if not dw_ih.same_as(io.dw["ih"]):  # its first C columns
+            stages.append(self.elementwise("dweight_ih_copy", comp.copy(1, gh, c, p.dtype,
+                                                                        p.dtype), [
+                Region(dw_ih, (ALL, slice(0, c))), Region(io.dw["ih"], (ALL, ALL))]))
         h_ = p.hidden_size
         for gate, grads, args in io.products:
             # the gate's rows of dW_hh and db_hh (zero from dGH: the step does not use its gh)
