@@ -38,6 +38,7 @@ from . import (
 from . import cuda_wgmma_step as cuda_wgmma_step  # the lowering's: one step as one kernel
 from ._common import has_mma as has_mma  # the lowering's: whether tensor cores take products
 from ._common import has_wgmma as has_wgmma  # and whether they take 16-bit operands MN-major
+from ._common import slice_depth as slice_depth  # the lowering's: one step's slices of K
 from ._mma import TF32 as TF32  # the lowering's: which products may run in TF32
 from ._mma import TF32_ATTR as TF32_ATTR
 from ._mma import TF32_ROUNDED_ATTR as TF32_ROUNDED_ATTR

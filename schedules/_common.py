@@ -17,6 +17,22 @@ LAUNCH_BOUNDS = "tirx.launch_bounds_min_blocks_per_sm"
 COMPACT_ATTR = "rnncc.compact_params"
 
 
+#: Values a slice of K of one step's product is a multiple of where S slices do not make K in
+#: equal slices of whole 16 values (:func:`slice_depth`): the chunks of the tensor-core rules
+#: (64 halves, 32 TF32 values) divide it.
+SLICE_ALIGN = 64
+
+
+def slice_depth(depth: int, parts: int) -> int:
+    """K a slice of one step's product of K ``depth`` in S = ``parts`` slices (rnncc's
+    gemm_parts component, and the rules that compute it): K / S where that is whole 16 values
+    (every slice alike), else K / S rounded up to whole :data:`SLICE_ALIGN` values, the last
+    slice ending at K (a rule that slices so keeps it from being empty)."""
+    if depth % (parts * 16) == 0:
+        return depth // parts
+    return -(-depth // (parts * SLICE_ALIGN)) * SLICE_ALIGN
+
+
 def buffer_parameters(specs: dict) -> list:
     """Inside a ``@T.prim_func`` being built: its buffer parameters, in the order of ``specs``
     (name: (shape, dtype)), each from a handle ``<name>_h`` and named ``name``."""

@@ -130,8 +130,8 @@ def fits(outputs: int, depth: int, op: _mma.Operand) -> bool:
 
 
 def fits_with_tails(outputs: int, depth: int, op: _mma.Operand) -> bool:
-    """Whether a projection of all steps that does not :func:`fits` can be computed in whole
-    tiles past its edges (:mod:`.cuda_wgmma_gemm`'s kernels, both operands K-major: zeros
+    """Whether a product that does not :func:`fits` can be computed in whole tiles past its
+    edges (:mod:`.cuda_wgmma_gemm`'s kernels, both operands K-major: zeros
     copied past K, columns past O computed and not stored): O even (a thread stores pairs
     of columns) and each row of K a whole count of 16-byte copies."""
     return outputs % 2 == 0 and depth % (16 // (4 if op.tf32 else 2)) == 0
@@ -156,10 +156,16 @@ class Product:
     rounded: str = ""
 
     @property
+    def k_total(self) -> int:
+        """K of a projection or of all its slices (A's last size)."""
+        return self.specs[0][1][-1]
+
+    @property
     def tails(self) -> bool:
-        """Whether O or K is past whole tiles and chunks (:func:`fits_with_tails`)."""
-        return self.form != "gradient" and not fits(self.columns, self.depth * self.parts,
-                                                    self.op)
+        """Whether O or K is past whole tiles and chunks (:func:`fits_with_tails`), or its
+        slices are not K / S each (:func:`.slice_depth`: the last one shorter)."""
+        return self.form != "gradient" and (not fits(self.columns, self.k_total, self.op)
+                                            or self.depth * self.parts != self.k_total)
 
     def rounds(self, operand: int) -> bool:
         """Whether operand 0 (A) or 1 (B) is rounded to the operands' TF32 here (not split
@@ -238,7 +244,9 @@ def slices(product: Product) -> int:
     """The slices of K of one step's ``product``: the fewest that give TARGET_BLOCKS blocks
     (a power of two up to MAX_PARTS, STEP_TILE_PARTS in 64-row tiles, each whole chunks and
     at least MIN_SLICE deep), else the most allowed; 1 where those give under a quarter of
-    TARGET_BLOCKS."""
+    TARGET_BLOCKS, or where it is past whole tiles and chunks (:attr:`Product.tails`)."""
+    if product.tails:
+        return 1
     tiles = _tiles(product)
     bk = chunk_k(product.op)
     depth = product.depth * product.parts
@@ -251,9 +259,10 @@ def slices(product: Product) -> int:
 
 def product_of(func, target) -> Product | None:
     """The product :func:`sizes` describes, whatever its grid (:func:`kernel` computes it
-    at any size; the grid's conditions choose where it is worth it); also a projection of all
-    steps with weights as rows past whole tiles (:func:`fits_with_tails`), which only
-    :mod:`.cuda_wgmma_gemm` takes."""
+    at any size; the grid's conditions choose where it is worth it); also a product with
+    weights as rows past whole tiles and chunks (:func:`fits_with_tails`: of all steps, or one
+    step's whole or in slices of :func:`.slice_depth`), which only :mod:`.cuda_wgmma_gemm`
+    takes."""
     if not has_mma(target):
         return None
     specs = tuple((str(p.name), tuple(static(d) for d in p.shape), str(p.dtype))
@@ -282,11 +291,10 @@ def product_of(func, target) -> Product | None:
         if op is _mma.TF32 and None not in a_shape and cuda_small_batch_gemv.takes_tf32(
                 a_shape[0], depth * count, outputs):
             return None
-        if not fits(outputs, depth * count, op) or depth % chunk_k(op):
-            all_steps = sliced is None and None in a_shape
-            if not (all_steps and rows and not op.split
-                    and fits_with_tails(outputs, depth, op)):
-                return None
+        k_total = a_shape[-1]
+        if not fits(outputs, k_total, op) or depth % chunk_k(op) or depth * count != k_total:
+            if not (rows and not op.split and fits_with_tails(outputs, k_total, op)):
+                return None  # past the edges: weights as rows only (cuda.wgmma_gemm's)
         form = "projection" if sliced is None else "slices"
         return Product(form, specs, (True, rows), outputs, depth, op, count, _mma.rounded(func))
     if block_named(sch, "weight_grad") is not None:

@@ -64,7 +64,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from . import _tma, cuda_mma_gemm, cuda_weight_grad
-from ._common import COMPACT_ATTR, has_wgmma
+from ._common import COMPACT_ATTR, has_wgmma, slice_depth
 from ._rule import Rule
 
 TILE = cuda_mma_gemm.TILE  # columns of C a block, and rows of a tile of many rows
@@ -169,27 +169,44 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
 def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
     """(S slices of K, columns a tile) of one step's ``product`` (any slices it is given) as
     :data:`ONE_WAVE` says (128 columns first where the TMA engine can copy 16-bit operands);
+    past whole tiles and chunks (:attr:`.cuda_mma_gemm.Product.tails`: no other rule's
+    slices take it), where none gives one wave, the choice of the most blocks within one;
     None where no choice gives one wave, or it is not one step's product, or one of split
     float32 in N <= 64 rows."""
     if product.rows is None or (product.tile_rows < TILE and product.op.split):
         return None
-    depth, bk = product.depth * product.parts, Plan.chunk(product.op)
+    depth, bk = product.k_total, Plan.chunk(product.op)
     row_tiles = -(-product.rows // product.tile_rows)
-    counts = [s for s in range(1, cuda_mma_gemm.MAX_PARTS + 1) if s & (s - 1) == 0
-              and depth % (s * bk) == 0 and (s == 1 or depth // s >= cuda_mma_gemm.MIN_SLICE)]
+    counts = [s for s in range(1, cuda_mma_gemm.MAX_PARTS + 1)
+              if s & (s - 1) == 0 and _slices_fit(depth, s, bk, product.tails)]
     if product.op.split:
         widths = ((TILE, 0),)
     elif _tma_operands(product) and not product.op.tf32:
         widths = ((TILE, 0), (WIDE, 0))
     else:
         widths = ((WIDE, WIDE_DEPTH if product.copied else 0), (TILE, 0))
+    most = None  # past whole tiles: (blocks, S, width) of the most blocks within one wave
     for cols, deep in widths:
         for s in counts:
-            blocks = row_tiles * product.columns // cols * s
-            if product.columns % cols == 0 and depth // s >= deep and (
-                    ONE_WAVE[0] <= blocks <= ONE_WAVE[1]):
+            blocks = row_tiles * -(-product.columns // cols) * s
+            if not (product.tails or product.columns % cols == 0) or depth // s < deep:
+                continue
+            if ONE_WAVE[0] <= blocks <= ONE_WAVE[1]:
                 return s, cols
-    return None
+            if product.tails and blocks <= ONE_WAVE[1] and (most is None or blocks > most[0]):
+                most = (blocks, s, cols)
+    return most[1:] if most else None
+
+
+def _slices_fit(depth: int, s: int, bk: int, tails: bool) -> bool:
+    """Whether K ``depth`` goes in S = ``s`` slices (:func:`.slice_depth`) of whole chunks of
+    ``bk``, each at least MIN_SLICE deep where S > 1: K / S each, or past whole chunks and
+    tiles (``tails``) the last one shorter but not empty."""
+    deep = slice_depth(depth, s)
+    if not tails and deep * s != depth:
+        return False
+    return deep % bk == 0 and (s - 1) * deep < depth and (
+        s == 1 or deep >= cuda_mma_gemm.MIN_SLICE)
 
 
 def parts(func, target) -> int:
@@ -200,7 +217,7 @@ def parts(func, target) -> int:
     if found is None or found.rows is None:
         return 1
     chosen = one_step(found) if has_wgmma(target) and found.pipelined else None
-    return chosen[0] if chosen else cuda_mma_gemm.slices(found)
+    return chosen[0] if chosen else cuda_mma_gemm.slices(found)  # (1 past whole tiles)
 
 
 def _tma_operands(product: cuda_mma_gemm.Product) -> bool:
@@ -329,7 +346,7 @@ class Plan:
         self.tail = product.tails
         #: the k from which the operands read zero (a gradient's M, a product's K past whole
         #: chunks), else None
-        self.k_end = self.tile.m if self.gradient else product.depth if self.tail else None
+        self.k_end = self.tile.m if self.gradient else product.k_total if self.tail else None
         self.j_tiles = -(-product.columns // cols)
         self.tiles = self.grid = product.parts * self.tile.i_tiles * self.j_tiles
         self.rounds = 1  # tiles a block takes, at most
@@ -399,7 +416,7 @@ class Plan:
         if self.gradient:  # g [M, O], a [M, K]
             return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
         if self.tail:
-            depth, last = self.product.depth, self.product.columns - 1
+            depth, last = self.product.k_total, self.product.columns - 1
             k = tirx.min(k, depth - self.per + k % self.per)
             i = i if op == 0 else tirx.min(i, last)
         return self.tile.source(io, op, i, k)
@@ -721,7 +738,7 @@ def _tma_kernel(p: Plan, step=None):
     """The kernel whose operands the TMA engine copies (:mod:`._tma`): the producer thread
     copies, the warpgroups wait for each chunk, multiply and give its stage back."""
     product, dtype = p.product, p.product.op.dtype
-    depth = product.depth * product.parts
+    depth = product.k_total
     parameters, epilogue, initial = _hooks(p, step)
 
     @T.prim_func(s_tir=True)

@@ -560,6 +560,26 @@ def test_input_sizes_off_whole_copies_match_reference(cell, input_size, hidden, 
         assert err < bound, f"T={steps}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
+    ("lstm", 96, 1000, 128, "float16", {}),
+    ("gru", 64, 600, 79, "bfloat16", {"lengths": True}),
+    ("lstm", 64, 1000, 64, "float32", {"allow_tf32": True}),
+    ("rnn_tanh", 32, 952, 79, "float16", {"directions": 2})])
+def test_one_step_products_past_whole_tiles_match_reference(cell, input_size, hidden, batch,
+                                                            dtype, options, rng):
+    """Not persistent, 16-bit or TF32, a kernel each: each step's product whose K or O is off
+    whole chunks and tiles (H 1000, 600, 952) on warpgroup MMA, in slices of K whose last is
+    shorter, within the dtype's bound of float64; T 1 and 37, lengths, both directions."""
+    module = rnncc.compile(cell, input_size, hidden, batch, dtype=dtype, target="cuda",
+                           tuning="off", persistent="off", fused_step=False, **options)
+    assert step_product_rule(module.metadata["schedule"]["rules"]) == "cuda.wgmma_gemm"
+    bound = TOL_TF32 if options.get("allow_tf32") else TOL[dtype]
+    for steps, initial in ((1, True), (37, False)):
+        err = check_against_reference(module, rng, steps, initial,
+                                      lengths=options.get("lengths", False))
+        assert err < bound, f"T={steps}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
     ("rnn_tanh", 64, 1008, 178), ("gru", 80, 720, 48)])
 def test_one_step_sgemm_in_uneven_slices_matches_reference(cell, input_size, hidden, batch,

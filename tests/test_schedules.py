@@ -194,6 +194,51 @@ def test_products_of_all_steps_past_whole_tiles_match_the_cpu_build_on_the_simul
         assert rule == lowered.rules["input_gemm"] == "cuda.wgmma_gemm"
 
 
+@pytest.mark.parametrize("feed", ["copy", pytest.param("tma", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("rows, k, o, parts", [(70, 200, 150, 2), (45, 136, 136, 1),
+                                               (135, 72, 130, 1), (64, 264, 300, 4)])
+def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
+        rows, k, o, parts, dtype, feed, monkeypatch, rng):
+    """One step's product whose K or O is not whole chunks and tiles, whole or in slices of K
+    (:func:`rnncc.schedules.slice_depth`: whole chunks but the last, which ends at K: 200 in
+    128 and 72, 264 in 3 of 64 and 72), on warpgroup MMA, fed by copies or by the TMA
+    engine: zeros past K, B's last row past O, nothing stored past O or N; the slices'
+    sum against NumPy's product of the same rounded operands."""
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    monkeypatch.setattr(cuda_wgmma_gemm, "TMA_CHUNKS", 1 if feed == "tma" else 10**6)
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+    func = (comp.gemm((rows,), k, o, "rows", dtype, dtype) if parts == 1
+            else comp.gemm_parts(rows, k, o, parts, "rows", dtype, dtype))
+    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+    product = cuda_mma_gemm.product_of(func, CUDA)
+    assert product is not None and product.tails and product.parts == parts
+    h = rng.standard_normal((rows, k)).astype(dtype)
+    w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+    args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
+            else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
+    kernel = cuda_wgmma_gemm.kernel(product)
+    assert cuda_wgmma_gemm.Plan(product, cuda_wgmma_gemm.columns(product)).tma == (
+        feed == "tma" and product.tile_rows == 128)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = args[-1].astype(np.float64)
+    got = got.sum(0) if parts > 1 else got
+    as_read = (lambda x: truncate_tf32(x).astype(np.float64)) if tf32 else (
+        lambda x: x.astype(np.float64))
+    want = as_read(h) @ as_read(w).T + (b.astype(np.float64) if parts == 1 else 0)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+    if parts > 1 and dtype == "float32":  # the component itself, built for this CPU
+        cpu = [tvm.runtime.tensor(x) for x in (h, w, np.full((parts, rows, o), np.nan,
+                                                             np.float32))]
+        tvm.compile(func.without_attr(_mma.TF32_ATTR), target="llvm")(*cpu)
+        exact = h.astype(np.float64) @ w.astype(np.float64).T
+        got = cpu[-1].numpy().astype(np.float64).sum(0)
+        assert np.abs(got - exact).max() / np.abs(exact).max() < TOL_F32
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_dx_of_an_input_size_off_whole_tiles_matches_the_cpu_build_on_the_simulator(dtype, rng):
     """A 16-bit training layer whose C is off whole tiles (GRU 13 -> 24, C padded to 16; 40
@@ -2371,7 +2416,8 @@ def test_one_step_kernel_fed_by_the_tma_engine_on_the_simulator(cell, dtype, n, 
 def test_one_step_kernel_where_it_is_faster():
     """The layer's step is one kernel (no sums workspace hp) where the warpgroup MMA takes
     its product and a thread's epilogue is short (16-bit operands, at most 16 sums a thread,
-    tiles at least 24 columns wide, more than one gate): float16 LSTM 1024 N128, bfloat16 GRU
+    tiles at least 24 columns wide, more than one gate, K whole chunks): float16 LSTM 1024
+    N128, bfloat16 GRU
     512 -> 1024 N100 bidirectional with lengths; not LSTM 2048 N256 (64 sums a thread), TF32,
     an RNN (one gate), a cell with means, IEEE float32, Ampere, nor with fused_step off."""
     def step(cell, c, h, n, dtype, target=CUDA, options=None, **given):
@@ -2383,6 +2429,7 @@ def test_one_step_kernel_where_it_is_faster():
 
     fused = "cuda.wgmma_step"
     assert step("lstm", 1024, 1024, 128, "float16") == fused
+    assert step("lstm", 1000, 1000, 128, "float16") is None  # K past whole chunks
     assert step("gru", 512, 1024, 100, "bfloat16", directions=2, lengths=True) == fused
     assert step("lstm", 1024, 1024, 128, "float16", options={"fused_step": False}) is None
     assert step("lstm", 2048, 2048, 256, "float16") is None

@@ -25,6 +25,7 @@ from tvm import te, tirx
 from ..cells import Cell, ops
 from ..dtypes import accum_dtype, round_tf32
 from ..errors import CellError
+from ..schedules import slice_depth
 from .staged import Staged
 
 #: A whole dimension in an index (see :class:`rnncc.lowering.assemble.Region`).
@@ -133,25 +134,30 @@ def gemm(lead: tuple, k: int, o: int, weights: str, dtype: str,
 def gemm_parts(batch: int, k: int, o: int, parts: int, weights: str, dtype: str,
                a_dtype: str | None = None) -> tirx.PrimFunc:
     """One step's product in S = ``parts`` slices of K, unsummed and without the bias:
-    ``out[s, n, j] = sum over k of slice s (K/S deep) of a[n, k] * w[j, k]``, ``a`` [N, K],
-    ``w`` as :func:`gemm`'s, ``out`` [S, N, O] in the accumulation dtype. Its reader adds the
-    slices (in order) and the bias (:func:`parts_sum`), which saves the product's own sum
-    kernel. Block "gemm_parts"."""
+    ``out[s, n, j] = sum over k of slice s of a[n, k] * w[j, k]``, ``a`` [N, K], ``w`` as
+    :func:`gemm`'s, ``out`` [S, N, O] in the accumulation dtype; slice s is k from s * D on,
+    D deep (:func:`rnncc.schedules.slice_depth`: K/S, or the last slice shorter, ending at K).
+    Its reader adds the slices (in order) and the bias (:func:`parts_sum`), which saves the
+    product's own sum kernel. Block "gemm_parts"."""
     acc = accum_dtype(dtype)
     a = te.placeholder((i64(batch), i64(k)), a_dtype or dtype, "a")
     w_shape = (i64(o), i64(k)) if weights == "rows" else (i64(k), i64(o))
     w = te.placeholder(w_shape, dtype, "w")
-    depth = k // parts
+    depth = slice_depth(k, parts)
     r = te.reduce_axis((i64(0), i64(depth)), "k")
 
     def weight(j, kk):
         return w[j, kk] if weights == "rows" else w[kk, j]
 
-    out = te.compute(
-        (i64(parts), i64(batch), i64(o)),
-        lambda s, n, j: te.sum(_cast(a[n, s * depth + r], acc) * _cast(weight(j, s * depth + r),
-                                                                       acc), axis=r),
-        name="gemm_parts")
+    def total(s, n, j):
+        at = s * depth + r
+        if depth * parts == k:
+            return te.sum(_cast(a[n, at], acc) * _cast(weight(j, at), acc), axis=r)
+        inside = tirx.min(at, i64(k - 1))  # (TVM 0.27 drops a reduction's ``where``)
+        value = _cast(a[n, inside], acc) * _cast(weight(j, inside), acc)
+        return te.sum(tirx.Select(at < k, value, tirx.const(0, acc)), axis=r)
+
+    out = te.compute((i64(parts), i64(batch), i64(o)), total, name="gemm_parts")
     return te.create_prim_func([a, w, out])
 
 
