@@ -133,8 +133,9 @@ def fits_with_tails(outputs: int, depth: int, op: _mma.Operand) -> bool:
     """Whether a product that does not :func:`fits` can be computed in whole tiles past its
     edges (:mod:`.cuda_wgmma_gemm`'s kernels, both operands K-major: zeros
     copied past K, columns past O computed and not stored): O even (a thread stores pairs
-    of columns) and each row of K a whole count of 16-byte copies."""
-    return outputs % 2 == 0 and depth % (16 // (4 if op.tf32 else 2)) == 0
+    of columns) and each row of K a whole count of 16-byte copies (of 8-byte ones in 16 bits:
+    H 1500)."""
+    return outputs % 2 == 0 and depth % 4 == 0
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,16 @@ an empty mbarrier a stage, the warpgroups waiting only for the data; one step's 
 run as a cluster of two blocks that multicast the weights' tile. H200, float16 LSTM 2048 N256,
 us a step: 46.3 -> 42.4 (cuDNN 37.9); N96 26.5 -> 21.1; TF32 LSTM 2048 N256 70.7 -> 64.5.
 
-A projection of all steps (weights as rows) whose O or K is not whole tiles and chunks is
-taken too where O is even and a row of K whole 16-byte copies (:attr:`Plan.tail`): the grid
-covers them, copies past K are zeros and columns past O are not stored. H200 layers, us a
-step: bfloat16 GRU 800 N128 39.0 -> 20.0, float16 LSTM 1000 N64 10.5 -> 6.8, TF32 LSTM 1500
-N32 44.2 -> 33.3 (the input projection was dlight's generic kernel).
+A projection (weights as rows) whose O or K is not whole tiles and chunks is taken too where
+O is even and a row of K whole 16-byte copies, or 8-byte ones in 16 bits (:attr:`Plan.tail`,
+:attr:`Plan.narrow`): the grid covers them, copies past K are zeros and columns past O are
+not stored; of all steps, and one step's in slices of whole chunks but the last
+(:func:`.slice_depth`). H200 layers, us a step: bfloat16 GRU 800 N128 39.0 -> 20.0, float16
+LSTM 1000 N64 10.5 -> 6.8, TF32 LSTM 1500 N32 44.2 -> 33.3 (the input projection was dlight's
+generic kernel); one step's: float16 LSTM 1000 N128 66.3 -> 13.9, LSTM 2000 N64 147.3 -> 16.2,
+TF32 LSTM 1000 N128 40.0 -> 15.1 (cuda.tiled_gemm's, cuda.matmul's or cuda.sgemm's before).
+Rows of K off 128 bytes cost the kernel: one step's float16 79 x 952 x 3808 in 4 slices 8.4
+us, 79 x 1024 x 4096 7.2 (79 x 760 x 3040 7.7, 79 x 768 x 3072 6.2).
 
 The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 """
@@ -222,11 +227,12 @@ def parts(func, target) -> int:
 
 def _tma_operands(product: cuda_mma_gemm.Product) -> bool:
     """Whether ``product``'s operands are ones the TMA engine can copy (:mod:`._tma`): both
-    K-major and stored in the operands' type (16-bit, or TF32 read as stored), in tiles of
-    128 rows; not split float32 (its parts are made in shared memory) nor a gradient."""
+    K-major and stored in the operands' type (16-bit, or TF32 read as stored), rows of K whole
+    16 bytes (the tensor map's stride), in tiles of 128 rows; not split float32 (its parts are
+    made in shared memory) nor a gradient."""
     return (product.form != "gradient" and product.pipelined and not product.op.split
             and product.copied and product.specs[1][2] == product.op.dtype
-            and product.tile_rows == TILE)
+            and product.tile_rows == TILE and product.k_total * _bytes(product.op) % 16 == 0)
 
 
 def tma_fed(product: cuda_mma_gemm.Product) -> bool:
@@ -344,6 +350,9 @@ class Plan:
         #: past K zero-filled (by the TMA engine past its tensor maps), B's rows past O read
         #: its last, columns past O not stored
         self.tail = product.tails
+        #: rows of K whole 8-byte copies only (16-bit, K = 4 mod 8): each piece copied in
+        #: two halves (``cp.async.ca`` of 8 bytes), never by the TMA engine
+        self.narrow = self.tail and product.k_total * self.esize % 16 != 0
         #: the k from which the operands read zero (a gradient's M, a product's K past whole
         #: chunks), else None
         self.k_end = self.tile.m if self.gradient else product.k_total if self.tail else None
@@ -417,7 +426,8 @@ class Plan:
             return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
         if self.tail:
             depth, last = self.product.k_total, self.product.columns - 1
-            k = tirx.min(k, depth - self.per + k % self.per)
+            per = self.per // 2 if self.narrow else self.per  # elements a copy
+            k = tirx.min(k, depth - per + k % per)
             i = i if op == 0 else tirx.min(i, last)
         return self.tile.source(io, op, i, k)
 
@@ -477,7 +487,14 @@ def _copy(p, io, op, smem, stage, k0, t, tx):
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
         i, k = T.meta_var(p.at(op, row, piece, t, k0))
-        if p.k_end is not None:
+        if p.narrow:  # two copies of 8 bytes (zeros past K)
+            for h in T.unroll(2):
+                T.ptx.cp.async_.ca.shared.global_(
+                    T.address_of(smem[p.slot(op, stage, row, piece) + h * (p.per // 2)]),
+                    T.address_of(p.source(io, op, i, k + h * (p.per // 2))), 8,
+                    T.Cast("uint32", T.if_then_else(
+                        T.Cast("int64", k + h * (p.per // 2)) < p.k_end, 8, 0)))
+        elif p.k_end is not None:
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),
                 T.address_of(p.source(io, op, i, k)), 16,

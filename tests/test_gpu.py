@@ -564,12 +564,13 @@ def test_input_sizes_off_whole_copies_match_reference(cell, input_size, hidden, 
     ("lstm", 96, 1000, 128, "float16", {}),
     ("gru", 64, 600, 79, "bfloat16", {"lengths": True}),
     ("lstm", 64, 1000, 64, "float32", {"allow_tf32": True}),
-    ("rnn_tanh", 32, 952, 79, "float16", {"directions": 2})])
+    ("rnn_tanh", 32, 952, 79, "float16", {"directions": 2}),
+    ("gru", 64, 300, 96, "bfloat16", {})])  # rows of h 600 bytes: copies of 8
 def test_one_step_products_past_whole_tiles_match_reference(cell, input_size, hidden, batch,
                                                             dtype, options, rng):
     """Not persistent, 16-bit or TF32, a kernel each: each step's product whose K or O is off
-    whole chunks and tiles (H 1000, 600, 952) on warpgroup MMA, in slices of K whose last is
-    shorter, within the dtype's bound of float64; T 1 and 37, lengths, both directions."""
+    whole chunks and tiles (H 1000, 600, 952, 300) on warpgroup MMA, in slices of K whose last
+    is shorter, within the dtype's bound of float64; T 1 and 37, lengths, both directions."""
     module = rnncc.compile(cell, input_size, hidden, batch, dtype=dtype, target="cuda",
                            tuning="off", persistent="off", fused_step=False, **options)
     assert step_product_rule(module.metadata["schedule"]["rules"]) == "cuda.wgmma_gemm"

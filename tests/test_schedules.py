@@ -197,13 +197,15 @@ def test_products_of_all_steps_past_whole_tiles_match_the_cpu_build_on_the_simul
 @pytest.mark.parametrize("feed", ["copy", pytest.param("tma", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("rows, k, o, parts", [(70, 200, 150, 2), (45, 136, 136, 1),
-                                               (135, 72, 130, 1), (64, 264, 300, 4)])
+                                               (135, 72, 130, 1), (64, 264, 300, 4),
+                                               (70, 204, 150, 2), (45, 100, 136, 1)])
 def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
         rows, k, o, parts, dtype, feed, monkeypatch, rng):
     """One step's product whose K or O is not whole chunks and tiles, whole or in slices of K
     (:func:`rnncc.schedules.slice_depth`: whole chunks but the last, which ends at K: 200 in
     128 and 72, 264 in 3 of 64 and 72), on warpgroup MMA, fed by copies or by the TMA
-    engine: zeros past K, B's last row past O, nothing stored past O or N; the slices'
+    engine (rows of K off 16 bytes, halves of K 204 and 100: copies of 8 bytes, never the
+    TMA engine): zeros past K, B's last row past O, nothing stored past O or N; the slices'
     sum against NumPy's product of the same rounded operands."""
     from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
@@ -221,8 +223,9 @@ def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
     args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
             else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
     kernel = cuda_wgmma_gemm.kernel(product)
-    assert cuda_wgmma_gemm.Plan(product, cuda_wgmma_gemm.columns(product)).tma == (
-        feed == "tma" and product.tile_rows == 128)
+    plan = cuda_wgmma_gemm.Plan(product, cuda_wgmma_gemm.columns(product))
+    assert plan.narrow == (k * np.dtype(dtype).itemsize % 16 != 0)
+    assert plan.tma == (feed == "tma" and product.tile_rows == 128 and not plan.narrow)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
     got = got.sum(0) if parts > 1 else got
@@ -1698,7 +1701,7 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     (halves, TF32) and each step's slices of K (but split float32's at batch 64 and less, and
     all of them on sm_80: cuda.mma_gemm's); w [K, O] in 16 bits is read MN-major (TF32
     is not); K off its 128-byte chunks goes to the next rule, but in a projection of all steps
-    whose weights are rows (tails: K a whole count of 16-byte copies, O even), and so do IEEE
+    whose weights are rows (tails: K a whole count of 8-byte copies, O even), and so do IEEE
     float32 products unless split in three TF32 products (tf32x3, on by default)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
 
@@ -1721,9 +1724,11 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
                                            "float16"), CUDA) is not None
     assert cuda_wgmma_gemm.apply(comp.gemm((t_len, 64), 1056, 4104, "rows", "float16",
                                            "float16"), CUDA) is not None
+    assert cuda_wgmma_gemm.apply(comp.gemm((t_len, 64), 1060, 4096, "rows", "float16",
+                                           "float16"), CUDA) is not None  # copies of 8 bytes
     for func in (comp.gemm((t_len, 64), 1024, 4096, "cols", "float32", "float32").with_attr(
             _mma.TF32_ATTR, True),
-                 comp.gemm((t_len, 64), 1060, 4096, "rows", "float16", "float16"),
+                 comp.gemm((t_len, 64), 1058, 4096, "rows", "float16", "float16"),
                  comp.gemm((t_len, 64), 1056, 4099, "rows", "float16", "float16"),
                  comp.gemm((t_len, 64), 1056, 4096, "cols", "float16", "float16"),
                  comp.gemm((64,), 1056, 4096, "rows", "float16", "float16")):

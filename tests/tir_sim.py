@@ -528,8 +528,8 @@ class Simulator:
         raise NotImplementedError(f"device function {name}")
 
     def _ptx_copy(self, args, mask):
-        """``cp.async`` of 16 bytes (done at once; its source aligned to them, as the hardware
-        requires); its groups' commits and waits do nothing."""
+        """``cp.async`` of 16 or 8 bytes (done at once; its source aligned to them, as the
+        hardware requires); its groups' commits and waits do nothing."""
         if any(type(a).__name__ == "StringImm" and a.value in ("commit_group", "wait_group")
                for a in args):
             return None
@@ -546,7 +546,7 @@ class Simulator:
         for v in range(count):
             value = self._load(src.buffer, flat + v)
             if given is not None:
-                value = np.where(given > v * (16 // count), value, 0)
+                value = np.where(given > v * itemsize, value, 0)
             self._write(dst.buffer, np.asarray(dst.flat) + v, value, mask)
         return None
 
