@@ -157,6 +157,15 @@ class Product:
     rounded: str = ""
 
     @property
+    def edges(self) -> bool:
+        """Whether a gradient's dW [O, K] is not whole tiles (:mod:`.cuda_wgmma_gemm`'s
+        kernels compute past them and do not store there)."""
+        if self.form != "gradient":
+            return False
+        outputs, depth = self.specs[2][1]
+        return bool(outputs % TILE or depth % TILE)
+
+    @property
     def k_total(self) -> int:
         """K of a projection or of all its slices (A's last size)."""
         return self.specs[0][1][-1]
@@ -214,7 +223,7 @@ def takes(found: Product) -> bool:
     steps, a gradient of at least :data:`HALF_GRADIENT_MIN_TILES` tiles; one step's whole
     where its tiles give TARGET_BLOCKS, in slices where they are :func:`slices`' count (not
     another rule's)."""
-    if found.tails:  # cuda.wgmma_gemm's kernels compute past the edges; this one does not
+    if found.tails or found.edges:  # cuda.wgmma_gemm's kernels compute past the edges
         return False
     if found.form == "gradient":  # few tiles: cuda.weight_grad splits M to fill the GPU
         dw_shape = found.specs[2][1]
@@ -308,8 +317,9 @@ def product_of(func, target) -> Product | None:
         if op is None or g_dtype not in ("float32", dw_dtype) or a_dtype not in (
                 "float32", dw_dtype):
             return None
-        if dw_shape[0] % TILE or dw_shape[1] % TILE:
-            return None
+        if dw_shape[0] % 8 or dw_shape[1] % 8 or (
+                op.split and (dw_shape[0] % TILE or dw_shape[1] % TILE)):
+            return None  # 16-bit past whole tiles: cuda.wgmma_gemm's (16-byte pieces)
         if op.split and (dw_shape[0] // TILE) * (dw_shape[1] // TILE) < SPLIT_GRADIENT_TILES:
             return None  # cuda.weight_grad splits M to fill the GPU
         return Product("gradient", specs, (False, False), dw_shape[1], 0, op)
@@ -345,7 +355,7 @@ class Tile:
         self.batch = None
         if product.form == "gradient":
             self.runtime = self.m = self.rows
-            self.i_tiles = product.specs[2][1][0] // TILE
+            self.i_tiles = -(-product.specs[2][1][0] // TILE)
             self.chunk_pairs = (self.m + (2 * bk - 1)) // (2 * bk)
         else:
             a_shape = product.specs[0][1]

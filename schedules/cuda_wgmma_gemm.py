@@ -371,6 +371,14 @@ class Plan:
         #: scale-a, scale-b (and for halves: A's and B's transposition, 1 where MN-major)
         self.flags = (1, 1) if op.tf32 else (1, 1, *(int(outer) for outer in self.outer))
 
+    def gradient_inside(self, i, j):
+        """Whether a gradient's row i and columns j, j + 1 of dW are within it (True where it
+        is whole tiles)."""
+        if not self.product.edges:
+            return True
+        outputs, depth = self.product.specs[2][1]
+        return tirx.all(i < outputs, j < depth)
+
     def k_first(self, part):
         """The first k of slice ``part``: of K (one step's product in slices), or of M (a
         gradient's, :func:`gradient_splits`)."""
@@ -419,10 +427,13 @@ class Plan:
 
     def source(self, io, op: int, i, k):
         """Element (i, k) of operand ``op`` as it is stored; a gradient's k past M reads row
-        M - 1, a k past K the last piece of its row (16 bytes, as a copy of the piece
-        would), B's rows past O its last (:func:`_copy` zero-fills past M or K,
-        :meth:`value` reads zero there)."""
-        if self.gradient:  # g [M, O], a [M, K]
+        M - 1 (and its i past O or K its last piece), a k past K the last piece of its row
+        (16 bytes, as a copy of the piece would), B's rows past O its last (:func:`_copy`
+        zero-fills past M or K, :meth:`value` reads zero there)."""
+        if self.gradient:  # g [M, O], a [M, K]; past O or K (edges) their last piece
+            if self.product.edges:
+                extent = self.product.specs[2][1][op]
+                i = tirx.min(i, extent - self.per + i % self.per)
             return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
         if self.tail:
             depth, last = self.product.k_total, self.product.columns - 1
@@ -682,12 +693,14 @@ def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
         for h in T.unroll(2):
             i = T.meta_var(first + h * 8)
             j = T.meta_var(bj * p.cols + n * 8 + lane % 4 * 2)
-            if p.gradient and p.product.parts > 1:  # its slice of M's sums, as they are
-                for v in T.vectorized(2):
-                    io[3][part, i, j + v] = acc[n * 4 + h * 2 + v]
-            elif p.gradient:
-                for v in T.vectorized(2):
-                    io[2][i, j + v] = T.Cast(io[2].dtype, acc[n * 4 + h * 2 + v])
+            if p.gradient:
+                if p.gradient_inside(i, j):
+                    if p.product.parts > 1:  # its slice of M's sums, as they are
+                        for v in T.vectorized(2):
+                            io[3][part, i, j + v] = acc[n * 4 + h * 2 + v]
+                    else:
+                        for v in T.vectorized(2):
+                            io[2][i, j + v] = T.Cast(io[2].dtype, acc[n * 4 + h * 2 + v])
             elif i < p.tile.m and (not p.tail or j < p.product.columns):
                 for v in T.vectorized(2):
                     if p.product.form == "projection":
@@ -698,12 +711,12 @@ def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
 
 
 def gradient_splits(product: cuda_mma_gemm.Product, cols: int) -> int:
-    """S, the slices of M of a 16-bit weight gradient of whole tiles ``cols`` wide (1: not
-    split; nor is split float32, whose tiles are 128 blocks and more)."""
+    """S, the slices of M of a 16-bit weight gradient in tiles ``cols`` wide (1: not split;
+    nor is split float32, whose tiles are 128 blocks and more)."""
     if product.form != "gradient" or product.op.split or product.tails:
         return 1
     outputs, depth = product.specs[2][1]
-    tiles = outputs // TILE * -(-depth // cols)
+    tiles = -(-outputs // TILE) * -(-depth // cols)
     splits = 1
     while (splits * 2 <= GRADIENT_MAX_SPLITS and tiles * splits * 2 <= GRADIENT_BLOCKS
            and splits * 2 * outputs * depth * 4 <= GRADIENT_SLICE_BYTES):

@@ -1132,26 +1132,30 @@ def test_half_weight_gradients_of_few_tiles_split_m_on_the_cuda_cores(arch, tens
                                                                      few):
     """Before sm_90, a 16-bit weight gradient of under 8 tiles (a block a tile on tensor
     cores, M not split: float16 LSTM 128's 512 x 128, 4 tiles) goes to cuda.weight_grad,
-    which splits M over the GPU; from 8 tiles on, tensor cores. On sm_90 warpgroup MMA takes
-    them all, splitting M where the tiles are few."""
+    which splits M over the GPU; from 8 tiles on, tensor cores (but dW past whole tiles). On
+    sm_90 warpgroup MMA takes them all, splitting M where the tiles are few."""
     from rnncc.target import TargetSpec
 
     target = TargetSpec("cuda", arch=arch).tvm_target()
     m = tirx.Var("M", "int64")
     for (outputs, depth), rule in (((512, 128), few), ((384, 128), few),
-                                   ((1024, 128), tensor_cores), ((1024, 256), tensor_cores)):
+                                   ((1024, 128), tensor_cores), ((1024, 256), tensor_cores),
+                                   ((4000, 1000), few)):  # past whole tiles
         for dtype in ("float16", "bfloat16"):
             func = comp.weight_gradient(m, outputs, depth, dtype, dtype, dtype)
             assert schedules.schedule(func, target, "reduction").rule == rule
 
 
-@pytest.mark.parametrize("outputs, depth, rows, splits", [(512, 128, 300, 32),
-                                                        (256, 512, 1500, 16)])
+@pytest.mark.parametrize("outputs, depth, rows, splits", [
+    (512, 128, 300, 32), (256, 512, 1500, 16), (200, 72, 300, 32),
+    pytest.param(1000, 1096, 40, 1, marks=pytest.mark.slow)])
 def test_wgmma_gradient_of_few_tiles_splits_m_on_the_simulator(outputs, depth, rows, splits,
                                                                 rng):
     """A half weight gradient of few tiles on warpgroup MMA splits M in slices (each slice
     the same count of chunks, those past M zeros) into a float32 workspace that a second
-    kernel adds in order: against float64 of the rounded operands, dw poisoned; no spills."""
+    kernel adds in order; dW past whole tiles (200 x 72, 1000 x 1096: the pieces past O or K
+    read their last, nothing stored there), split or not: against float64 of the rounded
+    operands, dw poisoned; no spills."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
