@@ -258,7 +258,7 @@ def columns(product: cuda_mma_gemm.Product) -> int:
     if product.columns % WIDE:
         return TILE
     if product.form == "gradient":
-        tiles = product.specs[2][1][0] // TILE * (product.columns // WIDE)
+        tiles = -(-product.specs[2][1][0] // TILE) * (product.columns // WIDE)
         return WIDE if tiles >= ONE_WAVE[0] else TILE
     return WIDE if product.rows is None else TILE
 
