@@ -317,9 +317,9 @@ def product_of(func, target) -> Product | None:
         if op is None or g_dtype not in ("float32", dw_dtype) or a_dtype not in (
                 "float32", dw_dtype):
             return None
-        if dw_shape[0] % 8 or dw_shape[1] % 8 or (
+        if dw_shape[0] % 4 or dw_shape[1] % 4 or (
                 op.split and (dw_shape[0] % TILE or dw_shape[1] % TILE)):
-            return None  # 16-bit past whole tiles: cuda.wgmma_gemm's (16-byte pieces)
+            return None  # 16-bit past whole tiles: cuda.wgmma_gemm's (8-byte pieces at least)
         if op.split and (dw_shape[0] // TILE) * (dw_shape[1] // TILE) < SPLIT_GRADIENT_TILES:
             return None  # cuda.weight_grad splits M to fill the GPU
         return Product("gradient", specs, (False, False), dw_shape[1], 0, op)

@@ -353,9 +353,12 @@ class Plan:
         #: past K zero-filled (by the TMA engine past its tensor maps), B's rows past O read
         #: its last, columns past O not stored
         self.tail = product.tails
-        #: rows of K whole 8-byte copies only (16-bit, K = 4 mod 8): each piece copied in
-        #: two halves (``cp.async.ca`` of 8 bytes), never by the TMA engine
-        self.narrow = self.tail and product.k_total * self.esize % 16 != 0
+        #: by operand: rows whole 8-byte copies only (16-bit, K = 4 mod 8, or a gradient's O
+        #: or K so): each piece copied in two halves (``cp.async.ca`` of 8 bytes), never by
+        #: the TMA engine
+        extents = (product.specs[2][1] if self.gradient and product.edges
+                   else (product.k_total,) * 2 if self.tail else (0, 0))
+        self.narrow = tuple(e * self.esize % 16 != 0 for e in extents)
         #: the k from which the operands read zero (a gradient's M, a product's K past whole
         #: chunks), else None
         self.k_end = self.tile.m if self.gradient else product.k_total if self.tail else None
@@ -436,11 +439,12 @@ class Plan:
         if self.gradient:  # g [M, O], a [M, K]; past O or K (edges) their last piece
             if self.product.edges:
                 extent = self.product.specs[2][1][op]
-                i = tirx.min(i, extent - self.per + i % self.per)
+                per = self.per // 2 if self.narrow[op] else self.per  # elements a copy
+                i = tirx.min(i, extent - per + i % per)
             return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
         if self.tail:
             depth, last = self.product.k_total, self.product.columns - 1
-            per = self.per // 2 if self.narrow else self.per  # elements a copy
+            per = self.per // 2 if self.narrow[op] else self.per  # elements a copy
             k = tirx.min(k, depth - per + k % per)
             i = i if op == 0 else tirx.min(i, last)
         return self.tile.source(io, op, i, k)
@@ -501,13 +505,13 @@ def _copy(p, io, op, smem, stage, k0, t, tx):
     for p_ in T.unroll(p.pieces[op]):
         row, piece = T.meta_var(p.place(op, p_, tx))
         i, k = T.meta_var(p.at(op, row, piece, t, k0))
-        if p.narrow:  # two copies of 8 bytes (zeros past K)
+        if p.narrow[op]:  # two copies of 8 bytes (zeros past K, or a gradient's M)
             for h in T.unroll(2):
+                i_h, k_h = T.meta_var(p.at(op, row, piece, t, k0, h * (p.per // 2)))
                 T.ptx.cp.async_.ca.shared.global_(
                     T.address_of(smem[p.slot(op, stage, row, piece) + h * (p.per // 2)]),
-                    T.address_of(p.source(io, op, i, k + h * (p.per // 2))), 8,
-                    T.Cast("uint32", T.if_then_else(
-                        T.Cast("int64", k + h * (p.per // 2)) < p.k_end, 8, 0)))
+                    T.address_of(p.source(io, op, i_h, k_h)), 8,
+                    T.Cast("uint32", T.if_then_else(T.Cast("int64", k_h) < p.k_end, 8, 0)))
         elif p.k_end is not None:
             T.ptx.cp.async_.cg.shared.global_(
                 T.address_of(smem[p.slot(op, stage, row, piece)]),

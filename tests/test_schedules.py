@@ -224,8 +224,9 @@ def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
             else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
     kernel = cuda_wgmma_gemm.kernel(product)
     plan = cuda_wgmma_gemm.Plan(product, cuda_wgmma_gemm.columns(product))
-    assert plan.narrow == (k * np.dtype(dtype).itemsize % 16 != 0)
-    assert plan.tma == (feed == "tma" and product.tile_rows == 128 and not plan.narrow)
+    narrow = k * np.dtype(dtype).itemsize % 16 != 0
+    assert plan.narrow == (narrow, narrow)
+    assert plan.tma == (feed == "tma" and product.tile_rows == 128 and not narrow)
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = args[-1].astype(np.float64)
     got = got.sum(0) if parts > 1 else got
@@ -1140,22 +1141,22 @@ def test_half_weight_gradients_of_few_tiles_split_m_on_the_cuda_cores(arch, tens
     m = tirx.Var("M", "int64")
     for (outputs, depth), rule in (((512, 128), few), ((384, 128), few),
                                    ((1024, 128), tensor_cores), ((1024, 256), tensor_cores),
-                                   ((4000, 1000), few)):  # past whole tiles
+                                   ((4000, 1000), few), ((6000, 1500), few)):  # past tiles
         for dtype in ("float16", "bfloat16"):
             func = comp.weight_gradient(m, outputs, depth, dtype, dtype, dtype)
             assert schedules.schedule(func, target, "reduction").rule == rule
 
 
 @pytest.mark.parametrize("outputs, depth, rows, splits", [
-    (512, 128, 300, 32), (256, 512, 1500, 16), (200, 72, 300, 32),
+    (512, 128, 300, 32), (256, 512, 1500, 16), (200, 72, 300, 32), (204, 76, 300, 32),
     pytest.param(1000, 1096, 40, 1, marks=pytest.mark.slow)])
 def test_wgmma_gradient_of_few_tiles_splits_m_on_the_simulator(outputs, depth, rows, splits,
                                                                 rng):
     """A half weight gradient of few tiles on warpgroup MMA splits M in slices (each slice
     the same count of chunks, those past M zeros) into a float32 workspace that a second
     kernel adds in order; dW past whole tiles (200 x 72, 1000 x 1096: the pieces past O or K
-    read their last, nothing stored there), split or not: against float64 of the rounded
-    operands, dw poisoned; no spills."""
+    read their last, nothing stored there; 204 x 76: rows of 8-byte copies), split or not:
+    against float64 of the rounded operands, dw poisoned; no spills."""
     from rnncc.compiler.cuda_binary import compile_cubin
     from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_gemm
     from tir_sim import Simulator
@@ -1165,6 +1166,7 @@ def test_wgmma_gradient_of_few_tiles_splits_m_on_the_simulator(outputs, depth, r
     product = cuda_mma_gemm.product_of(func, CUDA)
     cols = cuda_wgmma_gemm.columns(product)
     assert cuda_wgmma_gemm.gradient_splits(product, cols) == splits
+    assert cuda_wgmma_gemm.Plan(product, cols).narrow == (outputs % 8 != 0, depth % 8 != 0)
     kernel = cuda_wgmma_gemm.kernel(product)
     g = rng.standard_normal((rows, outputs)).astype("float16")
     a = rng.standard_normal((rows, depth)).astype("float16")

@@ -350,7 +350,7 @@ def test_float32_gradients_with_products_split_in_three_tf32_products(kind, c, h
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c, h, n", [(128, 128, 40), (40, 40, 128), (1000, 1000, 7),
-                                     (161, 64, 37)])
+                                     (161, 64, 37), (60, 300, 9)])
 @pytest.mark.parametrize("half, bound", [(torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
 def test_half_network_gradients_on_cuda_match_float64(half, bound, c, h, n, rng):
     """float16 / bfloat16 on the GPU, bidirectional with unequal lengths: every gradient
@@ -358,7 +358,9 @@ def test_half_network_gradients_on_cuda_match_float64(half, bound, c, h, n, rng)
     loss. C = H = 128 at batch 40: no persistent kernel, the products of all steps and the
     weight gradients on tensor cores; C = H = 40 at batch 128 and 1000 at 7: K and O not
     whole tiles (the input projections of all steps past their edges; dx's product, its
-    weights read MN-major, on another rule); C = 161: x and W_ih padded to 168."""
+    weights read MN-major, on another rule; the weight gradients past whole tiles); C = 161:
+    x and W_ih padded to 168; H = 300: rows of h and of dW_hh [1200, 300] whole 8-byte
+    copies only."""
     torch.manual_seed(int(rng.integers(1 << 30)))
     steps = 20
     theirs = torch.nn.LSTM(c, h, bidirectional=True).to(half).double()
