@@ -53,8 +53,9 @@ not stored; of all steps, and one step's in slices of whole chunks but the last
 LSTM 1000 N64 10.5 -> 6.8, TF32 LSTM 1500 N32 44.2 -> 33.3 (the input projection was dlight's
 generic kernel); one step's: float16 LSTM 1000 N128 66.3 -> 13.9, LSTM 2000 N64 147.3 -> 16.2,
 TF32 LSTM 1000 N128 40.0 -> 15.1 (cuda.tiled_gemm's, cuda.matmul's or cuda.sgemm's before).
-A 16-bit weight gradient whose dW [O, K] is past whole tiles (O and K multiples of 8) is taken
-too: the 16-byte pieces past O or K read their last, nothing is stored past them (H200, a
+A 16-bit weight gradient whose dW [O, K] is past whole tiles (O and K multiples of 4, pieces of
+8 bytes where not of 8) is taken too: the pieces past O or K read their last, nothing is
+stored past them (H200, a
 float16 LSTM 1000 N128 training step, eager: 93.6 -> 39.7 us a step; cuda.weight_grad took
 2.7 ms a gradient). Rows of K off 128 bytes cost the kernel: one step's float16 79 x 952 x
 3808 in 4 slices 8.4 us, 79 x 1024 x 4096 7.2 (79 x 760 x 3040 7.7, 79 x 768 x 3072 6.2).
