@@ -513,6 +513,14 @@ def on_this_gpu(rule: str) -> str:
     return "cuda.mma_gemm" if rule == "cuda.wgmma_gemm" and not hopper else rule
 
 
+def within_at_two_lengths(module, rng, bound, lengths=False):
+    """``module`` within ``bound`` of float64 at T = 1 from given initial states and at T = 37
+    from zeros (:func:`check_against_reference`; ``lengths``: the samples' own)."""
+    for steps, initial in ((1, True), (37, False)):
+        err = check_against_reference(module, rng, steps, initial, lengths=lengths)
+        assert err < bound, f"T={steps}: relative error {err:.3e}"
+
+
 def step_product_rule(rules: dict) -> str:
     """The rule of each step's recurrent product: of its slices of K where it is left in
     them."""
@@ -532,9 +540,7 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
     rules = module.metadata["schedule"]["rules"]
     assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
         on_this_gpu("cuda.wgmma_gemm"), "cuda.mma_gemv")
-    for steps, initial in ((1, True), (37, False)):
-        err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL[dtype], f"T={steps}: relative error {err:.3e}"
+    within_at_two_lengths(module, rng, TOL[dtype])
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
@@ -554,10 +560,7 @@ def test_input_sizes_off_whole_copies_match_reference(cell, input_size, hidden, 
     product = rules["input_gemm_lengths" if "input_gemm_lengths" in rules else "input_gemm"]
     assert rules["pad_x"] == "cuda.elementwise" and product != "cuda.matmul"
     bound = TOL_TF32 if options.get("allow_tf32") else TOL[dtype]
-    for steps, initial in ((1, True), (37, False)):
-        err = check_against_reference(module, rng, steps, initial,
-                                      lengths=options.get("lengths", False))
-        assert err < bound, f"T={steps}: relative error {err:.3e}"
+    within_at_two_lengths(module, rng, bound, options.get("lengths", False))
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
@@ -575,10 +578,7 @@ def test_one_step_products_past_whole_tiles_match_reference(cell, input_size, hi
                            tuning="off", persistent="off", fused_step=False, **options)
     assert step_product_rule(module.metadata["schedule"]["rules"]) == "cuda.wgmma_gemm"
     bound = TOL_TF32 if options.get("allow_tf32") else TOL[dtype]
-    for steps, initial in ((1, True), (37, False)):
-        err = check_against_reference(module, rng, steps, initial,
-                                      lengths=options.get("lengths", False))
-        assert err < bound, f"T={steps}: relative error {err:.3e}"
+    within_at_two_lengths(module, rng, bound, options.get("lengths", False))
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
@@ -593,9 +593,7 @@ def test_one_step_sgemm_in_uneven_slices_matches_reference(cell, input_size, hid
                                persistent="off", tf32x3=False, lengths=lengths)
         rules = module.metadata["schedule"]["rules"]
         assert rules["recurrent_gemm"] == "cuda.sgemm"
-        for steps, initial in ((1, True), (37, False)):
-            err = check_against_reference(module, rng, steps, initial, lengths=lengths)
-            assert err < TOL_F32, f"T={steps}: relative error {err:.3e}"
+        within_at_two_lengths(module, rng, TOL_F32, lengths)
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, step_rule", [
@@ -646,9 +644,7 @@ def test_tf32x3_products_match_reference_as_ieee_float32(cell, input_size, hidde
     found = module.metadata["schedule"]["rules"]
     assert not module.allow_tf32
     assert (found["input_gemm"], step_product_rule(found)) == tuple(map(on_this_gpu, rules))
-    for steps, initial in ((1, True), (37, False)):
-        err = check_against_reference(module, rng, steps, initial)
-        assert err < TOL_F32 / 5, f"T={steps}: relative error {err:.3e}"
+    within_at_two_lengths(module, rng, TOL_F32 / 5)
     lengths = rnncc.compile(cell, input_size, hidden, batch, target="cuda", persistent="off",
                             tuning="off", lengths=True, tf32x3=True)
     assert lengths.metadata["schedule"]["rules"]["input_gemm_lengths"] != "cuda.mma_gemm"
