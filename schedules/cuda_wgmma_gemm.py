@@ -60,6 +60,11 @@ float16 LSTM 1000 N128 training step, eager: 93.6 -> 39.7 us a step; cuda.weight
 2.7 ms a gradient). Rows of K off 128 bytes cost the kernel: one step's float16 79 x 952 x
 3808 in 4 slices 8.4 us, 79 x 1024 x 4096 7.2 (79 x 760 x 3040 7.7, 79 x 768 x 3072 6.2).
 
+One step's product at few rows N (at most 256) is taken in swapped tiles where those fill
+one wave or less (:func:`swapped`): W_hh is the instructions' A, 64 rows of O a tile, and h
+B, its N rows in tiles of a multiple of 8 (not padded to 64 or 128), the sums stored
+transposed (H200 layers, us a step: float16 LSTM 952 N79 18.9 -> 10.8, cuDNN 9.3).
+
 The code needs the arch-specific sm_90a (rnncc builds sm_90's cubins for it).
 """
 
@@ -67,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -77,6 +83,10 @@ from ._common import COMPACT_ATTR, has_wgmma, slice_depth
 from ._rule import Rule
 
 TILE = cuda_mma_gemm.TILE  # columns of C a block, and rows of a tile of many rows
+SWAPPED_ROWS = 64  # rows of O a swapped tile (:class:`Plan`): one warpgroup's
+#: Bytes of k a slice of a swapped tile at least where its grid is two waves, and the most
+#: rows N swapped (:func:`swapped`)
+SWAPPED_DEEP, SWAPPED_MAX_ROWS = 2048, 256
 ROW_BYTES = 128  # a staged row of a chunk: one swizzle row
 SWIZZLE_ROWS = 8  # rows of the swizzle's period (1024 bytes): the descriptors' stride
 STEP_BYTES = 32  # k of an instruction: 16 halves or 8 TF32 values
@@ -169,21 +179,46 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
         return None
     chosen = one_step(found)
     if chosen is not None:
-        return found if found.parts == chosen[0] else None
+        return found if found.parts == chosen.slices else None
     takes = (found.tails or (found.form == "gradient" and not found.op.split)  # few tiles: split
              or cuda_mma_gemm.takes(found))
     return found if takes and found.tile_rows >= TILE else None
 
 
-def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
-    """(S slices of K, columns a tile) of one step's ``product`` (any slices it is given) as
-    :data:`ONE_WAVE` says (128 columns first where the TMA engine can copy 16-bit operands);
-    past whole tiles and chunks (:attr:`.cuda_mma_gemm.Product.tails`: no other rule's
-    slices take it), where none gives one wave, the choice of the most blocks within one;
-    None where no choice gives one wave, or it is not one step's product, or one of split
-    float32 in N <= 64 rows."""
+class Shape(NamedTuple):
+    """One step's product as a kernel: S ``slices`` of K, ``cols`` a tile, ``swapped`` or
+    not (:class:`Plan`)."""
+
+    slices: int
+    cols: int
+    swapped: bool = False
+
+
+def one_step(product: cuda_mma_gemm.Product) -> Shape | None:
+    """The :class:`Shape` of one step's ``product`` (any slices it is given): where tiles of
+    its N rows can be as :data:`ONE_WAVE` says (128 columns first where the TMA engine can
+    copy 16-bit operands; past whole tiles and chunks, :attr:`.cuda_mma_gemm.Product.tails`,
+    which no other rule's slices take, where none gives one wave, the choice of the most
+    blocks within one), the :func:`swapped` one where there is one, else that one; None
+    where no choice gives one wave, or it is not one step's product, or one of split float32
+    in N <= 64 rows. H200, the kernel alone, us, tiles of N rows -> swapped (``cols`` / S):
+    float16 79 x 952 x 3808 7.76 -> 6.09 (80/2), 96 x 1000 x 3000 11.42 -> 6.07 (96/2),
+    191 x 600 x 2400 8.51 -> 5.83 (96/1), 79 x 1024 x 4096 7.02 -> 4.04, 128 x 1024 x 4096
+    6.24 -> 4.82, 256 x 1024 x 4096 8.09 -> 6.74 (128/1), 32 x 2000 x 8000 16.1 -> 8.18,
+    64 x 2048 x 8192 7.90 -> 7.61; bfloat16 100 x 1024 x 4096 6.51 -> 5.27; TF32 79 x 952
+    x 3808 10.52 -> 6.62, 128 x 1000 x 4000 8.15 -> 7.42; but float16 128 x 1000 x 4000
+    7.55 -> 8.59. H200 layers, us a step (cuDNN): float16 LSTM 952 N79 18.9 -> 10.8 (9.3),
+    GRU 1000 N96 15.3 -> 9.5 (9.7), LSTM 600 N191 16.1 -> 12.0 (9.4), LSTM 1024 N256 15.5
+    -> 14.2 (14.1); bfloat16 LSTM 1200 N96 15.3 -> 12.5 (11.1); TF32 LSTM 952 N79 17.1 ->
+    11.5 (14.6)."""
     if product.rows is None or (product.tile_rows < TILE and product.op.split):
         return None
+    chosen = unswapped(product)
+    return chosen and (swapped(product) or chosen)
+
+
+def unswapped(product: cuda_mma_gemm.Product) -> Shape | None:
+    """:func:`one_step`'s :class:`Shape` in tiles of N rows (not swapped), or None."""
     depth, bk = product.k_total, Plan.chunk(product.op)
     row_tiles = -(-product.rows // product.tile_rows)
     counts = [s for s in range(1, cuda_mma_gemm.MAX_PARTS + 1)
@@ -201,10 +236,39 @@ def one_step(product: cuda_mma_gemm.Product) -> tuple[int, int] | None:
             if not (product.tails or product.columns % cols == 0) or depth // s < deep:
                 continue
             if ONE_WAVE[0] <= blocks <= ONE_WAVE[1]:
-                return s, cols
+                return Shape(s, cols)
             if product.tails and blocks <= ONE_WAVE[1] and (most is None or blocks > most[0]):
                 most = (blocks, s, cols)
-    return most[1:] if most else None
+    return Shape(*most[1:]) if most else None
+
+
+def swapped(product: cuda_mma_gemm.Product) -> Shape | None:
+    """The swapped :class:`Shape` of one step's ``product`` (:class:`Plan`): h's N rows in the
+    fewest tiles of at most TILE (``cols`` a multiple of 8), and the most slices S (a power
+    of two, :func:`_slices_fit`) whose grid is one wave (ONE_WAVE[1] blocks), or two where a
+    slice is at least SWAPPED_DEEP bytes of k; None where the whole product's tiles are over
+    one wave (H200 layers, us a step, tiles of N rows -> swapped: float16 GRU 2048 N256
+    34.8 -> 39.3, TF32 LSTM 2048 N256 66.7 -> 79.8), or both operands are not copied as
+    stored, or float32 is split, or N is over SWAPPED_MAX_ROWS (not measured), or rows of K
+    are not whole 16 bytes (copies of 8 bytes: float16 LSTM 1500 N64 14.4 -> 17.3)."""
+    if product.rows is None or product.rows > SWAPPED_MAX_ROWS or product.op.split or (
+            not product.pipelined) or not all(
+            product.specs[q][2] == product.op.dtype for q in (0, 1)) or (
+            product.k_total * _bytes(product.op) % 16):
+        return None
+    n, depth, bk = product.rows, product.k_total, Plan.chunk(product.op)
+    col_tiles = -(-n // TILE)
+    base = -(-product.columns // SWAPPED_ROWS) * col_tiles
+    if base > ONE_WAVE[1]:
+        return None
+    most = 1
+    for s in (2 ** e for e in range(1, cuda_mma_gemm.MAX_PARTS.bit_length())):
+        if not _slices_fit(depth, s, bk, product.tails):
+            continue
+        deep = slice_depth(depth, s) * _bytes(product.op)
+        if base * s <= ONE_WAVE[1] or (base * s <= 2 * ONE_WAVE[1] and deep >= SWAPPED_DEEP):
+            most = s
+    return Shape(most, -(-n // (8 * col_tiles)) * 8, True)
 
 
 def _slices_fit(depth: int, s: int, bk: int, tails: bool) -> bool:
@@ -226,7 +290,7 @@ def parts(func, target) -> int:
     if found is None or found.rows is None:
         return 1
     chosen = one_step(found) if has_wgmma(target) and found.pipelined else None
-    return chosen[0] if chosen else cuda_mma_gemm.slices(found)  # (1 past whole tiles)
+    return chosen.slices if chosen else cuda_mma_gemm.slices(found)  # (1 past whole tiles)
 
 
 def _tma_operands(product: cuda_mma_gemm.Product) -> bool:
@@ -253,7 +317,7 @@ def columns(product: cuda_mma_gemm.Product) -> int:
         return TILE
     chosen = one_step(product)
     if chosen is not None:
-        return chosen[1]
+        return chosen.cols
     if product.tails:  # WIDE unless its columns past O are over an eighth of O
         return WIDE if -(-product.columns // WIDE) * WIDE <= product.columns * 9 // 8 else TILE
     if product.columns % WIDE:
@@ -278,8 +342,19 @@ class Plan:
     another, and the instructions told the operand is transposed."""
 
     def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE,
-                 feed: str | None = None, persistent: int = 0, unit: int | None = None):
+                 feed: str | None = None, persistent: int = 0, unit: int | None = None,
+                 swapped: bool = False):
         self.product = product
+        #: swapped (one step's product, both operands copied as stored): the instructions'
+        #: A is the weights, SWAPPED_ROWS of O a tile, and B h, ``cols`` (a multiple of 8) of
+        #: its N rows, so that few rows N are not padded to 64 or 128; C's tile is then
+        #: transposed, and so stored. ``which``: the component's operand that A and B are
+        self.swapped = swapped
+        self.which = (1, 0) if swapped else (0, 1)
+        if swapped and (product.rows is None or product.op.split or unit
+                        or not all(product.specs[q][2] == product.op.dtype for q in (0, 1))):
+            raise ValueError("a swapped tile is one step's product's, both operands copied as "
+                             f"stored, not split float32: {product.specs}")
         #: with ``unit`` U (one fused step, :mod:`.cuda_wgmma_step`): a tile's columns are its
         #: G = cols / U gates' U units each, B's rows g*H + t*U .. of each gate g (H: the
         #: product's columns / G), so that a thread holds each of its units' G sums
@@ -291,7 +366,7 @@ class Plan:
         self.esize = _bytes(op)
         self.bk = self.chunk(op)
         self.steps = ROW_BYTES // STEP_BYTES  # instructions a chunk
-        self.rows = product.tile_rows
+        self.rows = SWAPPED_ROWS if swapped else product.tile_rows
         self.threads = self.rows // 64 * WARPGROUP
         self.a_bytes = self.rows * ROW_BYTES
         self.stage_bytes = self.a_bytes + cols * ROW_BYTES
@@ -312,8 +387,8 @@ class Plan:
         #: count; ``b_rows``: the rows of B's tile that a block of the cluster copies, in
         #: boxes of ``box`` rows (a gate's, or half of one where the blocks share an odd
         #: count of gates: :meth:`row_of`)
-        self.tma = tma_fed(product) if feed is None else feed == "tma"
-        if self.tma and not _tma_operands(product):
+        self.tma = not swapped and tma_fed(product) if feed is None else feed == "tma"
+        if self.tma and (swapped or not _tma_operands(product)):
             raise ValueError(f"the TMA engine cannot copy this product's operands: "
                              f"{product.specs[:2]} ({product.form}); feed 'copy' takes it")
         if persistent and not self.tma:
@@ -334,12 +409,13 @@ class Plan:
         self.box = self.b_rows
         if unit:
             self.box = unit if cols // unit % self.cluster == 0 else unit // self.cluster
-        #: 16-byte pieces of a chunk of A and of B a thread copies (or loads)
-        self.pieces = [self.rows * 8 // self.threads, cols * 8 // self.threads]
+        #: 16-byte pieces of a chunk of A and of B a thread copies (or loads); a swapped B
+        #: of ``cols`` not a multiple of 16: its last ones not all a thread's
+        self.pieces = [-(-width * 8 // self.threads) for width in (self.rows, cols)]
         self.per = 16 // self.esize  # elements a piece
         self.gradient = product.form == "gradient"
         #: whether operand A, B is staged MN-major
-        self.outer = tuple(not inner for inner in product.inner)
+        self.outer = tuple(not product.inner[q] for q in self.which)
         #: rows of operand A, B a tile
         self.widths = (self.rows, cols)
         # a gradient's chunks of its run-time M, at least one (ptxas serialized the
@@ -363,8 +439,10 @@ class Plan:
         #: the k from which the operands read zero (a gradient's M, a product's K past whole
         #: chunks), else None
         self.k_end = self.tile.m if self.gradient else product.k_total if self.tail else None
-        self.j_tiles = -(-product.columns // cols)
-        self.tiles = self.grid = product.parts * self.tile.i_tiles * self.j_tiles
+        #: tiles of A's rows and of B's
+        self.i_tiles = -(-product.columns // self.rows) if swapped else self.tile.i_tiles
+        self.j_tiles = -(-(product.rows if swapped else product.columns) // cols)
+        self.tiles = self.grid = product.parts * self.i_tiles * self.j_tiles
         self.rounds = 1  # tiles a block takes, at most
         if self.persistent:
             fewer = min if isinstance(self.tiles, int) else tirx.min
@@ -395,7 +473,7 @@ class Plan:
         """(slice, row tile, column tile) of block ``bx``: the column tiles fastest (the
         blocks that run together read one tile of A), but in clusters their row tiles (which
         read one tile of B)."""
-        i_tiles, j_tiles = self.tile.i_tiles, self.j_tiles
+        i_tiles, j_tiles = self.i_tiles, self.j_tiles
         if self.cluster > 1:
             return bx // (i_tiles * j_tiles), bx % i_tiles, bx // i_tiles % j_tiles
         return bx // (i_tiles * j_tiles), bx // j_tiles % i_tiles, bx % j_tiles
@@ -408,6 +486,12 @@ class Plan:
     def chunk(op) -> int:
         """k a chunk: 128 bytes of a row."""
         return ROW_BYTES // _bytes(op)
+
+    def has(self, op: int, p_, tx):
+        """Whether the thread has a ``p_``-th piece of operand ``op``: True where every thread
+        has as many (all but a swapped B whose ``cols`` are not a multiple of 16)."""
+        total = self.widths[op] * 8
+        return True if total % self.threads == 0 else p_ * self.threads + tx < total
 
     def place(self, op: int, p_, tx):
         """(row, piece) of a chunk of operand ``op`` the thread's ``p_``-th piece is: a staged
@@ -443,12 +527,14 @@ class Plan:
                 per = self.per // 2 if self.narrow[op] else self.per  # elements a copy
                 i = tirx.min(i, extent - per + i % per)
             return tirx.BufferLoad(io[op], [tirx.min(k, self.tile.m - 1), i])
+        q = self.which[op]
         if self.tail:
-            depth, last = self.product.k_total, self.product.columns - 1
+            depth = self.product.k_total
             per = self.per // 2 if self.narrow[op] else self.per  # elements a copy
             k = tirx.min(k, depth - per + k % per)
-            i = i if op == 0 else tirx.min(i, last)
-        return self.tile.source(io, op, i, k)
+        if q == 1 and (self.tail or self.swapped):
+            i = tirx.min(i, self.product.columns - 1)
+        return self.tile.source(io, q, i, k)
 
     def value(self, io, op: int, i, k):
         """:meth:`source`, zero at a gradient's k past M and past a product's K."""
@@ -496,7 +582,31 @@ class Plan:
         """Whether operand ``op`` is copied as it is stored (else through registers,
         rounded): where it is stored in the operands' type (TF32: read as stored; weights
         always; a float32 h or kept state not)."""
-        return self.product.specs[op][2] == self.product.op.dtype
+        return self.product.specs[self.which[op]][2] == self.product.op.dtype
+
+
+@T.macro
+def _copy_piece(p, io, op, smem, stage, k0, t, p_, tx):
+    """The thread's ``p_``-th piece of operand ``op``'s chunk from k = ``k0`` (of its tile
+    ``t``) copied by ``cp.async`` into ``stage`` (:func:`_copy`)."""
+    row, piece = T.meta_var(p.place(op, p_, tx))
+    i, k = T.meta_var(p.at(op, row, piece, t, k0))
+    if p.narrow[op]:  # two copies of 8 bytes (zeros past K, or a gradient's M)
+        for h in T.unroll(2):
+            i_h, k_h = T.meta_var(p.at(op, row, piece, t, k0, h * (p.per // 2)))
+            T.ptx.cp.async_.ca.shared.global_(
+                T.address_of(smem[p.slot(op, stage, row, piece) + h * (p.per // 2)]),
+                T.address_of(p.source(io, op, i_h, k_h)), 8,
+                T.Cast("uint32", T.if_then_else(T.Cast("int64", k_h) < p.k_end, 8, 0)))
+    elif p.k_end is not None:
+        T.ptx.cp.async_.cg.shared.global_(
+            T.address_of(smem[p.slot(op, stage, row, piece)]),
+            T.address_of(p.source(io, op, i, k)), 16,
+            T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < p.k_end, 16, 0)))
+    else:
+        T.ptx.cp.async_.cg.shared.global_(
+            T.address_of(smem[p.slot(op, stage, row, piece)]),
+            T.address_of(p.source(io, op, i, k)), 16)
 
 
 @T.macro
@@ -504,24 +614,8 @@ def _copy(p, io, op, smem, stage, k0, t, tx):
     """Operand ``op``'s chunk from k = ``k0`` (of its tile ``t``) copied by
     ``cp.async`` into ``stage``: the thread's pieces (a gradient's k-rows past M zeros)."""
     for p_ in T.unroll(p.pieces[op]):
-        row, piece = T.meta_var(p.place(op, p_, tx))
-        i, k = T.meta_var(p.at(op, row, piece, t, k0))
-        if p.narrow[op]:  # two copies of 8 bytes (zeros past K, or a gradient's M)
-            for h in T.unroll(2):
-                i_h, k_h = T.meta_var(p.at(op, row, piece, t, k0, h * (p.per // 2)))
-                T.ptx.cp.async_.ca.shared.global_(
-                    T.address_of(smem[p.slot(op, stage, row, piece) + h * (p.per // 2)]),
-                    T.address_of(p.source(io, op, i_h, k_h)), 8,
-                    T.Cast("uint32", T.if_then_else(T.Cast("int64", k_h) < p.k_end, 8, 0)))
-        elif p.k_end is not None:
-            T.ptx.cp.async_.cg.shared.global_(
-                T.address_of(smem[p.slot(op, stage, row, piece)]),
-                T.address_of(p.source(io, op, i, k)), 16,
-                T.Cast("uint32", T.if_then_else(T.Cast("int64", k) < p.k_end, 16, 0)))
-        else:
-            T.ptx.cp.async_.cg.shared.global_(
-                T.address_of(smem[p.slot(op, stage, row, piece)]),
-                T.address_of(p.source(io, op, i, k)), 16)
+        if p.has(op, p_, tx):
+            _copy_piece(p, io, op, smem, stage, k0, t, p_, tx)
 
 
 @T.macro
@@ -692,7 +786,8 @@ def _chunk(p, io, smem, regs, acc, sums, desc, c, k0, bi, bj, tx):
 
 @T.macro
 def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
-    """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are; a
+    """The tile's sums to C, rows below M: a projection's plus b, a slice's as they are
+    (swapped: transposed, within N and O); a
     gradient's (every row) in its type, or split, its slice of M's into the workspace
     ``io``[3] (``step_regs``: a fused step's, None here)."""
     lane = T.meta_var(tx % 32)
@@ -709,6 +804,14 @@ def _epilogue(p, io, acc, bi, bj, part, tx, step_regs):
                     else:
                         for v in T.vectorized(2):
                             io[2][i, j + v] = T.Cast(io[2].dtype, acc[n * 4 + h * 2 + v])
+            elif p.swapped:  # A's row i is a column of C, B's row j + v a row of C
+                for v in T.unroll(2):
+                    if j + v < p.tile.m and i < p.product.columns:
+                        if p.product.form == "projection":
+                            T.buffer_store(io[3], acc[n * 4 + h * 2 + v] + T.Cast(
+                                "float32", io[2][i]), p.tile.at(j + v) + [i])
+                        else:
+                            io[2][part, j + v, i] = acc[n * 4 + h * 2 + v]
             elif i < p.tile.m and (not p.tail or j < p.product.columns):
                 for v in T.vectorized(2):
                     if p.product.form == "projection":
@@ -743,18 +846,22 @@ def _with_slices(p: Plan, io):
 
 
 def kernel(product: cuda_mma_gemm.Product, cols: int | None = None, feed: str | None = None,
-           persistent: int = 0):
+           persistent: int = 0, swapped: bool | None = None):
     """The PrimFunc, with the component's parameters (tiles ``cols`` columns wide, by default
-    :func:`columns`): fed by the TMA engine where :func:`tma_fed`, else by the warpgroups'
+    :func:`columns`, ``swapped`` or not: by default as :func:`one_step` says where ``cols``
+    is not given): fed by the TMA engine where :func:`tma_fed`, else by the warpgroups'
     own copies; ``feed`` "tma" or "copy" chooses, and ``persistent`` (a count of blocks)
     makes the TMA-fed kernel's blocks loop over tiles (to compare them)."""
     if feed not in (None, "tma", "copy"):
         raise ValueError(f"feed is 'tma', 'copy' or None (the rule's choice), got {feed!r}")
+    if cols is None and swapped is None:
+        chosen = one_step(product)
+        swapped = chosen is not None and chosen.swapped
     cols = TILE if product.op.split else cols or columns(product)
     splits = gradient_splits(product, cols)
     if splits > 1:
         product = dataclasses.replace(product, parts=splits)
-    return kernel_of(Plan(product, cols, feed, persistent))
+    return kernel_of(Plan(product, cols, feed, persistent, swapped=bool(swapped)))
 
 
 def kernel_of(p: Plan, step=None):

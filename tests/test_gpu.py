@@ -581,6 +581,24 @@ def test_one_step_products_past_whole_tiles_match_reference(cell, input_size, hi
     within_at_two_lengths(module, rng, bound, options.get("lengths", False))
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
+    ("lstm", 64, 1024, 256, "float16", {}),  # whole (S = 1, b added): N in two tiles of 128
+    ("gru", 48, 1024, 37, "bfloat16", {"lengths": True}),  # tiles of 40 rows of h
+    ("lstm", 32, 600, 191, "float16", {"directions": 2}),  # two tiles of 96, K past chunks
+    ("rnn_tanh", 64, 1024, 100, "float32", {"allow_tf32": True})])
+def test_swapped_one_step_products_match_reference(cell, input_size, hidden, batch, dtype,
+                                                   options, rng):
+    """Not persistent, a kernel each: each step's product with W_hh as the instructions' A
+    and h's N rows as B (``cuda.wgmma_gemm``'s swapped tiles: N not padded to 64 or 128),
+    whole or in slices, within the dtype's bound of float64; T 1 and 37, lengths, both
+    directions."""
+    module = rnncc.compile(cell, input_size, hidden, batch, dtype=dtype, target="cuda",
+                           tuning="off", persistent="off", fused_step=False, **options)
+    assert step_product_rule(module.metadata["schedule"]["rules"]) == "cuda.wgmma_gemm"
+    bound = TOL_TF32 if options.get("allow_tf32") else TOL[dtype]
+    within_at_two_lengths(module, rng, bound, options.get("lengths", False))
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch", [
     ("rnn_tanh", 64, 1008, 178), ("gru", 80, 720, 48)])
 def test_one_step_sgemm_in_uneven_slices_matches_reference(cell, input_size, hidden, batch,

@@ -1486,16 +1486,17 @@ def test_mma_gemm_matches_numpy_on_the_simulator(form, dtype, rng):
     (256, 1024, 4096, "tf32", 2, 128), (128, 1024, 4096, "tf32", 4, 128),
     (256, 2048, 6144, "tf32", 2, 256), (512, 1024, 4096, "tf32", 1, 128),
     (256, 1024, 3072, "float16", 4, 256), (256, 2048, 8192, "bfloat16", 2, 256),
-    (128, 1024, 4096, "float16", 8, 256), (100, 1024, 1024, "float16", 8, 128),
-    (128, 4096, 1024, "bfloat16", 8, 128), (64, 2048, 6144, "tf32", 2, 128),
+    (128, 1024, 4096, "float16", 8, 256), (100, 1024, 1024, "float16", 0, 0),
+    (128, 4096, 1024, "bfloat16", 0, 0), (64, 2048, 6144, "tf32", 2, 128),
     (33, 1024, 4096, "float16", 8, 256), (16, 1024, 4096, "tf32", 4, 128)])
 def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, parts, cols):
-    """On sm_90 one step's product goes in the fewest slices of K whose grid is one wave (96 to
-    132 blocks; tiles of 64 rows at batch 64 and less), in tiles 256 wide where each slice is
-    at least 1024 deep or h goes through registers (float32 under half weights), else 128
-    wide; where no count gives one wave (100 x 1024 x 1024: 64 blocks at most), the slices are
-    cuda.mma_gemm's.
-    cuda.wgmma_gemm takes that count only; on sm_80 the count is cuda.mma_gemm's."""
+    """On sm_90 one step's product in tiles of N rows goes in the fewest slices of K whose
+    grid is one wave (96 to 132 blocks; tiles of 64 rows at batch 64 and less), in tiles 256
+    wide where each slice is at least 1024 deep or h goes through registers (float32 under
+    half weights), else 128 wide; where no count gives one wave (100 x 1024 x 1024: 64 blocks
+    at most: ``parts`` 0), the slices are cuda.mma_gemm's. Where its tiles are swapped instead
+    (:func:`cuda_wgmma_gemm.swapped`), theirs. cuda.wgmma_gemm takes the chosen count only;
+    on sm_80 the count is cuda.mma_gemm's."""
     from rnncc import schedules
     from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
 
@@ -1507,12 +1508,82 @@ def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, par
                 else comp.gemm_parts(batch, k, o, count, "rows", dtype, "float32"))
         return func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
 
+    found = cuda_mma_gemm.product_of(product(1), CUDA)
+    rows_shape = cuda_wgmma_gemm.unswapped(found)
+    assert (rows_shape.slices, rows_shape.cols) == (parts, cols) if parts else rows_shape is None
+    chosen = cuda_wgmma_gemm.one_step(found)
+    assert chosen == (rows_shape and (cuda_wgmma_gemm.swapped(found) or rows_shape))
+    parts = chosen.slices if chosen else schedules.cuda_mma_gemm.parts(product(1), CUDA)
     assert schedules.product_parts(product(1), CUDA) == parts
     assert schedules.product_parts(product(1), AMPERE) == cuda_mma_gemm.parts(product(1), AMPERE)
     for count in (1, 2, 4, 8, 16, 32):
         assert (cuda_wgmma_gemm.sizes(product(count), CUDA) is not None) == (count == parts)
-    taken = cuda_mma_gemm.product_of(product(parts), CUDA)
-    assert cuda_wgmma_gemm.columns(taken) == cols
+    if chosen:
+        assert cuda_wgmma_gemm.columns(cuda_mma_gemm.product_of(product(parts), CUDA)) == (
+            chosen.cols)
+
+
+@pytest.mark.parametrize("rows, k, o, parts, cols, dtype", [
+    (33, 200, 150, 2, 40, "float16"), (45, 136, 136, 1, 48, "bfloat16"),
+    (40, 128, 128, 1, 24, "float16"), (17, 96, 70, 1, 24, "tf32"),
+    (150, 256, 130, 2, 80, "float16")])
+def test_swapped_tiles_match_numpy_on_the_simulator(rows, k, o, parts, cols, dtype, rng):
+    """One step's product in swapped tiles (W as the instructions' A, 64 rows of O; h as B,
+    ``cols`` of its N rows: 24, not a multiple of 16, leaves the last copies to some threads
+    only), whole (plus b) or in slices, K and O past whole chunks and tiles, N in one tile or
+    two: the transposed sums stored within N and O; against NumPy's product of the same
+    rounded operands."""
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+    from tir_sim import Simulator
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+    func = (comp.gemm((rows,), k, o, "rows", dtype, dtype) if parts == 1
+            else comp.gemm_parts(rows, k, o, parts, "rows", dtype, dtype))
+    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+    product = cuda_mma_gemm.product_of(func, CUDA)
+    h = rng.standard_normal((rows, k)).astype(dtype)
+    w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+    args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
+            else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
+    kernel = cuda_wgmma_gemm.kernel(product, cols, swapped=True)
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
+    got = args[-1].astype(np.float64)
+    got = got.sum(0) if parts > 1 else got
+    as_read = (lambda x: truncate_tf32(x).astype(np.float64)) if tf32 else (
+        lambda x: x.astype(np.float64))
+    want = as_read(h) @ as_read(w).T + (b.astype(np.float64) if parts == 1 else 0)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+
+
+@pytest.mark.parametrize("rows, k, o, dtype, shape", [
+    (79, 952, 3808, "float16", (2, 80)), (191, 600, 2400, "float16", (1, 96)),
+    (37, 1024, 3072, "bfloat16", (2, 40)), (64, 2048, 8192, "float16", (2, 64)),
+    (256, 1024, 4096, "float16", (1, 128)), (79, 952, 3808, "tf32", (2, 80)),
+    (256, 2048, 8192, "float16", None), (64, 1500, 6000, "float16", None),
+    (300, 1024, 4096, "float16", None), (79, 1024, 4096, "tf32x3", None)])
+def test_one_step_products_swap_their_tiles_where_few_rows_fill_one_wave(rows, k, o, dtype,
+                                                                          shape):
+    """One step's product of both operands copied as stored swaps its tiles (W_hh as the
+    instructions' A, 64 rows of O a tile; h's N rows as B, in the fewest tiles of at most 128,
+    a multiple of 8 each) where those tiles are one wave or less: the most slices of K whose
+    grid is one wave, or two where a slice is 2048 bytes deep or more; not where the whole
+    product's tiles are over one wave (256 x 2048 x 8192), nor rows of K of 8-byte copies
+    (K 1500), nor N over 256, nor split float32."""
+    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
+
+    weights = "float16" if dtype == "float16" else "bfloat16" if dtype == "bfloat16" else (
+        "float32")
+    func = comp.gemm_parts(rows, k, o, 2, "rows", weights, weights)
+    func = func.with_attr(_mma.TF32_ATTR if dtype == "tf32" else _mma.TF32X3_ATTR, True) if (
+        weights == "float32") else func
+    found = cuda_mma_gemm.product_of(func, CUDA)
+    got = cuda_wgmma_gemm.swapped(found)
+    assert got == (shape and cuda_wgmma_gemm.Shape(*shape, True))
+    if shape:
+        plan = cuda_wgmma_gemm.Plan(found, shape[1], swapped=True)
+        assert (plan.which, plan.rows, plan.threads, plan.tma) == ((1, 0), 64, 128, False)
+        assert plan.grid == -(-o // 64) * -(-rows // shape[1]) * found.parts
 
 
 @pytest.mark.parametrize("cols", [128, 256])
@@ -1605,9 +1676,12 @@ def test_wgmma_gemm_takes_the_tma_engine_where_a_block_has_enough_of_k(batch, k,
                 else comp.gemm_parts(batch, k, o, count, "rows", dtype, dtype))
         return func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
 
-    parts = schedules.product_parts(product(1), CUDA)
+    # in tiles of N rows (swapped tiles are never TMA-fed)
+    rows_shape = cuda_wgmma_gemm.unswapped(cuda_mma_gemm.product_of(product(1), CUDA))
+    parts = rows_shape.slices if rows_shape else schedules.product_parts(product(1), CUDA)
     found = cuda_mma_gemm.product_of(product(parts), CUDA)
-    plan = cuda_wgmma_gemm.Plan(found, cuda_wgmma_gemm.columns(found))
+    plan = cuda_wgmma_gemm.Plan(found, rows_shape.cols if rows_shape else
+                                cuda_wgmma_gemm.columns(found))
     assert (plan.tma, plan.cluster) == (tma, cluster)
     if batch == 256 and k == 2048 and not tf32:
         assert (parts, plan.cols) == (1, 128)
@@ -1646,10 +1720,11 @@ def test_wgmma_gemm_feed_can_be_chosen_to_compare_them():
     def fed(kernel):
         return "tensormap" in kernel.script()
 
-    assert fed(cuda_wgmma_gemm.kernel(product(2048)))
-    assert not fed(cuda_wgmma_gemm.kernel(product(2048), feed="copy"))
-    assert not fed(cuda_wgmma_gemm.kernel(product(512)))
-    assert fed(cuda_wgmma_gemm.kernel(product(512), feed="tma"))
+    assert fed(cuda_wgmma_gemm.kernel(product(2048), swapped=False))
+    assert not fed(cuda_wgmma_gemm.kernel(product(2048), feed="copy", swapped=False))
+    assert not fed(cuda_wgmma_gemm.kernel(product(512), swapped=False))
+    assert fed(cuda_wgmma_gemm.kernel(product(512), feed="tma", swapped=False))
+    assert not fed(cuda_wgmma_gemm.kernel(product(2048)))  # swapped: copied
     with pytest.raises(ValueError, match="cannot copy"):
         cuda_wgmma_gemm.kernel(product(2048, "float32"), feed="tma")
     with pytest.raises(ValueError, match="'tma', 'copy' or None"):
@@ -1707,7 +1782,8 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
     (halves, TF32) and each step's slices of K (but split float32's at batch 64 and less, and
     all of them on sm_80: cuda.mma_gemm's); w [K, O] in 16 bits is read MN-major (TF32
     is not); K off its 128-byte chunks goes to the next rule, but in a projection of all steps
-    whose weights are rows (tails: K a whole count of 8-byte copies, O even), and so do IEEE
+    whose weights are rows (tails: K a whole count of 8-byte copies, O even) and one step's
+    in swapped tiles (whole, K 1056 at N 64), and so do IEEE
     float32 products unless split in three TF32 products (tf32x3, on by default)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
 
@@ -1715,7 +1791,7 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
         problem = Problem(rnncc.cells.get("lstm"), 512, 1024, batch, dtype, allow_tf32=tf32)
         found = sequence.build(problem, Options(persistent="off", fused_step=False, **options),
                                target).rules
-        return found["input_gemm"], found.get("recurrent_gemm_parts")
+        return found["input_gemm"], found.get("recurrent_gemm_parts", found["recurrent_gemm"])
 
     wgmma, mma = "cuda.wgmma_gemm", "cuda.mma_gemm"
     assert rules("float16", 256, CUDA) == (wgmma, wgmma)
@@ -1736,9 +1812,10 @@ def test_wgmma_gemm_takes_the_tensor_core_projections_on_hopper():
             _mma.TF32_ATTR, True),
                  comp.gemm((t_len, 64), 1058, 4096, "rows", "float16", "float16"),
                  comp.gemm((t_len, 64), 1056, 4099, "rows", "float16", "float16"),
-                 comp.gemm((t_len, 64), 1056, 4096, "cols", "float16", "float16"),
-                 comp.gemm((64,), 1056, 4096, "rows", "float16", "float16")):
+                 comp.gemm((t_len, 64), 1056, 4096, "cols", "float16", "float16")):
         assert cuda_wgmma_gemm.apply(func, CUDA) is None
+    one_step = comp.gemm((64,), 1056, 4096, "rows", "float16", "float16")  # swapped, whole
+    assert cuda_wgmma_gemm.apply(one_step, CUDA) is not None
 
 
 @pytest.mark.parametrize("form", [
