@@ -568,29 +568,17 @@ def test_input_sizes_off_whole_copies_match_reference(cell, input_size, hidden, 
     ("gru", 64, 600, 79, "bfloat16", {"lengths": True}),
     ("lstm", 64, 1000, 64, "float32", {"allow_tf32": True}),
     ("rnn_tanh", 32, 952, 79, "float16", {"directions": 2}),
-    ("gru", 64, 300, 96, "bfloat16", {})])  # rows of h 600 bytes: copies of 8
+    ("gru", 64, 300, 96, "bfloat16", {}),  # rows of h 600 bytes: copies of 8
+    ("lstm", 64, 1024, 256, "float16", {}),  # swapped, whole (b added): N in two tiles of 128
+    ("gru", 48, 1024, 37, "bfloat16", {"lengths": True}),  # swapped, tiles of 40 rows of h
+    ("lstm", 32, 600, 191, "float16", {"directions": 2}),  # swapped, two tiles of 96
+    ("rnn_tanh", 64, 1024, 100, "float32", {"allow_tf32": True})])  # swapped, TF32
 def test_one_step_products_past_whole_tiles_match_reference(cell, input_size, hidden, batch,
                                                             dtype, options, rng):
-    """Not persistent, 16-bit or TF32, a kernel each: each step's product whose K or O is off
-    whole chunks and tiles (H 1000, 600, 952, 300) on warpgroup MMA, in slices of K whose last
-    is shorter, within the dtype's bound of float64; T 1 and 37, lengths, both directions."""
-    module = rnncc.compile(cell, input_size, hidden, batch, dtype=dtype, target="cuda",
-                           tuning="off", persistent="off", fused_step=False, **options)
-    assert step_product_rule(module.metadata["schedule"]["rules"]) == "cuda.wgmma_gemm"
-    bound = TOL_TF32 if options.get("allow_tf32") else TOL[dtype]
-    within_at_two_lengths(module, rng, bound, options.get("lengths", False))
-
-
-@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
-    ("lstm", 64, 1024, 256, "float16", {}),  # whole (S = 1, b added): N in two tiles of 128
-    ("gru", 48, 1024, 37, "bfloat16", {"lengths": True}),  # tiles of 40 rows of h
-    ("lstm", 32, 600, 191, "float16", {"directions": 2}),  # two tiles of 96, K past chunks
-    ("rnn_tanh", 64, 1024, 100, "float32", {"allow_tf32": True})])
-def test_swapped_one_step_products_match_reference(cell, input_size, hidden, batch, dtype,
-                                                   options, rng):
-    """Not persistent, a kernel each: each step's product with W_hh as the instructions' A
-    and h's N rows as B (``cuda.wgmma_gemm``'s swapped tiles: N not padded to 64 or 128),
-    whole or in slices, within the dtype's bound of float64; T 1 and 37, lengths, both
+    """Not persistent, 16-bit or TF32, a kernel each: each step's product on warpgroup MMA,
+    whose K or O is off whole chunks and tiles (H 1000, 600, 952, 300; in slices of K whose
+    last is shorter), or in swapped tiles (W_hh as the instructions' A, h's N rows as B, not
+    padded to 64 or 128), within the dtype's bound of float64; T 1 and 37, lengths, both
     directions."""
     module = rnncc.compile(cell, input_size, hidden, batch, dtype=dtype, target="cuda",
                            tuning="off", persistent="off", fused_step=False, **options)

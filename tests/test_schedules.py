@@ -3,6 +3,7 @@
 import re
 import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -194,6 +195,39 @@ def test_products_of_all_steps_past_whole_tiles_match_the_cpu_build_on_the_simul
         assert rule == lowered.rules["input_gemm"] == "cuda.wgmma_gemm"
 
 
+def _one_step_product_case(rows, k, o, parts, dtype, rng) -> SimpleNamespace:
+    """One step's product of N ``rows`` by W [O, K] in ``dtype`` (``tf32``: float32 allowed
+    TF32), whole plus b or in ``parts`` slices: its component, product, fresh operands, the
+    arguments with C poisoned, and NumPy's product of the operands as read."""
+    from rnncc.schedules import _mma, cuda_mma_gemm
+
+    tf32 = dtype == "tf32"
+    dtype = "float32" if tf32 else dtype
+    func = (comp.gemm((rows,), k, o, "rows", dtype, dtype) if parts == 1
+            else comp.gemm_parts(rows, k, o, parts, "rows", dtype, dtype))
+    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+    h = rng.standard_normal((rows, k)).astype(dtype)
+    w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
+    args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
+            else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
+    as_read = (lambda x: truncate_tf32(x).astype(np.float64)) if tf32 else (
+        lambda x: x.astype(np.float64))
+    want = as_read(h) @ as_read(w).T + (b.astype(np.float64) if parts == 1 else 0)
+    return SimpleNamespace(func=func, product=cuda_mma_gemm.product_of(func, CUDA), h=h, w=w,
+                           args=args, want=want, parts=parts)
+
+
+def _simulated_error(kernel, case) -> float:
+    """The relative error of ``kernel`` run on the simulator with ``case``'s arguments (its
+    slices summed) against ``case``'s NumPy product."""
+    from tir_sim import Simulator
+
+    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, case.args)}).run()
+    got = case.args[-1].astype(np.float64)
+    got = got.sum(0) if case.parts > 1 else got
+    return np.abs(got - case.want).max() / np.abs(case.want).max()
+
+
 @pytest.mark.parametrize("feed", ["copy", pytest.param("tma", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("rows, k, o, parts", [(70, 200, 150, 2), (45, 136, 136, 1),
@@ -207,33 +241,21 @@ def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
     engine (rows of K off 16 bytes, halves of K 204 and 100: copies of 8 bytes, never the
     TMA engine): zeros past K, B's last row past O, nothing stored past O or N; the slices'
     sum against NumPy's product of the same rounded operands."""
-    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
-    from tir_sim import Simulator
+    from rnncc.schedules import _mma, cuda_wgmma_gemm
 
     monkeypatch.setattr(cuda_wgmma_gemm, "TMA_CHUNKS", 1 if feed == "tma" else 10**6)
-    tf32 = dtype == "tf32"
-    dtype = "float32" if tf32 else dtype
-    func = (comp.gemm((rows,), k, o, "rows", dtype, dtype) if parts == 1
-            else comp.gemm_parts(rows, k, o, parts, "rows", dtype, dtype))
-    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
-    product = cuda_mma_gemm.product_of(func, CUDA)
+    case = _one_step_product_case(rows, k, o, parts, dtype, rng)
+    product, func, h, w = case.product, case.func, case.h, case.w
+    dtype = h.dtype.name
     assert product is not None and product.tails and product.parts == parts
-    h = rng.standard_normal((rows, k)).astype(dtype)
-    w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
-    args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
-            else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
-    kernel = cuda_wgmma_gemm.kernel(product)
-    plan = cuda_wgmma_gemm.Plan(product, cuda_wgmma_gemm.columns(product))
+    rows_shape = cuda_wgmma_gemm.unswapped(product)  # tiles of N rows (swapped: below)
+    cols = rows_shape.cols if rows_shape else cuda_wgmma_gemm.columns(product)
+    kernel = cuda_wgmma_gemm.kernel(product, cols, swapped=False)
+    plan = cuda_wgmma_gemm.Plan(product, cols)
     narrow = k * np.dtype(dtype).itemsize % 16 != 0
     assert plan.narrow == (narrow, narrow)
     assert plan.tma == (feed == "tma" and product.tile_rows == 128 and not narrow)
-    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
-    got = args[-1].astype(np.float64)
-    got = got.sum(0) if parts > 1 else got
-    as_read = (lambda x: truncate_tf32(x).astype(np.float64)) if tf32 else (
-        lambda x: x.astype(np.float64))
-    want = as_read(h) @ as_read(w).T + (b.astype(np.float64) if parts == 1 else 0)
-    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+    assert _simulated_error(kernel, case) < TOL_F32
     if parts > 1 and dtype == "float32":  # the component itself, built for this CPU
         cpu = [tvm.runtime.tensor(x) for x in (h, w, np.full((parts, rows, o), np.nan,
                                                              np.float32))]
@@ -1533,27 +1555,11 @@ def test_swapped_tiles_match_numpy_on_the_simulator(rows, k, o, parts, cols, dty
     only), whole (plus b) or in slices, K and O past whole chunks and tiles, N in one tile or
     two: the transposed sums stored within N and O; against NumPy's product of the same
     rounded operands."""
-    from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_gemm
-    from tir_sim import Simulator
+    from rnncc.schedules import cuda_wgmma_gemm
 
-    tf32 = dtype == "tf32"
-    dtype = "float32" if tf32 else dtype
-    func = (comp.gemm((rows,), k, o, "rows", dtype, dtype) if parts == 1
-            else comp.gemm_parts(rows, k, o, parts, "rows", dtype, dtype))
-    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
-    product = cuda_mma_gemm.product_of(func, CUDA)
-    h = rng.standard_normal((rows, k)).astype(dtype)
-    w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
-    args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
-            else [h, w, np.full((parts, rows, o), np.nan, np.float32)])
-    kernel = cuda_wgmma_gemm.kernel(product, cols, swapped=True)
-    Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
-    got = args[-1].astype(np.float64)
-    got = got.sum(0) if parts > 1 else got
-    as_read = (lambda x: truncate_tf32(x).astype(np.float64)) if tf32 else (
-        lambda x: x.astype(np.float64))
-    want = as_read(h) @ as_read(w).T + (b.astype(np.float64) if parts == 1 else 0)
-    assert np.abs(got - want).max() / np.abs(want).max() < TOL_F32
+    case = _one_step_product_case(rows, k, o, parts, dtype, rng)
+    kernel = cuda_wgmma_gemm.kernel(case.product, cols, swapped=True)
+    assert _simulated_error(kernel, case) < TOL_F32
 
 
 @pytest.mark.parametrize("rows, k, o, dtype, shape", [
