@@ -84,6 +84,10 @@ from ._rule import Rule
 
 TILE = cuda_mma_gemm.TILE  # columns of C a block, and rows of a tile of many rows
 SWAPPED_ROWS = 64  # rows of O a swapped tile (:class:`Plan`): one warpgroup's
+#: float32 a row of a swapped fused step's exchange past its columns (:class:`Plan`): a
+#: multiple of 4 keeps the exchange whole 1024 bytes (the stages' alignment, were TVM to lay
+#: them after it)
+EXCHANGE_PAD = 4
 #: Bytes of k a slice of a swapped tile at least where its grid is two waves, and the most
 #: rows N swapped (:func:`swapped`)
 SWAPPED_DEEP, SWAPPED_MAX_ROWS = 2048, 256
@@ -343,7 +347,7 @@ class Plan:
 
     def __init__(self, product: cuda_mma_gemm.Product, cols: int = TILE,
                  feed: str | None = None, persistent: int = 0, unit: int | None = None,
-                 swapped: bool = False):
+                 swapped: bool = False, gates: int | None = None):
         self.product = product
         #: swapped (one step's product, both operands copied as stored): the instructions'
         #: A is the weights, SWAPPED_ROWS of O a tile, and B h, ``cols`` (a multiple of 8) of
@@ -351,15 +355,20 @@ class Plan:
         #: transposed, and so stored. ``which``: the component's operand that A and B are
         self.swapped = swapped
         self.which = (1, 0) if swapped else (0, 1)
-        if swapped and (product.rows is None or product.op.split or unit
-                        or not all(product.specs[q][2] == product.op.dtype for q in (0, 1))):
+        if swapped and (product.rows is None or product.op.split
+                        or not all(product.specs[q][2] == product.op.dtype for q in (0, 1))
+                        or (unit and (gates is None or gates * unit > SWAPPED_ROWS))):
             raise ValueError("a swapped tile is one step's product's, both operands copied as "
-                             f"stored, not split float32: {product.specs}")
+                             f"stored, not split float32, its G gates' U units at most "
+                             f"{SWAPPED_ROWS} rows: {product.specs}, U {unit}, G {gates}")
         #: with ``unit`` U (one fused step, :mod:`.cuda_wgmma_step`): a tile's columns are its
         #: G = cols / U gates' U units each, B's rows g*H + t*U .. of each gate g (H: the
-        #: product's columns / G), so that a thread holds each of its units' G sums
+        #: product's columns / G), so that a thread holds each of its units' G sums; swapped,
+        #: A's rows so (G ``gates`` given, G*U at most SWAPPED_ROWS, the rest of the 64 rows
+        #: and units past H unused), the sums exchanged through shared memory
         self.unit = unit
-        self.gate_rows = product.columns // (cols // unit) if unit else None
+        self.gates = gates if swapped else cols // unit if unit else None
+        self.gate_rows = product.columns // self.gates if unit else None
         self.tile = cuda_mma_gemm.Tile(product)
         op = product.op
         self.cols = cols
@@ -375,7 +384,13 @@ class Plan:
         #: theirs while chunk c + 1 is split)
         self.split = op.split
         self.twin_bytes = self.stage_bytes if self.split else 0
-        self.stages = min(STAGES, (SHARED_BYTES - 2 * self.twin_bytes) // self.stage_bytes)
+        #: a swapped fused step's float32 sums [SWAPPED_ROWS, ``exchange_stride``] in shared
+        #: memory beside the stages (TVM lays it over them: its writes wait at a barrier for
+        #: the last products), written as the instructions leave them, read by unit and row
+        self.exchange_stride = cols + EXCHANGE_PAD
+        self.exchange_bytes = SWAPPED_ROWS * self.exchange_stride * 4 if swapped and unit else 0
+        self.stages = min(STAGES, (SHARED_BYTES - 2 * self.twin_bytes - self.exchange_bytes)
+                          // self.stage_bytes)
         # chunk c - 1's products may still read their stage as chunk c + ahead is copied (but
         # where split: they are waited for before chunk c's barrier)
         self.ahead = self.stages - (1 if self.split else 2)
@@ -440,7 +455,8 @@ class Plan:
         #: chunks), else None
         self.k_end = self.tile.m if self.gradient else product.k_total if self.tail else None
         #: tiles of A's rows and of B's
-        self.i_tiles = -(-product.columns // self.rows) if swapped else self.tile.i_tiles
+        self.i_tiles = (-(-self.gate_rows // unit) if swapped and unit
+                        else -(-product.columns // self.rows) if swapped else self.tile.i_tiles)
         self.j_tiles = -(-(product.rows if swapped else product.columns) // cols)
         self.tiles = self.grid = product.parts * self.i_tiles * self.j_tiles
         self.rounds = 1  # tiles a block takes, at most
@@ -493,6 +509,22 @@ class Plan:
         total = self.widths[op] * 8
         return True if total % self.threads == 0 else p_ * self.threads + tx < total
 
+    def used(self, op: int, t, row):
+        """Whether staged ``row`` of operand ``op``'s tile ``t`` (K-major) is copied: swapped,
+        not rows of h past N, nor a fused step's rows of W_hh past its G*U or past H
+        (:attr:`unit`), nor others' past O, whose sums are never stored; they would all read
+        one row, every block the same (H200, the step alone, bfloat16 GRU 1024 N100, us: 4
+        such rows of W_hh a tile, U 20, 7.9; 16, U 16, 12.5; a layer, bfloat16 GRU 600 N79,
+        17 rows of h past N a tile: 7.56 -> 6.35 us a step). Every row of the others."""
+        if not self.swapped:
+            return True
+        if op == 1:
+            return t * self.cols + row < self.product.rows
+        if not self.unit:
+            return t * self.rows + row < self.product.columns
+        return tirx.all(row < self.gates * self.unit,
+                        t * self.unit + row % self.unit < self.gate_rows)
+
     def place(self, op: int, p_, tx):
         """(row, piece) of a chunk of operand ``op`` the thread's ``p_``-th piece is: a staged
         row (one of the operand's rows K-major, a k MN-major) and its 16 bytes (8 threads a
@@ -503,9 +535,9 @@ class Plan:
 
     def row_of(self, op: int, t, r):
         """The stored row of operand ``op`` (0: A, 1: B) that staged row ``r`` of its tile
-        ``t`` is: the tile's rows in order, but B's with gates (:attr:`unit` U) gate r // U's
-        unit t*U + r % U."""
-        if op == 0 or not self.unit:
+        ``t`` is: the tile's rows in order, but the weights' with gates (:attr:`unit` U; B's,
+        or swapped A's) gate r // U's unit t*U + r % U."""
+        if op != (0 if self.swapped else 1) or not self.unit:
             return t * self.widths[op] + r
         return r // self.unit * self.gate_rows + t * self.unit + r % self.unit
 
@@ -614,7 +646,7 @@ def _copy(p, io, op, smem, stage, k0, t, tx):
     """Operand ``op``'s chunk from k = ``k0`` (of its tile ``t``) copied by
     ``cp.async`` into ``stage``: the thread's pieces (a gradient's k-rows past M zeros)."""
     for p_ in T.unroll(p.pieces[op]):
-        if p.has(op, p_, tx):
+        if p.has(op, p_, tx) and p.used(op, t, p.place(op, p_, tx)[0]):
             _copy_piece(p, io, op, smem, stage, k0, t, p_, tx)
 
 
@@ -873,9 +905,10 @@ def kernel_of(p: Plan, step=None):
 
 def _hooks(p: Plan, step):
     """(the kernel's parameters, its epilogue, the sums' first values (a function of the
-    parameters, the column tile and the thread; None: zero)): the product's, or ``step``'s."""
+    parameters, the row and column tiles and the thread; None: zero)): the product's, or
+    ``step``'s."""
     if step is None:
-        return p.tile.parameters, _epilogue, lambda io, bj, tx: None
+        return p.tile.parameters, _epilogue, lambda io, bi, bj, tx: None
     return step.parameters, step.epilogue, partial(step.initial, p)
 
 
@@ -920,7 +953,7 @@ def _tma_kernel(p: Plan, step=None):
                                     if step is not None:
                                         step.prologue(p, io, step_regs, bi, bj, tx)
                                     _consume(p, smem, acc, desc, bar, it * p.chunks, tx,
-                                             initial(io, bj, tx))
+                                             initial(io, bi, bj, tx))
                                     epilogue(p, io, acc, bi, bj, part, tx, step_regs)
                         _tma.finish(p)
 
@@ -981,7 +1014,7 @@ def _copying_kernel(p: Plan, step=None):
                     regs = T.meta_var((ra, rb))
                     if step is not None:
                         step.prologue(p, io, step_regs, bi, bj, tx)
-                    _initial(p, acc, initial(io, bj, tx))
+                    _initial(p, acc, initial(io, bi, bj, tx))
                     for c in T.unroll(p.ahead):
                         if c < p.chunks:
                             _fetch(p, io, smem, None, c, k0, bi, bj, tx)

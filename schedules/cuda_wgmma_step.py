@@ -1,6 +1,6 @@
 """CUDA on Hopper (sm_90): one step of a layer in one kernel, the recurrent product on warpgroup
 MMA (:mod:`.cuda_wgmma_gemm`'s kernel, fed by the TMA engine or by the warpgroups' copies) with
-the cell as its epilogue, so that the gate sums never leave the registers:
+the cell as its epilogue, so that the gate sums never leave the chip:
 
     sums = h_{t-1} @ W_hh.T + b_hh                 [N, G*H]
     y[t], states_t, h_t = cell(xp[t], sums, states_{t-1})
@@ -15,18 +15,30 @@ the units' input projections and previous states, evaluates the cell (the persis
 fast exponential and division) and writes y, the new states and h again in the operands' type
 (the next step's A): neither the sums [N, G*H] in float32 nor a point-wise kernel of their own.
 
+Swapped (:func:`swapped_plan`, as :mod:`.cuda_wgmma_gemm`'s swapped product): a tile is 64
+rows of W_hh, the instructions' A, G gates of U units (rows g*U + u: W_hh's row g*H + t*U +
+u; LSTM 16 units, rows past G*U and units past H not copied), by ``cols`` rows of h (B, a
+multiple of 8: as few tiles as fill ONE_WAVE[0] blocks). A thread's sums are 2 rows of A,
+one gate's, so the epilogue writes them to shared memory (the exchange, [64, cols + 4]
+float32) and, past a barrier, each thread takes items of two units of one row of h
+(consecutive threads, consecutive units: xp, the states and y are read and written as
+rows), its G sums read back; the input projections and states loaded before the products as
+above. H200, float16 LSTM 1024 N79, us a step: 10.7 (tiles of h's rows, a kernel each) ->
+7.1 (cuDNN 8.9).
+
 The kernel takes a step whose recurrent product the warpgroup MMA multiplies whole (halves, or
-TF32 with h and the weights rounded as stored: not split float32), with K whole chunks and
-no tails (taking K past whole chunks, copies past K zeros, was slower as often as faster;
-H200, float16, us a step, a kernel each -> one: LSTM 952 N79 19.0 -> 47.7, LSTM 600 N191
-16.0 -> 36.0, bfloat16 LSTM 1200 N96 15.5 -> 18.7, LSTM 1000 N256 21.8 -> 23.9; but GRU 1000
-N96 15.4 -> 11.5, LSTM 1000 N128 14.2 -> 13.7), whose cell reads h only
-through that product (no products of other values, no row means), where some U of 64, 32, 16,
-8 divides H with G*U <= 256 (:func:`plan_of`). The layer takes it (option ``fused_step``, on by
-default) where it measured faster: 16-bit operands, at most 16 sums a thread, tiles 24
-columns wide or more, cells of more than one gate. H200, us a step against a kernel each
-(cuDNN in brackets): float16 LSTM 512 N256 9.41 -> 8.35 (8.39), bfloat16 10.13 -> 8.32
-(8.44), float16 LSTM 1024 N128 11.57 -> 10.04 (16.22), GRU 1024 N96 9.79 -> 8.70 (8.84).
+TF32 with h and the weights rounded as stored: not split float32), whose cell reads h only
+through that product (no products of other values, no row means); in tiles of h's rows, with
+K whole chunks (taking K past them, copies past K zeros, was slower as often as faster; H200,
+float16, us a step, a kernel each -> one: LSTM 952 N79 19.0 -> 47.7, LSTM 600 N191 16.0 ->
+36.0, bfloat16 LSTM 1200 N96 15.5 -> 18.7, LSTM 1000 N256 21.8 -> 23.9; but GRU 1000 N96
+15.4 -> 11.5, LSTM 1000 N128 14.2 -> 13.7) where some U of 64, 32, 16, 8 divides H with G*U
+<= 256 (:func:`plan_of`). The layer takes it (option ``fused_step``, on by default) where it
+measured faster: swapped where :func:`swapped_faster`; else 16-bit operands, at most 16 sums
+a thread, tiles 24 columns wide or more, cells of more than one gate. H200, us a step against
+a kernel each (cuDNN in brackets), tiles of h's rows: float16 LSTM 512 N256 9.41 -> 8.35
+(8.39), bfloat16 10.13 -> 8.32 (8.44), float16 LSTM 1024 N128 11.57 -> 10.04 (16.22), GRU
+1024 N96 9.79 -> 8.70 (8.84).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from rnncc.cells import Cell, ops
@@ -64,6 +77,9 @@ MAX_THREAD_SUMS = 16
 #: kernel is little work, its 32-column tiles were not measured) and TF32 (LSTM 1024 N96 14.41
 #: -> 15.71, LSTM 2048 N256 65.60 -> 66.53) were slower.
 MIN_COLUMNS = 24
+#: Swapped (:func:`swapped_plan`): the most rows of h a tile (its items' registers: the
+#: sums, and the input projections and states loaded before the products)
+SWAPPED_MAX_COLUMNS = 128
 
 #: Two float32 of a lane, loaded where the program puts the load (``volatile``, a memory
 #: clobber, not the read-only path): ptxas otherwise moves the prologue's loads past the
@@ -91,11 +107,14 @@ def takes(cell: Cell) -> str | None:
 
 
 def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
-            unit: int | None = None) -> Plan | None:
+            unit: int | None = None, swapped: bool | None = None) -> Plan | None:
     """The plan of one step's ``product`` (h [N, H] by W_hh [G*H, H]) with the cell as its
-    epilogue, tiles of G x U columns (``unit``: that U; by default :data:`UNITS`' choice,
-    where it is faster: :data:`MAX_THREAD_SUMS`, :data:`MIN_COLUMNS`), or None where this
-    kernel does not take it."""
+    epilogue: ``swapped`` (:func:`swapped_plan`, of U = ``unit`` where given), or not, tiles
+    of G x U columns (``unit``: that U; by default :data:`UNITS`' choice, where it is faster:
+    :data:`MAX_THREAD_SUMS`, :data:`MIN_COLUMNS`); by default swapped where
+    :func:`swapped_faster`; None where this kernel does not take it."""
+    if swapped or (swapped is None and unit is None and swapped_faster(product, gates)):
+        return swapped_plan(product, gates, unit)
     if (product is None or product.rows is None or product.parts != 1 or product.op.split
             or not product.pipelined or product.form != "projection"
             or product.tails or product.columns % gates):
@@ -121,6 +140,55 @@ def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
                          or gates == 1 or product.op.tf32):
         return None
     return Plan(product, gates * chosen, "tma" if tma else "copy", unit=chosen)
+
+
+def swapped_faster(product: cuda_mma_gemm.Product | None, gates: int) -> bool:
+    """Whether the planner takes the swapped plan (:func:`swapped_plan`): where there is one,
+    of 16-bit operands, its tiles' rows all gates' (G*U = 64: LSTM), more than one gate.
+    H200 layers, us a step (T 100): not swapped (a kernel each where this kernel did not take
+    the step) -> swapped (a kernel each, swapped product) [cuDNN]: float16 LSTM 1024 N79
+    10.73 -> 7.06 (8.15) [8.92], N128 10.13 -> 8.33 (9.78) [16.32], N256 14.14 -> 13.40
+    (14.16) [14.17], LSTM 2048 N96 20.02 -> 18.06 (20.04) [17.64], LSTM 4096 N32 50.3 ->
+    45.6 (50.4) [45.1], LSTM 600 N191 12.17 -> 9.64 (12.13) [9.75], LSTM 952 N79 10.68 ->
+    9.65 (10.67) [9.42], LSTM 1000 N128 13.21 -> 12.01 (12.61) [11.42], LSTM 512 N256 8.05
+    -> 8.06 [8.42]; bfloat16 LSTM 2048 N128 27.58 -> 20.91 (27.81) [21.03], LSTM 1000 N256
+    20.27 -> 18.96 (20.31) [15.93], LSTM 1200 N96 12.46 -> 12.15 [11.19]. Not taken: GRU
+    (20 units, 60 of 64 rows: float16 GRU 1024 N96 8.09 -> 7.33 (7.52), but bfloat16 GRU
+    1024 N100 8.77 -> 10.10 (7.73), float16 GRU 2048 N128 21.19 -> 23.01 (21.37)), TF32
+    (LSTM 1024 N128 13.04 -> 12.54, LSTM 600 N191 12.99 -> 10.65, but LSTM 952 N79 11.37 ->
+    13.34, GRU 2048 N64 24.99 -> 29.22), over one wave (float16 LSTM 2048 N256 43.45 ->
+    46.84)."""
+    rows = cuda_wgmma_gemm.SWAPPED_ROWS
+    return (product is not None and not product.op.tf32 and gates > 1 and rows % gates == 0
+            and rows // gates % 2 == 0 and swapped_plan(product, gates) is not None)
+
+
+def swapped_plan(product: cuda_mma_gemm.Product | None, gates: int,
+                 unit: int | None = None) -> Plan | None:
+    """The swapped plan of one step's ``product`` (:class:`.cuda_wgmma_gemm.Plan`, the
+    weights the instructions' A): a tile's 64 rows of W_hh the G gates of U units (the most
+    even count with G*U <= 64: LSTM 16, GRU 20), its columns ``cols`` rows of h (a multiple
+    of 8, at most SWAPPED_MAX_COLUMNS), the fewest tiles of h's rows whose grid has
+    ONE_WAVE[0] blocks or more, else the most blocks; K whole (its tails zeros past it); or
+    None where the swapped product is not (:func:`.cuda_wgmma_gemm.swapped`'s operands), H
+    is odd or N over SWAPPED_MAX_ROWS."""
+    if (product is None or product.rows is None or product.parts != 1 or product.op.split
+            or not product.pipelined or product.form != "projection"
+            or product.columns % gates or product.rows > cuda_wgmma_gemm.SWAPPED_MAX_ROWS
+            or not all(product.specs[q][2] == product.op.dtype for q in (0, 1))
+            or product.k_total * (4 if product.op.tf32 else 2) % 16):
+        return None
+    hidden, n = product.columns // gates, product.rows
+    unit = unit or cuda_wgmma_gemm.SWAPPED_ROWS // gates // 2 * 2
+    if unit == 0 or unit % 2 or gates * unit > cuda_wgmma_gemm.SWAPPED_ROWS or hidden % 2:
+        return None
+    tiles = -(-hidden // unit)
+    counts = range(-(-n // SWAPPED_MAX_COLUMNS), -(-n // 8) + 1)
+    count = next((c for c in counts if tiles * c >= ONE_WAVE[0]), counts[-1])
+    if tiles * count > ONE_WAVE[1]:
+        return None
+    cols = -(-n // (8 * count)) * 8
+    return Plan(product, cols, "copy", unit=unit, swapped=True, gates=gates)
 
 
 @dataclass(frozen=True)
@@ -192,25 +260,60 @@ class Step:
                            m * 4 + half * 2 + v, u_count // 8 * 4)
                     q += 1
 
+    def _swapped_pairs(self, p: Plan, bi, bj, tx):
+        """Swapped (after the exchange): the thread's units two at a time, (m, row i of h,
+        its first unit j, the tile's column c of i and unit u of j), m counting them: item
+        m * 128 + tx of the tile's U/2 x ``cols`` (consecutive threads, consecutive units)."""
+        half = p.unit // 2
+        for m in range(self._passes(p)):
+            v = m * p.threads + tx
+            u, c = v % half * 2, v // half
+            yield m, bj * p.cols + c, bi * p.unit + u, c, u
+
+    def _passes(self, p: Plan) -> int:
+        """Swapped: the thread's items of two units (:meth:`_swapped_pairs`)."""
+        return -(-p.unit // 2 * p.cols // p.threads)
+
+    def _inside(self, p: Plan, i, j, c):
+        """Swapped: whether item (i, j, c) is within the tile, N and H."""
+        return tirx.all(c < p.cols, i < self.batch, j < self.hidden)
+
     def registers(self, p: Plan):
-        """Inside the root block: the thread's registers of its pairs' input projections
-        ([G * U/2]) and previous states ([states * U/2])."""
-        pairs = p.unit // 2
-        return (T.sblock_alloc_buffer((self.cell.gates * pairs,), "float32", scope="local"),
+        """Inside the root block: the thread's registers of its units' input projections
+        ([G * units]) and previous states ([states * units]): U/2 units, or swapped two an
+        item (:meth:`_swapped_pairs`), then also the tile's exchange in shared memory."""
+        pairs = 2 * self._passes(p) if p.swapped else p.unit // 2
+        regs = (T.sblock_alloc_buffer((self.cell.gates * pairs,), "float32", scope="local"),
                 T.sblock_alloc_buffer((len(self.cell.states) * pairs,), "float32",
                                       scope="local"))
+        if not p.swapped:
+            return regs
+        exchange = T.sblock_alloc_buffer((p.exchange_bytes // 4,), "float32",
+                                         scope="shared.dyn")
+        return (*regs, exchange)
 
     def prologue(self, p: Plan, io, regs, bi, bj, tx):
         """Before the products: the pairs' input projections and previous states loaded
         into ``regs``, two units at once (:data:`LOAD2`; their latency hidden behind the
         products), the states only where the step reads them (:meth:`read_states`)."""
-        named, (gi, st) = self._named(io), regs
+        named, gi, st = self._named(io), regs[0], regs[1]
         h, pairs = self.hidden, p.unit // 2
 
         def load(dst, index, src):
             T.evaluate(T.cuda.func_call(LOAD2, T.address_of(dst[index]), T.address_of(src),
                                         source_code=LOAD2_SOURCE))
 
+        if p.swapped:
+            pairs = 2 * self._passes(p)
+            for m, i, j, c, _ in self._swapped_pairs(p, bi, bj, tx):
+                with T.If(self._inside(p, i, j, c)):
+                    with T.Then():
+                        for g in range(self.cell.gates):
+                            load(gi, g * pairs + 2 * m, named["xp"][i, g * h + j])
+                        for k in self.read_states:
+                            load(st, k * pairs + 2 * m,
+                                 named[f"{self.cell.states[k]}_prev"][i, j])
+            return
         for q, i, j, _, _ in self._pairs(p, bi, bj, tx):
             if q % 2:  # the second unit of two, loaded with the first
                 continue
@@ -221,9 +324,18 @@ class Step:
                     for k in self.read_states:
                         load(st, k * pairs + q, named[f"{self.cell.states[k]}_prev"][i, j])
 
-    def initial(self, p: Plan, io, bj, tx):
-        """The sums' first values, a function of the sum: its column's b_hh."""
+    def initial(self, p: Plan, io, bi, bj, tx):
+        """The sums' first values, a function of the sum: its column's b_hh (swapped: its
+        row's; rows past G*U or H read the last)."""
         b_hh, u_count, lane = self._named(io)["b_hh"], p.unit, tx % 32
+        if p.swapped:
+            last = self.cell.gates * self.hidden - 1
+
+            def value(e):
+                row = tx // 32 * 16 + lane // 4 + e // 2 % 2 * 8
+                index = row // u_count * self.hidden + bi * u_count + row % u_count
+                return T.Cast("float32", b_hh[tirx.min(index, last)])
+            return value
 
         def value(e):
             column = e // 4 * 8 + lane % 4 * 2 + e % 2
@@ -232,30 +344,51 @@ class Step:
         return value
 
     def epilogue(self, p: Plan, io, acc, bi, bj, part, tx, regs):
-        """The cell on each of the thread's pairs below N (``part``: 0, the product is
-        whole)."""
-        cell, named, (gi, st) = self.cell, self._named(io), regs
-        pairs, g_count = p.unit // 2, self.cell.gates
-        for q, i, j, first, stride in self._pairs(p, bi, bj, tx):
-            with T.If(i < self.batch):
+        """The cell on each of the thread's units and rows within N (and H) (``part``: 0,
+        the product is whole); swapped, the sums through the exchange first."""
+        gi, st, g_count = regs[0], regs[1], self.cell.gates
+        if not p.swapped:
+            pairs = p.unit // 2
+            for q, i, j, first, stride in self._pairs(p, bi, bj, tx):
+                with T.If(i < self.batch):
+                    with T.Then():
+                        self._unit(p, io, gi, st, pairs, q, i, j,
+                                   [acc[first + g * stride] for g in range(g_count)])
+            return
+        exchange, lane, width = regs[2], tx % 32, p.exchange_stride
+        T.evaluate(T.tvm_storage_sync("shared"))  # TVM may lay the exchange over the stages
+        for e in range(p.sums):
+            row = tx // 32 * 16 + lane // 4 + e // 2 % 2 * 8
+            T.buffer_store(exchange, acc[e], [row * width + e // 4 * 8 + lane % 4 * 2 + e % 2])
+        T.evaluate(T.tvm_storage_sync("shared"))
+        pairs = 2 * self._passes(p)
+        for m, i, j, c, u in self._swapped_pairs(p, bi, bj, tx):
+            with T.If(self._inside(p, i, j, c)):
                 with T.Then():
-                    prev = [st[k * pairs + q] if k in self.read_states else T.float32(0)
-                            for k in range(len(cell.states))]
-                    gates_i = [gi[g * pairs + q] for g in range(g_count)]
-                    gates_h = [acc[first + g * stride] for g in range(g_count)]
-                    params = [named[f"param_{name}"][j] for name in cell.params]
-                    with ops.lowered_with(FAST_FUNCTIONS):
-                        new = [T.Bind(v) for v in cell.evaluate(gates_i, gates_h, prev,
-                                                                params)]
-                    out = new[0]
-                    if self.masked:
-                        live = named["active"][i] != 0
-                        out = T.Bind(T.if_then_else(live, new[0], T.float32(0)))
-                        new = [T.if_then_else(live, v, prev[k]) for k, v in enumerate(new)]
-                    T.buffer_store(named["y"], T.Cast(named["y"].dtype, out), [i, j])
-                    for s, value in zip(cell.states, new):
-                        T.buffer_store(named[f"{s}_next"], value, [i, j])
-                    T.buffer_store(named["h_operand"], p.product.op.round(out), [i, j])
+                    for v in range(2):
+                        self._unit(p, io, gi, st, pairs, 2 * m + v, i, j + v,
+                                   [exchange[(g * p.unit + u + v) * width + c]
+                                    for g in range(g_count)])
+
+    def _unit(self, p: Plan, io, gi, st, pairs, q, i, j, gates_h):
+        """The cell at row i of h and unit j, its ``q``-th in the registers, of sums
+        ``gates_h`` (b_hh added): y, the new states and h again stored."""
+        cell, named = self.cell, self._named(io)
+        prev = [st[k * pairs + q] if k in self.read_states else T.float32(0)
+                for k in range(len(cell.states))]
+        gates_i = [gi[g * pairs + q] for g in range(cell.gates)]
+        params = [named[f"param_{name}"][j] for name in cell.params]
+        with ops.lowered_with(FAST_FUNCTIONS):
+            new = [T.Bind(v) for v in cell.evaluate(gates_i, gates_h, prev, params)]
+        out = new[0]
+        if self.masked:
+            live = named["active"][i] != 0
+            out = T.Bind(T.if_then_else(live, new[0], T.float32(0)))
+            new = [T.if_then_else(live, v, prev[k]) for k, v in enumerate(new)]
+        T.buffer_store(named["y"], T.Cast(named["y"].dtype, out), [i, j])
+        for s, value in zip(cell.states, new):
+            T.buffer_store(named[f"{s}_next"], value, [i, j])
+        T.buffer_store(named["h_operand"], p.product.op.round(out), [i, j])
 
 
 def kernel(step: Step):

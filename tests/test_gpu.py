@@ -273,12 +273,15 @@ def test_h_staged_in_slices_matches_reference(cell, hidden, batch, dtype, rng):
     ("gru", 512, 1024, 100, "bfloat16", {"directions": 2, "lengths": True}),
     ("lstm", 512, 512, 256, "float16", {}),
     ("gru", 1024, 1024, 96, "float16", {"lengths": True}),
-    (os.path.join(ROOT, "tests", "data", "coupled.py"), 512, 1024, 128, "float16", {})])
+    (os.path.join(ROOT, "tests", "data", "coupled.py"), 512, 1024, 128, "float16", {}),
+    ("lstm", 64, 1000, 79, "float16", {"directions": 2}),  # K past whole chunks
+    ("lstm", 48, 200, 70, "bfloat16", {"lengths": True})])  # a last tile of 8 units of 16
 def test_one_step_kernel_matches_reference(cell, c, h, n, dtype, options, rng):
     """cuda.wgmma_step (one step's recurrent product with the cell as its epilogue, one kernel
     a step) against float64 at T = 1 and 37: with lengths (y zero and the states kept past
-    them), both directions, two row tiles, a user's cell; fed by the TMA engine at H 1024,
-    by the warpgroups' copies at H 512."""
+    them), both directions, two row tiles, a user's cell; GRUs and the user's cell in tiles
+    of h's rows (fed by the TMA engine at H 1024, by the warpgroups' copies at H 512), LSTMs
+    in swapped tiles (W_hh the instructions' A), K past whole chunks, H past whole tiles."""
     module = rnncc.compile(cell, c, h, n, target="cuda", dtype=dtype, persistent="off",
                            **options)
     assert module.metadata["schedule"]["rules"]["step"] == "cuda.wgmma_step"
@@ -536,7 +539,8 @@ def test_half_products_of_all_steps_on_tensor_cores_match_reference(cell, input_
     """float16 / bfloat16: the input projection of all steps on cuda.wgmma_gemm (sm_90;
     flat rows in float16, T x N in bfloat16; a partial last row tile; K and O past whole
     chunks and tiles in the last two) and each step's on cuda.mma_gemv."""
-    module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype, persistent="off")
+    module = compiled(cell, input_size, hidden, batch, "cuda", dtype=dtype, persistent="off",
+                      fused_step=False)
     rules = module.metadata["schedule"]["rules"]
     assert (rules["input_gemm"], rules["recurrent_gemm"]) == (
         on_this_gpu("cuda.wgmma_gemm"), "cuda.mma_gemv")
@@ -620,7 +624,7 @@ def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rul
     partial last tile of batch rows; the same module without allow_tf32 stays within
     float32's."""
     module = compiled(cell, input_size, hidden, batch, "cuda", persistent="off",
-                      allow_tf32=True)
+                      allow_tf32=True, fused_step=False)
     rules = module.metadata["schedule"]["rules"]
     assert module.allow_tf32
     assert (rules["input_gemm"], step_product_rule(rules)) == (

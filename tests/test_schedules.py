@@ -2421,11 +2421,11 @@ def test_cuda_step_that_reduces_is_one_kernel_a_batch_row(batch, hidden, backwar
         assert threads == [str(min(1024, -(-hidden // 32) * 32))] * (sums + 1)
 
 
-def _step_case(cell, n, h, dtype, masked, rng, unit=None):
+def _step_case(cell, n, h, dtype, masked, rng, unit=None, swapped=False):
     """(kernel, its arguments with poisoned outputs, float64 expected outputs by name) of one
     step's kernel (cuda.wgmma_step) of ``cell`` at batch ``n``, hidden ``h``, operands
-    ``dtype`` ("tf32": float32 allowed TF32, h and the weights rounded as stored);
-    ``masked``: random samples past their lengths."""
+    ``dtype`` ("tf32": float32 allowed TF32, h and the weights rounded as stored), in
+    ``swapped`` tiles or not; ``masked``: random samples past their lengths."""
     from rnncc.schedules import _mma, cuda_mma_gemm, cuda_wgmma_step
 
     g, tf32 = cell.gates, dtype == "tf32"
@@ -2433,7 +2433,7 @@ def _step_case(cell, n, h, dtype, masked, rng, unit=None):
     func = comp.gemm((n,), h, g * h, "rows", stored, stored)
     if tf32:
         func = func.with_attr(_mma.TF32_ATTR, True).with_attr(_mma.TF32_ROUNDED_ATTR, "ab")
-    plan = cuda_wgmma_step.plan_of(cuda_mma_gemm.product_of(func, CUDA), g, unit)
+    plan = cuda_wgmma_step.plan_of(cuda_mma_gemm.product_of(func, CUDA), g, unit, swapped)
     step = cuda_wgmma_step.Step(plan, cell, masked)
 
     def rounded(x):
@@ -2462,13 +2462,17 @@ def _step_case(cell, n, h, dtype, masked, rng, unit=None):
     return cuda_wgmma_step.kernel(step), plan, given + outputs, want
 
 
+@pytest.mark.parametrize("swapped", [False, True])
 @pytest.mark.parametrize("cell", rnncc.cells.names())
-def test_one_step_kernel_matches_the_cell_on_the_simulator(cell, rng):
+def test_one_step_kernel_matches_the_cell_on_the_simulator(cell, swapped, rng):
     """cuda.wgmma_step, one step's recurrent product with the cell as its epilogue: every
     registered cell whose step can be one (the others say why not), bfloat16 operands copied
-    by the warpgroups, N = 70 (a row tile of 128 rows, 58 past N), H = 128 in 32-unit tiles,
-    samples past their lengths (y zero, the states kept): y, the new states and h again
-    against the float64 step of the same operands."""
+    by the warpgroups, N = 70, samples past their lengths (y zero, the states kept): y, the
+    new states and h again against the float64 step of the same operands. In tiles of h's
+    rows: a row tile of 128 rows (58 past N), H = 128 in 32-unit tiles; ``swapped``: tiles
+    of 64 rows of W_hh (G gates of U units, rows past G*U unused: GRU 20 units, 4 rows),
+    h's rows as the instructions' B (10 tiles of 8 rows, 2 past N), H = 136 (K past whole
+    chunks, a last tile of fewer units than U)."""
     from rnncc.schedules import cuda_wgmma_step
     from tir_sim import Simulator
 
@@ -2477,8 +2481,15 @@ def test_one_step_kernel_matches_the_cell_on_the_simulator(cell, rng):
     if why is not None:
         assert cell.name in why
         return
-    kernel, plan, args, want = _step_case(cell, 70, 128, "bfloat16", True, rng, unit=32)
-    assert not plan.tma and plan.cols == cell.gates * 32
+    if swapped:
+        kernel, plan, args, want = _step_case(cell, 70, 136, "bfloat16", True, rng,
+                                              swapped=True)
+        unit = 64 // cell.gates // 2 * 2
+        assert (plan.swapped, plan.unit, plan.cols) == (True, unit, 8)
+        assert plan.tail and 136 % unit and plan.i_tiles == -(-136 // unit)
+    else:
+        kernel, plan, args, want = _step_case(cell, 70, 128, "bfloat16", True, rng, unit=32)
+        assert not plan.tma and plan.cols == cell.gates * 32
     Simulator(kernel, {p.name: x for p, x in zip(kernel.params, args)}).run()
     got = dict(zip(want, args[-len(want):]))
     for name, value in want.items():
@@ -2509,11 +2520,27 @@ def test_one_step_kernel_fed_by_the_tma_engine_on_the_simulator(cell, dtype, n, 
 
 def test_one_step_kernel_where_it_is_faster():
     """The layer's step is one kernel (no sums workspace hp) where the warpgroup MMA takes
-    its product and a thread's epilogue is short (16-bit operands, at most 16 sums a thread,
-    tiles at least 24 columns wide, more than one gate, K whole chunks): float16 LSTM 1024
-    N128, bfloat16 GRU
-    512 -> 1024 N100 bidirectional with lengths; not LSTM 2048 N256 (64 sums a thread), TF32,
-    an RNN (one gate), a cell with means, IEEE float32, Ampere, nor with fused_step off."""
+    its product: in swapped tiles where every row of W_hh's tiles is a gate's (LSTM: 4 x 16
+    units), 16-bit, within one wave (float16 LSTM 1024 N79 in 2 tiles of 40 rows of h, N256
+    of 128; LSTM 1000 N128, K past whole chunks); else in tiles of h's rows where a thread's
+    epilogue is short (16-bit operands, at most 16 sums a thread, tiles at least 24 columns
+    wide, more than one gate, K whole chunks): bfloat16 GRU 512 -> 1024 N100 bidirectional
+    with lengths; not LSTM 2048 N256 (swapped: two waves; else 64 sums a thread), GRU 1000
+    (K past whole chunks), TF32, an RNN (one gate), a cell with means, IEEE float32, Ampere,
+    nor with fused_step off."""
+    from rnncc.schedules import cuda_mma_gemm, cuda_wgmma_step
+
+    def plan(cell, n, h, dtype):
+        g = rnncc.cells.get(cell).gates
+        func = comp.gemm((n,), h, g * h, "rows", dtype, dtype)
+        return cuda_wgmma_step.plan_of(cuda_mma_gemm.product_of(func, CUDA), g)
+
+    for cell, n, dtype, want in [("lstm", 79, "float16", (True, 16, 40, 128)),
+                                 ("lstm", 256, "bfloat16", (True, 16, 128, 128)),
+                                 ("gru", 96, "float16", (False, 8, 24, 128))]:
+        found = plan(cell, n, 1024, dtype)
+        assert (found.swapped, found.unit, found.cols, found.grid) == want
+
     def step(cell, c, h, n, dtype, target=CUDA, options=None, **given):
         problem = Problem(rnncc.cells.get(cell), c, h, n, dtype, **given)
         lowered = sequence.build(problem, Options(persistent="off", **(options or {})), target)
@@ -2523,10 +2550,11 @@ def test_one_step_kernel_where_it_is_faster():
 
     fused = "cuda.wgmma_step"
     assert step("lstm", 1024, 1024, 128, "float16") == fused
-    assert step("lstm", 1000, 1000, 128, "float16") is None  # K past whole chunks
+    assert step("lstm", 1000, 1000, 128, "float16") == fused  # swapped: K past whole chunks
+    assert step("gru", 1000, 1000, 128, "float16") is None  # not swapped: K past whole chunks
     assert step("gru", 512, 1024, 100, "bfloat16", directions=2, lengths=True) == fused
     assert step("lstm", 1024, 1024, 128, "float16", options={"fused_step": False}) is None
-    assert step("lstm", 2048, 2048, 256, "float16") is None
+    assert step("lstm", 2048, 2048, 256, "float16") is None  # swapped over one wave
     assert step("lstm", 1024, 1024, 96, "float32", allow_tf32=True) is None
     assert step("rnn_tanh", 1024, 1024, 256, "float16") is None
     assert step("rnn_relu", 2048, 2048, 256, "float16") is None  # 32 columns: one gate

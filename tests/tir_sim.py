@@ -758,6 +758,7 @@ class Simulator:
         desc, addr = self._expr(args[0]), self._expr(args[1])
         ldo, sdo, swizzle = (int(self._expr(a)) for a in args[2:])
         size = np.dtype(_np_dtype(addr.buffer.ty.dtype)).itemsize
+        self.described = addr.buffer
         start = np.asarray(addr.flat, np.uint64) * np.uint64(size) >> np.uint64(4)
         value = (start & np.uint64(0x3FFF) | np.uint64(ldo << 16) | np.uint64(sdo << 32)
                  | np.uint64(self._LAYOUT[swizzle] << 62))
@@ -765,6 +766,11 @@ class Simulator:
         return None
 
     def _shared_dyn(self):
+        """(buffer, array) of the operands' dynamic shared memory: the buffer the matrix
+        descriptors were last encoded on, else the only one."""
+        described = getattr(self, "described", None)
+        if described is not None:
+            return described, self.store[described][1]
         (found,) = [(b, a) for b, (scope, a) in self.store.items() if scope == "shared.dyn"]
         return found
 
