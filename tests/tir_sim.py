@@ -123,6 +123,7 @@ class Simulator:
         #: arrivals a phase of each takes (its initial count) and the arrivals it had
         self.queued, self.begun, self.waited = {}, {}, {}
         self.counts, self.arrivals = {}, {}
+        self.described = None  # the shared memory buffer the matrix descriptors name
 
     def run(self):
         self.mask = np.ones(self.lanes, bool)
@@ -137,7 +138,9 @@ class Simulator:
         (:attr:`block_dims`: threadIdx.x, .y and .z; of run-time sizes too, bound from the
         arguments' shapes), the most of any kernel's. A function of several kernels of
         different grids runs each on its own (:attr:`kernels`: a kernel's outermost binding,
-        its grid and block), the lanes past them masked off."""
+        its grid and block), its threads a block's first lanes numbered as its own block
+        (:attr:`dims`: x fastest, so that its warps are 32 consecutive lanes), the lanes past
+        them masked off."""
         def bindings(node):
             found = []
             tvm_ffi.structural_walk(node, (tirx.For, lambda inner: found.append(inner) if (
@@ -165,12 +168,13 @@ class Simulator:
         grids = list(self.kernels.values()) or [((1, 1, 1), (1, 1, 1))]
         grid = tuple(max(g[axis] for g, _ in grids) for axis in range(3))
         self.block_dims = tuple(max(t[axis] for _, t in grids) for axis in range(3))
+        self.dims = self.block_dims  # the running kernel's (:meth:`_launch`)
         return grid, int(np.prod(self.block_dims))
 
     def _thread_index(self, axis: int):
         """Each lane's threadIdx along ``axis`` (0, 1, 2: x, y, z)."""
-        below = int(np.prod(self.block_dims[:axis]))
-        return self.lane % self.threads // below % self.block_dims[axis]
+        below = int(np.prod(self.dims[:axis]))
+        return self.lane % self.threads // below % self.dims[axis]
 
     def _allocate(self, buffer):
         size = int(np.prod([int(d) for d in buffer.ty.shape]))
@@ -266,11 +270,14 @@ class Simulator:
         """A thread binding (a loop's or a ``thread_extent`` attribute's): ``var`` each
         lane's index, the body run for the lanes of the kernel."""
         outer = mask
-        if node in self.kernels:  # a kernel's grid: its lanes, the others masked off
-            self.kernel, block = self.kernels[node]
+        if node in self.kernels:  # a kernel's grid: its lanes (a block's first threads, as
+            # the hardware numbers them: x fastest), the others masked off
+            self.kernel, self.dims = self.kernels[node]
+            self._check_arrivals()  # the last kernel's barriers, then this one's anew
+            self.queued, self.begun, self.waited, self.counts, self.arrivals = ({} for _ in
+                                                                                range(5))
             mask = mask & (self.lane // self.threads < int(np.prod(self.kernel)))
-            for axis, extent in enumerate(block):
-                mask = mask & (self._thread_index(axis) < extent)
+            mask = mask & (self.lane % self.threads < int(np.prod(self.dims)))
         tag = _thread_tag(node)
         axis = "xyz".index(tag[-1])
         if tag == "clusterCtaIdx.x":  # clusters of consecutive blocks
@@ -436,11 +443,15 @@ class Simulator:
         for var in over:
             ids = np.broadcast_to(self.env[var], (self.lanes,))
             axes |= {a for a in range(3) if (ids == self._thread_index(a)).all()
-                     and self.block_dims[a] > 1}
-        shape = (self.blocks, *reversed(self.block_dims))  # [block][z][y][x]
+                     and self.dims[a] > 1}
+        size = int(np.prod(self.dims))  # the kernel's threads, a block's first
+        shape = (self.blocks, *reversed(self.dims))  # [block][z][y][x]
         picked = tuple(3 - a for a in axes)
-        total = np.where(mask, value, 0).reshape(shape).sum(axis=picked, keepdims=True)
-        total = np.broadcast_to(total, shape).reshape(-1)
+        value = np.where(mask, value, 0).reshape(self.blocks, self.threads)[:, :size]
+        total = np.zeros((self.blocks, self.threads), value.dtype)
+        total[:, :size] = np.broadcast_to(
+            value.reshape(shape).sum(axis=picked, keepdims=True), shape).reshape(self.blocks, -1)
+        total = total.reshape(-1)
         self._write(out.source, self._flat_index(out.source, [self._expr(i)
                                                              for i in out.indices]),
                     total, mask)
@@ -581,9 +592,10 @@ class Simulator:
         return None
 
     def _check_arrivals(self):
-        """Each barrier waited for had, in the whole run, the arrivals of every phase waited
-        for (in lockstep a producer's waits for free stages come before the consumers give
-        them back; over the run the counts must still add up, or the GPU would hang)."""
+        """Each barrier waited for had, in the whole kernel, the arrivals of every phase
+        waited for (in lockstep a producer's waits for free stages come before the consumers
+        give them back; over the kernel the counts must still add up, or the GPU would
+        hang)."""
         for key, phases in self.waited.items():
             had, count = self.arrivals.get(key, 0), self.counts.get(key)
             if count is None:
@@ -618,8 +630,8 @@ class Simulator:
             phase = self.begun.get((block, at[3]), 0) - 1
             for target in targets:
                 self.queued.setdefault((target, at[3]), []).append(
-                    (phase, (target, at[0] * np.dtype(_np_dtype(dst.buffer.ty.dtype)).itemsize,
-                             tmap, at[1], at[2], size)))
+                    (phase, (target, dst.buffer, at[0] * np.dtype(_np_dtype(
+                        dst.buffer.ty.dtype)).itemsize, tmap, at[1], at[2], size)))
         return None
 
     def _tma_wait(self, pointer, parity, mask):
@@ -640,10 +652,11 @@ class Simulator:
                 self._land(*copy)
         return None
 
-    def _land(self, block, dst, tmap, k0, row0, size):
-        """A box of ``tmap`` from (k0, row0) into the block's dynamic shared memory from byte
-        ``dst``: box row r at 128 r bytes, 128-byte swizzled; past the tensor zeros."""
-        buffer, smem = self._shared_dyn()
+    def _land(self, block, buffer, dst, tmap, k0, row0, size):
+        """A box of ``tmap`` from (k0, row0) into the block's dynamic shared memory ``buffer``
+        from byte ``dst``: box row r at 128 r bytes, 128-byte swizzled; past the tensor
+        zeros."""
+        smem = self.store[buffer][1]
         assert np.dtype(_np_dtype(buffer.ty.dtype)).itemsize == size
         box_k, box_rows = tmap.box
         assert box_k * size == 128, "boxes of 128-byte rows"
@@ -765,21 +778,12 @@ class Simulator:
         self._write(desc.buffer, desc.flat, value, mask)
         return None
 
-    def _shared_dyn(self):
-        """(buffer, array) of the operands' dynamic shared memory: the buffer the matrix
-        descriptors were last encoded on, else the only one."""
-        described = getattr(self, "described", None)
-        if described is not None:
-            return described, self.store[described][1]
-        (found,) = [(b, a) for b, (scope, a) in self.store.items() if scope == "shared.dyn"]
-        return found
-
     def _matrix(self, desc, rows, k, block, transposed=False):
         """The [rows, k] operand a descriptor names, in the block's shared memory: K-major
         (8 rows of 128 bytes of k a core matrix, the next 8 rows ``sbo`` on), or
         ``transposed`` MN-major (k-rows of 128 bytes, 64 rows each; 8 k-rows, then the next 8
         ``sbo`` on; the next 64 rows ``lbo`` on)."""
-        buffer, smem = self._shared_dyn()
+        buffer, smem = self.described, self.store[self.described][1]
         size = np.dtype(_np_dtype(buffer.ty.dtype)).itemsize
         desc = int(desc)
         start, sbo = (desc & 0x3FFF) << 4, (desc >> 32 & 0x3FFF) << 4

@@ -1,0 +1,91 @@
+"""CUDA modules' forward entries as rnncc lowers them (every stage's kernel and the loop over the
+steps, as TVM's passes before the device code leave them), run on the TIR simulator
+(:mod:`tir_sim`) against float64: how a layer's kernels are wired (which slot of h a step's
+product reads, its slices of K, the cell step's or one-step kernel's outputs, lengths, both
+directions) checked without a GPU, for schedules whose numbers are otherwise checked only on
+the GPU machine."""
+
+import numpy as np
+import pytest
+import tvm
+
+import rnncc
+from helpers import TOL
+from rnncc import reference
+from rnncc.lowering import sequence
+from rnncc.spec import Options, Problem
+from rnncc.target import TargetSpec
+
+CUDA = TargetSpec("cuda").tvm_target()
+STEPS = 3
+
+#: (cell, C, H, N, dtype, options, (stage, the rule that must schedule it))
+CASES = [
+    # the one-step kernel in swapped tiles: a last tile of 8 units of 16, K past whole chunks
+    ("lstm", 48, 200, 70, "bfloat16", {"lengths": True}, ("step", "cuda.wgmma_step")),
+    # each step's product in slices of K (swapped tiles), their sum in the cell step
+    ("gru", 96, 200, 37, "bfloat16", {"lengths": True},
+     ("recurrent_gemm_parts", "cuda.wgmma_gemm")),
+    ("lstm", 16, 48, 9, "float16", {"directions": 2},
+     ("recurrent_gemm", "cuda.small_batch_gemv")),
+    pytest.param("lstm", 64, 1000, 79, "float16", {"directions": 2},
+                 ("step", "cuda.wgmma_step"), marks=pytest.mark.slow),
+    # the one-step kernel in tiles of h's rows, fed by the TMA engine
+    pytest.param("gru", 64, 1024, 100, "bfloat16", {"directions": 2, "lengths": True},
+                 ("step", "cuda.wgmma_step"), marks=pytest.mark.slow),
+]
+
+
+def _weights(signature, problem, rng):
+    """The entry's inputs by name (x, the packed weights as torch's, stacked by direction;
+    initial states; lengths 1 to STEPS), torch's uniform weights, and the same as torch names
+    them for the float64 reference."""
+    k = 1.0 / np.sqrt(problem.hidden_size)
+    given = {}
+    for spec in signature:
+        if spec["kind"] != "input":
+            continue
+        shape = [STEPS if d == "T" else d for d in spec["shape"]]
+        if spec["name"] == "lengths":
+            value = rng.integers(1, STEPS + 1, shape)
+        elif spec["name"].startswith(("w_", "b_")):
+            value = rng.uniform(-k, k, shape)
+        else:
+            value = rng.standard_normal(shape)
+        given[spec["name"]] = value.astype(spec["dtype"])
+    named = {}
+    for d, suffix in enumerate(("", "_reverse")[:problem.directions]):
+        for short, name in (("w_ih", "weight_ih"), ("w_hh", "weight_hh"), ("b_ih", "bias_ih"),
+                            ("b_hh", "bias_hh")):
+            value = given[short]
+            named[f"{name}_l0{suffix}"] = np.split(value, problem.directions)[d]
+    return given, named
+
+
+@pytest.mark.parametrize("cell, c, h, n, dtype, options, rule", CASES)
+def test_cuda_forward_entry_matches_float64_on_the_simulator(cell, c, h, n, dtype, options,
+                                                            rule, rng):
+    """The forward entry of a CUDA module not on the persistent kernel, every output and
+    workspace poisoned, T = 3: y and the final states within the dtype's bound of float64 on
+    the same rounded inputs (lengths random, a sample's outputs past its length zero)."""
+    from tir_sim import Simulator, lowered
+
+    problem = Problem(rnncc.cells.get(cell), c, h, n, dtype, **options)
+    built = sequence.build(problem, Options(persistent="off"), CUDA)
+    assert built.rules[rule[0]] == rule[1], built.rules
+    signature = built.signatures["forward"]
+    given, named = _weights(signature, problem, rng)
+    args = dict(given)
+    for spec in signature:
+        if spec["kind"] != "input":
+            shape = [STEPS if d == "T" else d for d in spec["shape"]]
+            poison = np.nan if "float" in spec["dtype"] else -7
+            args[spec["name"]] = np.full(shape, poison, spec["dtype"])
+    Simulator(lowered(tvm.IRModule({"main": built.mod["forward"]})), args).run()
+    initial = {s: given[f"{s}0"] for s in problem.cell.states}
+    want_y, want = reference.run_module(problem.cell, given["x"], named, problem.directions,
+                                        initial=initial, lengths=given.get("lengths"))
+    for name, got, value in [("y", args["y"], want_y),
+                             *[(s, args[f"{s}_n"], want[s]) for s in problem.cell.states]]:
+        err = np.abs(got.astype(np.float64) - value).max() / np.abs(value).max()
+        assert err < TOL[dtype], (name, err)
