@@ -36,29 +36,40 @@ CASES = [
 ]
 
 
-def _weights(signature, problem, rng):
-    """The entry's inputs by name (x, the packed weights as torch's, stacked by direction;
-    initial states; lengths 1 to STEPS), torch's uniform weights, and the same as torch names
-    them for the float64 reference."""
+def _inputs(built, problem, rng):
+    """(the forward entry's inputs by name, torch's weights by name): torch's uniform weights
+    packed by the module's own packing entries (on the simulator), x, initial states and
+    lengths 1 to STEPS as the entry takes them."""
+    from tir_sim import Simulator, lowered
+
     k = 1.0 / np.sqrt(problem.hidden_size)
-    given = {}
-    for spec in signature:
-        if spec["kind"] != "input":
+    named, given = {}, {}
+    for entry, signature in built.signatures.items():
+        if not entry.startswith("pack"):
+            continue
+        args = {}
+        for spec in signature:
+            if spec["kind"] == "input":
+                if spec["name"] not in named:
+                    named[spec["name"]] = rng.uniform(-k, k, spec["shape"]).astype(spec["dtype"])
+                args[spec["name"]] = named[spec["name"]]
+            else:
+                args[spec["name"]] = np.full(spec["shape"], np.nan, spec["dtype"])
+        Simulator(lowered(tvm.IRModule({"main": built.mod[entry]})), args).run()
+        given.update({spec["name"]: args[spec["name"]] for spec in signature
+                      if spec["kind"] == "output"})
+    for spec in built.signatures["forward"]:
+        if spec["kind"] != "input" or spec["name"] in given:
             continue
         shape = [STEPS if d == "T" else d for d in spec["shape"]]
         if spec["name"] == "lengths":
             value = rng.integers(1, STEPS + 1, shape)
-        elif spec["name"].startswith(("w_", "b_")):
+        elif spec["name"] in ("b_ih", "b_hh"):  # one direction's, as given
             value = rng.uniform(-k, k, shape)
+            named[spec["name"].replace("b_", "bias_") + "_l0"] = value.astype(spec["dtype"])
         else:
             value = rng.standard_normal(shape)
         given[spec["name"]] = value.astype(spec["dtype"])
-    named = {}
-    for d, suffix in enumerate(("", "_reverse")[:problem.directions]):
-        for short, name in (("w_ih", "weight_ih"), ("w_hh", "weight_hh"), ("b_ih", "bias_ih"),
-                            ("b_hh", "bias_hh")):
-            value = given[short]
-            named[f"{name}_l0{suffix}"] = np.split(value, problem.directions)[d]
     return given, named
 
 
@@ -67,14 +78,16 @@ def test_cuda_forward_entry_matches_float64_on_the_simulator(cell, c, h, n, dtyp
                                                             rule, rng):
     """The forward entry of a CUDA module not on the persistent kernel, every output and
     workspace poisoned, T = 3: y and the final states within the dtype's bound of float64 on
-    the same rounded inputs (lengths random, a sample's outputs past its length zero)."""
+    the same rounded inputs (lengths random, a sample's outputs past its length zero), the
+    weights packed by the module's packing entries (W_hh with K padded past H where the step
+    is the one-step kernel in swapped tiles)."""
     from tir_sim import Simulator, lowered
 
     problem = Problem(rnncc.cells.get(cell), c, h, n, dtype, **options)
     built = sequence.build(problem, Options(persistent="off"), CUDA)
     assert built.rules[rule[0]] == rule[1], built.rules
     signature = built.signatures["forward"]
-    given, named = _weights(signature, problem, rng)
+    given, named = _inputs(built, problem, rng)
     args = dict(given)
     for spec in signature:
         if spec["kind"] != "input":

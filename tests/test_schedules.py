@@ -2563,6 +2563,37 @@ def test_one_step_kernel_where_it_is_faster():
     assert step("lstm", 1024, 1024, 128, "float16", target=AMPERE) is None
 
 
+def _recurrent_k(cell, h, n, dtype, **given):
+    """(K of W_hh as the non-persistent CUDA entry takes it packed, of h's copy) of a layer
+    (C 64), checking that the packing entry writes that shape and that a stage zeroes the
+    copy where K is padded."""
+    problem = Problem(rnncc.cells.get(cell), 64, h, n, dtype, **given)
+    lowered = sequence.build(problem, Options(persistent="off"), CUDA)
+    sig = {s["name"]: s["shape"] for s in lowered.signatures["forward"]}
+    assert lowered.signatures["pack_w_hh"][-1]["shape"][1:] == sig["w_hh"][1:]
+    assert ("zero_h_operand" in lowered.rules) == (sig["w_hh"][1] != h)
+    return sig["w_hh"][1], sig["h_operand"][-1]
+
+
+def test_recurrent_k_padded_to_whole_rows_where_the_step_is_swapped():
+    """An inference layer whose step is the one-step kernel in swapped tiles takes W_hh
+    packed [G*H, R'] and h's copy [2, N, R'] (R' = H rounded up to 128-byte rows, zeros past
+    H, the copy's set by a stage each call): float16 LSTM 200 N70 (256), bfloat16 in both
+    directions; not where H is whole rows (256), nor where the step is not that kernel (GRU,
+    TF32: K past whole chunks)."""
+    assert _recurrent_k("lstm", 200, 70, "float16") == (256, 256)
+    assert _recurrent_k("lstm", 200, 70, "bfloat16", directions=2) == (256, 256)
+    assert _recurrent_k("lstm", 256, 70, "float16") == (256, 256)
+    assert _recurrent_k("gru", 200, 70, "float16") == (200, 200)
+    assert _recurrent_k("lstm", 200, 70, "float32", allow_tf32=True) == (200, 200)
+
+
+@pytest.mark.slow
+def test_recurrent_k_not_padded_in_a_training_module():
+    """A training module's W_hh stays [G*H, H] (its backward reads it as packed)."""
+    assert _recurrent_k("lstm", 200, 70, "float16", training=True) == (200, 200)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_padding_of_x_and_w_ih_leaves_zeros_past_c(dtype, rng):
     """The copies that pad an input projection's K (:func:`sequence.padded_input_size`): x

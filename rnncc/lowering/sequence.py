@@ -59,6 +59,8 @@ class Lowered:
 
 #: Bytes a row of an operand is copied in by the GEMM rules (cp.async, the TMA engine)
 COPY_BYTES = 16
+#: Bytes of a staged row of the warpgroup-MMA products' operands (one 128-byte line)
+ROW_BYTES = 128
 
 
 def padded_input_size(target, options: Options, problem: Problem) -> int:
@@ -360,6 +362,20 @@ class _Builder:
             return None
         return schedules.cuda_wgmma_step.plan_of(found, p.gates)
 
+    def recurrent_depth(self, h_form: str | None) -> int:
+        """K of each step's recurrent product in the non-persistent entry: R, or R' past it
+        (:func:`padded_recurrent_size`) where the step is then the one-step kernel in swapped
+        tiles (an inference layer: W_hh packed [G*H, R'] and h's copy [2, N, R'], zeros past
+        R, the copy's set each call; a training module's backward reads W_hh as packed)."""
+        p, r = self.p, self.p.recurrent_size
+        padded = padded_recurrent_size(p, h_form)
+        if padded == r or p.training:
+            return r
+        dtype = "float32" if h_form == "tf32" else p.dtype
+        plan = self.step_plan(comp.gemm((p.batch,), padded, p.gates * p.hidden_size, "rows",
+                                        p.dtype, dtype), h_form)
+        return padded if plan is not None and plan.swapped else r
+
     def fused_step(self, plan, masked: bool):
         """The kernel of one step (:meth:`step_plan`'s ``plan``; ``masked``: it reads the
         samples' activity), built once for every direction."""
@@ -475,9 +491,10 @@ class _Builder:
         r, proj = p.recurrent_size, p.proj_size
         per_gate = layout.gates == "per_gate"
         h_form = h_for_products(self.target, p, options)
+        k_rec = self.recurrent_depth(h_form)  # K of the step's recurrent product
         if not history:  # the training forward takes the same packed weights
             self.pack("pack_w_ih", "ih", c, layout, tf32=h_form == "tf32", padded=self.input_k)
-            self.pack("pack_w_hh", "hh", r, layout, tf32=h_form == "tf32")
+            self.pack("pack_w_hh", "hh", r, layout, tf32=h_form == "tf32", padded=k_rec)
         if proj:
             self.pack("pack_w_hr", "hr", h, layout.matrix, rows=(1, proj))
         if dirs > 1:
@@ -485,7 +502,7 @@ class _Builder:
         t_len, t = tirx.Var("T", "int64"), tirx.Var("t", "int64")
         sig = []
         x, w_ih, w_hh, b_ih, b_hh, per_unit, w_hr, s0, lengths, y, sn = self.io(
-            sig, t_len, layout.weight_shape(g, h, r))
+            sig, t_len, layout.weight_shape(g, h, k_rec))
         x_in, padding = self.padded_x(sig, x)
         c_in = self.input_k
 
@@ -509,7 +526,7 @@ class _Builder:
         rec_gates = g
         while rec_gates - 1 in products and (per_gate or layout.weights == "rows"):
             rec_gates -= 1
-        recurrent = comp.gemm((n,), r, rec_gates * h, layout.weights, p.dtype, h_dtype)
+        recurrent = comp.gemm((n,), k_rec, rec_gates * h, layout.weights, p.dtype, h_dtype)
         # one step as one kernel (the product's sums never stored), where it takes the step
         step_plan = None if history or proj or products else self.step_plan(recurrent, h_form)
         rec_parts = 1 if step_plan else self.product_parts("recurrent_gemm", recurrent)
@@ -536,8 +553,9 @@ class _Builder:
         else:
             sw = [self.param(sig, f"{s}_ws", per_direction((2, n, w)), "workspace", acc)
                   for s, w in zip(p.cell.states, widths)]
-        h_operand = (self.param(sig, "h_operand", per_direction((2, n, h)), "workspace",
+        h_operand = (self.param(sig, "h_operand", per_direction((2, n, k_rec)), "workspace",
                                 h_dtype) if h_form else None)
+        h_cols = ALL if k_rec == r else slice(0, r)  # a slot's columns the steps write
         # the vectors the cell step reads, in the accumulation dtype
         given_vectors = ([b_hh] if rec_parts > 1 else []) + per_unit
         read, vector_copies, casts = self.in_accumulation(sig, given_vectors)
@@ -564,9 +582,14 @@ class _Builder:
             "init_states", [Region(s, (d, ALL, ALL)) for s in s0],
             [Region(s, at(d, (0, ALL, ALL))) for s in sw], f"init_states{_SUFFIX[d]}")]
         if h_operand is not None:
+            if k_rec != r:  # its columns past R, which the steps leave, zeros
+                shape = per_direction((2, n, k_rec))
+                prologue.append(Stage("zero_h_operand", self.scheduled(
+                    "zero_h_operand", comp.zeros(shape, h_dtype), "elementwise"),
+                    [Region(h_operand, (ALL,) * len(shape))], 1))
             prologue += [stage for d in range(dirs) for stage in self.states_copy(
                 "init_h_operand", [Region(s0[0], (d, ALL, ALL))],
-                [Region(h_operand, at(d, (0, ALL, ALL)))], f"init_h_operand{_SUFFIX[d]}",
+                [Region(h_operand, at(d, (0, ALL, h_cols)))], f"init_h_operand{_SUFFIX[d]}",
                 tf32=h_form == "tf32")]
         prologue += casts + padding
         active = []
@@ -623,7 +646,7 @@ class _Builder:
             out = (Region(y, (t, ALL, ALL)) if dirs == 1 else Region(y, (t, ALL, slice(0, r)))
                    if d == 0 else Region(y_rev, (t, ALL, ALL)))
             h_next = ([Region(h_operand, at(d, (tirx.floormod(t + i64(1), i64(2)), ALL,
-                                                 ALL)))] if h_form else [])
+                                                 h_cols)))] if h_form else [])
             if step_plan is not None:  # the product and the cell in one kernel
                 rows = slice(d * g * h, (d + 1) * g * h)
                 steps.append(Stage(f"step{suffix}", self.fused_step(step_plan, bool(active)), [
@@ -635,7 +658,8 @@ class _Builder:
                 continue
             if rec_parts > 1:  # the slices of K into hp; the cell step adds them and b_hh
                 parts_func = self.scheduled("recurrent_gemm_parts", comp.gemm_parts(
-                    n, r, rec_gates * h, rec_parts, layout.weights, p.dtype, h_dtype), "gemm")
+                    n, k_rec, rec_gates * h, rec_parts, layout.weights, p.dtype, h_dtype),
+                    "gemm")
                 steps.append(Stage(f"recurrent_gemm{suffix}", parts_func, [
                     h_prev, Region(w_hh, (slice(d * g * h, (d * g + rec_gates) * h), ALL)),
                     Region(hp, at(d, (ALL, ALL, ALL)))], 1))
@@ -643,7 +667,7 @@ class _Builder:
                       Region(vectors[b_hh.name], (slice(d * g * h, (d + 1) * g * h),))]
             else:
                 steps += _named(self.projections(
-                    "recurrent_gemm", h_prev, (n,), r, w_hh, b_hh,
+                    "recurrent_gemm", h_prev, (n,), k_rec, w_hh, b_hh,
                     lambda i, d=d: Region(hp, at(d, (i, ALL, ALL))),
                     Region(hp, at(d, (ALL, ALL))), d, rec_gates), suffix)
                 gh = ([Region(hp, at(d, (i, ALL, ALL))) for i in range(g)] if per_gate
@@ -976,6 +1000,21 @@ def _part(buffer, d: int, count: int, axis: int = 0) -> Region:
     index = [ALL] * len(buffer.shape)
     index[axis] = slice(d * size, (d + 1) * size)
     return Region(buffer, tuple(index))
+
+
+def padded_recurrent_size(problem: Problem, h_form: str | None) -> int:
+    """R (H, or P with a projection) rounded up to whole 128-byte rows of h's copy for the
+    products (``h_form``: 16-bit or TF32; H 1000 in 16 bits: 2000 bytes -> 1024 values); R
+    where it is whole or where the products read h as the float32 state. Where the step is
+    the one-step kernel in swapped tiles (:meth:`_Builder.recurrent_depth`) its K: rows off
+    128-byte lines cost that kernel a third (H200, float16 LSTM N128, the step alone, us:
+    H 1000 9.88, H 1024 6.40; ncu at H 1000: 33% of its global sectors and 48% of its
+    shared-memory wavefronts excess)."""
+    r = problem.recurrent_size
+    if not h_form:
+        return r
+    per_row = ROW_BYTES * 8 // (32 if h_form == "tf32" else tvm.DataType(problem.dtype).bits)
+    return -(-r // per_row) * per_row
 
 
 def h_for_products(target, problem: Problem, options: Options) -> str | None:
