@@ -193,11 +193,11 @@ def swapped_plan(product: cuda_mma_gemm.Product | None, gates: int,
 
 @dataclass(frozen=True)
 class Step:
-    """One step's epilogue: ``cell`` on ``plan``'s product (h [N, H] by W_hh [G*H, H], a
-    tile's columns its gates' units); y in the weights' type, the states and the input
-    projections float32, h again as the product's A (halves, or float32 rounded to TF32);
-    ``masked``: the step reads ``active`` [N] int32 (nonzero within the sample's length; past
-    it y is zero and the states are kept)."""
+    """One step's epilogue: ``cell`` on ``plan``'s product (h [N, K] by W_hh [G*H, K], a
+    tile's columns or, swapped, its rows its gates' units); y in the weights' type, the
+    states and the input projections float32, h again as the product's A (halves, or float32
+    rounded to TF32); ``masked``: the step reads ``active`` [N] int32 (nonzero within the
+    sample's length; past it y is zero and the states are kept)."""
 
     plan: Plan
     cell: Cell
@@ -212,10 +212,11 @@ class Step:
         return self.plan.product.rows
 
     def specs(self) -> dict:
-        """The kernel's parameters (name: (shape, dtype)): h [N, H] and W_hh [G*H, H] (the
-        product's A and B), b_hh [G*H], xp [N, G*H], the cell's per-unit parameters [H]
-        each, the previous states [N, H] each, ``active`` [N] where masked, y [N, H], the new
-        states, h again [N, H]."""
+        """The kernel's parameters (name: (shape, dtype)): h [N, K] and W_hh [G*H, K] (the
+        product's A and B; K = H, or past it with zeros where the layer pads it), b_hh
+        [G*H], xp [N, G*H], the cell's per-unit parameters [H] each, the previous states
+        [N, H] each, ``active`` [N] where masked, y [N, H], the new states, h again [N, H]
+        (its first H columns of the next step's A)."""
         g, h, n = self.cell.gates, self.hidden, self.batch
         (a, a_shape, a_dtype), (w, w_shape, w_dtype) = self.plan.product.specs[:2]
         specs = {a: (a_shape, a_dtype), w: (w_shape, w_dtype), "b_hh": ((g * h,), w_dtype),

@@ -21,13 +21,14 @@ STEPS = 3
 
 #: (cell, C, H, N, dtype, options, (stage, the rule that must schedule it))
 CASES = [
-    # the one-step kernel in swapped tiles: a last tile of 8 units of 16, K past whole chunks
+    # the one-step kernel in swapped tiles, K padded 200 -> 256, a last tile of 8 units of 16
     ("lstm", 48, 200, 70, "bfloat16", {"lengths": True}, ("step", "cuda.wgmma_step")),
     # each step's product in slices of K (swapped tiles), their sum in the cell step
     ("gru", 96, 200, 37, "bfloat16", {"lengths": True},
      ("recurrent_gemm_parts", "cuda.wgmma_gemm")),
     ("lstm", 16, 48, 9, "float16", {"directions": 2},
      ("recurrent_gemm", "cuda.small_batch_gemv")),
+    # a GPU test's layer: K padded 1000 -> 1024, two tiles of 40 rows of h
     pytest.param("lstm", 64, 1000, 79, "float16", {"directions": 2},
                  ("step", "cuda.wgmma_step"), marks=pytest.mark.slow),
     # the one-step kernel in tiles of h's rows, fed by the TMA engine

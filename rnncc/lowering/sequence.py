@@ -17,7 +17,8 @@ forward(x [T,N,C], w_ih, w_hh, b_ih [G*H], b_hh [G*H], <s>0 [1,N,H] for each sta
         y [T,N,H], <s>_n [1,N,H] for each state, xp, hp, <s>_ws [2,N,H] for each state)
 
 In half precision or with TF32 allowed on CUDA, ``h_operand`` [2,N,H] follows the states: h
-again, as the recurrent products' tensor cores take it (:func:`h_for_products`).
+again, as the recurrent products' tensor cores take it (:func:`h_for_products`); [2,N,H'] with
+w_hh packed [G*H,H'], zeros past H, where K is padded (:meth:`_Builder.recurrent_depth`).
 
 xp holds the input projections of all steps at once, [T, N, G*H] (:class:`Layout`).
 
