@@ -28,6 +28,12 @@ CASES = [
      ("recurrent_gemm_parts", "cuda.wgmma_gemm")),
     ("lstm", 16, 48, 9, "float16", {"directions": 2},
      ("recurrent_gemm", "cuda.small_batch_gemv")),
+    # a step's product of another value than h (the reset gate's r * h), a row mean, and
+    # per-unit parameters, each a stage of its own
+    ("gru_reset_before", 16, 48, 9, "float16", {}, ("product_gemm", "cuda.small_batch_gemv")),
+    ("ln_lstm", 16, 40, 9, "float16", {"lengths": True},
+     ("recurrent_gemm", "cuda.small_batch_gemv")),
+    ("peephole", 16, 48, 9, "float16", {}, ("recurrent_gemm", "cuda.small_batch_gemv")),
     # a GPU test's layer: K padded 1000 -> 1024, two tiles of 40 rows of h
     pytest.param("lstm", 64, 1000, 79, "float16", {"directions": 2},
                  ("step", "cuda.wgmma_step"), marks=pytest.mark.slow),
@@ -68,6 +74,9 @@ def _inputs(built, problem, rng):
         elif spec["name"] in ("b_ih", "b_hh"):  # one direction's, as given
             value = rng.uniform(-k, k, shape)
             named[spec["name"].replace("b_", "bias_") + "_l0"] = value.astype(spec["dtype"])
+        elif spec["name"].startswith("p_"):  # a cell's per-unit parameter, one direction's
+            value = rng.uniform(-1, 1, shape)
+            named[spec["name"][2:] + "_l0"] = value.astype(spec["dtype"])
         else:
             value = rng.standard_normal(shape)
         given[spec["name"]] = value.astype(spec["dtype"])
