@@ -246,6 +246,16 @@ def unswapped(product: cuda_mma_gemm.Product) -> Shape | None:
     return Shape(*most[1:]) if most else None
 
 
+def swappable(product: cuda_mma_gemm.Product) -> bool:
+    """Whether one step's ``product`` may be taken in swapped tiles (:class:`Plan`): N at
+    most SWAPPED_MAX_ROWS, pipelined, not split float32, both operands copied as stored, rows
+    of K whole 16-byte copies."""
+    return (product.rows is not None and product.rows <= SWAPPED_MAX_ROWS
+            and not product.op.split and product.pipelined
+            and all(product.specs[q][2] == product.op.dtype for q in (0, 1))
+            and product.k_total * _bytes(product.op) % 16 == 0)
+
+
 def swapped(product: cuda_mma_gemm.Product) -> Shape | None:
     """The swapped :class:`Shape` of one step's ``product`` (:class:`Plan`): h's N rows in the
     fewest tiles of at most TILE (``cols`` a multiple of 8), and the most slices S (a power
@@ -255,10 +265,7 @@ def swapped(product: cuda_mma_gemm.Product) -> Shape | None:
     34.8 -> 39.3, TF32 LSTM 2048 N256 66.7 -> 79.8), or both operands are not copied as
     stored, or float32 is split, or N is over SWAPPED_MAX_ROWS (not measured), or rows of K
     are not whole 16 bytes (copies of 8 bytes: float16 LSTM 1500 N64 14.4 -> 17.3)."""
-    if product.rows is None or product.rows > SWAPPED_MAX_ROWS or product.op.split or (
-            not product.pipelined) or not all(
-            product.specs[q][2] == product.op.dtype for q in (0, 1)) or (
-            product.k_total * _bytes(product.op) % 16):
+    if not swappable(product):
         return None
     n, depth, bk = product.rows, product.k_total, Plan.chunk(product.op)
     col_tiles = -(-n // TILE)

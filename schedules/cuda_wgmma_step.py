@@ -113,8 +113,12 @@ def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
     of G x U columns (``unit``: that U; by default :data:`UNITS`' choice, where it is faster:
     :data:`MAX_THREAD_SUMS`, :data:`MIN_COLUMNS`); by default swapped where
     :func:`swapped_faster`; None where this kernel does not take it."""
-    if swapped or (swapped is None and unit is None and swapped_faster(product, gates)):
+    if swapped:
         return swapped_plan(product, gates, unit)
+    if swapped is None and unit is None and swapped_faster(product, gates):
+        chosen = swapped_plan(product, gates)
+        if chosen is not None:
+            return chosen
     if (product is None or product.rows is None or product.parts != 1 or product.op.split
             or not product.pipelined or product.form != "projection"
             or product.tails or product.columns % gates):
@@ -143,8 +147,8 @@ def plan_of(product: cuda_mma_gemm.Product | None, gates: int,
 
 
 def swapped_faster(product: cuda_mma_gemm.Product | None, gates: int) -> bool:
-    """Whether the planner takes the swapped plan (:func:`swapped_plan`): where there is one,
-    of 16-bit operands, its tiles' rows all gates' (G*U = 64: LSTM), more than one gate.
+    """Whether the planner takes the swapped plan (:func:`swapped_plan`) where there is one:
+    16-bit operands, its tiles' rows all gates' (G*U = 64: LSTM), more than one gate.
     H200 layers, us a step (T 100): not swapped (a kernel each where this kernel did not take
     the step) -> swapped (a kernel each, swapped product) [cuDNN]: float16 LSTM 1024 N79
     10.73 -> 7.06 (8.15) [8.92], N128 10.13 -> 8.33 (9.78) [16.32], N256 14.14 -> 13.40
@@ -160,7 +164,7 @@ def swapped_faster(product: cuda_mma_gemm.Product | None, gates: int) -> bool:
     46.84)."""
     rows = cuda_wgmma_gemm.SWAPPED_ROWS
     return (product is not None and not product.op.tf32 and gates > 1 and rows % gates == 0
-            and rows // gates % 2 == 0 and swapped_plan(product, gates) is not None)
+            and rows // gates % 2 == 0)
 
 
 def swapped_plan(product: cuda_mma_gemm.Product | None, gates: int,
@@ -170,13 +174,10 @@ def swapped_plan(product: cuda_mma_gemm.Product | None, gates: int,
     even count with G*U <= 64: LSTM 16, GRU 20), its columns ``cols`` rows of h (a multiple
     of 8, at most SWAPPED_MAX_COLUMNS), the fewest tiles of h's rows whose grid has
     ONE_WAVE[0] blocks or more, else the most blocks; K whole (its tails zeros past it); or
-    None where the swapped product is not (:func:`.cuda_wgmma_gemm.swapped`'s operands), H
-    is odd or N over SWAPPED_MAX_ROWS."""
-    if (product is None or product.rows is None or product.parts != 1 or product.op.split
-            or not product.pipelined or product.form != "projection"
-            or product.columns % gates or product.rows > cuda_wgmma_gemm.SWAPPED_MAX_ROWS
-            or not all(product.specs[q][2] == product.op.dtype for q in (0, 1))
-            or product.k_total * (4 if product.op.tf32 else 2) % 16):
+    None where the product cannot be swapped (:func:`.cuda_wgmma_gemm.swappable`), H is
+    odd or the grid is over one wave."""
+    if (product is None or not cuda_wgmma_gemm.swappable(product) or product.parts != 1
+            or product.form != "projection" or product.columns % gates):
         return None
     hidden, n = product.columns // gates, product.rows
     unit = unit or cuda_wgmma_gemm.SWAPPED_ROWS // gates // 2 * 2

@@ -60,8 +60,6 @@ class Lowered:
 
 #: Bytes a row of an operand is copied in by the GEMM rules (cp.async, the TMA engine)
 COPY_BYTES = 16
-#: Bytes of a staged row of the warpgroup-MMA products' operands (one 128-byte line)
-ROW_BYTES = 128
 
 
 def padded_input_size(target, options: Options, problem: Problem) -> int:
@@ -1014,7 +1012,8 @@ def padded_recurrent_size(problem: Problem, h_form: str | None) -> int:
     r = problem.recurrent_size
     if not h_form:
         return r
-    per_row = ROW_BYTES * 8 // (32 if h_form == "tf32" else tvm.DataType(problem.dtype).bits)
+    per_row = schedules.cuda_wgmma_gemm.ROW_BYTES * 8 // (
+        32 if h_form == "tf32" else tvm.DataType(problem.dtype).bits)
     return -(-r // per_row) * per_row
 
 
