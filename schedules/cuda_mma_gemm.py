@@ -303,7 +303,7 @@ def product_of(func, target) -> Product | None:
             return None
         k_total = a_shape[-1]
         if not fits(outputs, k_total, op) or depth % chunk_k(op) or depth * count != k_total:
-            if not (rows and not op.split and fits_with_tails(outputs, k_total, op)):
+            if not (rows and fits_with_tails(outputs, k_total, op)):
                 return None  # past the edges: weights as rows only (cuda.wgmma_gemm's)
         form = "projection" if sliced is None else "slices"
         return Product(form, specs, (True, rows), outputs, depth, op, count, _mma.rounded(func))

@@ -171,9 +171,9 @@ def sizes(func, target) -> cuda_mma_gemm.Product | None:
     the slices :func:`one_step` gives; else one that :func:`.cuda_mma_gemm.sizes` takes (an
     operand whose k runs along its buffer's rows in 16 bits only: TF32 is K-major), but for
     one step's product of split float32 in N <= 64 rows (:mod:`.cuda_mma_gemm`'s is faster
-    there); float32 split into three TF32 products where pipelined (a weight gradient split:
-    cuda.mma_gemm's alone); a 16-bit gradient of any count of tiles (few: M split,
-    :func:`gradient_splits`); else None."""
+    there; past whole tiles :func:`one_step` says); float32 split into three TF32 products
+    where pipelined (a weight gradient split: cuda.mma_gemm's alone); a 16-bit gradient of
+    any count of tiles (few: M split, :func:`gradient_splits`); else None."""
     if not has_wgmma(target):
         return None
     found = cuda_mma_gemm.product_of(func, target)
@@ -205,7 +205,8 @@ def one_step(product: cuda_mma_gemm.Product) -> Shape | None:
     which no other rule's slices take, where none gives one wave, the choice of the most
     blocks within one), the :func:`swapped` one where there is one, else that one; None
     where no choice gives one wave, or it is not one step's product, or one of split float32
-    in N <= 64 rows. H200, the kernel alone, us, tiles of N rows -> swapped (``cols`` / S):
+    in N <= 64 rows but past whole tiles and chunks in over 32 (:func:`_split_in_small_tiles`).
+    H200, the kernel alone, us, tiles of N rows -> swapped (``cols`` / S):
     float16 79 x 952 x 3808 7.76 -> 6.09 (80/2), 96 x 1000 x 3000 11.42 -> 6.07 (96/2),
     191 x 600 x 2400 8.51 -> 5.83 (96/1), 79 x 1024 x 4096 7.02 -> 4.04, 128 x 1024 x 4096
     6.24 -> 4.82, 256 x 1024 x 4096 8.09 -> 6.74 (128/1), 32 x 2000 x 8000 16.1 -> 8.18,
@@ -215,10 +216,23 @@ def one_step(product: cuda_mma_gemm.Product) -> Shape | None:
     GRU 1000 N96 15.3 -> 9.5 (9.7), LSTM 600 N191 16.1 -> 12.0 (9.4), LSTM 1024 N256 15.5
     -> 14.2 (14.1); bfloat16 LSTM 1200 N96 15.3 -> 12.5 (11.1); TF32 LSTM 952 N79 17.1 ->
     11.5 (14.6)."""
-    if product.rows is None or (product.tile_rows < TILE and product.op.split):
+    if product.rows is None or (product.tile_rows < TILE and product.op.split
+                                and not _split_in_small_tiles(product)):
         return None
     chosen = unswapped(product)
     return chosen and (swapped(product) or chosen)
+
+
+def _split_in_small_tiles(product: cuda_mma_gemm.Product) -> bool:
+    """Whether one step's ``product`` of split float32 in N <= 64 rows (a 64-row tile) is
+    this rule's: past whole tiles and chunks (:mod:`.cuda_mma_gemm`'s are faster on whole
+    ones, and take no other) where N fills over half the tile; cuda.sgemm's otherwise, whose
+    time follows N. H200, float32 layers, us a step, cuda.sgemm -> this rule (cuDNN): LSTM
+    1500 N32 37.3 -> 50.1 (65.2), GRU 1500 N32 35.6 -> 45.3 (54.0), GRU 600 N33 12.9 -> 13.0,
+    LSTM 952 N40 25.2 -> 21.4 (32.4), GRU 3488 N45 258.1 -> 178.9 (202.4), LSTM 1000 N48 27.1
+    -> 21.9, LSTM 1500 N60 55.6 -> 55.6, GRU 1000 N64 24.5 -> 21.2, LSTM 2000 N64 108.7 ->
+    72.3 (112.2)."""
+    return product.tails and 2 * product.rows > product.tile_rows
 
 
 def unswapped(product: cuda_mma_gemm.Product) -> Shape | None:

@@ -642,11 +642,14 @@ def test_tf32_products_match_reference(cell, input_size, hidden, batch, step_rul
     ("rnn_tanh", 64, 1024, 67, ("cuda.wgmma_gemm",) * 2),  # a partial last tile of batch rows
     ("lstm", 64, 1024, 16, ("cuda.wgmma_gemm", "cuda.small_batch_gemv")),
     ("gru", 64, 1024, 33, ("cuda.wgmma_gemm", "cuda.mma_gemm")),  # one tile, 31 rows past N
+    ("lstm", 100, 1000, 45, ("cuda.wgmma_gemm",) * 2),  # O 4000 past whole tiles
+    ("gru", 200, 1500, 96, ("cuda.wgmma_gemm",) * 2),  # K 1500 past whole chunks
     ("gru", 40, 257, 64, ("cuda.matmul",) * 2)])  # O off whole tiles
 def test_tf32x3_products_match_reference_as_ieee_float32(cell, input_size, hidden, batch,
                                                           rules, rng):
     """tf32x3=True: the products of all steps, and each step's from batch 32, as three TF32
-    products on cuda.wgmma_gemm (cuda.mma_gemm before sm_90 and a step's to batch 64), within a
+    products on cuda.wgmma_gemm (cuda.mma_gemm before sm_90 and a step's to batch 64 of whole
+    tiles; K or O past them on cuda.wgmma_gemm only, K a multiple of 4), within a
     fifth of float32's bound of float64 (IEEE float32's FMAs give about 5e-7 at these sizes);
     the step's at batch 16 and O off whole tiles on the CUDA cores; lengths keep the products
     of all steps there."""

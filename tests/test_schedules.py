@@ -171,41 +171,46 @@ def test_cuda_tensor_core_components_match_the_cpu_build_on_the_simulator(cell, 
             assert rule == lowered.rules[key], key
 
 
-@pytest.mark.parametrize("feed", ["copy", "tma"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("feed, dtype", [(feed, dtype) for feed in ("copy", "tma")
+                                         for dtype in ("float16", "bfloat16", "tf32")]
+                         + [("copy", "tf32x3")])
 def test_products_of_all_steps_past_whole_tiles_match_the_cpu_build_on_the_simulator(
         dtype, feed, monkeypatch, rng):
     """The products of all steps whose K and O are not whole chunks and tiles (GRU 40 -> 50:
     K 40, O 150; LSTM 136 -> 34: K 136, O 136) on warpgroup MMA, fed by the warpgroups' copies or
     (allowed at any K here) by the TMA engine: zeros past K, B's last row past O, nothing
-    stored past O."""
+    stored past O; float32 split in three TF32 products (``tf32x3``, at batch 16: fewer rows
+    are cuda.sgemm's) within 1e-6 of the CPU build's IEEE float32."""
     from rnncc.schedules import cuda_wgmma_gemm
 
     monkeypatch.setattr(cuda_wgmma_gemm, "TMA_CHUNKS", 1 if feed == "tma" else 10**6)
+    split = dtype == "tf32x3"
     for cell, c, h in (("gru", 40, 50), ("lstm", 136, 34)):
-        problem = Problem(rnncc.cells.get(cell), c, h, 3,
-                          "float32" if dtype == "tf32" else dtype, allow_tf32=dtype == "tf32")
+        problem = Problem(rnncc.cells.get(cell), c, h, 16 if split else 3,
+                          dtype if dtype in TOL else "float32", allow_tf32=dtype == "tf32")
         lowered = sequence.build(problem, Options(persistent="off"), CUDA)
         func, role = lowered.components["input_gemm"]
         found = cuda_wgmma_gemm.sizes(func, CUDA)
-        assert found is not None and found.tails
+        assert found is not None and found.tails and found.op.split == split
         assert cuda_wgmma_gemm.tma_fed(found) == (feed == "tma")
-        rule = _simulated_against_cpu_build(func, role, rng,
-                                            tol=TOL_TF32 if dtype == "tf32" else TOL[dtype])
+        rule = _simulated_against_cpu_build(
+            func, role, rng, tol=TOL_TF32 if dtype == "tf32" else TOL.get(dtype, 1e-6))
         assert rule == lowered.rules["input_gemm"] == "cuda.wgmma_gemm"
 
 
 def _one_step_product_case(rows, k, o, parts, dtype, rng) -> SimpleNamespace:
     """One step's product of N ``rows`` by W [O, K] in ``dtype`` (``tf32``: float32 allowed
-    TF32), whole plus b or in ``parts`` slices: its component, product, fresh operands, the
-    arguments with C poisoned, and NumPy's product of the operands as read."""
+    TF32; ``tf32x3``: float32 split in three TF32 products), whole plus b or in ``parts``
+    slices: its component, product, fresh operands, the arguments with C poisoned, and
+    NumPy's product of the operands as read."""
     from rnncc.schedules import _mma, cuda_mma_gemm
 
-    tf32 = dtype == "tf32"
-    dtype = "float32" if tf32 else dtype
+    tf32, split = dtype == "tf32", dtype == "tf32x3"
+    dtype = "float32" if tf32 or split else dtype
     func = (comp.gemm((rows,), k, o, "rows", dtype, dtype) if parts == 1
             else comp.gemm_parts(rows, k, o, parts, "rows", dtype, dtype))
-    func = func.with_attr(_mma.TF32_ATTR, True) if tf32 else func
+    func = (func.with_attr(_mma.TF32_ATTR, True) if tf32
+            else func.with_attr(_mma.TF32X3_ATTR, True) if split else func)
     h = rng.standard_normal((rows, k)).astype(dtype)
     w, b = rng.standard_normal((o, k)).astype(dtype), rng.standard_normal(o).astype(dtype)
     args = ([h, w, b, np.full((rows, o), np.nan, np.float32)] if parts == 1
@@ -229,7 +234,7 @@ def _simulated_error(kernel, case) -> float:
 
 
 @pytest.mark.parametrize("feed", ["copy", pytest.param("tma", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32", "tf32x3"])
 @pytest.mark.parametrize("rows, k, o, parts", [(70, 200, 150, 2), (45, 136, 136, 1),
                                                (135, 72, 130, 1), (64, 264, 300, 4),
                                                (70, 204, 150, 2), (45, 100, 136, 1)])
@@ -239,8 +244,9 @@ def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
     (:func:`rnncc.schedules.slice_depth`: whole chunks but the last, which ends at K: 200 in
     128 and 72, 264 in 3 of 64 and 72), on warpgroup MMA, fed by copies or by the TMA
     engine (rows of K off 16 bytes, halves of K 204 and 100: copies of 8 bytes, never the
-    TMA engine): zeros past K, B's last row past O, nothing stored past O or N; the slices'
-    sum against NumPy's product of the same rounded operands."""
+    TMA engine; float32 split never by it): zeros past K, B's last row past O, nothing stored
+    past O or N; the slices' sum against NumPy's product of the same rounded operands (split
+    float32: of the operands, within TOL_F32)."""
     from rnncc.schedules import _mma, cuda_wgmma_gemm
 
     monkeypatch.setattr(cuda_wgmma_gemm, "TMA_CHUNKS", 1 if feed == "tma" else 10**6)
@@ -254,12 +260,14 @@ def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
     plan = cuda_wgmma_gemm.Plan(product, cols)
     narrow = k * np.dtype(dtype).itemsize % 16 != 0
     assert plan.narrow == (narrow, narrow)
-    assert plan.tma == (feed == "tma" and product.tile_rows == 128 and not narrow)
+    assert plan.tma == (feed == "tma" and product.tile_rows == 128 and not narrow
+                        and not product.op.split)
     assert _simulated_error(kernel, case) < TOL_F32
     if parts > 1 and dtype == "float32":  # the component itself, built for this CPU
         cpu = [tvm.runtime.tensor(x) for x in (h, w, np.full((parts, rows, o), np.nan,
                                                              np.float32))]
-        tvm.compile(func.without_attr(_mma.TF32_ATTR), target="llvm")(*cpu)
+        tvm.compile(func.without_attr(_mma.TF32_ATTR).without_attr(_mma.TF32X3_ATTR),
+                    target="llvm")(*cpu)
         exact = h.astype(np.float64) @ w.astype(np.float64).T
         got = cpu[-1].numpy().astype(np.float64).sum(0)
         assert np.abs(got - exact).max() / np.abs(exact).max() < TOL_F32
@@ -1543,6 +1551,21 @@ def test_wgmma_gemm_slices_one_step_products_in_one_wave(batch, k, o, dtype, par
     if chosen:
         assert cuda_wgmma_gemm.columns(cuda_mma_gemm.product_of(product(parts), CUDA)) == (
             chosen.cols)
+
+
+@pytest.mark.parametrize("cell, size, batch, step_rule", [
+    ("lstm", 1500, 32, "cuda.sgemm"), ("gru", 1500, 33, "cuda.wgmma_gemm"),
+    ("lstm", 1000, 128, "cuda.wgmma_gemm"), ("gru", 1024, 48, "cuda.mma_gemm")])
+def test_split_float32_past_whole_tiles_is_on_warpgroup_mma(cell, size, batch, step_rule):
+    """IEEE float32 (tf32x3) whose K or O is past whole tiles and chunks (H 1500, 1000) has
+    its products on cuda.wgmma_gemm as three TF32 products (they were on the CUDA cores):
+    all steps', and each step's from N 33 (in 64-row tiles to N 64: over half of one; N 32
+    stays cuda.sgemm's); whole tiles keep cuda.mma_gemm's step at N <= 64."""
+    lowered = sequence.build(Problem(rnncc.cells.get(cell), size, size, batch),
+                             Options(persistent="off"), CUDA)
+    rules = lowered.rules
+    assert rules["input_gemm"] == "cuda.wgmma_gemm"
+    assert rules.get("recurrent_gemm_parts", rules["recurrent_gemm"]) == step_rule, rules
 
 
 @pytest.mark.parametrize("rows, k, o, parts, cols, dtype", [
