@@ -61,6 +61,12 @@ RULES: dict[tuple[str, str], list[Rule]] = {
     ("llvm", "reduction"): [cpu_elementwise.SERIAL],
 }
 
+#: The rules whose products run on tensor cores (the others' on the CUDA cores), and the fused
+#: step's (:mod:`.cuda_wgmma_step`).
+TENSOR_CORE_RULES = frozenset(rule.name for rule in (
+    cuda_wgmma_gemm.RULE, cuda_mma_gemm.RULE, cuda_mma_stream_gemv.RULE, cuda_mma_gemv.RULE)) | {
+    "cuda.wgmma_step"}
+
 
 def product_parts(func, target) -> int:
     """The slices of K that the tensor-core rules split the one-step product of gemm component

@@ -696,6 +696,22 @@ def test_tf32_persistent_kernel_matches_reference(cell, input_size, hidden, batc
     check_repeats_exactly(module, rng, steps=17, repeats=3)
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch", [
+    ("lstm", 40, 256, 200), ("gru", 96, 384, 130)])
+def test_tf32_past_one_group_is_persistent_on_tensor_cores(cell, input_size, hidden, batch,
+                                                          rng):
+    """allow_tf32=True past batch 64 where the step's product would be on the CUDA cores:
+    the persistent kernel on tensor cores in batch groups by default, within TF32's bound of
+    float64; the same bits run to run."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", allow_tf32=True)
+    plan = module.metadata["schedule"]["persistent"]["plan"]
+    assert plan["mma"] and plan["batch_groups"] > 1, module.metadata["schedule"]
+    for steps, initial in ((1, True), (23, False)):
+        err = check_against_reference(module, rng, steps, initial)
+        assert err < TOL_TF32, f"T={steps}: relative error {err:.3e}"
+    check_repeats_exactly(module, rng, steps=17, repeats=3)
+
+
 def test_nn_tf32_where_allowed(torch, rng):
     """rnncc.nn with allow_tf32=True: a 2-layer GRU at batch 40 (bucket 64) within TF32's
     bound of torch's float64; its modules say TF32 is allowed."""

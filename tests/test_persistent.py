@@ -562,6 +562,32 @@ def test_mma_knob():
     assert knobs.plan_for(wide, H100, {}, 24).mma  # past the CUDA cores' 16 batch rows
 
 
+@pytest.mark.parametrize("cell, hidden, batch, options, mma", [
+    ("lstm", 256, 256, {}, True), ("gru", 384, 256, {}, True), ("lstm", 192, 200, {}, True),
+    ("lstm", 512, 256, {}, False),  # its step's product on cuda.wgmma_gemm
+    ("lstm", 128, 255, {}, False), ("lstm", 256, 64, {}, False),  # H under 192, one group
+    ("lstm", 256, 256, {"allow_tf32": False}, False),
+    ("lstm", 256, 256, {"directions": 2}, False), ("lstm", 256, 256, {"training": True}, False)])
+def test_tf32_past_one_group_is_persistent_on_tensor_cores_where_steps_are_not(
+        cell, hidden, batch, options, mma):
+    """A TF32 layer (one direction, inference) past one tensor-core batch group, H at least
+    192, whose non-persistent schedule would take each step's product on the CUDA cores, is
+    planned with the knob mma=True (the persistent kernel on tensor cores, in batch groups);
+    elsewhere its knobs stay as given."""
+    from rnncc import cells
+    from rnncc.compiler import driver
+    from rnncc.spec import Options, Problem
+    from rnncc.target import TargetSpec
+
+    problem = Problem(cells.get(cell), hidden, hidden, batch, "float32",
+                      **{"allow_tf32": True, **options})
+    knobs = driver._tf32_tensor_cores(problem, Options(), TargetSpec("cuda"), None,
+                                      {"sync": "barrier"})
+    assert knobs == ({"sync": "barrier", "mma": True} if mma else {"sync": "barrier"})
+    assert driver._tf32_tensor_cores(problem, Options(), TargetSpec("cuda"), None,
+                                     {"mma": False}) == {"mma": False}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_layers_past_batch_64_are_persistent_only_with_small_weights(dtype):
     """A layer of 16-bit weights at batch 65 and more runs persistently by default, in batch

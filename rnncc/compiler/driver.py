@@ -158,6 +158,45 @@ def _not_persistent(problem: Problem) -> str:
     return ""
 
 
+#: A TF32 layer (``allow_tf32``) of one direction for inference, past one tensor-core batch
+#: group (batch over 64) and of H at least this, runs its persistent kernel on the tensor cores
+#: (the knob mma=True; in TF32 they are not the default: :func:`~rnncc.schedules.persistent.
+#: knobs.tensor_cores`) where the non-persistent schedule would take each step's product on
+#: the CUDA cores: too few tiles for the tensor-core rules. H200, us a step, T 100, that
+#: schedule / the persistent kernel on tensor cores (cuDNN in TF32): LSTM 256 N256 10.70 / 5.00
+#: (9.08), N128 4.28 / 3.69 (8.65), GRU 256 N256 10.04 / 9.01 (8.36), LSTM 192 N200 9.55 /
+#: 4.29 (30.98), GRU 384 N256 17.36 / 11.22 (10.24); but LSTM 128 N255 8.07 / 8.86 (5.19),
+#: and LSTM 512 N256 9.58 / 18.80 (12.74), whose step's product is on cuda.wgmma_gemm.
+TF32_PERSISTENT_MIN_HIDDEN = 192
+
+
+def _tf32_tensor_cores(problem: Problem, opts: Options, tspec: TargetSpec, sms,
+                       knobs: dict) -> dict:
+    """``knobs`` with mma=True where :data:`TF32_PERSISTENT_MIN_HIDDEN` says and a plan on
+    the tensor cores fits, else ``knobs`` (a knob mma given is kept)."""
+    from ..lowering import sequence
+    from ..schedules import TENSOR_CORE_RULES, persistent
+
+    if (not problem.allow_tf32 or "mma" in knobs or tspec.kind != "cuda"
+            or opts.persistent == "off" or not opts.all_optimisations or problem.training
+            or problem.layers > 1 or problem.directions > 1 or problem.proj_size
+            or problem.batch <= persistent.planner.MMA_MAX_BATCH
+            or problem.hidden_size < TF32_PERSISTENT_MIN_HIDDEN or _not_persistent(problem)):
+        return knobs
+    rules = sequence.build(problem, dataclasses.replace(opts, persistent="off"),
+                           tspec.tvm_target()).rules
+    if rules.get("step", rules.get("recurrent_gemm_parts", rules["recurrent_gemm"])) in (
+            TENSOR_CORE_RULES):
+        return knobs
+    tensor = {**knobs, "mma": True}
+    try:
+        persistent.knobs.plan_for(problem, persistent.gpu_for_arch(tspec.arch, sms), tensor,
+                                  knobs.get("reg_margin", persistent.planner.REG_MARGIN))
+    except persistent.Unfit:
+        return knobs
+    return tensor
+
+
 def _wavefront_only(problem: Problem, why: str) -> str:
     return (f"{problem.describe()} runs only as the persistent wavefront kernel, and {why}; "
             "run its layers as modules of one layer each (rnncc.nn does so where the wavefront "
@@ -213,7 +252,7 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
 
     applied = _fitting(apply.for_compile(problem, tspec, gpu, tuning), problem, opts, tspec,
                        sms, knobs)
-    knobs = {**applied.knobs, **knobs}
+    knobs = _tf32_tensor_cores(problem, opts, tspec, sms, {**applied.knobs, **knobs})
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
     back_margin, min_blocks = REG_MARGIN, None  # the backward plan's (None: the planner's)
     backward = _backward_plan(problem, opts, tspec, sms, back_margin) if training else None
