@@ -567,13 +567,14 @@ def test_mma_knob():
     ("lstm", 512, 256, {}, False),  # its step's product on cuda.wgmma_gemm
     ("lstm", 128, 255, {}, False), ("lstm", 256, 64, {}, False),  # H under 192, one group
     ("lstm", 256, 256, {"allow_tf32": False}, False),
-    ("lstm", 256, 256, {"directions": 2}, False), ("lstm", 256, 256, {"training": True}, False)])
+    ("lstm", 256, 256, {"directions": 2}, False), ("lstm", 256, 256, {"training": True}, False),
+    ("lstm", 256, 256, {"lengths": True}, False)])
 def test_tf32_past_one_group_is_persistent_on_tensor_cores_where_steps_are_not(
         cell, hidden, batch, options, mma):
-    """A TF32 layer (one direction, inference) past one tensor-core batch group, H at least
-    192, whose non-persistent schedule would take each step's product on the CUDA cores, is
-    planned with the knob mma=True (the persistent kernel on tensor cores, in batch groups);
-    elsewhere its knobs stay as given."""
+    """A TF32 layer (one direction, inference, no lengths) past one tensor-core batch group,
+    H at least 192, whose non-persistent schedule would take each step's product on the CUDA
+    cores, is planned with the knob mma=True (the persistent kernel on tensor cores, in batch
+    groups); elsewhere its knobs stay as given."""
     from rnncc import cells
     from rnncc.compiler import driver
     from rnncc.spec import Options, Problem

@@ -158,8 +158,9 @@ def _not_persistent(problem: Problem) -> str:
     return ""
 
 
-#: A TF32 layer (``allow_tf32``) of one direction for inference, past one tensor-core batch
-#: group (batch over 64) and of H at least this, runs its persistent kernel on the tensor cores
+#: A TF32 layer (``allow_tf32``) of one direction for inference without lengths (with them:
+#: not run on a GPU yet), past one tensor-core batch group (batch over 64) and of H at least
+#: this, runs its persistent kernel on the tensor cores
 #: (the knob mma=True; in TF32 they are not the default: :func:`~rnncc.schedules.persistent.
 #: knobs.tensor_cores`) where the non-persistent schedule would take each step's product on
 #: the CUDA cores: too few tiles for the tensor-core rules. H200, us a step, T 100, that
@@ -179,7 +180,7 @@ def _tf32_tensor_cores(problem: Problem, opts: Options, tspec: TargetSpec, sms,
 
     if (not problem.allow_tf32 or "mma" in knobs or tspec.kind != "cuda"
             or opts.persistent == "off" or not opts.all_optimisations or problem.training
-            or problem.layers > 1 or problem.directions > 1 or problem.proj_size
+            or problem.lengths or problem.layers > 1 or problem.directions > 1 or problem.proj_size
             or problem.batch <= persistent.planner.MMA_MAX_BATCH
             or problem.hidden_size < TF32_PERSISTENT_MIN_HIDDEN or _not_persistent(problem)):
         return knobs
@@ -252,8 +253,12 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
 
     applied = _fitting(apply.for_compile(problem, tspec, gpu, tuning), problem, opts, tspec,
                        sms, knobs)
-    knobs = _tf32_tensor_cores(problem, opts, tspec, sms, {**applied.knobs, **knobs})
+    given, knobs = knobs, _tf32_tensor_cores(problem, opts, tspec, sms, {**applied.knobs, **knobs})
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
+    if knobs.get("mma") and "mma" not in given and "mma" not in applied.knobs:
+        notes.append("TF32 past batch 64: the persistent kernel on tensor cores (mma=True), "
+                     "where the non-persistent schedule would take each step's product on the "
+                     "CUDA cores")
     back_margin, min_blocks = REG_MARGIN, None  # the backward plan's (None: the planner's)
     backward = _backward_plan(problem, opts, tspec, sms, back_margin) if training else None
     for _ in range(16):
