@@ -11,7 +11,7 @@ from conftest import has_nvcc, random_weights
 from helpers import TOL, TOL_F32
 from rnncc import cells, reference
 from rnncc.cells import autodiff
-from rnncc.compiler.cuda_binary import cooperative_kernels
+from rnncc.compiler.cuda_binary import persistent_kernels
 from rnncc.errors import ConfigError, InputError
 
 TARGETS = ["llvm", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -92,7 +92,7 @@ def test_cuda_persistent_kernel_with_w_hh_w_hr_folded(directions):
     assert schedule["persistent"]["plan"]["directions"] == directions
     assert {"persistent_pack_w_hh", "persistent_forward", "pack_w_hr"} <= set(
         module.metadata["functions"])
-    assert len(cooperative_kernels(module.source("cuda"))) == 1
+    assert len(persistent_kernels(module.source("cuda"))) == 1
     other = rnncc.compile("lstm", 8, 16, 2, target="cuda", proj_size=4, training=True)
     assert ("training runs on the non-persistent schedule"
             in other.metadata["schedule"]["persistent"]["reason"])
