@@ -11,10 +11,11 @@ T = 100, each side captured in a CUDA graph, median of
 
 Prints a markdown table (GPU name, date): us a step for rnncc and cuDNN and their ratio
 (cuDNN / rnncc: above 1, rnncc is faster), and which schedule ran; the JSON's rows also name
-the rules that took the layer's products (``rules``). ``--part k/n`` times the
-k-th of n slices of the configurations (a GPU session's command has a time limit). ``--plot``
-draws the ratio over hidden size, one curve a batch size, a panel a cell and dtype; a later
-file's row replaces an earlier file's of the same configuration (a partial re-run on top).
+the rules that took the layer's products (``rules``); it is rewritten after each row.
+``--part k/n`` times the k-th of n slices of the configurations (a GPU session's command
+has a time limit). ``--plot`` draws the ratio over hidden size, one curve a batch size, a
+panel a cell and dtype; a later file's row replaces an earlier file's of the same
+configuration (a partial re-run on top).
 ``--random COUNT`` times COUNT configurations drawn instead of the grid's (``--seed``): shapes
 off the grid as a user brings them, to find where rnncc loses (:func:`random_configs`).
 """
@@ -199,17 +200,17 @@ def main():
     folder = tempfile.mkdtemp(prefix="rnncc_sweep_")
     with ProcessPoolExecutor(args.jobs) as pool:
         paths = list(pool.map(_compile, [(c, folder) for c in configs]))
-    rows = []
+    rows, device = [], "no GPU"
     for config, path in zip(configs, paths):
         rows.append(_row(config, path, args.repeat))
         print(_table(rows[-1:]).splitlines()[-1], flush=True)
-    device = next((r["device"] for r in rows if "device" in r), "no GPU")
+        device = next((r["device"] for r in rows if "device" in r), "no GPU")
+        if args.json:  # after each row: a run cut short keeps what it measured
+            write_json(args.json, {"device": device, "date": str(datetime.date.today()),
+                                   "rows": rows})
     print(f"\n{device}, {datetime.date.today()}, T = {STEPS}, us a step, TF32 off but in "
           "the tf32 rows\n")
     print(_table(rows))
-    if args.json:
-        write_json(args.json, {"device": device, "date": str(datetime.date.today()),
-                               "rows": rows})
 
 
 if __name__ == "__main__":
