@@ -34,6 +34,9 @@ CASES = [
     ("ln_lstm", 16, 40, 9, "float16", {"lengths": True},
      ("recurrent_gemm", "cuda.small_batch_gemv")),
     ("peephole", 16, 48, 9, "float16", {}, ("recurrent_gemm", "cuda.small_batch_gemv")),
+    # IEEE float32 as three TF32 products past whole tiles (K 40 and 52, O 208), each step's
+    # in a 64-row tile over half full
+    ("lstm", 40, 52, 40, "float32", {}, ("recurrent_gemm", "cuda.wgmma_gemm")),
     # a GPU test's layer: K padded 1000 -> 1024, two tiles of 40 rows of h
     pytest.param("lstm", 64, 1000, 79, "float16", {"directions": 2},
                  ("step", "cuda.wgmma_step"), marks=pytest.mark.slow),
