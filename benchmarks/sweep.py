@@ -204,7 +204,7 @@ def main():
     for config, path in zip(configs, paths):
         rows.append(_row(config, path, args.repeat))
         print(_table(rows[-1:]).splitlines()[-1], flush=True)
-        device = next((r["device"] for r in rows if "device" in r), "no GPU")
+        device = rows[-1].get("device", device)
         if args.json:  # after each row: a run cut short keeps what it measured
             write_json(args.json, {"device": device, "date": str(datetime.date.today()),
                                    "rows": rows})

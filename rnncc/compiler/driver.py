@@ -256,9 +256,10 @@ def compile_module(cell, input_size: int, hidden_size: int, batch: int, *,
 
     applied = _fitting(apply.for_compile(problem, tspec, gpu, tuning), problem, opts, tspec,
                        sms, knobs)
-    given, knobs = knobs, _tf32_tensor_cores(problem, opts, tspec, sms, {**applied.knobs, **knobs})
+    merged = {**applied.knobs, **knobs}
+    knobs = _tf32_tensor_cores(problem, opts, tspec, sms, merged)
     margin, tight, notes, spilled = knobs.get("reg_margin", REG_MARGIN), True, [], set()
-    if knobs.get("mma") and "mma" not in given and "mma" not in applied.knobs:
+    if knobs is not merged:  # the TF32 default chose the tensor cores
         notes.append("TF32 past batch 64: the persistent kernel on tensor cores (mma=True), "
                      "where the non-persistent schedule would take each step's product on the "
                      "CUDA cores")
