@@ -462,6 +462,21 @@ def test_batch_groups_match_reference_and_repeat_exactly(cell, input_size, hidde
     check_repeats_exactly(module, rng)
 
 
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, lengths", [
+    ("lstm", 42, 128, 67, "float32", False), ("lstm", 42, 128, 255, "float32", True),
+    ("gru", 256, 256, 47, "float32", False), ("gru", 96, 512, 67, "float16", True),
+    ("lstm", 33, 256, 47, "float16", False)])
+def test_padded_batch_matches_reference_and_repeats_exactly(cell, input_size, hidden, batch,
+                                                            dtype, lengths, rng):
+    """A batch without a split into equal groups that fits runs persistently on a few rows
+    more (planner: "Padded batch"): on the CUDA cores and tensor cores, with lengths."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
+                           persistent="on", tuning="off", lengths=lengths)
+    assert module.metadata["schedule"]["persistent"]["plan"]["pad"] > 0
+    check_across_steps(module, rng, lengths=lengths)
+    check_repeats_exactly(module, rng)
+
+
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, sms", [
     ("gru", 33, 1024, 3, "float32", 16), ("lstm", 7, 777, 2, "float32", 8),
     ("rnn_tanh", 40, 1500, 1, "float32", 8), ("gru", 64, 2048, 4, "float32", None)])

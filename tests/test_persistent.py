@@ -1196,3 +1196,33 @@ def test_lane_groups_hold_k_in_16_byte_chunks_of_the_fewest_lanes(gates, hidden,
     assert plan(gates, hidden, 2, dtype, H100, lane_groups=False).lane_groups == 1
     if dtype == "float16" and hidden >= 64:
         assert plan(gates, hidden, 64, dtype, H100, mma=True).lane_groups == 1
+
+
+@pytest.mark.parametrize("cell, hidden, batch, dtype", [
+    ("lstm", 128, 67, "float32"), ("lstm", 128, 255, "float32"), ("gru", 256, 47, "float32"),
+    ("lstm", 256, 37, "float32"), ("gru", 512, 67, "float16"), ("lstm", 256, 47, "float16")])
+def test_batch_without_a_fitting_split_pads_to_the_nearest_that_fits(cell, hidden, batch, dtype):
+    """Past 16 rows a batch runs in equal groups; one without a split that fits (a prime, or 255
+    = 15 x 17) takes the plan of the smallest batch up to N/8 rows more that has one, its rows
+    past N padding (planner: "Padded batch"); not in two directions, for training, or where the
+    knobs fix the batch groups (those raise Unfit as before)."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.spec import Problem
+
+    problem = Problem(cells.get(cell), hidden, hidden, batch, dtype)
+    with pytest.raises(Unfit):
+        knobs._plan_exact(problem, H100, {}, 24)
+    p = knobs.plan_for(problem, H100, {}, 24)
+    run = batch + p.pad
+    assert 0 < p.pad <= max(batch // 8, knobs.PAD_MIN_ROWS) and run % p.batch_groups == 0
+    for rows in range(batch + 1, run):  # the smallest that fits
+        with pytest.raises(Unfit):
+            knobs._plan_exact(dataclasses.replace(problem, batch=rows), H100, {}, 24)
+    assert dataclasses.replace(p, pad=0) == knobs.plan_for(
+        dataclasses.replace(problem, batch=run), H100, {}, 24)
+    for other, given in [(dataclasses.replace(problem, directions=2), {}),
+                         (dataclasses.replace(problem, training=True), {}),
+                         (problem, {"batch_groups": 1})]:
+        with pytest.raises(Unfit):
+            knobs.plan_for(other, H100, given, 24)

@@ -70,6 +70,12 @@ def tagged(gates, hidden, batch, **fields):
     return crafted(gates, hidden, batch, "float32", 12, 2, sync="tagged", **fields)
 
 
+def padded(p, pad: int):
+    """Plan ``p`` (made for N + ``pad`` rows) for a batch of N, its last ``pad`` rows
+    padding."""
+    return dataclasses.replace(p, pad=pad)
+
+
 def split_k(p, parts: int):
     """Plan ``p`` (on tensor cores) with each row group's K split among ``parts`` warps: the
     same rows, ``parts`` times the warps, each a part of every place's chunks."""
@@ -143,23 +149,24 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
     values = sum(node.op == "mean" for node in graph.order) or len(graph.products)
     # the states' workspaces and the tagged words, as the entry's first kernel makes them
     count, words = len(cell.states), (1 + values if p.sync == "tagged" else 0)
+    run = n + p.pad  # the rows the kernel runs (a padded batch's past N)
     made = _llvm(comp.init_persistent(count, dirs, n, h, dtype, "float32", words, EMPTY_TAG,
-                                      zero_h=bool(folded)),
+                                      zero_h=bool(folded), rows=run),
                  *[initial[s].astype(dtype) for s in cell.states[bool(folded):]],
-                 *[np.full((2, dirs * n, h), np.nan, np.float32) for _ in range(count)],
-                 *[np.zeros((2, dirs * n, h), np.uint64) for _ in range(words)])[-count - words:]
+                 *[np.full((2, dirs * run, h), np.nan, np.float32) for _ in range(count)],
+                 *[np.zeros((2, dirs * run, h), np.uint64) for _ in range(words)])[-count - words:]
     args.update({f"s{k}": made[k] for k in range(count)})
     if p.sync == "tagged":
         args.update({"hw": made[count], **{f"aw{r}": made[count + 1 + r] for r in range(values)}})
     else:
         if p.sync != "local":
             args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
-        args.update({f"aw{r}": np.full((2, dirs * n, h), np.nan, np.float32)
+        args.update({f"aw{r}": np.full((2, dirs * run, h), np.nan, np.float32)
                      for r in range(values)})
     if not folded:  # the kernel writes the final states
         args.update({f"s{k}_n": np.full((dirs, n, h), np.nan, dtype) for k in range(count)})
-    if buffers.published_h(p, n, dtype):  # NaN: the kernel zeroes what none publishes
-        shape, hx_dtype = buffers.published_h(p, n, dtype)
+    if buffers.published_h(p, run, dtype):  # NaN: the kernel zeroes what none publishes
+        shape, hx_dtype = buffers.published_h(p, run, dtype)
         args["hx"] = np.full(shape, np.nan, hx_dtype)
     if lengths is not None:
         args["lengths"] = np.asarray(lengths, np.int32)
@@ -344,6 +351,17 @@ KERNELS = {
     "bidirectional, tensor cores, h in 3 slices": lambda: ("gru", 3, 700, 18, "float16",
                                                            in_slices(crafted(
         3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2), 3)),
+    # a padded batch (planner: "Padded batch"): the rows past N read zeros and write nothing
+    "padded batch, tagged, batch groups": lambda: ("lstm", 5, 33, 5, "float32", padded(
+        tagged(4, 33, 6, groups=2), 1)),
+    "padded batch, local, fused, batch groups": lambda: ("gru", 37, 70, 3, "float32", padded(
+        _fused(crafted(3, 70, 4, "float32", 70, 8, groups=2, sync="local"), 3, 37, 4, 8), 1)),
+    "padded batch, overlapped, asynchronous copies": lambda: ("lstm", 64, 33, 3, "float32",
+                                                              padded(_overlapped(crafted(
+        4, 33, 4, "float32", 5, 2, groups=2), 4, 64, 4, 2), 1)),
+    "padded batch, tensor cores, tiles of batch rows": lambda: ("gru", 5, 64, 19, "float16",
+                                                                padded(crafted(
+        3, 64, 21, "float16", 8, 3, mma=True, sync="barrier"), 2)),
 }
 
 
@@ -380,7 +398,8 @@ def test_kernel_variant_matches_reference(name, rng):
         "bidirectional, local", "bidirectional, overlapped, asynchronous copies",
         "local, batch groups, chunks of one element", "local, tensor cores, tiles",
         "bidirectional, overlapped, staged x, batch groups",
-        "bidirectional, barrier, batch groups, K in three places"]))
+        "bidirectional, barrier, batch groups, K in three places",
+        "padded batch, tagged, batch groups"]))
 def test_kernel_with_lengths_matches_reference(name, rng):
     """Samples of their own lengths: each pair keeps its states past its sample's length,
     publishes them, and writes zero to y (T = 1 and 5, lengths 1 to T)."""

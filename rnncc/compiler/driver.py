@@ -433,6 +433,10 @@ def _build(problem, opts, tspec, plan, gpu_or_reason, notes, applied, backward=N
     if plan is not None:
         persistent_info = {"plan": plan.as_dict(), "planned_for": gpu_or_reason.name,
                            "sms": gpu_or_reason.sms}
+        if plan.pad:
+            notes = notes + [f"batch {problem.batch}: no split into equal batch groups fits; the "
+                             f"persistent kernel runs {problem.batch + plan.pad} rows, "
+                             f"{plan.pad} of them zeros"]
     else:
         persistent_info = {"reason": gpu_or_reason}
     meta = {

@@ -691,19 +691,30 @@ def _block_row(at, gates, hidden, depth, units, b, r, k, dtype):
 
 
 def init_persistent(count: int, grids: int, batch: int, hidden: int, dtype: str, ws_dtype: str,
-                    words: int, empty_tag: int, zero_h: bool = False) -> tirx.PrimFunc:
+                    words: int, empty_tag: int, zero_h: bool = False,
+                    rows: int = 0) -> tirx.PrimFunc:
     """The persistent kernel's buffers before its launch, all G = ``grids`` grids (directions
     or layers) in one kernel. Inputs: the ``count`` initial states [G, N, H] (``dtype``; with
     ``zero_h``, all but h, whose workspace starts at zero: a projection's h'). Outputs: their
     workspaces [2, G*N, H] (``ws_dtype``, grid g's sample n at row g*N + n; both slots hold
     the initial state: the kernel reads slot 0 and writes slot 1 before it reads it), then
     ``words`` tagged words [2, G*N, H] uint64 (the step in the high word, h's float32 value in
-    the low word): slot 0 holds h before step 0 as step 0, slot 1 no step yet."""
+    the low word): slot 0 holds h before step 0 as step 0, slot 1 no step yet. ``rows``: a
+    grid's rows of the workspaces where the kernel pads the batch past N (zeros past N;
+    planner: "Padded batch")."""
     shape = (i64(grids), i64(batch), i64(hidden))
     given = [te.placeholder(shape, dtype, f"s{k}_initial") for k in range(zero_h, count)]
+    rows = max(rows, batch)
+
+    def initial(s, row, j):
+        n = row % rows
+        if rows == batch:
+            return s[row // rows, n, j]
+        return tvm.tirx.if_then_else(n < batch, s[row // rows, tvm.tirx.min(n, batch - 1), j],
+                                     tirx.const(0, dtype))
 
     def body(slot, row, j):
-        read = [s[row // batch, row % batch, j] for s in given]
+        read = [initial(s, row, j) for s in given]
         states = [tirx.const(0, ws_dtype)] * zero_h + [_cast(v, ws_dtype) for v in read]
         # a zero h's bits as a constant: CUDA's reinterpret of a constant takes its address
         bits = tirx.const(0, "uint64") if zero_h else tirx.Cast("uint64", tvm.tirx.reinterpret(
@@ -711,7 +722,7 @@ def init_persistent(count: int, grids: int, batch: int, hidden: int, dtype: str,
         word = tvm.tirx.if_then_else(slot == 0, bits, tirx.const(empty_tag << 32, "uint64"))
         return states + [word] * words
 
-    outs = te.compute((i64(2), i64(grids * batch), i64(hidden)), body, name="initial")
+    outs = te.compute((i64(2), i64(grids * rows), i64(hidden)), body, name="initial")
     return te.create_prim_func([*given, *(outs if count + words > 1 else [outs])])
 
 

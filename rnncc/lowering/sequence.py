@@ -778,7 +778,8 @@ class _Builder:
         states. With two directions the states' workspaces and the tagged h are [2, D*N, H]
         (direction d's sample n at row d*N + n) and the kernel runs the reverse direction
         backwards. With L layers (a wavefront) the same with L for D, the y of the layers below
-        the last in a workspace [T, N, (L-1)*H]. ``history`` (one
+        the last in a workspace [T, N, (L-1)*H]. Where the plan pads the batch (planner:
+        "Padded batch") the workspaces and the tagged h have N + pad rows. ``history`` (one
         direction, one layer): ``persistent_train_forward``, the training forward on the
         kernel: it takes ``train_forward``'s packed weights (W_hh packed for the kernel each
         call; the input GEMM before the kernel, whatever the plan says) and has its outputs.
@@ -824,7 +825,8 @@ class _Builder:
         xp_shape = (t_len, n, dirs * g * h)
         in_place = history and not plan.fused and sums_in_place(parts)
         xp = kept[-1] if in_place else self.param(sig, "xp", xp_shape, "workspace", acc)
-        rows = dirs * n
+        run = n + plan.pad  # the rows the kernel runs (planner: "Padded batch")
+        rows = dirs * run
         sw = [self.param(sig, f"{s}_ws", (2, rows, h), "workspace", acc) for s in p.cell.states]
 
         folded = self._folded(sig, t_len, w_hr, s0, sw) if proj else None
@@ -849,7 +851,7 @@ class _Builder:
             zero = self.scheduled("zero_counter", comp.zeros((counters,), "uint32"),
                                   "elementwise")
             sync_stages = [Stage("zero_counter", zero, [Region(sync, (ALL,))], 1)]
-            published = buffers.published_h(plan, n, p.dtype)  # h for the next staging
+            published = buffers.published_h(plan, run, p.dtype)  # h for the next staging
             more_sync = []
             if published:
                 shape, dtype = published
@@ -858,7 +860,8 @@ class _Builder:
             words = []
         # the states' workspaces (a projection's h': zero) and the tagged words, every grid's
         init = self.scheduled("init_persistent", comp.init_persistent(
-            len(sw), dirs, n, h, p.dtype, acc, len(words), EMPTY_TAG, zero_h=bool(proj)),
+            len(sw), dirs, n, h, p.dtype, acc, len(words), EMPTY_TAG, zero_h=bool(proj),
+            rows=run),
             "elementwise")
         prologue = (folded.prologue if proj else []) + [Stage("init_persistent", init, [
             Region(s, (ALL,) * 3) for s in s0[bool(proj):]] + [

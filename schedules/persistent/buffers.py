@@ -65,8 +65,9 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     [D*B/(D*NG), ...], b_ih [D*G*H]). With L layers (planner: "Layers as a wavefront") the
     same with L for D (W_ih and b_ih too), but y: the last layer's [T,N,H], then the others'
     ``ys`` [T,N,(L-1)*H] (layer l > 0 reads layer l - 1's as its x); and last the layers'
-    progress counters ``prog`` [L*NG] uint32."""
-    p, dt, n = spec.plan, spec.dtype, spec.batch
+    progress counters ``prog`` [L*NG] uint32. Where the plan pads the batch (planner: "Padded
+    batch") the states, the tagged h and the values have N + pad rows, the rest N."""
+    p, dt, n = spec.plan, spec.dtype, spec.given_batch
     d, gh, rows = spec.grids, spec.grids * spec.gate_rows, spec.state_rows
     per_unit = [f"p{k}" for k in range(spec.params)]
     first = ["first"] if spec.first else []
@@ -78,7 +79,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += [f"n{k}" for k in range(spec.states)] if spec.finals else []
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
     names += ["hw"] if spec.tagged else [] if spec.local else ["cnt"]
-    published = published_h(p, n, dt)
+    published = published_h(p, spec.batch, dt)
     names += ["hx"] if published else []
     values = spec.means or spec.rounds  # a buffer a mean, or the product's
     names += [f"aw{r}" for r in range(values)]

@@ -133,8 +133,9 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
     """The persistent kernel of ``cell`` (an :class:`rnncc.cells.Cell`) for ``plan``, a
     PrimFunc named "persistent" whose parameters :func:`.buffers.parameters` lists. ``dtype``:
     the storage dtype of the weights, the biases and y; ``input_size`` C: for a fused input
-    projection; ``batch``: N, all batch groups together; ``lengths``: the samples' lengths are
-    a parameter; ``kept``: a training forward's, which keeps every step's states and these
+    projection; ``batch``: N, all batch groups together (the kernel runs N + ``plan.pad``
+    rows: planner, "Padded batch"); ``lengths``: the samples' lengths are a parameter;
+    ``kept``: a training forward's, which keeps every step's states and these
     parts of its projections (:mod:`.stages.history`); ``first``: the first step's input
     projections take an addition (a projection's W_hh h0); ``finals``: it writes the final
     states (:class:`~.spec.KernelSpec`)."""
@@ -146,12 +147,14 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
     if plan.k_slices > 1 and (taken or levels):
         raise ValueError(f"cell {cell.name!r} exchanges values of its step before h; h in "
                          "slices of K takes a step of one product, of h")
-    spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch, dtype, input_size,
+    spec = KernelSpec(plan, cell.gates, len(cell.states), hidden, batch + plan.pad, dtype,
+                      input_size,
                       lengths, kept=kept, params=len(cell.params), first=first, finals=finals,
                       product=taken[0] if taken else -1,
                       levels=tuple(tuple(level) for level in levels),
                       variances=tuple((k, m, alone) for k, (m, alone) in
-                                      sorted(variances.items())))
+                                      sorted(variances.items())),
+                      samples=batch)
     p, products = plan, tensor_cores if plan.mma else cuda_cores
 
     @T.prim_func(s_tir=True)

@@ -19,7 +19,9 @@ one named step after another:
 6. the exchange of h, unless the knobs set it (:func:`.planner.exchange`: where the input
    projection is overlapped, the tagged exchange on larger grids too);
 7. a step's row means exchanged as each block's sums, unless the knobs say
-   (:func:`block_sums`).
+   (:func:`block_sums`);
+8. where no plan fits the batch N, all of this again for a padded batch, a few rows past N
+   (:func:`padded_batches`; planner: "Padded batch").
 
 Pure arithmetic on the planner's :class:`~.planner.Plan`; no TVM.
 """
@@ -106,6 +108,9 @@ HALF_GROUPS_MAX_WEIGHTS = 9 << 19  # 4.5 MiB
 #: 11.3 (11.7); below it bfloat16 LSTM 1024 N64 6.6 / 8.2, and at N32 float16 LSTM 2048 11.3 /
 #: 17.6, float16 GRU 1024 N48 5.1 / 7.3.
 HALF_LARGE_WEIGHTS = 16 << 20
+#: A batch with no plan of its own pads to one of up to max(N/8, PAD_MIN_ROWS) rows more
+#: (:func:`padded_batches`): with N/8, 17 to 23 could take no more than 2 rows.
+PAD_MIN_ROWS = 3
 
 
 def check_knobs(knobs) -> dict:
@@ -186,7 +191,36 @@ def plan_for(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     """The persistent plan of ``problem`` on ``gpu`` (a planner GPU) under ``knobs``, or
     :class:`~.planner.Unfit` saying why there is none (see the module docstring for the
     order of the decisions). ``tight``: a configuration that does not fit with ``reg_margin``
-    registers kept free may be planned with none."""
+    registers kept free may be planned with none. Where none fits the batch N, the plan of the
+    first of :func:`padded_batches` that fits, its rows past N padding (planner: "Padded
+    batch")."""
+    try:
+        return _plan_exact(problem, gpu, knobs, reg_margin, tight)
+    except Unfit as err:
+        for rows in padded_batches(problem, knobs):
+            try:
+                found = _plan_exact(dataclasses.replace(problem, batch=rows), gpu, knobs,
+                                    reg_margin, tight)
+            except Unfit:
+                continue
+            return dataclasses.replace(found, pad=rows - problem.batch)
+        raise err
+
+
+def padded_batches(problem, knobs: dict) -> range:
+    """The batches past N that a plan may pad N to (planner: "Padded batch"), the smallest
+    first: up to max(N/8, :data:`PAD_MIN_ROWS`) rows more, past :data:`.planner.MAX_BATCH`
+    (below it every batch fits whole or not at all), for one direction of one layer at
+    inference without a projection, where the knobs leave the batch groups open."""
+    if (problem.batch <= planner.MAX_BATCH or problem.layers > 1 or problem.directions > 1
+            or problem.training or problem.proj_size or "batch_groups" in knobs):
+        return range(0)
+    return range(problem.batch + 1, problem.batch + max(problem.batch // 8, PAD_MIN_ROWS) + 1)
+
+
+def _plan_exact(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
+                tight: bool = True) -> Plan:
+    """:func:`plan_for` at the batch N itself."""
     if problem.dtype in ("float16", "bfloat16") and problem.layers == 1 and not knobs:
         weights = problem.gates * problem.hidden_size * (problem.proj_size
                                                          or problem.hidden_size) * 2

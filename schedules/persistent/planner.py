@@ -131,6 +131,13 @@ memory, no waiting on other blocks, two block barriers a step on the CUDA cores 
 were (:mod:`.stages.exchange`). Its shared memory is counted in every plan of one block a
 group, and the estimate (:func:`estimate_ns`) takes :data:`LOCAL_NS` for its exchange.
 
+Padded batch (``pad`` > 0, :func:`.knobs.plan_for`): past :data:`MAX_BATCH` a batch runs only in
+groups of equal size, so a batch without a divisor that fits (a prime 67, or 255 = 15 x 17 where
+17 groups of 15 rows do not fit) would leave the kernel. The kernel then runs N + pad rows, the
+plan of that batch: the rows past N read zeros for their input projections (and lengths, x and
+the initial states), compute and exchange like any other, and write nothing the caller sees.
+One direction of one layer, inference only.
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -209,6 +216,7 @@ class Plan:
     mean_partials: bool = False  # a step's means exchanged as a block's sums (stages.means)
     lane_bytes: int = 16  # bytes of a lane's chunk of a row (VEC elements; see "Narrow chunks")
     lane_groups: int = 1  # LG, groups of a warp's lanes, each its own rows ("Lane groups")
+    pad: int = 0  # batch rows past N the kernel runs, zeros (see "Padded batch")
 
     @property
     def warp_chunks(self) -> int:

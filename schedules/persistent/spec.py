@@ -46,7 +46,10 @@ class KernelSpec:
     variance about mean m, of m's round (taken from m's values as well; ``alone``: a unit has
     one value, so k's own argument is 0, not exchanged); ``finals``: the
     kernel writes the final states [grids, N, H] in ``dtype`` (else they are where the last
-    step left them, in the states' float32 workspaces)."""
+    step left them, in the states' float32 workspaces); ``samples``: where the plan pads the
+    batch (planner: "Padded batch"), the caller's N, ``batch`` being N + pad: x, the input
+    projections, the lengths, y and the final states have N rows, the states' workspaces and
+    the exchange N + pad."""
 
     plan: Plan
     gates: int
@@ -64,9 +67,13 @@ class KernelSpec:
     levels: tuple = ()
     finals: bool = False
     variances: tuple = ()
+    samples: int = 0
 
     def __post_init__(self):
         p = self.plan
+        if self.padded and (p.grids > 1 or self.kept or self.first):
+            raise ValueError("a padded batch runs one direction of one layer, inference, without "
+                             "a projection")
         if (self.product >= 0 or self.means) and p.layers > 1:
             raise ValueError("a step that reduces over the hidden units runs one layer")
         if self.product >= 0 and self.means:
@@ -85,6 +92,25 @@ class KernelSpec:
                 f"a fused input projection needs an input size and, in slabs, shared memory "
                 f"for W_hh, got input size {self.input_size} and {p.smem_chunks} chunks of W_hh "
                 "in shared memory")
+
+    @property
+    def padded(self) -> bool:
+        """The kernel runs rows past the caller's batch (planner: "Padded batch")."""
+        return 0 < self.samples < self.batch
+
+    @property
+    def given_batch(self) -> int:
+        """N: the rows of x, the input projections, the lengths, y and the final states."""
+        return self.samples if self.padded else self.batch
+
+    def given(self, bx, n):
+        """(whether block ``bx``'s batch row n is one of the caller's, or None where every row
+        is; its row of the caller's buffers, the last one for padding rows, which read it only
+        under that condition)."""
+        row = self.batch_row(bx, n)
+        if not self.padded:
+            return None, row
+        return row < self.samples, T.min(row, self.samples - 1)
 
     @property
     def local_batch(self) -> int:

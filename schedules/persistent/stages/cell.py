@@ -73,6 +73,18 @@ def each_pair(spec, bx, tx, body):
                 body(it, n, j)
 
 
+def given_row(spec, bx, n, write):
+    """``write(row)`` for block ``bx``'s batch row n (``row``: the caller's), where the plan
+    pads the batch only if the row is one of the caller's."""
+    given, row = spec.given(bx, n)
+    if given is None:
+        write(row)
+        return
+    with T.If(given):
+        with T.Then():
+            write(row)
+
+
 def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx, params=(), pv=None):
     """The pairs' b_hh, initial states (``s``: the states' buffers), their units' per-unit
     parameters of the cell (``params``, into ``pv``) and, where the kernel takes them, their
@@ -88,7 +100,9 @@ def load_constants(spec, b_hh, s, lengths, bh, st, ln, bx, tx, params=(), pv=Non
         for k in range(states):
             store(st, s[k][0, spec.state_row(bx, n), j], it * states + k)
         if spec.lengths:
-            store(ln, lengths[spec.batch_row(bx, n)], it)
+            given, row = spec.given(bx, n)
+            store(ln, lengths[row] if given is None else T.if_then_else(
+                given, lengths[row], T.int32(0)), it)
     each_pair(spec, bx, tx, body)
 
 
@@ -99,13 +113,16 @@ def _length(spec, ln, it):
 def prefetch(spec, xp, gi, ln, t, t_len, bx, tx, first=None):
     """Loop step t's input projections of the pairs (their sequence step: the reverse
     direction's runs back), plus, at step 0, ``first``'s
-    (``spec.first``)."""
+    (``spec.first``); zeros for a padded batch's rows past N."""
 
     def body(it, n, j):
         at = spec.step(bx, t, t_len, _length(spec, ln, it))
+        given, row = spec.given(bx, n)
         for g in range(spec.gates):
-            row, column = spec.batch_row(bx, n), spec.gate_column(bx, g, j)
+            column = spec.gate_column(bx, g, j)
             value = xp[at, row, column]
+            if given is not None:
+                value = T.if_then_else(given, value, T.float32(0))
             if spec.first:
                 value = value + T.if_then_else(t == 0, first[row, column], T.float32(0))
             store(gi, value, it * spec.gates + g)
@@ -205,7 +222,7 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
             _reads(v, st, it * states + j) for j in range(k)) else v for k, v in enumerate(new)]
         out = new[0] if live is None else T.if_then_else(live, values[0], T.float32(0))
         _store_y(spec, y, below, T.Cast(spec.dtype, out),
-                 spec.step(bx, t, t_len, _length(spec, ln, it)), spec.batch_row(bx, n), bx, j)
+                 spec.step(bx, t, t_len, _length(spec, ln, it)), bx, n, j)
         publish(new[0], spec.state_row(bx, n), j)
         if keep is not None:
             taken = [] if gs is None else [_sum(spec, hs, bh, it, n, u, spec.product)]
@@ -216,12 +233,14 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
     each_pair(spec, bx, tx, body)
 
 
-def _store_y(spec, y, below, value, step, row, bx, j):
-    """y[step, row] of unit j: in a wavefront the last layer's into ``y``, the others' into
-    ``below`` (a branch uniform over the block)."""
+def _store_y(spec, y, below, value, step, bx, n, j):
+    """y[step, row] of block ``bx``'s batch row n, unit j: in a wavefront the last layer's into
+    ``y``, the others' into ``below`` (a branch uniform over the block); nothing for a padded
+    batch's rows past N."""
     if spec.layers == 1:
-        store(y, value, step, row, spec.output_column(bx, j))
+        given_row(spec, bx, n, lambda row: store(y, value, step, row, spec.output_column(bx, j)))
         return
+    row = spec.batch_row(bx, n)
     with T.If(spec.layer(bx) == spec.layers - 1):
         with T.Then():
             store(y, value, step, row, j)
@@ -231,8 +250,8 @@ def _store_y(spec, y, below, value, step, row, bx, j):
 
 def store_final_states(spec, s, finals, st, t_len, bx, tx):
     """The final states: with ``finals`` (``spec.finals``: [grids, N, H] each), all of them,
-    in the kernel's dtype; else those other than h into their workspaces ``s``, slot T % 2
-    (h_T is where the last step published it)."""
+    in the kernel's dtype (a padded batch's first N rows); else those other than h into their
+    workspaces ``s``, slot T % 2 (h_T is where the last step published it)."""
     if finals is None and spec.states == 1:
         return
 
@@ -240,8 +259,9 @@ def store_final_states(spec, s, finals, st, t_len, bx, tx):
         for k in range(0 if finals is not None else 1, spec.states):
             value = st[it * spec.states + k]
             if finals is not None:
-                store(finals[k], T.Cast(spec.dtype, value), spec.grid(bx),
-                      spec.batch_row(bx, n), j)
+                final = T.Cast(spec.dtype, value)
+                given_row(spec, bx, n, lambda row, k=k, final=final: store(
+                    finals[k], final, spec.grid(bx), row, j))
             else:
                 store(s[k], value, t_len % 2, spec.state_row(bx, n), j)
     each_pair(spec, bx, tx, body)

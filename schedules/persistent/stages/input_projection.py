@@ -163,6 +163,13 @@ def _sequence_step(spec, io, t, t_len, row, bx):
     return spec.step(bx, t, t_len, io.lengths[row] if spec.lengths else None)
 
 
+def _x_exists(spec, col, m, t_len, given):
+    """Whether column ``col`` of row m of the block's rows of x (T*N/NG) exists: in C, in T, and
+    where the plan pads the batch, a row of the caller's (``given``)."""
+    return tirx.all(col < spec.input_size, m < t_len * spec.local_batch,
+                    *([] if given is None else [given]))
+
+
 def _x_value(spec, io, t, row, col, bx):
     """x[t, row, col] as float32: the layer's input, or with layers, layer l - 1's output for
     layer l > 0 (read past L1: other blocks wrote it during the launch)."""
@@ -178,9 +185,9 @@ def _x_value(spec, io, t, row, col, bx):
 def _stage_x_item(spec, io, m0, sl, t_len, bx, e):
     n_, step, xstride = T.meta_var((spec.local_batch, _x_step(spec), geometry(spec).xstride))
     r, k, col, m = T.meta_var(_x_slot(spec, e, step, m0, sl))
-    row = T.meta_var(spec.batch_row(bx, m % n_))
+    given, row = T.meta_var(spec.given(bx, m % n_))
     parts, lanes = T.meta_var(_float32_lanes(step))
-    if col < spec.input_size and m < t_len * n_:
+    if _x_exists(spec, col, m, t_len, given):
         for h in T.unroll(parts):
             for v in T.vectorized(lanes):
                 io.x_staged[r * xstride + k + h * lanes + v] = _x_value(
@@ -198,9 +205,10 @@ def _copy_x_item(spec, io, m0, sl, t_len, bx, e):
     r, k, col, m = T.meta_var(_x_slot(spec, e, vec, m0, sl))
     last = T.meta_var(T.min(m, t_len * n_ - 1))
     to = T.meta_var(T.address_of(io.xsl[r * geometry(spec).xstride + k]))
-    row, first = T.meta_var((spec.batch_row(bx, last % n_), T.min(col, c - vec)))
+    given, row = T.meta_var(spec.given(bx, last % n_))
+    first = T.meta_var(T.min(col, c - vec))
     t = T.meta_var(_sequence_step(spec, io, last // n_, t_len, row, bx))
-    size = T.meta_var(T.if_then_else(col < c and m < t_len * n_, 16, 0))
+    size = T.meta_var(T.if_then_else(_x_exists(spec, col, m, t_len, given), 16, 0))
     if spec.layers == 1:
         device.copy_async(to, T.address_of(io.x[t, row, first]), size)
     else:  # layer l > 0: layer l - 1's outputs (asynchronous copies read past L1)
@@ -321,12 +329,16 @@ def _write_output(spec, io, m0, accumulate, t_len, bx, o):
     mm = T.meta_var(m0 * p.input_rows + n)
     j = T.meta_var(spec.place(bx) * p.units + row % p.units)
     out = T.meta_var(spec.gate_column(bx, row // p.units, j))
-    b_row = T.meta_var(spec.batch_row(bx, mm % n_))
+    given, b_row = T.meta_var(spec.given(bx, mm % n_))
     at = T.meta_var(_sequence_step(spec, io, mm // n_, t_len, b_row, bx))
     io.xs[0] = _output_start(spec, io, at, b_row, out, accumulate)
     for w in T.unroll(p.warps):
         io.xs[0] = io.xs[0] + io.hs[(w * p.input_rows + n) * geo.sum_stride + row]
-    io.xp[at, b_row, out] = io.xs[0]
+    if spec.padded:
+        if given:  # a padded batch's rows past N have none
+            io.xp[at, b_row, out] = io.xs[0]
+    else:
+        io.xp[at, b_row, out] = io.xs[0]
 
 
 @T.macro
