@@ -11,9 +11,7 @@ The cell builds sigmoid and exp with the GPU's exponential and division (:data:`
 
 from __future__ import annotations
 
-import tvm_ffi
 from tvm import tirx
-from tvm.ir.expr import TensorLoad
 from tvm.script import tirx as T
 
 from rnncc.cells import ops
@@ -48,20 +46,6 @@ FAST_FUNCTIONS = {"exp": _fast_exp, "sigmoid": _fast_sigmoid}
 def store(buffer, value, *indices):
     """``buffer[indices] = value``, where the indices are Python values and PrimExprs."""
     T.buffer_store(buffer, value, list(indices))
-
-
-def _reads(expr, buffer, index: int) -> bool:
-    """Whether ``expr`` loads ``buffer[index]``."""
-    found = []
-
-    def visit(load):
-        if load.source.same_as(buffer) and all(
-                isinstance(i, tirx.IntImm) for i in load.indices) and int(
-                load.indices[0]) == index:
-            found.append(load)
-
-    tvm_ffi.structural_walk(expr, (TensorLoad, visit))
-    return bool(found)
 
 
 def each_pair(spec, bx, tx, body):
@@ -216,10 +200,12 @@ def apply(spec, cell, y, hs, gi, bh, st, ln, publish, t, t_len, bx, tx, keep=Non
             # 4, 20 MUFU instructions in the kernel against 10 without lengths)
             values = [T.Bind(v) for v in new]
             new = [T.if_then_else(live, v, st[it * states + k]) for k, v in enumerate(values)]
-        # the states are stored in order: a new state that reads a previous one stored before
-        # it (a user's c' from h) is bound first, as it reads the previous value
-        new = [T.Bind(v) if keep is not None or any(
-            _reads(v, st, it * states + j) for j in range(k)) else v for k, v in enumerate(new)]
+        # every new state bound, once, before the stores: a new state that reads a previous one
+        # stored before it (a user's c' from h) reads the previous value, and no store
+        # computes it again (the exchange's device functions clobber memory, after which an
+        # unbound h was the cell again from shared memory: with the cluster exchange once
+        # for each block it puts h into)
+        new = [T.Bind(v) for v in new]
         out = new[0] if live is None else T.if_then_else(live, values[0], T.float32(0))
         _store_y(spec, y, below, T.Cast(spec.dtype, out),
                  spec.step(bx, t, t_len, _length(spec, ln, it)), bx, n, j)
