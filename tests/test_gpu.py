@@ -324,14 +324,15 @@ def test_persistent_user_cell_whose_new_state_reads_the_previous_h(knobs, rng):
 
 @pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu"])
 def test_tagged_exchange_survives_many_runs(cell, rng):
-    """With plain volatile loads of the tagged words this plan (9 blocks of 128 threads, h
-    staged in two batches a thread) deadlocked within 10 to 100 runs of 37 steps on an H200
-    (one batch group: by default this batch runs as 7 groups)."""
-    module = rnncc.compile(cell, 5, 33, 7, target="cuda", dtype="float16",
-                           knobs={"batch_groups": 1})
+    """With plain volatile loads of the tagged words a plan of 9 blocks of 128 threads (H 33,
+    h staged in two batches a thread; now one block, "local") deadlocked within 10 to 100
+    runs of 37 steps on an H200: H 264 in one batch group, 33 blocks of 128 threads, h staged
+    in batches of 8 words a thread."""
+    module = rnncc.compile(cell, 5, 264, 7, target="cuda", dtype="float16",
+                           knobs={"batch_groups": 1, "warps": 4, "sync": "tagged"})
     plan = module.metadata["schedule"]["persistent"]["plan"]
-    assert plan["sync"] == "tagged" and plan["blocks"] == 9 and plan["threads"] == 128
-    w = {k: v.astype("float16") for k, v in random_weights(rng, 1, 5, 33).items()}
+    assert plan["sync"] == "tagged" and plan["blocks"] > 8 and plan["threads"] == 128
+    w = {k: v.astype("float16") for k, v in random_weights(rng, 1, 5, 264).items()}
     packed = module.pack(w)
     x = rng.standard_normal((37, 7, 5)).astype("float16")
     first = module(x, packed)[0]
@@ -460,6 +461,30 @@ def test_batch_groups_match_reference_and_repeat_exactly(cell, input_size, hidde
     assert plan["batch_groups"] == knobs["batch_groups"]
     check_across_steps(module, rng)
     check_repeats_exactly(module, rng)
+
+
+@pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, options", [
+    ("lstm", 72, 72, 3, "float32", {}), ("gru", 33, 106, 4, "float32", {"lengths": True}),
+    ("lstm", 128, 128, 1, "float32", {}), ("lstm", 40, 128, 4, "float16", {"directions": 2}),
+    ("rnn_tanh", 16, 256, 1, "float32", {}), ("lstm", 87, 87, 7, "float32", {"lengths": True}),
+    ("gru", 1024, 128, 2, "float32", {})])
+def test_cluster_exchange_matches_reference_and_repeats_exactly(cell, input_size, hidden, batch,
+                                                                dtype, options, rng):
+    """Batch groups of 2 to 8 blocks as thread-block clusters, h put into each other's shared
+    memory (planner: "A cluster a group"): odd sizes, lengths, both directions, half weights,
+    a fused input projection (C 1024)."""
+    module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
+                           persistent="on", tuning="off", **options)
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "cluster"
+    check_across_steps(module, rng, lengths=options.get("lengths", False))
+    check_repeats_exactly(module, rng)
+
+
+def test_cluster_exchange_ten_thousand_steps(rng):
+    """The slots' barriers of the cluster exchange phase after phase over a long sequence."""
+    module = rnncc.compile("gru", 106, 106, 4, target="cuda", persistent="on", tuning="off")
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "cluster"
+    assert check_against_reference(module, rng, 10000, True) < TOL_F32
 
 
 @pytest.mark.parametrize("cell, input_size, hidden, batch, dtype, lengths", [

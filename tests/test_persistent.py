@@ -1226,3 +1226,33 @@ def test_batch_without_a_fitting_split_pads_to_the_nearest_that_fits(cell, hidde
                          (problem, {"batch_groups": 1})]:
         with pytest.raises(Unfit):
             knobs.plan_for(other, H100, given, 24)
+
+
+@pytest.mark.parametrize("cell, hidden, batch, dtype, cluster", [
+    ("lstm", 72, 3, "float32", True), ("gru", 106, 4, "float32", True),
+    ("lstm", 128, 4, "float16", True), ("lstm", 128, 1, "float32", True),
+    ("lstm", 200, 16, "float32", False),  # 16 clusters of 8: past CLUSTER_MAX_BLOCKS
+    ("lstm", 256, 1, "float32", False),  # 16 blocks a group
+    ("lstm", 64, 1, "float32", False),  # one block: "local"
+    ("ln_lstm", 96, 2, "float32", False),  # its step exchanges means before h
+    ("lstm", 1024, 8, "float16", False)])  # tensor cores, 64 blocks a group
+def test_batch_groups_of_two_to_eight_blocks_exchange_h_within_clusters(cell, hidden, batch,
+                                                                         dtype, cluster):
+    """Where a batch group is 2 to 8 blocks (at most CLUSTER_MAX_BLOCKS in all), on the CUDA
+    cores, for a step of one product of h, the group is a cluster (planner: "A cluster a
+    group"); elsewhere the sync knob "cluster" says why not."""
+    from rnncc import cells
+    from rnncc.schedules.persistent import knobs
+    from rnncc.schedules.persistent.planner import CLUSTER_MAX_BLOCKS
+    from rnncc.spec import Problem
+
+    problem = Problem(cells.get(cell), hidden, hidden, batch, dtype)
+    p = knobs.plan_for(problem, H100, {}, 24)
+    assert (p.sync == "cluster") == cluster
+    if cluster:
+        assert 2 <= p.group_blocks <= 8 and p.blocks <= CLUSTER_MAX_BLOCKS and not p.mma
+        assert knobs.plan_for(problem, H100, {"sync": "tagged"}, 24).sync == "tagged"
+        assert knobs.plan_for(problem, gpu_for_arch("sm_80"), {}, 24).sync != "cluster"
+    else:
+        with pytest.raises(Unfit, match="cluster"):
+            knobs.plan_for(problem, H100, {"sync": "cluster"}, 24)

@@ -159,7 +159,7 @@ def simulate(cell, p, x, weights, initial, dtype, lengths=None, kept=()):
     if p.sync == "tagged":
         args.update({"hw": made[count], **{f"aw{r}": made[count + 1 + r] for r in range(values)}})
     else:
-        if p.sync != "local":
+        if p.sync not in ("local", "cluster"):
             args["cnt"] = np.zeros(dirs * p.batch_groups, np.uint32)
         args.update({f"aw{r}": np.full((2, dirs * run, h), np.nan, np.float32)
                      for r in range(values)})
@@ -351,6 +351,16 @@ KERNELS = {
     "bidirectional, tensor cores, h in 3 slices": lambda: ("gru", 3, 700, 18, "float16",
                                                            in_slices(crafted(
         3, 700, 18, "float16", 32, 12, (2, 1, 0), mma=True, sync="barrier", directions=2), 3)),
+    # a batch group a cluster (planner: "A cluster a group"): h put into each block's shared
+    # memory, two slots of it
+    "cluster": lambda: ("lstm", 5, 33, 3, "float32", crafted(4, 33, 3, "float32", 12, 2,
+                                                             sync="cluster")),
+    "cluster, batch groups, narrow chunks": lambda: ("gru", 6, 20, 6, "float16", crafted(
+        3, 20, 6, "float16", 10, 2, groups=3, vec=1, sync="cluster")),
+    "cluster, overlapped": lambda: ("lstm", 64, 70, 2, "float32", _overlapped(crafted(
+        4, 70, 2, "float32", 24, 8, sync="cluster"), 4, 64, 2, 2)),
+    "bidirectional, cluster, batch groups": lambda: ("gru", 7, 40, 4, "float32", crafted(
+        3, 40, 4, "float32", 20, 2, groups=2, sync="cluster", directions=2)),
     # a padded batch (planner: "Padded batch"): the rows past N read zeros and write nothing
     "padded batch, tagged, batch groups": lambda: ("lstm", 5, 33, 5, "float32", padded(
         tagged(4, 33, 6, groups=2), 1)),
@@ -387,6 +397,7 @@ def test_kernel_variant_matches_reference(name, rng):
     if name == "fused in slabs":
         assert p.input_slab > 0
     assert (p.sync == "local") == ("local" in name)
+    assert (p.sync == "cluster") == ("cluster" in name)
     check_kernel(cell, p, input_size, hidden, batch, dtype, rng)
 
 
@@ -399,7 +410,7 @@ def test_kernel_variant_matches_reference(name, rng):
         "local, batch groups, chunks of one element", "local, tensor cores, tiles",
         "bidirectional, overlapped, staged x, batch groups",
         "bidirectional, barrier, batch groups, K in three places",
-        "padded batch, tagged, batch groups"]))
+        "padded batch, tagged, batch groups", "cluster", "bidirectional, cluster, batch groups"]))
 def test_kernel_with_lengths_matches_reference(name, rng):
     """Samples of their own lengths: each pair keeps its states past its sample's length,
     publishes them, and writes zero to y (T = 1 and 5, lengths 1 to T)."""

@@ -123,6 +123,9 @@ class Simulator:
         #: arrivals a phase of each takes (its initial count) and the arrivals it had
         self.queued, self.begun, self.waited = {}, {}, {}
         self.counts, self.arrivals = {}, {}
+        #: bytes each (block, barrier element) expected (arrive.expect_tx) and received
+        #: (asynchronous stores into the block from its cluster)
+        self.expected, self.received = {}, {}
         self.described = None  # the shared memory buffer the matrix descriptors name
 
     def run(self):
@@ -515,8 +518,12 @@ class Simulator:
                 self._write(dst.buffer, np.asarray(dst.flat) + v,
                             self._load(src.buffer, np.asarray(src.flat) + v), mask)
             return None
-        if name in ("rnncc_cp_async_wait", "rnncc_cluster_sync"):
+        if name in ("rnncc_cp_async_wait", "rnncc_cluster_sync", "rnncc_fence_cluster_init"):
             return None
+        if name == "rnncc_cluster_put":
+            return self._cluster_put(values, mask)
+        if name == "rnncc_cluster_wait":
+            return self._tma_wait(values[0], values[1], mask)
         if name == "rnncc_tma_arrive":  # on that barrier of block ``cta`` of the cluster
             flat = np.broadcast_to(np.asarray(values[0].flat, np.int64), (self.lanes,))
             cta = np.broadcast_to(np.asarray(values[1], np.int64), (self.lanes,))
@@ -589,6 +596,26 @@ class Simulator:
             for key in self._barriers(self._expr(args[0]), mask):
                 self.begun[key] = self.begun.get(key, 0) + 1
                 self.arrivals[key] = self.arrivals.get(key, 0) + 1
+                self.expected[key] = self.expected.get(key, 0) + int(self._expr(args[1]))
+        return None
+
+    def _cluster_put(self, values, mask):
+        """``st.async`` of a float32 (at, bar, cta, value) into block ``cta`` of the cluster, at
+        once, its 4 bytes counted on that block's barrier (which, over the kernel, must have
+        expected as many)."""
+        at, bar = values[0], values[1]
+        cta = np.broadcast_to(np.asarray(values[2], np.int64), (self.lanes,))
+        value = np.broadcast_to(np.asarray(values[3], np.float32), (self.lanes,))
+        flat = np.broadcast_to(np.asarray(at.flat, np.int64), (self.lanes,))
+        bars = np.broadcast_to(np.asarray(bar.flat, np.int64), (self.lanes,))
+        smem = self.store[at.buffer][1]
+        for lane in np.flatnonzero(mask):
+            block = int(lane) // self.threads
+            target = block - block % self.cluster + int(cta[lane])
+            assert 0 <= flat[lane] < smem.shape[-1], (at.buffer.name, flat[lane])
+            smem[target, flat[lane]] = value[lane]
+            key = (target, int(bars[lane]))
+            self.received[key] = self.received.get(key, 0) + 4
         return None
 
     def _check_arrivals(self):
@@ -604,6 +631,10 @@ class Simulator:
             if had < phases * count:
                 raise Deadlock(f"block {key[0]} waits for {phases} phases of barrier element "
                                f"{key[1]} ({count} arrivals each), which had {had} arrivals")
+        for key, got in self.received.items():
+            if got != self.expected.get(key, 0):
+                raise Deadlock(f"block {key[0]}'s barrier element {key[1]} expected "
+                               f"{self.expected.get(key, 0)} bytes and received {got}")
 
     def _barriers(self, pointer, mask):
         """(block, barrier element) of each thread the mask holds."""

@@ -40,9 +40,10 @@ DYN_SHARED = "tirx.use_dyn_shared_memory"
 CONFIG = {"tirx.disable_cse_tir": True}
 
 
-def _uses_grid_barrier(func) -> bool:
+def _uses_grid_barrier(func, names=None) -> bool:
     """Whether ``func`` calls TVM's grid sync or one of rnncc's device functions that wait on
-    other blocks (:data:`rnncc.schedules.persistent.device.COOPERATIVE_PREFIX`)."""
+    other blocks (:data:`rnncc.schedules.persistent.device.COOPERATIVE_PREFIX`); with
+    ``names``, whether it calls one of those device functions instead."""
     from ..schedules.persistent.device import COOPERATIVE_PREFIX
 
     grid_sync = tvm.ir.Op.get("tirx.cuda.grid_sync")
@@ -50,11 +51,12 @@ def _uses_grid_barrier(func) -> bool:
     found = []
 
     def visit(call):
-        if call.op.same_as(grid_sync):
+        if call.op.same_as(grid_sync) and names is None:
             found.append(call)
-        elif (call.op.same_as(func_call) and call.args
-              and str(call.args[0].value).startswith(COOPERATIVE_PREFIX)):
-            found.append(call)
+        elif call.op.same_as(func_call) and call.args:
+            name = str(call.args[0].value)
+            if name in names if names is not None else name.startswith(COOPERATIVE_PREFIX):
+                found.append(call)
 
     tvm_ffi.structural_walk(func.body, (tvm.ir.Call, visit))
     return bool(found)
@@ -63,16 +65,23 @@ def _uses_grid_barrier(func) -> bool:
 @tvm.transform.module_pass(opt_level=0, name="rnncc.CooperativeLaunch")
 def cooperative_launch(mod, _ctx):
     """Tag kernels that use a grid barrier for cooperative launch, with one block a
-    multiprocessor as their launch bounds' minimum (``__launch_bounds__(threads, 1)``): such a
-    kernel runs one block a multiprocessor, and without the bound ptxas may keep registers
+    multiprocessor as their launch bounds' minimum (``__launch_bounds__(threads, 1)``; that
+    bound alone for a persistent kernel of clusters, resident as clusters): such a kernel runs
+    one block a multiprocessor, and without the bound ptxas may keep registers
     free for an occupancy it never has, spilling to do so (seen on a 512-thread LSTM kernel:
     40 registers and 12 bytes spilled, against 69 registers and none with it)."""
     from ..schedules._common import LAUNCH_BOUNDS
+    from ..schedules.persistent.device import CLUSTER_PUT
 
     updates = {}
     for gvar, func in mod.functions_items():
         params = func.attrs.get("tirx.kernel_launch_params") if func.attrs else None
-        if params is None or not _uses_grid_barrier(func):
+        if params is None:
+            continue
+        if _uses_grid_barrier(func, {CLUSTER_PUT}):  # a persistent kernel of clusters
+            updates[gvar] = func.with_attr(LAUNCH_BOUNDS, 1)
+            continue
+        if not _uses_grid_barrier(func):
             continue
         tags = [str(p) for p in params]
         if COOPERATIVE in tags:

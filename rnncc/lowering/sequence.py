@@ -842,7 +842,7 @@ class _Builder:
             sync = self.param(sig, "h_tagged", (2, rows, h), "workspace", "uint64")
             more_sync = exchanged("tagged", "uint64")
             sync_stages, words = [], [sync, *more_sync]
-        elif plan.sync == "local":  # h within the block; the values ordered by its barrier
+        elif plan.sync in ("local", "cluster"):  # h within the block or cluster
             sync, more_sync = None, exchanged("exchanged", "float32")
             sync_stages, words = [], []
         else:

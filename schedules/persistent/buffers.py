@@ -78,7 +78,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
     names += [f"s{k}" for k in range(spec.states)]
     names += [f"n{k}" for k in range(spec.states)] if spec.finals else []
     names += [f"steps{k}" for k in range(spec.states)] + ["pre"] if spec.kept else []
-    names += ["hw"] if spec.tagged else [] if spec.local else ["cnt"]
+    names += ["hw"] if spec.tagged else [] if spec.local or spec.cluster else ["cnt"]
     published = published_h(p, spec.batch, dt)
     names += ["hx"] if published else []
     values = spec.means or spec.rounds  # a buffer a mean, or the product's
@@ -124,7 +124,7 @@ def parameters(spec: KernelSpec) -> SimpleNamespace:
         match("pre", "pre", (t_len, n, len(spec.kept) * spec.hidden), "float32")
     if spec.tagged:
         match("hw", "hw", (2, rows, spec.hidden), "uint64")
-    elif not spec.local:
+    elif not (spec.local or spec.cluster):
         match("cnt", "cnt", (d * p.batch_groups,), "uint32")
     if published:
         match("hx", "hx", *published)
@@ -229,7 +229,8 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
       ``ln``: their samples' lengths; ``tv``: tagged words in flight; ``gs``: the pairs'
       recurrent gate sums of h, kept while a step's product of a value is taken; ``mv``: the
       step's row means (``red``, ``racc``: their sums in the making, about ``shift``); ``hn``:
-      h_t as the ``"local"`` exchange keeps it for the next step's staging;
+      h_t as the ``"local"`` exchange keeps it for the next step's staging (the
+      ``"cluster"`` exchange's two slots of it, and ``cb`` their barriers);
     - the fused input projection's ``pacc``, ``xv``, ``wq``, ``xs`` (registers), ``wis``
       (W_ih's rows, unless they go through ``wsm`` in slabs) and ``xsl`` (x's slab,
       overlapped);
@@ -283,11 +284,18 @@ def on_chip(spec: KernelSpec, pairs: bool = True) -> SimpleNamespace:
         alloc("tv", exchange.WAIT_BATCH, "uint64")
     if spec.local:  # h_t for the next step's staging, in its order and type
         alloc("hn", spec.staged_size, dt if p.mma else "float32", "shared")
+    out.cb = None
+    if spec.cluster:  # two slots of h as the products read it, each with its barrier
+        alloc("hn", 2 * spec.staged_size, "float32", "shared")
+        alloc("cb", 2, "uint64", "shared")
     if p.smem_chunks:
         alloc("wsm", p.warps * p.smem_chunks * rw * 32 * vec, dt, "shared.dyn")
     fused_floats = _fused(spec, alloc) if p.fused else 0
     staged = 0 if p.mma else n * spec.width  # with tensor cores, h goes to hs16 instead
-    alloc("hs", max(staged, p.warps * p.warp_rows * n, fused_floats), "float32", "shared.dyn")
+    # a cluster's blocks one a multiprocessor (its launch would pack them where they fit)
+    alone = max(0, planner.CLUSTER_BLOCK_SMEM - p.smem_bytes) // 4 if spec.cluster else 0
+    alloc("hs", max(staged, p.warps * p.warp_rows * n, fused_floats) + alone, "float32",
+          "shared.dyn")
     return out
 
 

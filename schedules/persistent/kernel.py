@@ -64,11 +64,11 @@ from .stages import (
 
 
 @T.macro
-def gate_sums(spec, b, w, blk, warp, lane, h=None):
+def gate_sums(spec, b, w, blk, warp, lane, h=None, base=0):
     """Steps 3 and 4: the block's gate sums [Wn*RW, N/NG] in ``hs``, from h_{t-1} staged
     (``b``: the on-chip buffers; ``w``: W_hh, whose streamed chunks are read every step), or
-    on the CUDA cores from ``h`` where it is kept (:attr:`.spec.KernelSpec.reads_hn`; the sums
-    then need not wait for every warp to have read it)."""
+    on the CUDA cores from ``h`` where it is kept, from ``base`` (:attr:`.spec.KernelSpec.
+    reads_hn`; the sums then need not wait for every warp to have read it)."""
     if spec.plan.mma:
         tensor_cores.zero(spec, b.dacc)
         weights.each_chunk(spec, partial(tensor_cores.chunk, spec, b.hs16, b.af, b.wb, b.wv,
@@ -81,8 +81,8 @@ def gate_sums(spec, b, w, blk, warp, lane, h=None):
     else:
         cuda_cores.zero(spec, b.acc)
         weights.each_chunk(spec, partial(cuda_cores.chunk, spec, b.hs if h is None else h, b.hv,
-                                         b.wv, b.acc, lane), b.wv, b.wreg, b.wsm, w, blk, warp,
-                           lane)
+                                         b.wv, b.acc, lane, base=base), b.wv, b.wreg, b.wsm, w,
+                           blk, warp, lane)
         reduction.butterfly(spec, b.acc, lane)
         if h is None:
             T.tvm_storage_sync("shared.dyn")  # every warp has read h_{t-1}: the sums take its place
@@ -127,6 +127,75 @@ def sliced_gate_sums(spec, b, start, warp, lane):
     T.tvm_storage_sync("shared.dyn")
 
 
+@T.macro
+def block(spec, cell, g, b, io, staged, held, published, bx, tx):
+    """Thread ``tx`` of block ``bx``: the whole run (``g``: the parameters; ``b``: the on-chip
+    buffers; ``io``: the fused input projection's; ``staged``: where h_{t-1} is staged;
+    ``held``: where the products read it where it is kept; ``published``: where h_t goes for
+    the next step's staging, :func:`.exchange.published_by`)."""
+    p, products = T.meta_var((spec.plan, tensor_cores if spec.plan.mma else cuda_cores))
+    warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
+    if p.fused:
+        input_projection.before_loop(spec, io, g.T_len, warp, lane, bx, tx)
+    weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
+    if p.mma:
+        tensor_cores.prepare(spec, b.hs16, b.af, tx)
+    if g.hx is not None:
+        exchange.zero_unpublished(spec, published, bx, tx)
+    if spec.local:
+        exchange.init_local(spec, g.s[0], b.hn, partial(products.store_h, spec, b.hn, 0), bx,
+                            tx)
+    if spec.cluster:
+        exchange.init_cluster(spec, g.s[0], b.hn, b.cb, partial(products.store_h, spec, b.hn, 0),
+                              bx, tx)
+    cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln, bx, tx, g.params,
+                              b.pv)
+    if len(spec.kept) > 0:
+        history.keep_initial(spec, g.steps, b.st, bx, tx)
+    if spec.means > 0:
+        means.clear(spec, b.shift, tx)
+    for t in range(g.T_len):
+        cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx, g.first)
+        if p.input_steps > 0:
+            input_projection.start_copies(spec, io, t, g.T_len, bx, tx)
+        if p.k_slices > 1:
+            sliced_gate_sums(spec, b, partial(
+                exchange.start_slice, spec, g.s[0], g.hx, staged,
+                partial(products.store_h, spec, staged), t, bx=bx, tx=tx), warp, lane)
+        elif spec.reads_hn:
+            if spec.cluster:
+                exchange.wait_cluster(spec, b.cb, t, tx)
+            gate_sums(spec, b, g.w, blk, warp, lane, held, spec.hn_slot(t))
+        else:
+            exchange.stage_h(spec, g.s[0], g.hw, b.tv, partial(products.store_h, spec, staged, 0),
+                             t, bx, tx, g.hx, staged, b.hn)
+            T.tvm_storage_sync("shared.dyn")
+            gate_sums(spec, b, g.w, blk, warp, lane)
+        if spec.product >= 0:
+            cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, b.gs,
+                                partial(exchange.publish_value, spec, g.aw[0], t), bx, tx)
+            exchange.value_barrier(spec, g.cnt, t, 0, bx, tx)
+            exchange.stage_values(spec, [g.aw[0]], b.tv, [partial(
+                products.store_h, spec, staged, 0)], t, bx, tx)
+            T.tvm_storage_sync("shared.dyn")
+            gate_sums(spec, b, g.w, blk, warp, lane, held)
+        means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)
+        cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
+            exchange.publish, spec, g.s[0], g.hw, t, published=published), t, g.T_len, bx, tx,
+            history.keeper(spec, g.pre, g.steps), b.pv, b.gs, b.mv, g.ys)
+        if p.input_steps > 0:
+            input_projection.wait_copies(spec)
+            exchange.arrive(spec, g.cnt, bx, tx)
+            wavefront.publish(spec, g.prog, bx, tx)
+            input_projection.in_loop(spec, io, t, g.T_len, warp, lane, bx, tx)
+            exchange.wait(spec, g.cnt, t, bx, tx)
+        else:
+            exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
+    if spec.cluster:
+        exchange.drain_cluster(spec, b.cb, g.T_len)
+    cell_stage.store_final_states(spec, g.s, g.finals, b.st, g.T_len, bx, tx)
+
+
 def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
            input_size: int = 0, lengths: bool = False, kept: tuple = (), first: bool = False,
            finals: bool = False):
@@ -155,7 +224,7 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
                       variances=tuple((k, m, alone) for k, (m, alone) in
                                       sorted(variances.items())),
                       samples=batch)
-    p, products = plan, tensor_cores if plan.mma else cuda_cores
+    p = plan
 
     @T.prim_func(s_tir=True)
     def persistent():
@@ -166,66 +235,16 @@ def kernel(cell, hidden: int, batch: int, plan: Plan, dtype: str = "float32",
             io = T.meta_var(buffers.projection(g, b) if p.fused else None)
             staged = T.meta_var(b.hn if spec.reads_hn else b.hs16 if p.mma else b.hs)
             held = T.meta_var(b.hn if spec.reads_hn else None)  # where the products read h
-            published = T.meta_var(exchange.published_by(spec, products, g.hx, b.hn))
-            for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
-                for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
-                    warp, lane, blk = T.meta_var((tx // 32, tx % 32, spec.weights_of(bx)))
-                    if p.fused:
-                        input_projection.before_loop(spec, io, g.T_len, warp, lane, bx, tx)
-                    weights.load(spec, g.w, b.wreg, b.wsm, blk, warp, lane, tx)
-                    if p.mma:
-                        tensor_cores.prepare(spec, b.hs16, b.af, tx)
-                    if g.hx is not None:
-                        exchange.zero_unpublished(spec, published, bx, tx)
-                    if spec.local:
-                        exchange.init_local(spec, g.s[0], b.hn,
-                                            partial(products.store_h, spec, b.hn, 0), bx, tx)
-                    cell_stage.load_constants(spec, g.b_hh, g.s, g.lengths, b.bh, b.st, b.ln,
-                                              bx, tx, g.params, b.pv)
-                    if len(spec.kept) > 0:
-                        history.keep_initial(spec, g.steps, b.st, bx, tx)
-                    if spec.means > 0:
-                        means.clear(spec, b.shift, tx)
-                    for t in range(g.T_len):
-                        cell_stage.prefetch(spec, g.xp, b.gi, b.ln, t, g.T_len, bx, tx,
-                                            g.first)
-                        if p.input_steps > 0:
-                            input_projection.start_copies(spec, io, t, g.T_len, bx, tx)
-                        if p.k_slices > 1:
-                            sliced_gate_sums(spec, b, partial(
-                                exchange.start_slice, spec, g.s[0], g.hx, staged,
-                                partial(products.store_h, spec, staged), t, bx=bx, tx=tx),
-                                warp, lane)
-                        elif spec.reads_hn:
-                            gate_sums(spec, b, g.w, blk, warp, lane, held)
-                        else:
-                            exchange.stage_h(spec, g.s[0], g.hw, b.tv,
-                                             partial(products.store_h, spec, staged, 0), t, bx,
-                                             tx, g.hx, staged, b.hn)
-                            T.tvm_storage_sync("shared.dyn")
-                            gate_sums(spec, b, g.w, blk, warp, lane)
-                        if spec.product >= 0:
-                            cell_stage.argument(spec, cell, b.hs, b.gi, b.bh, b.st, b.pv, b.gs,
-                                                partial(exchange.publish_value, spec, g.aw[0],
-                                                        t), bx, tx)
-                            exchange.value_barrier(spec, g.cnt, t, 0, bx, tx)
-                            exchange.stage_values(spec, [g.aw[0]], b.tv, [partial(
-                                products.store_h, spec, staged, 0)], t, bx, tx)
-                            T.tvm_storage_sync("shared.dyn")
-                            gate_sums(spec, b, g.w, blk, warp, lane, held)
-                        means.rounds(spec, cell, g, b, t, bx, tx, warp, lane)
-                        cell_stage.apply(spec, cell, g.y, b.hs, b.gi, b.bh, b.st, b.ln, partial(
-                            exchange.publish, spec, g.s[0], g.hw, t, published=published), t,
-                            g.T_len, bx, tx, history.keeper(spec, g.pre, g.steps), b.pv, b.gs,
-                            b.mv, g.ys)
-                        if p.input_steps > 0:
-                            input_projection.wait_copies(spec)
-                            exchange.arrive(spec, g.cnt, bx, tx)
-                            wavefront.publish(spec, g.prog, bx, tx)
-                            input_projection.in_loop(spec, io, t, g.T_len, warp, lane, bx, tx)
-                            exchange.wait(spec, g.cnt, t, bx, tx)
-                        else:
-                            exchange.arrive_and_wait(spec, g.cnt, t, bx, tx)
-                    cell_stage.store_final_states(spec, g.s, g.finals, b.st, g.T_len, bx, tx)
+            published = T.meta_var(exchange.published_by(
+                spec, tensor_cores if p.mma else cuda_cores, g.hx, b.hn, b.cb))
+            if spec.cluster:  # a batch group a cluster (planner: "A cluster a group")
+                for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
+                    for _rank in T.thread_binding(spec.cluster_blocks, thread="clusterCtaIdx.x"):
+                        for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
+                            block(spec, cell, g, b, io, staged, held, published, bx, tx)
+            else:
+                for bx in T.thread_binding(p.blocks, thread="blockIdx.x"):
+                    for tx in T.thread_binding(p.threads, thread="threadIdx.x"):
+                        block(spec, cell, g, b, io, staged, held, published, bx, tx)
 
     return persistent

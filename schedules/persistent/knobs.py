@@ -16,7 +16,8 @@ one named step after another:
 4. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
    by default, fused before the time loop, or the separate GEMM;
 5. with the separate GEMM, the batch groups, one row each where :func:`one_row_groups` says;
-6. the exchange of h, unless the knobs set it (:func:`.planner.exchange`: where the input
+6. the exchange of h, unless the knobs set it: within a cluster where a batch group is 2 to 8
+   blocks (:func:`.planner.clusters`), else :func:`.planner.exchange` (where the input
    projection is overlapped, the tagged exchange on larger grids too);
 7. a step's row means exchanged as each block's sums, unless the knobs say
    (:func:`block_sums`);
@@ -49,7 +50,7 @@ from .planner import Plan, Unfit
 #: narrower chunks over all 32 (planner: "Small K on the CUDA cores").
 KNOBS = ("sync", "max_blocks", "warps", "reg_margin", "unroll", "input_rows", "input_steps",
          "batch_groups", "mma", "mean_partials", "lane_groups")
-SYNCS = ("tagged", "barrier", "grid", "local")
+SYNCS = ("tagged", "barrier", "grid", "local", "cluster")
 WARPS = (4, 8, 16)
 
 #: The persistent kernel computes its input projections itself by default (float32, where
@@ -244,11 +245,14 @@ def _plan_exact(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
     if found is None:
         tensor = tensor_cores(request, reg_margin, tight)
         if tensor is not None:
-            return tensor
+            return _clustered(request, tensor)
         found = weights_on_chip(request, reg_margin, tight)
     found = one_row_groups(request, input_projection(request, found))
     if "sync" not in knobs:
-        found = dataclasses.replace(found, sync=planner.exchange(found, problem.batch))
+        found = dataclasses.replace(found, sync="cluster" if _clusters(request, found)
+                                    else planner.exchange(found, problem.batch))
+    elif found.sync == "cluster":
+        found = _clustered(request, found)
     elif found.sync == "local" and not planner.local_bytes(
             found, problem.batch // found.batch_groups):
         raise Unfit(f"sync='local' keeps h in one block: it takes a batch group of one block "
@@ -256,6 +260,28 @@ def _plan_exact(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
                     f"{found.k_slices} slice(s) of K (give 'tagged', 'barrier' or 'grid', or "
                     "fewer blocks: max_blocks, batch_groups)")
     return block_sums(request, found)
+
+
+def _clusters(request: _Request, found: Plan) -> bool:
+    """Whether ``found`` may exchange h within clusters (:func:`.planner.clusters`, and a step
+    of one product of h)."""
+    return (planner.clusters(found, request.problem.batch, request.gpu)
+            and one_product(request.problem.cell))
+
+
+def _clustered(request: _Request, found: Plan) -> Plan:
+    """``found``, or where its sync (a knob's) is "cluster" and it may not exchange h so,
+    :class:`~.planner.Unfit` saying why."""
+    if found.sync != "cluster" or _clusters(request, found):
+        return found
+    cell = request.problem.cell
+    raise Unfit(f"sync='cluster' exchanges h within a cluster of 2 to {request.gpu.cluster} "
+                f"blocks (one a batch group, at most {planner.CLUSTER_MAX_BLOCKS} in all), on "
+                f"the CUDA cores, for a step of one product of h, got {found.group_blocks} "
+                f"blocks a group, {found.blocks} in all"
+                + (" on tensor cores" if found.mma else "")
+                + ("" if one_product(cell) else f", and {cell.name!r}, whose step exchanges "
+                   "values before h"))
 
 
 def block_sums(request: _Request, found: Plan) -> Plan:

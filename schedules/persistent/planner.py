@@ -138,6 +138,18 @@ plan of that batch: the rows past N read zeros for their input projections (and 
 the initial states), compute and exchange like any other, and write nothing the caller sees.
 One direction of one layer, inference only.
 
+A cluster a group (``sync="cluster"``, Hopper on): where a batch group is 2 to 8 blocks, the
+group is a thread-block cluster, resident as one by its launch (no cooperative launch), and a
+block's h_t goes straight into the shared memory of every block of the cluster (``st.async``
+into two slots of h, a step's in slot (t+1) % 2, each store counting its bytes on the receiving
+block's barrier of that slot); the next step's products wait for that barrier's phase and read
+h there (:func:`clusters`, :mod:`.stages.exchange`). No global memory, no fence, no polling of
+L2. The estimate takes :data:`CLUSTER_NS` for it. H200, us a step, T 100, tagged words / the
+cluster (cuDNN): float32 LSTM 72 at batch 3 (3 clusters of 6) 0.93 / 0.68 (0.77), LSTM 112
+at 3 0.95 / 0.73 (1.91), GRU 106 at 4 0.95 / 0.67 (0.85), LSTM 87 at 7 0.98 / 0.74 (0.81), GRU
+128 at 2 0.91 / 0.67 (1.06), tanh RNN 256 at 1 0.77 / 0.63 (2.20), float16 LSTM 128 at 4
+0.87 / 0.62 (2.46); LSTM 128 at 1 (one cluster of 8) 0.79 / 0.79.
+
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
 stay in L2 from step to step (the planner caps them at half the L2), so a layer slightly too
@@ -160,13 +172,14 @@ class GPU:
     max_regs_per_thread: int = 255
     smem_per_block: int = 232448  # bytes a block may opt in to (227 KiB on Hopper)
     l2_bytes: int = 50 * 2**20
+    cluster: int = 1  # most blocks a thread-block cluster (1: none; see "A cluster a group")
 
 
 #: Planning defaults by architecture, the smallest common part of each; a module records the
 #: GPU it was planned for, and the runtime checks the device it runs on before a launch.
 _ARCH_GPUS = {
-    "sm_90": GPU("H100/H200 SXM", 132),
-    "sm_90a": GPU("H100/H200 SXM", 132),
+    "sm_90": GPU("H100/H200 SXM", 132, cluster=8),
+    "sm_90a": GPU("H100/H200 SXM", 132, cluster=8),
     "sm_89": GPU("L40S", 142, smem_per_block=101376, l2_bytes=96 * 2**20),
     "sm_80": GPU("A100", 108, smem_per_block=166912, l2_bytes=40 * 2**20),
     "sm_86": GPU("RTX 30xx/A10", 28, smem_per_block=101376, l2_bytes=6 * 2**20),
@@ -199,7 +212,8 @@ class Plan:
     items: int         # IT, (unit, batch) pairs a thread applies the cell to
     reg_estimate: int  # registers a thread, estimated
     smem_bytes: int    # dynamic shared memory a block
-    sync: str = "tagged"  # "tagged" h words; "barrier": a counter barrier; "grid": coop. groups
+    sync: str = "tagged"  # "tagged" h words; "barrier": a counter barrier; "grid": coop. groups;
+    # "local": one block a group; "cluster": a cluster a group
     reg_margin: int = 0  # registers the plan keeps free under the per-thread limit
     unroll: int = 1  # shared-memory chunks a loop iteration (rounded down to a divisor of KS)
     global_chunks: int = 0  # KG, read from global memory (L2) every step; see "Streaming"
@@ -348,6 +362,20 @@ MMA_HALF_SYNC = "barrier"
 #: 0.62, RNN 128 at 1 (64 KiB) 0.66 / 0.49, bfloat16 LSTM 64 at 16 0.85 / 0.60; past it
 #: float16 RNN 256 at 1 (128 KiB) 0.78 / 1.10, LSTM 96 at 1 (96 KiB) 0.88 / 0.94.
 LOCAL_NS = 100
+#: The estimated cost of a step's exchange within a cluster (see "A cluster a group"), against
+#: about 800 ns through L2. H200, a step of 256 threads that publish 32 values each to the
+#: cluster's blocks and wait: clusters of 2 / 4 / 8 blocks 192 / 229 / 247 ns (the barrier's
+#: relaxed arrival and wait), tagged words in L2 among 2 / 4 / 8 blocks 513 / 592 / 640.
+CLUSTER_NS = 300
+#: Most blocks of a grid of clusters: its clusters must all be resident at once, and a cluster
+#: of 8 blocks a multiprocessor each needs 8 of one GPC's (H200, us a step: LSTM 200 at batch
+#: 16, 16 clusters of 8, 1.62 against 1.11 tagged; 7 clusters of 8, LSTM 87 at batch 7, 0.74
+#: against 0.98).
+CLUSTER_MAX_BLOCKS = 64
+#: Shared memory a block of a cluster takes at least (its ``hs``), so that no two share a
+#: multiprocessor: a cluster's launch places its blocks on the multiprocessors of one GPC as
+#: their resources allow, several to one where they fit.
+CLUSTER_BLOCK_SMEM = 120 << 10
 LOCAL_MAX_WEIGHTS = 64 << 10
 #: Most bytes of h the "local" exchange keeps: its buffer is static shared memory (TVM merges
 #: the dynamic buffers into one, in which it took the cell's reads of the sums and its stores
@@ -404,6 +432,24 @@ def local_bytes(p: Plan, batch: int) -> int:
     rows = mma_staged_rows(batch) if p.mma else batch
     size = rows * p.chunks * p.k_lanes * p.vec * (p.lane_bytes // p.vec if p.mma else 4)
     return size if size <= LOCAL_MAX_BYTES else 0
+
+
+def cluster_bytes(p: Plan, batch: int) -> int:
+    """Shared memory of the "cluster" exchange's h (see "A cluster a group"): two slots of h as
+    the CUDA cores' products read it, ``batch`` rows a group."""
+    return 2 * batch * p.chunks * p.k_lanes * p.vec * 4
+
+
+def clusters(p: Plan, batch: int, gpu: GPU) -> bool:
+    """Whether ``p`` (a whole plan at batch ``batch``) may exchange h within clusters (see "A
+    cluster a group"): a batch group of 2 to ``gpu.cluster`` blocks, at most
+    :data:`CLUSTER_MAX_BLOCKS` in all, on the CUDA cores, h staged whole, one layer, with room
+    for both slots of h in static shared memory."""
+    local = batch // p.batch_groups
+    return (2 <= p.group_blocks <= gpu.cluster and p.blocks <= CLUSTER_MAX_BLOCKS
+            and not p.mma and p.k_slices == 1
+            and p.layers == 1 and cluster_bytes(p, local) <= LOCAL_MAX_BYTES
+            and p.smem_bytes + cluster_bytes(p, local) <= gpu.smem_per_block)
 
 
 def _staging_bytes(batch: int, chunks: int, vec: int, warps: int, rpw: int,
@@ -474,7 +520,8 @@ def estimate_ns(p: Plan, batch: int) -> float:
     the staging of h. Only used to rank plans (measured times decide in tuning)."""
     clock = 1.9  # GHz
     held = (p.reg_chunks + p.smem_chunks + p.global_chunks) * p.chunk_bytes
-    barrier = LOCAL_NS if p.blocks == 1 and held <= LOCAL_MAX_WEIGHTS else 800 + 4 * p.blocks
+    barrier = (LOCAL_NS if p.blocks == 1 and held <= LOCAL_MAX_WEIGHTS
+               else CLUSTER_NS if p.sync == "cluster" else 800 + 4 * p.blocks)
     smem_weights = p.smem_chunks * p.chunk_bytes
     if p.mma:  # an instruction: 2 clocks of the tensor cores, its A fragments from shared memory
         staged = mma_staged_rows(batch) // MMA_ROWS  # 8 or 16 rows: 256 or 512 bytes

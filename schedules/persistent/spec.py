@@ -191,10 +191,26 @@ class KernelSpec:
         return self.plan.sync == "local"
 
     @property
+    def cluster(self) -> bool:
+        """A batch group is a thread-block cluster, whose blocks put h into each other's shared
+        memory (planner: "A cluster a group")."""
+        return self.plan.sync == "cluster"
+
+    @property
+    def cluster_blocks(self) -> int:
+        """Blocks of a cluster (a batch group of a grid; 1 without clusters)."""
+        return self.plan.group_blocks if self.cluster else 1
+
+    @property
     def reads_hn(self) -> bool:
-        """The products read h_{t-1} where the ``"local"`` exchange keeps it (``hn``), not from
-        a staging: on the CUDA cores, whose staging is a plain copy."""
-        return self.local and not self.plan.mma
+        """The products read h_{t-1} where the ``"local"`` or ``"cluster"`` exchange keeps it
+        (``hn``; the cluster's in two slots, step t's h_{t-1} in slot t % 2), not from a
+        staging: on the CUDA cores, whose staging is a plain copy."""
+        return (self.local or self.cluster) and not self.plan.mma
+
+    def hn_slot(self, t):
+        """Where h_{t-1} starts in ``hn``: 0, or in the cluster's slot t % 2."""
+        return t % 2 * self.staged_size if self.cluster else 0
 
     @property
     def means(self) -> int:

@@ -27,12 +27,13 @@ def zero(spec, acc):
 
 
 @T.macro
-def chunk(spec, hs, hv, wv, acc, lane, i, read):
-    """Chunk i of the lane's rows (``read(q)`` puts row q's in ``wv``) by h's."""
+def chunk(spec, hs, hv, wv, acc, lane, i, read, base=0):
+    """Chunk i of the lane's rows (``read(q)`` puts row q's in ``wv``) by h's (h from ``base``
+    of ``hs``)."""
     n_, vec, kl = T.meta_var((spec.local_batch, spec.plan.vec, spec.plan.k_lanes))
     for n in T.unroll(n_):
         for v in T.vectorized(vec):
-            hv[n * vec + v] = hs[n * spec.width + (i * kl + lane % kl) * vec + v]
+            hv[n * vec + v] = hs[base + n * spec.width + (i * kl + lane % kl) * vec + v]
     for q in T.unroll(spec.plan.rows_per_warp):
         read(q)
         for n in T.unroll(n_):

@@ -1,7 +1,7 @@
 """Stage: the exchange of h between blocks, and the barrier that orders it.
 
 Each step a block needs every block's h_{t-1} [N, H] (all of its batch group's), staged in
-shared memory as the product stage wants it (its ``store_h``). Four variants (the plan's
+shared memory as the product stage wants it (its ``store_h``). Five variants (the plan's
 ``sync``):
 
 - ``"tagged"``: h travels as 8-byte words, the value and the step that wrote it. A thread
@@ -19,6 +19,11 @@ shared memory as the product stage wants it (its ``store_h``). Four variants (th
   there (CUDA cores) or its staging copies it in 16-byte vectors (tensor cores); no global
   memory, no other block. The values of a step's rounds go through global memory as with
   the barrier, ordered by the block barrier alone.
+- ``"cluster"``: a batch group of 2 to 8 blocks is a thread-block cluster (planner: "A
+  cluster a group"): each h_t goes into ``hn`` of every block of the cluster, slot (t + 1) %
+  2, by asynchronous stores that count their bytes on that block's barrier of the slot
+  (``cb``); the next step waits for the barrier's phase and its products read h there (CUDA
+  cores). Steps of one product of h only (no rounds).
 
 With the barriers where the planner says so (on tensor cores in 16 bits:
 :func:`..planner.publishes_staged_h`), a block publishes each h_t it computes a second time,
@@ -299,13 +304,73 @@ def stage_h(spec, s0, hw, tv, store, t, bx, tx, hx=None, staged=None, hn=None):
             stage_copied(spec, hx, staged, t, bx, tx)
 
 
-def published_by(spec, products, hx, hn):
+def published_by(spec, products, hx, hn, cb=None):
     """Where a block's h_t goes for the next step's staging besides the states' buffer, as
     ``published(base, e, value)`` (the products' ``store_h``): ``hx``, the ``"local"``
-    exchange's ``hn``, or nowhere (None)."""
+    exchange's ``hn``, every block of the cluster's ``hn`` (``cb``: their barriers), or
+    nowhere (None)."""
     if hx is not None:
         return partial(products.store_h, spec, hx)
+    if spec.cluster:
+        return partial(_put_cluster, spec, hn, cb)
     return partial(products.store_h, spec, hn) if spec.local else None
+
+
+@T.macro
+def _put_cluster(spec, hn, cb, base, e, value):
+    """Element e = n*KP + k of h_t into slot ``base`` of ``hn`` of every block of the
+    cluster, its bytes counted on that block's barrier of the slot."""
+    for c in T.unroll(spec.cluster_blocks):
+        device.cluster_put(T.address_of(hn[base + e]), T.address_of(cb[base // spec.staged_size]),
+                           T.uint32(c), value)
+
+
+@T.macro
+def init_cluster(spec, s0, hn, cb, store, bx, tx):
+    """Once, before the time loop, the ``"cluster"`` exchange (planner: "A cluster a group"):
+    h_0 into slot 0 of ``hn`` from the states' buffer ``s0`` (``store(e, value)``: the
+    products' ``store_h``), the k past K of slot 1 zero (no block puts them), the slots'
+    barriers ``cb`` initialised (an arrival a phase: the block's own, which expects the
+    phase's bytes), all made visible to the cluster's asynchronous stores, and the cluster
+    synchronised: no block puts h into another that has not started."""
+    _stage_plain(spec, [s0], [store], 0, bx, tx)
+    kp, h, size = T.meta_var((spec.width, spec.exchange_width, spec.staged_size))
+    if kp > h:
+        for i in spec.spread(size):
+            if i * spec.plan.threads + tx < size:
+                if (i * spec.plan.threads + tx) % kp >= h:
+                    hn[size + i * spec.plan.threads + tx] = T.float32(0)
+    if tx == 0:
+        for slot in T.unroll(2):
+            T.ptx.mbarrier.init.shared.b64(T.address_of(cb[slot]), 1)
+    device.fence_cluster_init()
+    T.tvm_storage_sync("shared")
+    device.cluster_sync()
+
+
+def cluster_bytes_a_step(spec) -> int:
+    """Bytes of h a block receives a step: every unit of every row of its group."""
+    return spec.exchange_width * spec.local_batch * 4
+
+
+@T.macro
+def wait_cluster(spec, cb, t, tx):
+    """Before step t's products: h_{t-1} in, the phase (t - 1) // 2 of slot t % 2's barrier
+    (from step 1; h_0 is the block's own); then thread 0 expects step t's h on slot (t + 1) %
+    2's (whose previous phase, h_{t-2}, the block waited for at step t - 1)."""
+    if t > 0:
+        device.cluster_wait(T.address_of(cb[t % 2]), T.Cast("int32", (t - 1) // 2 % 2))
+    if tx == 0:
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(cb[(t + 1) % 2]),
+                                                   cluster_bytes_a_step(spec))
+
+
+@T.macro
+def drain_cluster(spec, cb, t_len):
+    """After the last step: the other blocks' h_{T-1} in (no block exits while another still
+    puts into its shared memory)."""
+    if t_len > 0:
+        device.cluster_wait(T.address_of(cb[t_len % 2]), T.Cast("int32", (t_len - 1) // 2 % 2))
 
 
 @T.macro
@@ -347,8 +412,11 @@ def publish(spec, s0, hw, t, value, row, j, published=None):
         publish_tagged(hw, t, value, row, j)
     elif published is not None:  # the next staging's: in hx, or the "local" exchange's hn
         n_ = T.meta_var(spec.local_batch)
-        published(0 if spec.local else ((t + 1) % 2 * spec.replicas + row // n_)
-                  * spec.staged_size, row % n_ * spec.width + j, value)
+        if spec.cluster:  # the cluster's hn, slot (t + 1) % 2
+            published((t + 1) % 2 * spec.staged_size, row % n_ * spec.width + j, value)
+        else:
+            published(0 if spec.local else ((t + 1) % 2 * spec.replicas + row // n_)
+                      * spec.staged_size, row % n_ * spec.width + j, value)
 
 
 @T.macro
@@ -366,7 +434,7 @@ def wait(spec, cnt, t, bx, tx):
     """Every block of the group has h_t out: the tagged exchange waits in the next step's
     staging, and the ``"local"`` one has (a block barrier here only, after the work between
     arriving and waiting); the barriers wait, then the block for thread 0."""
-    if spec.plan.sync in ("tagged", "local"):
+    if spec.plan.sync in ("tagged", "local", "cluster"):
         T.tvm_storage_sync("shared.dyn")
     elif spec.plan.sync == "grid":
         T.cuda.grid_sync()
