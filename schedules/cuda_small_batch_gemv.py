@@ -145,6 +145,29 @@ def rows_per_warp(batch: int, rows: int) -> int:
     return rw
 
 
+#: Warps a block may take where O has no factor of :data:`WARPS` (G*H with H odd), the most
+#: first, where one warp a block (32 threads, each block staging all of h) was the rule before.
+#: H200, us a step, T 100, one warp a block -> these (cuDNN): float32 LSTM 4029 at batch 17
+#: 610.7 -> 248.2 (282.0; 2 rows, 6 warps), LSTM 3001 at 4 79.6 -> 64.7 (77.1; 2 rows, 2
+#: warps), GRU 2731 at 8 73.0 -> 71.3 (76.1; 1 row, 3 warps).
+UNEVEN_WARPS = (7, 6, 5, 4, 3, 2)
+
+
+def uneven_rows(batch: int, rows: int) -> tuple[int, int]:
+    """(RW, warps a block) where O = ``rows`` has no factor of :data:`WARPS`: the most rows a
+    warp (as :func:`rows_per_warp` caps them) for which one of :data:`UNEVEN_WARPS` divides
+    the rows into at least :data:`TARGET_BLOCKS` blocks, else one row a warp and the most
+    warps that divide them (1: none)."""
+    rw = 1
+    while rw * 2 <= min(batch, MAX_SUMS // batch, MAX_ROWS_PER_WARP):
+        rw *= 2
+    for r in (1 << i for i in range(rw.bit_length() - 1, -1, -1)):
+        for w in UNEVEN_WARPS:
+            if rows % (w * r) == 0 and rows // (w * r) >= TARGET_BLOCKS:
+                return r, w
+    return 1, next((w for w in UNEVEN_WARPS if rows % w == 0), 1)
+
+
 def k_split(rows: int, depth: int, rw: int, vec: int) -> int:
     """S, the warps that share a row's K (each its own chunks, their sums added across them
     as the lanes' are), where the grid at one warp a row group is at most about one block a
@@ -181,12 +204,15 @@ def apply(func, target, rw: int | None = None, split: int | None = None):
     if None in (batch, rows, depth) or batch > MAX_BATCH:
         return None
     vec = 4 if depth % 4 == 0 else 1  # K not a multiple of 32 * vec: the last chunk masked
+    given = rw is not None
     rw = rw or rows_per_warp(batch, rows)
     h_bytes = batch * depth * tvm.DataType(str(func.params[0].ty.dtype)).bits // 8
     staged = h_bytes > SHARED_H_MIN_BYTES
     small = not staged and batch >= UNSTAGED_WARPS_MIN_BATCH
     warps = next((w for w in ((UNSTAGED_WARPS, WARPS) if small else (WARPS,))
                   if rows % (w * rw) == 0), 1)
+    if warps == 1 and not given:  # O without a factor of 8 (odd H): another count of warps
+        rw, warps = uneven_rows(batch, rows)
     if rows % (warps * rw):
         return None
     split = split or (k_split(rows, depth, rw, vec) if warps == WARPS and not staged else 1)

@@ -559,6 +559,20 @@ def test_small_batch_gemv_rows_a_warp():
     assert {key: rows_per_warp(*key) for key in expected} == expected
 
 
+def test_small_batch_gemv_takes_other_counts_of_warps_where_o_has_no_factor_of_8():
+    """G*H with H odd: the most rows a warp whose blocks of 2 to 7 warps divide O into at least
+    TARGET_BLOCKS (LSTM 4029 at batch 17: 2 rows, 6 warps, where 8 warps took one a block)."""
+    from rnncc.schedules import cuda_small_batch_gemv
+    from rnncc.schedules.cuda_small_batch_gemv import uneven_rows
+
+    expected = {(17, 4 * 4029): (2, 6), (4, 4 * 3001): (2, 2), (8, 3 * 2731): (1, 3),
+                (3, 1548): (2, 6), (1, 4): (1, 4), (2, 3): (1, 3)}
+    assert {key: uneven_rows(*key) for key in expected} == expected
+    script = cuda_small_batch_gemv.apply(comp.gemm((17,), 4029, 4 * 4029, "rows", "float32"),
+                                         CUDA).mod.script()
+    assert 'T.int64(6), thread="threadIdx.y"' in script
+
+
 def test_small_batch_gemv_stages_h_in_shared_memory_past_128_kib():
     from rnncc.schedules import cuda_small_batch_gemv
 
@@ -631,11 +645,11 @@ def _matches_numpy_on_the_simulator(sch, batch, depth, outputs, rng):
     (4, 64, 4096, False), (2, 36, 2048, False), (8, 128, 8192, False), (3, 40, 96, False),
     (1, 1, 4, False),
     (19, 257, 1028, True), (17, 36, 64, True), (4, 200, 64, True), (1, 5, 8, True),
-    (5, 256, 64, True), (16, 128, 64, False)])
+    (5, 256, 64, True), (16, 128, 64, False), (3, 36, 1548, False)])
 def test_small_batch_gemv_matches_numpy_on_the_simulator(batch, depth, outputs, staged, rng,
                                                          monkeypatch):
     """Each step's product at small batch on the NumPy interpreter of TIR against float64: RW
-    rows a warp from 1 to 8, one warp a block where O is not a multiple of 8, K not a
+    rows a warp from 1 to 8, 2 to 7 warps a block where O has no factor of 8, K not a
     multiple of 4 (scalar loads) or of 128 (the last chunk part past K), W loaded past L1
     where K is a multiple of 128, and h staged in shared memory (the thresholds lowered to 0
     for these small sizes); the output poisoned."""
