@@ -907,6 +907,7 @@ def test_knob_candidates_follow_the_driver():
     assert candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4), H100) == []
     small = candidates(Problem(rnncc.cells.get("lstm"), 256, 256, 4), H100)
     assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
+    assert {"max_blocks": 32, "sync": "cluster"} in small  # 4 groups of 16 blocks by default
     half = candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4, "float16"), H100)
     assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
     assert not any("reg_margin" in k and "batch_groups" in k for k in small)
