@@ -34,6 +34,10 @@ CUDA = TargetSpec("cuda").tvm_target()
 AMPERE = TargetSpec("cuda", arch="sm_80").tvm_target()  # tensor cores, no warpgroup MMA
 LLVM = TargetSpec("llvm").tvm_target()
 
+#: Cells whose components take minutes on the simulator (LN-LSTM 126 s, CIFG 88 s on CI's 2
+#: cores): in the slow run only; the other cells stand for them in the default run.
+SLOW_COMPONENT_CELLS = ("ln_lstm", "cifg")
+
 
 def loops(func):
     """(kind, thread tag) of every loop of a PrimFunc."""
@@ -139,7 +143,9 @@ def test_cuda_cell_steps_match_the_cpu_build_on_the_simulator(cell, rng):
         _simulated_against_cpu_build(func, "elementwise", rng)
 
 
-@pytest.mark.parametrize("cell", rnncc.cells.names())
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, marks=pytest.mark.slow) if c in SLOW_COMPONENT_CELLS else c
+    for c in rnncc.cells.names()])
 def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, rng):
     """Every component of the non-persistent CUDA schedule (packing, the products, the cell
     step, the states' copies; both directions' reversals, by the samples' lengths too, and
@@ -2576,6 +2582,7 @@ def test_one_step_kernel_fed_by_the_tma_engine_on_the_simulator(cell, dtype, n, 
         assert err < bound, (name, err)
 
 
+@pytest.mark.slow  # 250 s on CI's 2 cores (layers lowered for every case)
 def test_one_step_kernel_where_it_is_faster():
     """The layer's step is one kernel (no sums workspace hp) where the warpgroup MMA takes
     its product: in swapped tiles where every row of W_hh's tiles is a gate's (LSTM: 4 x 16
