@@ -1257,3 +1257,20 @@ def test_batch_groups_of_two_to_eight_blocks_exchange_h_within_clusters(cell, hi
     else:
         with pytest.raises(Unfit, match="cluster"):
             knobs.plan_for(problem, H100, {"sync": "cluster"}, 24)
+
+
+def test_cluster_kernel_launches_as_clusters_not_cooperatively(tmp_path):
+    """A persistent kernel whose batch groups are clusters waits on no block outside its
+    cluster: launched with the cluster's dimension, not cooperatively, one block a
+    multiprocessor in its launch bounds, h put by st.async and no tagged words."""
+    from rnncc.compiler.cuda_binary import cooperative_kernels
+
+    module = rnncc.compile("gru", 106, 106, 4, target="cuda", persistent="on", tuning="off")
+    assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "cluster"
+    source = module.source("cuda")
+    assert not cooperative_kernels(source)
+    assert "__launch_bounds__(256, 1) persistent_forward" in source
+    assert "st.async.shared::cluster" in source and "ld.acquire.gpu" not in source
+    with open(module.export(tmp_path / "gru.so"), "rb") as f:
+        exported = f.read()
+    assert b"clusterCtaIdx.x" in exported and b"tirx.use_cooperative_launch" not in exported

@@ -40,26 +40,29 @@ DYN_SHARED = "tirx.use_dyn_shared_memory"
 CONFIG = {"tirx.disable_cse_tir": True}
 
 
-def _uses_grid_barrier(func, names=None) -> bool:
-    """Whether ``func`` calls TVM's grid sync or one of rnncc's device functions that wait on
-    other blocks (:data:`rnncc.schedules.persistent.device.COOPERATIVE_PREFIX`); with
-    ``names``, whether it calls one of those device functions instead."""
-    from ..schedules.persistent.device import COOPERATIVE_PREFIX
+def _waits(func) -> str | None:
+    """How ``func`` waits on other blocks: "grid" where it calls TVM's grid sync or one of
+    rnncc's device functions that do (:data:`rnncc.schedules.persistent.device.
+    COOPERATIVE_PREFIX`), "cluster" where it puts h into its cluster's blocks
+    (:data:`~rnncc.schedules.persistent.device.CLUSTER_PUT`), else None."""
+    from ..schedules.persistent.device import CLUSTER_PUT, COOPERATIVE_PREFIX
 
     grid_sync = tvm.ir.Op.get("tirx.cuda.grid_sync")
     func_call = tvm.ir.Op.get("tirx.cuda.func_call")
-    found = []
+    found = set()
 
     def visit(call):
-        if call.op.same_as(grid_sync) and names is None:
-            found.append(call)
+        if call.op.same_as(grid_sync):
+            found.add("grid")
         elif call.op.same_as(func_call) and call.args:
             name = str(call.args[0].value)
-            if name in names if names is not None else name.startswith(COOPERATIVE_PREFIX):
-                found.append(call)
+            if name.startswith(COOPERATIVE_PREFIX):
+                found.add("grid")
+            elif name == CLUSTER_PUT:
+                found.add("cluster")
 
     tvm_ffi.structural_walk(func.body, (tvm.ir.Call, visit))
-    return bool(found)
+    return "grid" if "grid" in found else "cluster" if found else None
 
 
 @tvm.transform.module_pass(opt_level=0, name="rnncc.CooperativeLaunch")
@@ -71,17 +74,14 @@ def cooperative_launch(mod, _ctx):
     free for an occupancy it never has, spilling to do so (seen on a 512-thread LSTM kernel:
     40 registers and 12 bytes spilled, against 69 registers and none with it)."""
     from ..schedules._common import LAUNCH_BOUNDS
-    from ..schedules.persistent.device import CLUSTER_PUT
 
     updates = {}
     for gvar, func in mod.functions_items():
         params = func.attrs.get("tirx.kernel_launch_params") if func.attrs else None
-        if params is None:
-            continue
-        if _uses_grid_barrier(func, {CLUSTER_PUT}):  # a persistent kernel of clusters
+        waits = None if params is None else _waits(func)
+        if waits == "cluster":  # a persistent kernel of clusters
             updates[gvar] = func.with_attr(LAUNCH_BOUNDS, 1)
-            continue
-        if not _uses_grid_barrier(func):
+        if waits != "grid":
             continue
         tags = [str(p) for p in params]
         if COOPERATIVE in tags:

@@ -144,7 +144,10 @@ block's h_t goes straight into the shared memory of every block of the cluster (
 into two slots of h, a step's in slot (t+1) % 2, each store counting its bytes on the receiving
 block's barrier of that slot); the next step's products wait for that barrier's phase and read
 h there (:func:`clusters`, :mod:`.stages.exchange`). No global memory, no fence, no polling of
-L2. The estimate takes :data:`CLUSTER_NS` for it. H200, us a step, T 100, tagged words / the
+L2: H200, a step of 256 threads that put 32 values each into the cluster's blocks and wait,
+clusters of 2 / 6 / 8 blocks 193 / 247 / 237 ns, tagged words in L2 among 2 / 4 / 8 blocks 513
+/ 592 / 640 (docs/benchmarks.md). The exchange is chosen after the plan (the estimate ranks
+plans with the tagged words' cost). H200, us a step, T 100, tagged words / the
 cluster (cuDNN): float32 LSTM 72 at batch 3 (3 clusters of 6) 0.93 / 0.68 (0.77), LSTM 112
 at 3 0.95 / 0.73 (1.91), GRU 106 at 4 0.95 / 0.67 (0.85), LSTM 87 at 7 0.98 / 0.74 (0.81), GRU
 128 at 2 0.91 / 0.67 (1.06), tanh RNN 256 at 1 0.77 / 0.63 (2.20), float16 LSTM 128 at 4
@@ -362,11 +365,6 @@ MMA_HALF_SYNC = "barrier"
 #: 0.62, RNN 128 at 1 (64 KiB) 0.66 / 0.49, bfloat16 LSTM 64 at 16 0.85 / 0.60; past it
 #: float16 RNN 256 at 1 (128 KiB) 0.78 / 1.10, LSTM 96 at 1 (96 KiB) 0.88 / 0.94.
 LOCAL_NS = 100
-#: The estimated cost of a step's exchange within a cluster (see "A cluster a group"), against
-#: about 800 ns through L2. H200, a step of 256 threads that publish 32 values each to the
-#: cluster's blocks and wait: clusters of 2 / 4 / 8 blocks 192 / 229 / 247 ns (the barrier's
-#: relaxed arrival and wait), tagged words in L2 among 2 / 4 / 8 blocks 513 / 592 / 640.
-CLUSTER_NS = 300
 #: Most blocks of a grid of clusters: its clusters must all be resident at once, and a cluster
 #: of 8 blocks a multiprocessor each needs 8 of one GPC's (H200, us a step: LSTM 200 at batch
 #: 16, 16 clusters of 8, 1.62 against 1.11 tagged; 7 clusters of 8, LSTM 87 at batch 7, 0.74
@@ -520,8 +518,7 @@ def estimate_ns(p: Plan, batch: int) -> float:
     the staging of h. Only used to rank plans (measured times decide in tuning)."""
     clock = 1.9  # GHz
     held = (p.reg_chunks + p.smem_chunks + p.global_chunks) * p.chunk_bytes
-    barrier = (LOCAL_NS if p.blocks == 1 and held <= LOCAL_MAX_WEIGHTS
-               else CLUSTER_NS if p.sync == "cluster" else 800 + 4 * p.blocks)
+    barrier = LOCAL_NS if p.blocks == 1 and held <= LOCAL_MAX_WEIGHTS else 800 + 4 * p.blocks
     smem_weights = p.smem_chunks * p.chunk_bytes
     if p.mma:  # an instruction: 2 clocks of the tensor cores, its A fragments from shared memory
         staged = mma_staged_rows(batch) // MMA_ROWS  # 8 or 16 rows: 256 or 512 bytes
