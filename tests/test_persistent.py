@@ -907,7 +907,8 @@ def test_knob_candidates_follow_the_driver():
     assert candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4), H100) == []
     small = candidates(Problem(rnncc.cells.get("lstm"), 256, 256, 4), H100)
     assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
-    assert {"max_blocks": 32, "sync": "cluster"} in small  # 4 groups of 16 blocks by default
+    wider = candidates(Problem(rnncc.cells.get("lstm"), 320, 320, 1), H100)
+    assert {"max_blocks": 8, "sync": "cluster"} in wider  # 23 blocks a group by default
     half = candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4, "float16"), H100)
     assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
     assert not any("reg_margin" in k and "batch_groups" in k for k in small)
@@ -1232,8 +1233,11 @@ def test_batch_without_a_fitting_split_pads_to_the_nearest_that_fits(cell, hidde
 @pytest.mark.parametrize("cell, hidden, batch, dtype, cluster", [
     ("lstm", 72, 3, "float32", True), ("gru", 106, 4, "float32", True),
     ("lstm", 128, 4, "float16", True), ("lstm", 128, 1, "float32", True),
-    ("lstm", 200, 16, "float32", False),  # 16 clusters of 8: past CLUSTER_MAX_BLOCKS
-    ("lstm", 256, 1, "float32", False),  # 16 blocks a group
+    ("lstm", 200, 16, "float32", True),  # 8 clusters of 8, not 16 groups of 8
+    ("lstm", 256, 32, "float32", False),  # 32 groups of 4: past CLUSTER_MAX_BLOCKS
+    ("lstm", 256, 1, "float32", True),  # 8 blocks a group, not the planner's 16
+    ("gru", 250, 3, "float32", True), ("lstm", 255, 8, "float16", True),
+    ("lstm", 320, 1, "float32", False),  # 8 blocks would hold 160 KiB in shared memory
     ("lstm", 64, 1, "float32", False),  # one block: "local"
     ("ln_lstm", 96, 2, "float32", False),  # its step exchanges means before h
     ("lstm", 1024, 8, "float16", False)])  # tensor cores, 64 blocks a group

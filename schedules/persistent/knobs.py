@@ -15,7 +15,8 @@ one named step after another:
 3. the knobs that only set a field (sync, unroll);
 4. the input projection (:func:`input_projection`): forced overlapped, overlapped where it fits
    by default, fused before the time loop, or the separate GEMM;
-5. with the separate GEMM, the batch groups, one row each where :func:`one_row_groups` says;
+5. with the separate GEMM, the batch groups, one row each where :func:`one_row_groups` says,
+   and their blocks, at most a cluster's where :func:`cluster_groups` says;
 6. the exchange of h, unless the knobs set it: within a cluster where a batch group is 2 to 8
    blocks (:func:`.planner.clusters`), else :func:`.planner.exchange` (where the input
    projection is overlapped, the tagged exchange on larger grids too);
@@ -248,6 +249,7 @@ def _plan_exact(problem, gpu: planner.GPU, knobs: dict, reg_margin: int,
             return _clustered(request, tensor)
         found = weights_on_chip(request, reg_margin, tight)
     found = one_row_groups(request, input_projection(request, found))
+    found = cluster_groups(request, found)
     if "sync" not in knobs:
         found = dataclasses.replace(found, sync="cluster" if _clusters(request, found)
                                     else planner.exchange(found, problem.batch))
@@ -428,6 +430,57 @@ def one_row_groups(request: _Request, found: Plan) -> Plan:
             and planner.exchange(one_row, problem.batch) == "tagged"):
         return one_row
     return found
+
+
+#: Where the plan's batch groups are not clusters (more than a cluster's blocks each, or more
+#: than :data:`.planner.CLUSTER_MAX_BLOCKS` blocks in all), a batch of at most
+#: :data:`.planner.MAX_BATCH` rows runs in groups of a cluster's blocks each, exchanging h
+#: within the cluster, where those blocks hold the weights on-chip with at most
+#: CLUSTER_SMEM_WEIGHTS bytes of them in shared memory: each block multiplies more of W_hh,
+#: and the exchange costs about 240 ns a step where the tagged words of 16 blocks cost 600.
+#: The groups are the plan's, or where those would take more than CLUSTER_MAX_BLOCKS blocks,
+#: the most that do not. H200, us a step, the planner's groups tagged / a cluster's blocks
+#: each (cuDNN): float32 LSTM 256 at batch 1 0.97 / 0.80 (4.72), at 2 1.02 / 0.80, at 4 1.04 /
+#: 0.82, at 8 1.13 / 0.89 (5.41), at 16 (8 groups, not 16) 1.08 / 1.05, GRU 256 at 1, 2, 4, 8
+#: 0.96 / 0.84, 0.98 / 0.83, 1.00 / 0.86, 1.05 / 0.91, LSTM 224 at 3 1.05 / 0.87, LSTM 200 at
+#: 5 1.00 / 0.92, LSTM 96 at 16 0.81 / 0.73, GRU 320 at 1 and 3 (62 KiB of weights in shared
+#: memory) 1.14 / 1.02, 1.18 / 1.01, tanh RNN 512 at 1 1.13 / 0.73, 640 at 2 1.32 / 0.93;
+#: float16 LSTM 256 at 8 1.07 / 0.77 (1.46), at 16 1.04 / 0.99 (1.43), LSTM 200 at 16 1.32 /
+#: 1.15, GRU 256 at 8 and 16 1.01 / 0.83, 1.15 / 1.01, bfloat16 LSTM 241 at 1 1.21 / 1.02.
+#: With more in shared memory it lost or barely won: GRU 352 at 1 (68 KiB) 1.28 / 1.22, LSTM
+#: 288 at 2 (144 KiB) 1.23 / 1.47, LSTM 300 at 3 1.24 / 1.54, GRU 384 at 1 1.21 / 1.39; so did
+#: larger batches, in fewer groups of more rows: float32 LSTM 256 at 32 1.70 / 1.78, at 64
+#: 3.00 / 3.73, GRU 200 at 48 1.76 / 1.89, float16 LSTM 128 at 64 0.86 / 1.24, GRU 256 at 32
+#: 1.24 / 1.42.
+CLUSTER_SMEM_WEIGHTS = 64 << 10
+
+
+def cluster_groups(request: _Request, found: Plan) -> Plan:
+    """``found``, or where :data:`CLUSTER_SMEM_WEIGHTS` says, its batch in groups of at most a
+    cluster's blocks each (planner: "A cluster a group"): unless the knobs set the grid, the
+    batch groups or the exchange; at most :data:`.planner.MAX_BATCH` rows, one direction of
+    one layer, inference, the CUDA cores, the input projection a separate GEMM, the weights
+    with ``found``'s register margin, none streamed."""
+    problem, gpu = request.problem, request.gpu
+    if ({"max_blocks", "batch_groups", "sync"} & set(request.knobs)
+            or problem.batch > planner.MAX_BATCH or found.group_blocks == 1
+            or _clusters(request, found) or problem.layers > 1
+            or problem.directions > 1 or problem.training or found.mma or found.global_chunks
+            or found.fused or found.input_steps):
+        return found
+    most = planner.CLUSTER_MAX_BLOCKS // gpu.cluster
+    groups = max(g for g in range(1, min(most, found.batch_groups) + 1)
+                 if problem.batch % g == 0)
+    narrow = _Request(problem, gpu, {**request.knobs, "batch_groups": groups,
+                                     "max_blocks": gpu.cluster * groups})
+    try:
+        clustered = narrow.weights(found.reg_margin)
+    except Unfit:
+        return found
+    if (clustered.global_chunks or clustered.smem_chunks * clustered.chunk_bytes
+            > CLUSTER_SMEM_WEIGHTS or not _clusters(request, clustered)):
+        return found
+    return clustered
 
 
 def input_projection(request: _Request, found: Plan) -> Plan:
