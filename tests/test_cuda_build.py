@@ -224,7 +224,8 @@ def test_the_pack_entries_say_where_a_packed_weight_is_the_given_one():
 
 
 @pytest.mark.parametrize("dtype, size, padded, batch", [
-    ("float32", 161, 164, 40), ("float16", 13, 16, 3), ("bfloat16", 257, 264, 64)])
+    pytest.param("float32", 161, 164, 40, marks=pytest.mark.slow), ("float16", 13, 16, 3),
+    pytest.param("bfloat16", 257, 264, 64, marks=pytest.mark.slow)])
 def test_an_input_size_off_whole_copies_is_padded_for_the_products(dtype, size, padded, batch):
     """C whose rows are not whole 16-byte copies (speech features: 13, 161, 257): W_ih is
     packed [G*H, C'] with zeros past C and x copied so before the input projection of all

@@ -34,10 +34,6 @@ CUDA = TargetSpec("cuda").tvm_target()
 AMPERE = TargetSpec("cuda", arch="sm_80").tvm_target()  # tensor cores, no warpgroup MMA
 LLVM = TargetSpec("llvm").tvm_target()
 
-#: Cells whose components take minutes on the simulator (LN-LSTM 126 s, CIFG 88 s on CI's 2
-#: cores): in the slow run only; the other cells stand for them in the default run.
-SLOW_COMPONENT_CELLS = ("ln_lstm", "cifg")
-
 
 def loops(func):
     """(kind, thread tag) of every loop of a PrimFunc."""
@@ -143,18 +139,22 @@ def test_cuda_cell_steps_match_the_cpu_build_on_the_simulator(cell, rng):
         _simulated_against_cpu_build(func, "elementwise", rng)
 
 
-@pytest.mark.parametrize("cell", [
-    pytest.param(c, marks=pytest.mark.slow) if c in SLOW_COMPONENT_CELLS else c
+@pytest.mark.parametrize("cell, every", [(c, False) for c in rnncc.cells.names()] + [
+    pytest.param(c, True, marks=[] if c == "rnn_tanh" else pytest.mark.slow)
     for c in rnncc.cells.names()])
-def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, rng):
+def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, every, rng):
     """Every component of the non-persistent CUDA schedule (packing, the products, the cell
-    step, the states' copies; both directions' reversals, by the samples' lengths too, and
-    the products of the rows within them; training's kept parts, backward step, transposes
-    and gradients), as the CUDA rules schedule it, against its CPU build."""
+    step, the states' copies; with ``every``, both directions' reversals, by the samples'
+    lengths too, and the products of the rows within them; training's kept parts, backward
+    step, transposes and gradients), as the CUDA rules schedule it, against its CPU build
+    (``every`` for each cell in the slow run, for the tanh RNN in the default run too)."""
     found = rnncc.cells.get(cell)
-    for problem in (Problem(found, 20, 33, 3), Problem(found, 20, 33, 3, directions=2),
-                    Problem(found, 20, 33, 3, training=True),
-                    Problem(found, 20, 33, 3, lengths=True, directions=2)):
+    problems = [Problem(found, 20, 33, 3)]
+    if every:
+        problems += [Problem(found, 20, 33, 3, directions=2),
+                     Problem(found, 20, 33, 3, training=True),
+                     Problem(found, 20, 33, 3, lengths=True, directions=2)]
+    for problem in problems:
         lowered = sequence.build(problem, Options(persistent="off"), CUDA)
         for key, (func, role) in lowered.components.items():
             assert _simulated_against_cpu_build(func, role, rng) == lowered.rules[key], key
@@ -1149,7 +1149,8 @@ def test_weight_grad_with_lengths_sums_only_their_rows_on_the_simulator(steps, l
 
 
 @pytest.mark.parametrize("outputs, depth, rows, dtypes, lengths, splits", [
-    (99, 33, 37, ("float32",) * 3, None, 16), (128, 32, 50, ("float16",) * 3, None, 256),
+    (99, 33, 37, ("float32",) * 3, None, 16),
+    pytest.param(128, 32, 50, ("float16",) * 3, None, 256, marks=pytest.mark.slow),
     (130, 12, 0, ("float16", "float32", "float16"), [3, 7, 1, 5], 16),
     pytest.param(260, 257, 19, ("float32", "float16", "float32"), None, 16,
                  marks=pytest.mark.slow)])
@@ -1430,7 +1431,9 @@ def _product_case(form, dtype, k, rng, m_rows=70, truncated=False, h_copied=Fals
     return (func.with_attr(_mma.TF32_ATTR, True) if tf32 else func), args, want
 
 
-@pytest.mark.parametrize("form", ["rows", "flat", "step", "slices", "gradient"])
+@pytest.mark.parametrize("form", [
+    "flat", *(pytest.param(f, marks=pytest.mark.slow) for f in ("rows", "step", "slices",
+                                                                  "gradient"))])
 def test_mma_gemm_splits_float32_into_three_tf32_products_on_the_simulator(form, monkeypatch,
                                                                           rng):
     """cuda.mma_gemm with float32 allowed as three TF32 products (rnncc.tf32x3: the option
@@ -2563,8 +2566,9 @@ def test_one_step_kernel_matches_the_cell_on_the_simulator(cell, swapped, rng):
 
 
 @pytest.mark.parametrize("cell, dtype, n, h, unit, tma, cluster, box", [
-    ("lstm", "float16", 135, 1024, 16, True, 2, 16), ("gru", "float16", 135, 1024, 16, True, 2, 8),
-    ("lstm", "tf32", 100, 512, 8, True, 1, 8), ("lstm", "float16", 40, 128, 8, False, 1, 8)])
+    pytest.param("lstm", "float16", 135, 1024, 16, True, 2, 16, marks=pytest.mark.slow),
+    ("gru", "float16", 135, 1024, 16, True, 2, 8), ("lstm", "tf32", 100, 512, 8, True, 1, 8),
+    ("lstm", "float16", 40, 128, 8, False, 1, 8)])
 def test_one_step_kernel_fed_by_the_tma_engine_on_the_simulator(cell, dtype, n, h, unit, tma,
                                                                 cluster, box, rng):
     """The same step fed by the TMA engine (a block's K 16 chunks: halves of H 1024, TF32 of
@@ -2640,6 +2644,7 @@ def _recurrent_k(cell, h, n, dtype, **given):
     return sig["w_hh"][1], sig["h_operand"][-1]
 
 
+@pytest.mark.slow
 def test_recurrent_k_padded_to_whole_rows_where_the_step_is_swapped():
     """An inference layer whose step is the one-step kernel in swapped tiles takes W_hh
     packed [G*H, R'] and h's copy [2, N, R'] (R' = H rounded up to 128-byte rows, zeros past
