@@ -368,7 +368,8 @@ LOCAL_NS = 100
 #: Most blocks of a grid of clusters: its clusters must all be resident at once, and a cluster
 #: of 8 blocks a multiprocessor each needs 8 of one GPC's (H200, us a step: LSTM 200 at batch
 #: 16, 16 clusters of 8, 1.62 against 1.11 tagged; 7 clusters of 8, LSTM 87 at batch 7, 0.74
-#: against 0.98).
+#: against 0.98). cudaOccupancyMaxActiveClusters on an H200, blocks of 120 KiB of shared
+#: memory (one a multiprocessor): 66 clusters of 2, 30 of 4, 15 of 8, 7 of 16 (non-portable).
 CLUSTER_MAX_BLOCKS = 64
 #: Shared memory a block of a cluster takes at least (its ``hs``), so that no two share a
 #: multiprocessor: a cluster's launch places its blocks on the multiprocessors of one GPC as
