@@ -151,7 +151,7 @@ def test_persistent_entries_ready_every_grid_at_once(options, launches):
     assert launches is None or len(kernels) == launches, sorted(kernels)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_half_persistent_kernel_with_its_input_projection_builds(dtype):
     """A 16-bit layer whose persistent kernel computes its input projections (knobs
     ``input_rows``, as ``rnncc tune`` tries): 8 halves of x a 16-byte vector, staged as float32

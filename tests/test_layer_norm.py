@@ -67,7 +67,7 @@ def _as_haste(kind, module):
     return w
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", [pytest.param("lstm", marks=pytest.mark.slow), "gru"])
 @pytest.mark.parametrize("device, hidden, batch, steps", [
     ("cpu", 33, 3, 9), pytest.param("cuda", 1024, 4, 20, marks=pytest.mark.gpu)])
 def test_layer_norm_cells_are_haste_without_the_projections_biases(kind, device, hidden, batch,
@@ -108,6 +108,7 @@ def test_initial_gains_one_and_biases_as_haste(cell):
             assert 0 < float(p.detach().abs().max()) <= 1 / np.sqrt(6), name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not has_nvcc(), reason="needs nvcc (the CUDA toolkit)")
 def test_persistent_kernel_takes_means_in_the_training_forward_not_the_backward():
     """A training module of a cell with means: the forward on the persistent kernel, the

@@ -385,7 +385,8 @@ class TestPersistentBuild:
 
     @pytest.mark.parametrize("cell, input_size, hidden, batch, directions, knobs, steps", [
         ("gru", 1024, 1024, 4, 1, None, 8),
-        ("lstm", 1001, 257, 3, 1, {"input_steps": 4, "sync": "tagged"}, 4),
+        pytest.param("lstm", 1001, 257, 3, 1, {"input_steps": 4, "sync": "tagged"}, 4,
+                     marks=pytest.mark.slow),
         ("lstm", 512, 512, 4, 2, None, 4)])
     def test_overlapped_input_projection_builds(self, cell, input_size, hidden, batch,
                                                 directions, knobs, steps):

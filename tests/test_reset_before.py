@@ -114,6 +114,7 @@ def test_a_step_that_takes_products_wrongly_is_refused(step, message):
     assert "bad_products" not in cells.names()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not has_nvcc(), reason="nvcc not found")
 def test_persistent_kernels_take_a_product_in_training():
     """A training module of a cell with a product of a value: the forward and the backward

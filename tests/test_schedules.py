@@ -139,15 +139,14 @@ def test_cuda_cell_steps_match_the_cpu_build_on_the_simulator(cell, rng):
         _simulated_against_cpu_build(func, "elementwise", rng)
 
 
-@pytest.mark.parametrize("cell, every", [(c, False) for c in rnncc.cells.names()] + [
-    pytest.param(c, True, marks=[] if c == "rnn_tanh" else pytest.mark.slow)
-    for c in rnncc.cells.names()])
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cell", rnncc.cells.names())
 def test_cuda_sequence_components_match_the_cpu_build_on_the_simulator(cell, every, rng):
     """Every component of the non-persistent CUDA schedule (packing, the products, the cell
     step, the states' copies; with ``every``, both directions' reversals, by the samples'
     lengths too, and the products of the rows within them; training's kept parts, backward
-    step, transposes and gradients), as the CUDA rules schedule it, against its CPU build
-    (``every`` for each cell in the slow run, for the tanh RNN in the default run too)."""
+    step, transposes and gradients: the slow run), as the CUDA rules schedule it, against
+    its CPU build."""
     found = rnncc.cells.get(cell)
     problems = [Problem(found, 20, 33, 3)]
     if every:
@@ -279,7 +278,7 @@ def test_one_step_products_past_whole_tiles_match_numpy_on_the_simulator(
         assert np.abs(got - exact).max() / np.abs(exact).max() < TOL_F32
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_dx_of_an_input_size_off_whole_tiles_matches_the_cpu_build_on_the_simulator(dtype, rng):
     """A 16-bit training layer whose C is off whole tiles (GRU 13 -> 24, C padded to 16; 40
     -> 24): dx = dGI W_ih on warpgroup MMA past its edges, W_ih transposed first (k last in
@@ -1656,7 +1655,7 @@ def test_one_step_products_swap_their_tiles_where_few_rows_fill_one_wave(rows, k
         assert plan.grid == -(-o // 64) * -(-rows // shape[1]) * found.parts
 
 
-@pytest.mark.parametrize("cols", [128, 256])
+@pytest.mark.parametrize("cols", [128, pytest.param(256, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32", "tf32x3"])
 @pytest.mark.parametrize("form", ["rows", pytest.param("cols", marks=pytest.mark.slow), "flat",
                                   "step", "slices", pytest.param("gradient",
@@ -1695,7 +1694,7 @@ def test_wgmma_gemm_matches_numpy_on_the_simulator(form, dtype, cols, rng):
     assert np.abs(got - want).max() / np.abs(want).max() < bound
 
 
-@pytest.mark.parametrize("cols", [128, 256])
+@pytest.mark.parametrize("cols", [128, pytest.param(256, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "tf32"])
 @pytest.mark.parametrize("form", ["rows", "flat", "step", "slices"])
 def test_wgmma_gemm_fed_by_the_tma_engine_matches_numpy_on_the_simulator(form, dtype, cols,
@@ -2567,7 +2566,8 @@ def test_one_step_kernel_matches_the_cell_on_the_simulator(cell, swapped, rng):
 
 @pytest.mark.parametrize("cell, dtype, n, h, unit, tma, cluster, box", [
     pytest.param("lstm", "float16", 135, 1024, 16, True, 2, 16, marks=pytest.mark.slow),
-    ("gru", "float16", 135, 1024, 16, True, 2, 8), ("lstm", "tf32", 100, 512, 8, True, 1, 8),
+    pytest.param("gru", "float16", 135, 1024, 16, True, 2, 8, marks=pytest.mark.slow),
+    ("lstm", "tf32", 100, 512, 8, True, 1, 8),
     ("lstm", "float16", 40, 128, 8, False, 1, 8)])
 def test_one_step_kernel_fed_by_the_tma_engine_on_the_simulator(cell, dtype, n, h, unit, tma,
                                                                 cluster, box, rng):

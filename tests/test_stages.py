@@ -388,7 +388,11 @@ def _slow(*names):
                                         "bidirectional, barrier, batch groups, K in three places",
                                         "overlapped, staged x, barrier", "fused, batch groups",
                                         "tensor cores, K split, shared memory",
-                                        "tagged")(list(KERNELS)))
+                                        "tagged", "tensor cores, h in slices",
+                                        "local, overlapped",
+                                        "padded batch, local, fused, batch groups",
+                                        "bidirectional, overlapped, asynchronous copies")(
+    list(KERNELS)))
 def test_kernel_variant_matches_reference(name, rng):
     """Every variant of the plan, as the interpreter runs its kernel, within the dtype's
     tolerance of float64 at T = 1 and 5 (over a group of the overlapped projection), with

@@ -62,6 +62,7 @@ def test_a_log_of_a_size_far_off_gives_no_knobs(root):
         assert info.get("match", "nearby") == "nearby"
 
 
+@pytest.mark.slow
 def test_bidirectional_layers_take_their_own_log_else_one_directions(root):
     """A bidirectional layer's log (rnncc tune --bidirectional) is its own: a bidirectional
     module takes it and a one-direction module does not; without it, a bidirectional module
