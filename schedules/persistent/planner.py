@@ -151,7 +151,9 @@ plans with the tagged words' cost). H200, us a step, T 100, tagged words / the
 cluster (cuDNN): float32 LSTM 72 at batch 3 (3 clusters of 6) 0.93 / 0.68 (0.77), LSTM 112
 at 3 0.95 / 0.73 (1.91), GRU 106 at 4 0.95 / 0.67 (0.85), LSTM 87 at 7 0.98 / 0.74 (0.81), GRU
 128 at 2 0.91 / 0.67 (1.06), tanh RNN 256 at 1 0.77 / 0.63 (2.20), float16 LSTM 128 at 4
-0.87 / 0.62 (2.46); LSTM 128 at 1 (one cluster of 8) 0.79 / 0.79.
+0.87 / 0.62 (2.46); LSTM 128 at 1 (one cluster of 8) 0.79 / 0.79. Where the planner's groups
+are larger (LSTM 256: 16 blocks), :func:`.knobs.cluster_groups` narrows them to a cluster's
+blocks where those hold the weights with little in shared memory (LSTM 256 at 1: 0.97 / 0.80).
 
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
