@@ -43,9 +43,10 @@ def test_round_trip_applies_knobs_and_names_log(root):
 
 
 def test_nearby_configuration_gives_its_knobs(root):
-    """... but not those of the fused input projection (here it would not fit at all)."""
+    """... but not those of the fused input projection (here it would not fit at all) nor the
+    grid's cap (tuned for another H)."""
     _write(root, logs.LogKey("h200", "lstm", 32, 32, 2, "float32"),
-           {"sync": "grid", "input_steps": 3})
+           {"sync": "grid", "input_steps": 3, "max_blocks": 3})
     module = rnncc.compile("lstm", 16, 16, 2, gpu="h200")
     assert module.metadata["tuning"]["match"] == "nearby"
     assert module.metadata["tuning"]["applied"]["knobs"] == {"sync": "grid"}

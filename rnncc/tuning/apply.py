@@ -4,8 +4,9 @@ An exact log (same device and configuration) gives the persistent knobs and the 
 records of the components it tuned. Without one, the log of the nearest hidden size for the
 same device, cell, dtype and batch gives its persistent knobs only (a starting point: the
 planner re-checks them for this size; component records are per shape and never carry over),
-less those of the fused input projection (:data:`SIZE_KNOBS`): whether it fits, and how, is
-the planner's to decide at each size. A bidirectional layer takes its own log (``rnncc tune
+less those of the fused input projection and the grid's cap (:data:`SIZE_KNOBS`): whether
+the projection fits, and how, and how many blocks a size takes, are the planner's to decide
+at each size. A bidirectional layer takes its own log (``rnncc tune
 --bidirectional``); without one, the nearest of its other sizes' and of its one direction's
 logs the same way (each direction then runs that plan, its input projections as the planner
 decides for two directions). A wavefront of layers takes only logs of as many layers
@@ -25,9 +26,12 @@ from ..errors import ConfigError
 from . import log as logs
 from .device import cpu_key, local_gpu
 
-#: Knobs a nearby size's log does not pass on (forced at a size where they do not fit, they
-#: would leave the module without its persistent kernel).
-SIZE_KNOBS = ("input_rows", "input_steps")
+#: Knobs a nearby size's log does not pass on: forced at a size where they do not fit, those
+#: of the fused input projection would leave the module without its persistent kernel, and a
+#: cap on the grid tuned for one H gives another more weights a block (H200, us a step, LSTM
+#: 256 at batch 1's max_blocks=8 passed on / not: LSTM 160 0.96 / 0.83, 288 1.75 / 1.24, 384
+#: 2.13 / 1.20).
+SIZE_KNOBS = ("input_rows", "input_steps", "max_blocks")
 #: GPU kinds of one architecture and size (sm_90, 132 multiprocessors, the same registers,
 #: shared memory and L2 a multiprocessor): each takes the other's logs where it has none of its
 #: own. Measured on an H100 with the H200 logs (us a step): GRU 1024 float16 at batch 64 7.07
