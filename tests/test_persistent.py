@@ -264,8 +264,8 @@ class TestPersistentBuild:
         """The streamed chunks are a loop, not unrolled: unrolled, this plan (8 blocks, 6 of 7
         chunks streamed, 254 registers) spilled once its launch bounds had a minimum, and
         before that failed on an H200 with "unspecified launch failure" in 15 of 22 fresh
-        processes (30 of 30 passed as a loop)."""
-        from rnncc.compiler.cuda_binary import cooperative_kernels
+        processes (30 of 30 passed as a loop). Its 8 blocks are one cluster."""
+        from rnncc.compiler.cuda_binary import persistent_kernels
 
         module = rnncc.compile("lstm", 7, 777, 2, target="cuda", sms=8, tuning="off")
         schedule = module.metadata["schedule"]
@@ -273,7 +273,7 @@ class TestPersistentBuild:
         chosen = schedule["persistent"]["plan"]
         assert (chosen["blocks"], chosen["global_chunks"]) == (8, 6)
         assert not any("spilled" in note for note in schedule["notes"])
-        (name,) = cooperative_kernels(module.source("cuda"))
+        (name,) = persistent_kernels(module.source("cuda"))
         assert module.metadata["ptxas"][name]["stack"] == 0
         assert "for gc in range(6):" in module.source("tir")
 

@@ -89,8 +89,9 @@ def kernel_bodies(source: str) -> dict[str, str]:
 #: What marks a kernel that waits on other blocks: rnncc's grid exchange or barrier, or
 #: cooperative groups' grid sync (which TVM 0.27 calls through a helper of its own).
 COOPERATIVE_MARKS = ("rnncc_grid_", "this_grid().sync()", "tvm_builtin_cuda_grid_sync()")
-#: What marks a persistent kernel whose batch groups are one block each: the shared memory in
-#: which a block keeps its own h (the "local" exchange's ``hn``, which waits on no block).
+#: What marks a persistent kernel whose batch groups wait on no block outside their cluster:
+#: the shared memory that holds h (``hn``: the "local" exchange's, a block's own, and the
+#: "cluster" exchange's slots, which the cluster's blocks put h into).
 LOCAL_MARK = " hn_ptr["
 
 
@@ -103,7 +104,7 @@ def cooperative_kernels(source: str) -> list[str]:
 
 def persistent_kernels(source: str) -> list[str]:
     """Names of the persistent kernels in CUDA ``source``: the cooperative ones and those
-    whose batch groups keep h to themselves."""
+    whose batch groups keep h to themselves (one block, or a cluster, a group)."""
     return [name for name, body in kernel_bodies(source).items()
             if LOCAL_MARK in body or any(m in body for m in COOPERATIVE_MARKS)]
 
