@@ -471,13 +471,16 @@ def test_batch_groups_match_reference_and_repeat_exactly(cell, input_size, hidde
     ("gru", 250, 250, 3, "float32", {"lengths": True}), ("rnn_relu", 40, 500, 2, "float32", {}),
     ("lstm", 255, 255, 8, "float16", {}), ("lstm", 17, 241, 1, "bfloat16", {}),
     ("lstm", 96, 96, 16, "float32", {"lengths": True}), ("lstm", 33, 200, 16, "float16", {}),
-    ("gru", 64, 130, 12, "float32", {})])
+    ("gru", 64, 130, 12, "float32", {}), ("lstm", 384, 384, 1, "float32", {}),
+    ("gru", 77, 512, 3, "float32", {"lengths": True}), ("lstm", 288, 288, 12, "float32", {}),
+    ("lstm", 40, 512, 2, "float16", {}), ("gru", 640, 640, 8, "float16", {"lengths": True})])
 def test_cluster_exchange_matches_reference_and_repeats_exactly(cell, input_size, hidden, batch,
                                                                 dtype, options, rng):
-    """Batch groups of 2 to 8 blocks as thread-block clusters, h put into each other's shared
+    """Batch groups of 2 to 16 blocks as thread-block clusters, h put into each other's shared
     memory (planner: "A cluster a group"): odd sizes, lengths, both directions, half weights,
-    a fused input projection (C 1024), groups the planner narrows to a cluster (H 241-500), and
-    batches it splits into fewer groups that are clusters (12, 16)."""
+    a fused input projection (C 1024), groups the planner narrows to a cluster (H 241-500),
+    batches it splits into fewer groups that are clusters (12, 16), and clusters of more than
+    8 blocks, a non-portable size (H 384-640)."""
     module = rnncc.compile(cell, input_size, hidden, batch, target="cuda", dtype=dtype,
                            persistent="on", tuning="off", **options)
     assert module.metadata["schedule"]["persistent"]["plan"]["sync"] == "cluster"

@@ -909,7 +909,7 @@ def test_knob_candidates_follow_the_driver():
     small = candidates(Problem(rnncc.cells.get("lstm"), 256, 256, 4), H100)
     assert {"batch_groups": 1} in small and {"batch_groups": 2} in small
     wider = candidates(Problem(rnncc.cells.get("lstm"), 320, 320, 1), H100)
-    assert {"max_blocks": 8, "sync": "cluster"} in wider  # 23 blocks a group by default
+    assert {"max_blocks": 8, "sync": "cluster"} in wider  # a wide cluster (16) by default
     half = candidates(Problem(rnncc.cells.get("lstm"), 2048, 2048, 4, "float16"), H100)
     assert {"mma": False} in half  # tensor cores by default, the CUDA cores tried too
     assert not any("reg_margin" in k and "batch_groups" in k for k in small)
@@ -1232,21 +1232,25 @@ def test_batch_without_a_fitting_split_pads_to_the_nearest_that_fits(cell, hidde
 
 
 @pytest.mark.parametrize("cell, hidden, batch, dtype, cluster", [
-    ("lstm", 72, 3, "float32", True), ("gru", 106, 4, "float32", True),
-    ("lstm", 128, 4, "float16", True), ("lstm", 128, 1, "float32", True),
-    ("lstm", 200, 16, "float32", True),  # 8 clusters of 8, not 16 groups of 8
-    ("lstm", 256, 32, "float32", False),  # 32 groups of 4: past CLUSTER_MAX_BLOCKS
-    ("lstm", 256, 1, "float32", True),  # 8 blocks a group, not the planner's 16
-    ("gru", 250, 3, "float32", True), ("lstm", 255, 8, "float16", True),
-    ("lstm", 320, 1, "float32", False),  # 8 blocks would hold 160 KiB in shared memory
-    ("lstm", 64, 1, "float32", False),  # one block: "local"
-    ("ln_lstm", 96, 2, "float32", False),  # its step exchanges means before h
-    ("lstm", 1024, 8, "float16", False)])  # tensor cores, 64 blocks a group
-def test_batch_groups_of_two_to_eight_blocks_exchange_h_within_clusters(cell, hidden, batch,
-                                                                         dtype, cluster):
-    """Where a batch group is 2 to 8 blocks (at most CLUSTER_MAX_BLOCKS in all), on the CUDA
-    cores, for a step of one product of h, the group is a cluster (planner: "A cluster a
-    group"); elsewhere the sync knob "cluster" says why not."""
+    ("lstm", 72, 3, "float32", 6), ("gru", 106, 4, "float32", 7),
+    ("lstm", 128, 4, "float16", 8), ("lstm", 128, 1, "float32", 8),
+    ("lstm", 200, 16, "float32", 8),  # 8 clusters of 8, not 16 groups of 8
+    ("lstm", 256, 32, "float32", 0),  # 32 groups of 4: past CLUSTER_MAX_BLOCKS
+    ("lstm", 256, 1, "float32", 16),  # the planner's 16 blocks, a wide cluster
+    ("lstm", 256, 8, "float32", 8),  # 8 clusters of 8, not 4 wide ones
+    ("gru", 250, 3, "float32", 16), ("lstm", 255, 8, "float16", 8),
+    ("lstm", 320, 1, "float32", 16),  # 8 blocks would hold 160 KiB in shared memory
+    ("lstm", 384, 8, "float16", 16),  # 4 wide clusters of 2 rows: 36 Ki more MACs a block
+    ("lstm", 512, 8, "float16", 0),  # 4 wide clusters would take 64 Ki more a block
+    ("lstm", 64, 1, "float32", 0),  # one block: "local"
+    ("ln_lstm", 96, 2, "float32", 0),  # its step exchanges means before h
+    ("lstm", 1024, 8, "float16", 0)])  # tensor cores, 64 blocks a group
+def test_batch_groups_of_two_to_sixteen_blocks_exchange_h_within_clusters(cell, hidden, batch,
+                                                                          dtype, cluster):
+    """Where a batch group is 2 to 16 blocks (at most CLUSTER_MAX_BLOCKS in all), on the CUDA
+    cores, for a step of one product of h, the group is a cluster of ``cluster`` blocks
+    (planner: "A cluster a group"; more than 8 a non-portable size); elsewhere the sync knob
+    "cluster" says why not."""
     from rnncc import cells
     from rnncc.schedules.persistent import knobs
     from rnncc.schedules.persistent.planner import CLUSTER_MAX_BLOCKS
@@ -1254,11 +1258,13 @@ def test_batch_groups_of_two_to_eight_blocks_exchange_h_within_clusters(cell, hi
 
     problem = Problem(cells.get(cell), hidden, hidden, batch, dtype)
     p = knobs.plan_for(problem, H100, {}, 24)
-    assert (p.sync == "cluster") == cluster
+    assert (p.sync == "cluster") == bool(cluster)
     if cluster:
-        assert 2 <= p.group_blocks <= 8 and p.blocks <= CLUSTER_MAX_BLOCKS and not p.mma
+        assert p.group_blocks == cluster and p.blocks <= CLUSTER_MAX_BLOCKS and not p.mma
         assert knobs.plan_for(problem, H100, {"sync": "tagged"}, 24).sync == "tagged"
         assert knobs.plan_for(problem, gpu_for_arch("sm_80"), {}, 24).sync != "cluster"
+        portable = knobs.plan_for(problem, dataclasses.replace(H100, wide_cluster=1), {}, 24)
+        assert portable.sync != "cluster" or portable.group_blocks <= 8
     else:
         with pytest.raises(Unfit, match="cluster"):
             knobs.plan_for(problem, H100, {"sync": "cluster"}, 24)

@@ -2,7 +2,7 @@
 
 Candidates are the planner's default, a starting point (a nearby configuration's tuned knobs),
 each synchronisation variant, each number of batch groups, smaller grids (on sm_90 also groups
-of at most a cluster's 8 blocks, exchanging h within the cluster), other block sizes,
+of at most a cluster's 8 or 16 blocks, exchanging h within the cluster), other block sizes,
 more weights in shared memory, the input projection fused or not, the products on tensor
 cores or not (float16, bfloat16, TF32), and, where the kernel computes its input projections
 by default, each number of batch groups with more of W_hh in shared memory (room for the
@@ -57,9 +57,9 @@ def candidates(problem, gpu, start: dict | None = None) -> list[dict]:
     for frac in (0.75, 0.5, 0.375, 0.25):
         blocks = max(1, int(base.blocks * frac))
         tries += [{"max_blocks": blocks, "sync": s} for s in ("tagged", "barrier")]
-    if base.group_blocks > gpu.cluster > 1:  # groups of a cluster's blocks (planner: "A
-        # cluster a group"), fewer than the planner's estimate takes
-        tries += [{"max_blocks": gpu.cluster * base.batch_groups, "sync": "cluster"}]
+    for size in sorted({gpu.cluster, gpu.wide_cluster} - {1}):  # groups of a cluster's blocks
+        if base.group_blocks > size:  # (planner: "A cluster a group"), fewer than it estimates
+            tries += [{"max_blocks": size * base.batch_groups, "sync": "cluster"}]
     tries += [{"warps": w} for w in WARPS]
     tries += [{"reg_margin": REG_MARGIN + 32}, {"input_rows": 0}, {"input_rows": 32}]
     tries += [{"input_steps": 0}, {"input_steps": 4}, {"input_steps": 8}]

@@ -17,7 +17,7 @@ one named step after another:
    by default, fused before the time loop, or the separate GEMM;
 5. with the separate GEMM, the batch groups, one row each where :func:`one_row_groups` says,
    and their blocks, at most a cluster's where :func:`cluster_groups` says;
-6. the exchange of h, unless the knobs set it: within a cluster where a batch group is 2 to 8
+6. the exchange of h, unless the knobs set it: within a cluster where a batch group is 2 to 16
    blocks (:func:`.planner.clusters`), else :func:`.planner.exchange` (where the input
    projection is overlapped, the tagged exchange on larger grids too);
 7. a step's row means exchanged as each block's sums, unless the knobs say
@@ -277,7 +277,8 @@ def _clustered(request: _Request, found: Plan) -> Plan:
     if found.sync != "cluster" or _clusters(request, found):
         return found
     cell = request.problem.cell
-    raise Unfit(f"sync='cluster' exchanges h within a cluster of 2 to {request.gpu.cluster} "
+    most = max(request.gpu.cluster, request.gpu.wide_cluster)
+    raise Unfit(f"sync='cluster' exchanges h within a cluster of 2 to {most} "
                 f"blocks (one a batch group, at most {planner.CLUSTER_MAX_BLOCKS} in all), on "
                 f"the CUDA cores, for a step of one product of h, got {found.group_blocks} "
                 f"blocks a group, {found.blocks} in all"
@@ -453,14 +454,31 @@ def one_row_groups(request: _Request, found: Plan) -> Plan:
 #: 3.00 / 3.73, GRU 200 at 48 1.76 / 1.89, float16 LSTM 128 at 64 0.86 / 1.24, GRU 256 at 32
 #: 1.24 / 1.42.
 CLUSTER_SMEM_WEIGHTS = 64 << 10
+#: Where no portable cluster's blocks hold the weights, a wide cluster's (a non-portable size:
+#: 16 blocks on an H200) may, in groups of more rows than the plan's only where a block's
+#: multiply-adds a step grow by at most this many. H200, us a step, the planner's groups
+#: tagged or with the counter / wide clusters (cuDNN): float32 LSTM 320 at 1 1.16 / 0.88
+#: (4.86), LSTM 384 at 1 and 4 1.20 / 0.90, 1.33 / 1.02, GRU 384 at 1 1.18 / 0.92, GRU 512 at
+#: 1 and 4 1.32 / 1.01, 1.47 / 1.22, tanh RNN 768 at 1 1.43 / 0.83, float16 LSTM 512 at 1, 2,
+#: 4 1.28 / 1.25, 1.31 / 1.26, 1.32 / 1.26, GRU 640 at 1 1.73 / 1.50; at batch 8, 8 groups
+#: of 16 blocks / 4 clusters of 16, 36 Ki to 48 Ki more a block: float32 LSTM 384 1.64 / 1.55
+#: (6.77), float16 LSTM 384 1.56 / 1.45 (1.50), GRU 512 1.53 / 1.41; 64 Ki more lost: float16
+#: LSTM 512 1.73 / 1.90 (1.70).
+CLUSTER_WIDE_MORE_MACS = 48 << 10
+
+
+def _weight_count(problem) -> int:
+    """Elements of W_hh [G*H, H] (or [G*H, P] with a projection)."""
+    return problem.gates * problem.hidden_size * (problem.proj_size or problem.hidden_size)
 
 
 def cluster_groups(request: _Request, found: Plan) -> Plan:
     """``found``, or where :data:`CLUSTER_SMEM_WEIGHTS` says, its batch in groups of at most a
-    cluster's blocks each (planner: "A cluster a group"): unless the knobs set the grid, the
-    batch groups or the exchange; at most :data:`.planner.MAX_BATCH` rows, one direction of
-    one layer, inference, the CUDA cores, the input projection a separate GEMM, the weights
-    with ``found``'s register margin, none streamed."""
+    cluster's blocks each (planner: "A cluster a group"), a portable cluster's if its blocks
+    hold the weights, else a wide one's where :data:`CLUSTER_WIDE_MORE_MACS` says: unless the
+    knobs set the grid, the batch groups or the exchange; at most :data:`.planner.MAX_BATCH`
+    rows, one direction of one layer, inference, the CUDA cores, the input projection a
+    separate GEMM, the weights with ``found``'s register margin, none streamed."""
     problem, gpu = request.problem, request.gpu
     if ({"max_blocks", "batch_groups", "sync"} & set(request.knobs)
             or problem.batch > planner.MAX_BATCH or found.group_blocks == 1
@@ -468,19 +486,23 @@ def cluster_groups(request: _Request, found: Plan) -> Plan:
             or problem.directions > 1 or problem.training or found.mma or found.global_chunks
             or found.fused or found.input_steps):
         return found
-    most = planner.CLUSTER_MAX_BLOCKS // gpu.cluster
-    groups = max(g for g in range(1, min(most, found.batch_groups) + 1)
-                 if problem.batch % g == 0)
-    narrow = _Request(problem, gpu, {**request.knobs, "batch_groups": groups,
-                                     "max_blocks": gpu.cluster * groups})
-    try:
-        clustered = narrow.weights(found.reg_margin)
-    except Unfit:
-        return found
-    if (clustered.global_chunks or clustered.smem_chunks * clustered.chunk_bytes
-            > CLUSTER_SMEM_WEIGHTS or not _clusters(request, clustered)):
-        return found
-    return clustered
+    for size in sorted({gpu.cluster, gpu.wide_cluster} - {1}):
+        groups = max(g for g in range(1, min(planner.CLUSTER_MAX_BLOCKS // size,
+                                             found.batch_groups) + 1)
+                     if problem.batch % g == 0)
+        more = problem.batch // groups - problem.batch // found.batch_groups
+        if size > gpu.cluster and more * _weight_count(problem) // size > CLUSTER_WIDE_MORE_MACS:
+            continue
+        narrow = _Request(problem, gpu, {**request.knobs, "batch_groups": groups,
+                                         "max_blocks": size * groups})
+        try:
+            clustered = narrow.weights(found.reg_margin)
+        except Unfit:
+            continue
+        if (not clustered.global_chunks and clustered.smem_chunks * clustered.chunk_bytes
+                <= CLUSTER_SMEM_WEIGHTS and _clusters(request, clustered)):
+            return clustered
+    return found
 
 
 def input_projection(request: _Request, found: Plan) -> Plan:

@@ -138,7 +138,8 @@ plan of that batch: the rows past N read zeros for their input projections (and 
 the initial states), compute and exchange like any other, and write nothing the caller sees.
 One direction of one layer, inference only.
 
-A cluster a group (``sync="cluster"``, Hopper on): where a batch group is 2 to 8 blocks, the
+A cluster a group (``sync="cluster"``, Hopper on): where a batch group is 2 to 16 blocks (past
+8 a non-portable cluster size, ``GPU.wide_cluster``: the runtime allows it at launch), the
 group is a thread-block cluster, resident as one by its launch (no cooperative launch), and a
 block's h_t goes straight into the shared memory of every block of the cluster (``st.async``
 into two slots of h, a step's in slot (t+1) % 2, each store counting its bytes on the receiving
@@ -152,8 +153,13 @@ cluster (cuDNN): float32 LSTM 72 at batch 3 (3 clusters of 6) 0.93 / 0.68 (0.77)
 at 3 0.95 / 0.73 (1.91), GRU 106 at 4 0.95 / 0.67 (0.85), LSTM 87 at 7 0.98 / 0.74 (0.81), GRU
 128 at 2 0.91 / 0.67 (1.06), tanh RNN 256 at 1 0.77 / 0.63 (2.20), float16 LSTM 128 at 4
 0.87 / 0.62 (2.46); LSTM 128 at 1 (one cluster of 8) 0.79 / 0.79. Where the planner's groups
-are larger (LSTM 256: 16 blocks), :func:`.knobs.cluster_groups` narrows them to a cluster's
-blocks where those hold the weights with little in shared memory (LSTM 256 at 1: 0.97 / 0.80).
+are larger (LSTM 384: 24 blocks), or more than :data:`CLUSTER_MAX_BLOCKS` in all,
+:func:`.knobs.cluster_groups` narrows them to a cluster's blocks where those hold the weights
+with little in shared memory, 8 where they can, else 16 (LSTM 384 at 1: 1.20 / 0.90). A wide
+cluster's planner groups of 9 to 16 blocks beat the portable 8 they were narrowed to before:
+us a step, 8 / the planner's (cuDNN), LSTM 256 at 2 0.79 / 0.74 (4.46), GRU 200 at 1 0.82 /
+0.70 (13 blocks), GRU 256 at 4 0.83 / 0.75, float16 tanh RNN 448 at 4 0.78 / 0.68, GRU 200 at
+4 0.78 / 0.66; tanh RNN 200 at 1 0.62 / 0.64 (10 blocks, cuDNN 1.01) the one loss.
 
 Streaming (``stream=True``, tried only when no plan fits on-chip): the last KG chunks stay in
 global memory and are read every step; they are the only weights read there, a few MB that
@@ -178,13 +184,14 @@ class GPU:
     smem_per_block: int = 232448  # bytes a block may opt in to (227 KiB on Hopper)
     l2_bytes: int = 50 * 2**20
     cluster: int = 1  # most blocks a thread-block cluster (1: none; see "A cluster a group")
+    wide_cluster: int = 1  # most blocks a cluster of a non-portable size (1: none)
 
 
 #: Planning defaults by architecture, the smallest common part of each; a module records the
 #: GPU it was planned for, and the runtime checks the device it runs on before a launch.
 _ARCH_GPUS = {
-    "sm_90": GPU("H100/H200 SXM", 132, cluster=8),
-    "sm_90a": GPU("H100/H200 SXM", 132, cluster=8),
+    "sm_90": GPU("H100/H200 SXM", 132, cluster=8, wide_cluster=16),
+    "sm_90a": GPU("H100/H200 SXM", 132, cluster=8, wide_cluster=16),
     "sm_89": GPU("L40S", 142, smem_per_block=101376, l2_bytes=96 * 2**20),
     "sm_80": GPU("A100", 108, smem_per_block=166912, l2_bytes=40 * 2**20),
     "sm_86": GPU("RTX 30xx/A10", 28, smem_per_block=101376, l2_bytes=6 * 2**20),
@@ -443,11 +450,12 @@ def cluster_bytes(p: Plan, batch: int) -> int:
 
 def clusters(p: Plan, batch: int, gpu: GPU) -> bool:
     """Whether ``p`` (a whole plan at batch ``batch``) may exchange h within clusters (see "A
-    cluster a group"): a batch group of 2 to ``gpu.cluster`` blocks, at most
-    :data:`CLUSTER_MAX_BLOCKS` in all, on the CUDA cores, h staged whole, one layer, with room
-    for both slots of h in static shared memory."""
+    cluster a group"): a batch group of 2 to ``gpu.wide_cluster`` (or ``gpu.cluster``) blocks,
+    at most :data:`CLUSTER_MAX_BLOCKS` in all, on the CUDA cores, h staged whole, one layer,
+    with room for both slots of h in static shared memory."""
     local = batch // p.batch_groups
-    return (2 <= p.group_blocks <= gpu.cluster and p.blocks <= CLUSTER_MAX_BLOCKS
+    return (2 <= p.group_blocks <= max(gpu.cluster, gpu.wide_cluster)
+            and p.blocks <= CLUSTER_MAX_BLOCKS
             and not p.mma and p.k_slices == 1
             and p.layers == 1 and cluster_bytes(p, local) <= LOCAL_MAX_BYTES
             and p.smem_bytes + cluster_bytes(p, local) <= gpu.smem_per_block)

@@ -19,7 +19,7 @@ shared memory as the product stage wants it (its ``store_h``). Five variants (th
   there (CUDA cores) or its staging copies it in 16-byte vectors (tensor cores); no global
   memory, no other block. The values of a step's rounds go through global memory as with
   the barrier, ordered by the block barrier alone.
-- ``"cluster"``: a batch group of 2 to 8 blocks is a thread-block cluster (planner: "A
+- ``"cluster"``: a batch group of 2 to 16 blocks is a thread-block cluster (planner: "A
   cluster a group"): each h_t goes into ``hn`` of every block of the cluster, slot (t + 1) %
   2, by asynchronous stores that count their bytes on that block's barrier of the slot
   (``cb``); the next step waits for the barrier's phase and its products read h there (CUDA
